@@ -1,0 +1,167 @@
+// Op registrations for the gather_reduce_sum family (EmbeddingBag).
+//
+// All ops work on the CSR form of a batch of bags:
+//   params      [N, D]   the table
+//   indices     [nnz]    flat row ids, bag b owns indices[row_splits[b]:row_splits[b+1]]
+//   row_splits  [B + 1]  int64, row_splits[0] == 0, non-decreasing, row_splits[B] == nnz
+//   weights     [nnz]    per-entry weights when has_weights, else an empty [0] tensor
+//
+// output[b] = combine over j in bag b (indices[j] != padding_id) of weights[j] * params[indices[j]]
+//   sum:   sum_j w_j e_j
+//   mean:  sum_j w_j e_j / sum_j w_j        (count of non-padding entries when unweighted)
+//   sqrtn: sum_j w_j e_j / sqrt(sum_j w_j^2)
+//   max:   elementwise max_j e_j            (weights not allowed)
+// A bag with no non-padding entries, or a zero denominator, gives zeros.
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+namespace {
+
+// Shapes shared by every op of the family: checks ranks, merges nnz between
+// indices and weights, and returns num_bags (B) from row_splits.
+Status BagInputShapes(InferenceContext* c, int indices_input, int row_splits_input,
+                      int weights_input, DimensionHandle* num_bags) {
+  ShapeHandle indices, row_splits, weights;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(indices_input), 1, &indices));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(row_splits_input), 1, &row_splits));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(weights_input), 1, &weights));
+  bool has_weights;
+  TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
+  if (has_weights) {
+    TF_RETURN_IF_ERROR(c->Merge(indices, weights, &indices));
+  }
+  TF_RETURN_IF_ERROR(c->Subtract(c->Dim(row_splits, 0), 1, num_bags));
+  return OkStatus();
+}
+
+}  // namespace
+
+#define TF_TTEMB_BAG_ATTRS                                         \
+  Attr("T: {half, bfloat16, float, double}")                       \
+      .Attr("Tindices: {int32, int64}")                            \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'")   \
+      .Attr("has_weights: bool = false")                           \
+      .Attr("padding_id: int = -1")                                \
+      .Attr("has_padding_id: bool = false")
+
+// Forward. `argmax` is [B, D] for combiner 'max' (position of the winning
+// entry inside its bag, -1 for a bag without entries) and [0, D] otherwise.
+REGISTER_OP("TfTtemb>GatherReduceSum")
+    .Input("params: T")           // [N, D]
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz] or [0]
+    .Output("output: T")          // [B, D]
+    .Output("argmax: int32")      // [B, D] or [0, D]
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle params;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &params));
+      DimensionHandle num_bags;
+      TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
+      DimensionHandle dim = c->Dim(params, 1);
+      c->set_output(0, c->Matrix(num_bags, dim));
+      std::string combiner;
+      TF_RETURN_IF_ERROR(c->GetAttr("combiner", &combiner));
+      c->set_output(1, c->Matrix(combiner == "max" ? num_bags : c->MakeDim(0), dim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Fused embedding bag: gathers rows of `params` and combines them per bag
+without materialising the gathered [nnz, D] tensor.
+)doc");
+
+// Gradient w.r.t. params as deduplicated IndexedSlices: `unique_indices` are
+// the distinct non-padding ids sorted ascending, `values[u]` the summed
+// gradient of row unique_indices[u]. Deterministic.
+REGISTER_OP("TfTtemb>GatherReduceSumGrad")
+    .Input("grad: T")             // [B, D]
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz] or [0]
+    .Input("argmax: int32")       // [B, D] for 'max', else [0, D]
+    .Input("num_rows: int64")     // scalar N
+    .Output("unique_indices: Tindices")  // [U]
+    .Output("values: T")                 // [U, D]
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, num_rows;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 0, &num_rows));
+      DimensionHandle num_bags;
+      TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+      DimensionHandle unique = c->UnknownDim();
+      c->set_output(0, c->Vector(unique));
+      c->set_output(1, c->Matrix(unique, c->Dim(grad, 1)));
+      return OkStatus();
+    })
+    .Doc("Deduplicated sparse gradient of GatherReduceSum w.r.t. params.");
+
+// Gradient w.r.t. params as a dense [N, D] tensor, written directly from the
+// sorted, segment-reduced entries (no [nnz, D] intermediate).
+REGISTER_OP("TfTtemb>GatherReduceSumDenseGrad")
+    .Input("grad: T")             // [B, D]
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz] or [0]
+    .Input("argmax: int32")       // [B, D] for 'max', else [0, D]
+    .Input("num_rows: int64")     // scalar N
+    .Output("params_grad: T")     // [N, D]
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, num_rows_shape;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 0, &num_rows_shape));
+      DimensionHandle num_bags;
+      TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+      DimensionHandle num_rows;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(5, &num_rows));
+      c->set_output(0, c->Matrix(num_rows, c->Dim(grad, 1)));
+      return OkStatus();
+    })
+    .Doc("Dense [N, D] gradient of GatherReduceSum w.r.t. params.");
+
+// Gradient w.r.t. the per-entry weights (combiners sum, mean, sqrtn).
+// `output` is the forward result, needed by mean and sqrtn. Padding entries
+// get a zero gradient.
+REGISTER_OP("TfTtemb>GatherReduceSumWeightsGrad")
+    .Input("grad: T")             // [B, D]
+    .Input("params: T")           // [N, D]
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz]
+    .Input("output: T")           // [B, D]
+    .Output("weights_grad: T")    // [nnz]
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, params, output, indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &params));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
+      TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
+      DimensionHandle dim;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 1), c->Dim(params, 1), &dim));
+      DimensionHandle num_bags;
+      TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+      c->set_output(0, indices);
+      return OkStatus();
+    })
+    .Doc("Gradient of GatherReduceSum w.r.t. the per-entry weights.");
+
+#undef TF_TTEMB_BAG_ATTRS
+
+}  // namespace tf_ttemb
+}  // namespace tensorflow
