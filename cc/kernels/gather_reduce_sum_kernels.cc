@@ -1,0 +1,877 @@
+// CPU kernels of the gather_reduce_sum family (EmbeddingBag) and the
+// validation shared with the GPU glue.
+//
+// Forward: bags are split into blocks of about equal entry count; each block
+// runs on one thread of TF's CPU pool and accumulates one bag at a time into a
+// [D] float (double for float64) buffer, so no [nnz, D] tensor is ever built.
+//
+// Backward w.r.t. params: the (id, position) pairs of the non-padding entries
+// are radix-sorted by id (stable, ceil(log2 N) key bits), which groups equal
+// ids into segments in position order. Each segment is reduced by exactly one
+// thread in that fixed order, so the result is bitwise deterministic and needs
+// no atomics. The reduced rows are written as deduplicated IndexedSlices
+// ([U] sorted ids + [U, D]) or straight into a dense [N, D] gradient.
+
+#include "cc/kernels/gather_reduce_sum_kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/threadpool.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+
+// ---------------------------------------------------------------------------
+// Attributes and validation (shared with the GPU glue).
+
+Status ParseCombiner(const std::string& name, Combiner* combiner) {
+  if (name == "sum") {
+    *combiner = Combiner::kSum;
+  } else if (name == "mean") {
+    *combiner = Combiner::kMean;
+  } else if (name == "sqrtn") {
+    *combiner = Combiner::kSqrtn;
+  } else if (name == "max") {
+    *combiner = Combiner::kMax;
+  } else {
+    return errors::InvalidArgument("combiner must be one of 'sum', 'mean', ",
+                                   "'sqrtn', 'max', got '", name, "'");
+  }
+  return OkStatus();
+}
+
+const char* CombinerName(Combiner combiner) {
+  switch (combiner) {
+    case Combiner::kSum:
+      return "sum";
+    case Combiner::kMean:
+      return "mean";
+    case Combiner::kSqrtn:
+      return "sqrtn";
+    case Combiner::kMax:
+      return "max";
+  }
+  return "unknown";
+}
+
+Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
+  std::string combiner;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("combiner", &combiner));
+  TF_RETURN_IF_ERROR(ParseCombiner(combiner, &attrs->combiner));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("has_weights", &attrs->has_weights));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("has_padding_id", &attrs->has_padding_id));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("padding_id", &attrs->padding_id));
+  if (attrs->has_weights && attrs->combiner == Combiner::kMax) {
+    return errors::InvalidArgument("combiner 'max' does not take weights");
+  }
+  return OkStatus();
+}
+
+Status ValidateParamsShape(const Tensor& params) {
+  if (params.dims() != 2) {
+    return errors::InvalidArgument("params must be a matrix [N, D], got shape ",
+                                   params.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits,
+                         const Tensor& weights, const BagAttrs& attrs,
+                         BagShapes* shapes) {
+  if (indices.dims() != 1) {
+    return errors::InvalidArgument("indices must be a vector [nnz], got shape ",
+                                   indices.shape().DebugString());
+  }
+  if (row_splits.dims() != 1 || row_splits.NumElements() < 1) {
+    return errors::InvalidArgument(
+        "row_splits must be a vector [B + 1] with at least 1 element, got "
+        "shape ",
+        row_splits.shape().DebugString());
+  }
+  if (weights.dims() != 1) {
+    return errors::InvalidArgument("weights must be a vector, got shape ",
+                                   weights.shape().DebugString());
+  }
+  shapes->nnz = indices.NumElements();
+  shapes->num_bags = row_splits.NumElements() - 1;
+  if (attrs.has_weights && weights.NumElements() != shapes->nnz) {
+    return errors::InvalidArgument("weights has ", weights.NumElements(),
+                                   " entries but indices has ", shapes->nnz);
+  }
+  return OkStatus();
+}
+
+Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
+                         int64_t nnz) {
+  if (row_splits[0] != 0) {
+    return errors::InvalidArgument("row_splits[0] = ", row_splits[0],
+                                   " must be 0");
+  }
+  for (int64_t b = 0; b < num_bags; ++b) {
+    if (row_splits[b + 1] < row_splits[b]) {
+      return errors::InvalidArgument(
+          "row_splits must be non-decreasing: row_splits[", b + 1,
+          "] = ", row_splits[b + 1], " < row_splits[", b, "] = ", row_splits[b]);
+    }
+  }
+  if (row_splits[num_bags] != nnz) {
+    return errors::InvalidArgument("row_splits[", num_bags,
+                                   "] = ", row_splits[num_bags],
+                                   " must equal the number of indices (", nnz,
+                                   ")");
+  }
+  return OkStatus();
+}
+
+Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
+                     const BagAttrs& attrs) {
+  if (attrs.has_padding_id) {
+    return errors::InvalidArgument("indices[", position, "] = ", value,
+                                   " is not in [0, ", num_rows,
+                                   ") and is not padding_id (",
+                                   attrs.padding_id, ")");
+  }
+  return errors::InvalidArgument("indices[", position, "] = ", value,
+                                 " is not in [0, ", num_rows, ")");
+}
+
+namespace {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+thread::ThreadPool* CpuPool(OpKernelContext* ctx) {
+  return ctx->device()->tensorflow_cpu_worker_threads()->workers;
+}
+
+// Splits [0, n) into at most `max_blocks` contiguous blocks of about equal
+// work, where prefix[i] is the cumulative work before item i (prefix has
+// n + 1 entries, prefix[n] the total). Returns the n_blocks + 1 boundaries.
+std::vector<int64_t> BalancedBlocks(const int64_t* prefix, int64_t n,
+                                    int64_t max_blocks) {
+  std::vector<int64_t> bounds{0};
+  if (n == 0) return bounds;
+  const int64_t total = prefix[n] - prefix[0];
+  const int64_t blocks = std::max<int64_t>(1, std::min(max_blocks, n));
+  for (int64_t k = 1; k < blocks; ++k) {
+    const int64_t target = prefix[0] + total * k / blocks;
+    int64_t pos = std::lower_bound(prefix, prefix + n + 1, target) - prefix;
+    pos = std::min(std::max(pos, bounds.back()), n);
+    if (pos > bounds.back()) bounds.push_back(pos);
+  }
+  if (bounds.back() != n) bounds.push_back(n);
+  return bounds;
+}
+
+// Runs fn(begin, end) over the balanced blocks, one block per work item.
+template <typename Fn>
+void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix,
+                       int64_t n, int64_t cost_per_item, Fn fn) {
+  const int64_t threads = pool->NumThreads();
+  const int64_t total_cost =
+      (prefix[n] - prefix[0] + n) * std::max<int64_t>(1, cost_per_item);
+  // Small problems run inline: the pool's overhead would dominate.
+  if (threads <= 1 || total_cost < 100000) {
+    fn(0, n);
+    return;
+  }
+  const std::vector<int64_t> bounds = BalancedBlocks(prefix, n, 4 * threads);
+  const int64_t num_blocks = static_cast<int64_t>(bounds.size()) - 1;
+  pool->ParallelFor(num_blocks, std::numeric_limits<int32_t>::max(),
+                    [&](int64_t first, int64_t last) {
+                      for (int64_t k = first; k < last; ++k) {
+                        fn(bounds[k], bounds[k + 1]);
+                      }
+                    });
+}
+
+// Finds the first index that is neither in [0, num_rows) nor the padding id.
+template <typename Tindex>
+Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz,
+                       int64_t num_rows, const BagAttrs& attrs) {
+  std::atomic<int64_t> first_bad{nnz};
+  auto check = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t id = static_cast<int64_t>(ids[j]);
+      if ((id < 0 || id >= num_rows) && !IsPadding(ids[j], attrs)) {
+        int64_t seen = first_bad.load();
+        while (j < seen && !first_bad.compare_exchange_weak(seen, j)) {
+        }
+        return;
+      }
+    }
+  };
+  if (nnz < 65536) {
+    check(0, nnz);
+  } else {
+    pool->ParallelFor(nnz, 2, check);
+  }
+  const int64_t bad = first_bad.load();
+  if (bad < nnz) {
+    return BadIndexError(bad, static_cast<int64_t>(ids[bad]), num_rows, attrs);
+  }
+  return OkStatus();
+}
+
+template <typename Acc>
+inline void Axpy(Acc* __restrict acc, Acc w, const float* __restrict row,
+                 int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
+}
+template <typename Acc>
+inline void Axpy(Acc* __restrict acc, Acc w, const double* __restrict row,
+                 int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
+}
+template <typename Acc, typename T>
+inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row,
+                 int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += w * static_cast<Acc>(row[d]);
+}
+
+template <typename Acc>
+inline void AddRow(Acc* __restrict acc, const float* __restrict row,
+                   int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += row[d];
+}
+template <typename Acc>
+inline void AddRow(Acc* __restrict acc, const double* __restrict row,
+                   int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += row[d];
+}
+template <typename Acc, typename T>
+inline void AddRow(Acc* __restrict acc, const T* __restrict row, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += static_cast<Acc>(row[d]);
+}
+
+// Prefetches every cache line of a row that will be read soon, so the
+// random-access gather runs at memory bandwidth rather than latency.
+template <typename T>
+inline void PrefetchRow(const T* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// Dot product in Acc with 16 independent partial sums (vectorisable without
+// reassociation flags; the summation order is fixed, so results are
+// deterministic).
+template <typename Acc, typename A, typename B>
+inline Acc Dot(const A* __restrict a, const B* __restrict b, int64_t dim) {
+  constexpr int kLanes = 16;
+  Acc lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lanes[l] += static_cast<Acc>(a[d + l]) * static_cast<Acc>(b[d + l]);
+    }
+  }
+  for (int l = 0; d < dim; ++d, ++l) {
+    lanes[l] += static_cast<Acc>(a[d]) * static_cast<Acc>(b[d]);
+  }
+  Acc sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+// How many entries ahead the gather loops prefetch.
+constexpr int64_t kPrefetchDistance = 4;
+
+// Per-bag scale applied to every entry of the bag: 1 for sum and max,
+// 1 / sum(w) for mean, 1 / sqrt(sum(w^2)) for sqrtn (0 when the
+// denominator is 0, so such bags give zeros).
+template <typename Acc>
+inline Acc BagScale(Combiner combiner, Acc weight_sum, Acc weight_sq_sum) {
+  switch (combiner) {
+    case Combiner::kMean:
+      return weight_sum != Acc(0) ? Acc(1) / weight_sum : Acc(0);
+    case Combiner::kSqrtn:
+      return weight_sq_sum > Acc(0) ? Acc(1) / std::sqrt(weight_sq_sum)
+                                    : Acc(0);
+    default:
+      return Acc(1);
+  }
+}
+
+template <typename T, typename Tindex>
+inline typename AccumulatorType<T>::type ComputeBagScale(
+    const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+    const BagAttrs& attrs) {
+  using Acc = typename AccumulatorType<T>::type;
+  if (attrs.combiner != Combiner::kMean && attrs.combiner != Combiner::kSqrtn) {
+    return Acc(1);
+  }
+  Acc sum = 0, sq_sum = 0;
+  for (int64_t j = begin; j < end; ++j) {
+    if (IsPadding(ids[j], attrs)) continue;
+    const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
+    sum += w;
+    sq_sum += w * w;
+  }
+  return BagScale(attrs.combiner, sum, sq_sum);
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+template <typename T, typename Tindex>
+void ForwardBags(const T* params,        // [N, D]
+                 const Tindex* ids,      // [nnz]
+                 const int64_t* splits,  // [B + 1]
+                 const T* weights,       // [nnz] or null
+                 int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
+                 int64_t bag_end,
+                 T* out,          // [B, D]
+                 int32* argmax) {  // [B, D] for max, else null
+  using Acc = typename AccumulatorType<T>::type;
+  std::vector<Acc> acc(dim);
+  for (int64_t b = bag_begin; b < bag_end; ++b) {
+    const int64_t begin = splits[b], end = splits[b + 1];
+    T* out_row = out + b * dim;
+    if (attrs.combiner == Combiner::kMax) {
+      int32* pos = argmax + b * dim;
+      std::fill(pos, pos + dim, -1);
+      for (int64_t j = begin; j < end; ++j) {
+        if (IsPadding(ids[j], attrs)) continue;
+        const T* row = params + static_cast<int64_t>(ids[j]) * dim;
+        const int32 p = static_cast<int32>(j - begin);
+        for (int64_t d = 0; d < dim; ++d) {
+          const Acc v = static_cast<Acc>(row[d]);
+          const bool take = pos[d] < 0 || v > acc[d];
+          acc[d] = take ? v : acc[d];
+          pos[d] = take ? p : pos[d];
+        }
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        out_row[d] = static_cast<T>(pos[d] < 0 ? Acc(0) : acc[d]);
+      }
+      continue;
+    }
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    Acc weight_sum = 0, weight_sq_sum = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      if (IsPadding(ids[j], attrs)) continue;
+      if (j + kPrefetchDistance < end &&
+          !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+        PrefetchRow(params + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
+                    dim);
+      }
+      const T* row = params + static_cast<int64_t>(ids[j]) * dim;
+      if (attrs.has_weights) {
+        const Acc w = static_cast<Acc>(weights[j]);
+        Axpy(acc.data(), w, row, dim);
+        weight_sum += w;
+        weight_sq_sum += w * w;
+      } else {
+        AddRow(acc.data(), row, dim);
+        weight_sum += Acc(1);
+        weight_sq_sum += Acc(1);
+      }
+    }
+    const Acc scale = BagScale(attrs.combiner, weight_sum, weight_sq_sum);
+    for (int64_t d = 0; d < dim; ++d) {
+      out_row[d] = static_cast<T>(acc[d] * scale);
+    }
+  }
+}
+
+template <typename T, typename Tindex>
+class GatherReduceSumOp : public OpKernel {
+ public:
+  explicit GatherReduceSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& params = ctx->input(0);
+    const Tensor& indices = ctx->input(1);
+    const Tensor& row_splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
+    BagShapes shapes;
+    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
+                                          &shapes));
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    const int64_t* splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
+    const Tindex* ids = indices.flat<Tindex>().data();
+    thread::ThreadPool* pool = CpuPool(ctx);
+    OP_REQUIRES_OK(ctx,
+                   ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
+    const bool is_max = attrs_.combiner == Combiner::kMax;
+    if (is_max) {
+      for (int64_t b = 0; b < shapes.num_bags; ++b) {
+        OP_REQUIRES(ctx,
+                    splits[b + 1] - splits[b] <=
+                        std::numeric_limits<int32>::max(),
+                    errors::InvalidArgument(
+                        "combiner 'max' supports bags of at most 2^31 - 1 "
+                        "entries, bag ",
+                        b, " has ", splits[b + 1] - splits[b]));
+      }
+    }
+
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({shapes.num_bags, dim}), &output));
+    Tensor* argmax = nullptr;
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(
+                 1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
+    if (shapes.num_bags == 0 || dim == 0) return;
+
+    const T* params_data = params.flat<T>().data();
+    const T* weights_data = attrs_.has_weights ? weights.flat<T>().data()
+                                               : nullptr;
+    T* out = output->flat<T>().data();
+    int32* argmax_data = is_max ? argmax->flat<int32>().data() : nullptr;
+    const BagAttrs attrs = attrs_;
+    ForBalancedBlocks(pool, splits, shapes.num_bags, dim,
+                      [&](int64_t begin, int64_t end) {
+                        ForwardBags(params_data, ids, splits, weights_data, dim,
+                                    attrs, begin, end, out, argmax_data);
+                      });
+  }
+
+ private:
+  BagAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// Backward w.r.t. params.
+
+// Stable LSD radix sort of (key, value) pairs on the low `key_bits` bits of
+// the keys. Sorted output ends in keys/values; tmp buffers are scratch.
+void RadixSortPairs(std::vector<uint64_t>* keys, std::vector<int64_t>* values,
+                    int key_bits) {
+  const int64_t n = static_cast<int64_t>(keys->size());
+  if (n <= 1 || key_bits <= 0) return;
+  const int passes = (key_bits + 10) / 11;
+  const int digit_bits = (key_bits + passes - 1) / passes;
+  const int64_t buckets = int64_t{1} << digit_bits;
+  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
+  std::vector<uint64_t> keys_tmp(n);
+  std::vector<int64_t> values_tmp(n);
+  std::vector<int64_t> count(buckets);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = pass * digit_bits;
+    std::fill(count.begin(), count.end(), 0);
+    const uint64_t* k_in = keys->data();
+    for (int64_t i = 0; i < n; ++i) ++count[(k_in[i] >> shift) & mask];
+    int64_t running = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      const int64_t c = count[d];
+      count[d] = running;
+      running += c;
+    }
+    const int64_t* v_in = values->data();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t slot = count[(k_in[i] >> shift) & mask]++;
+      keys_tmp[slot] = k_in[i];
+      values_tmp[slot] = v_in[i];
+    }
+    keys->swap(keys_tmp);
+    values->swap(values_tmp);
+  }
+}
+
+int BitsFor(int64_t num_rows) {
+  int bits = 0;
+  while (bits < 63 && (int64_t{1} << bits) < num_rows) ++bits;
+  return bits;
+}
+
+// Sorted, segmented view of the non-padding entries of a batch.
+struct SortedEntries {
+  std::vector<uint64_t> keys;        // [M] ids, ascending
+  std::vector<int64_t> positions;    // [M] entry positions, ascending per id
+  std::vector<int64_t> seg_starts;   // [U + 1] segment boundaries into keys
+  std::vector<int64_t> bag_of;       // [nnz] bag of each entry
+  int64_t num_unique() const {
+    return static_cast<int64_t>(seg_starts.size()) - 1;
+  }
+};
+
+template <typename Tindex>
+void SortEntries(thread::ThreadPool* pool, const Tindex* ids,
+                 const int64_t* splits, int64_t num_bags, int64_t nnz,
+                 int64_t num_rows, const BagAttrs& attrs, SortedEntries* s) {
+  s->bag_of.resize(nnz);
+  int64_t* bag_of = s->bag_of.data();
+  ForBalancedBlocks(pool, splits, num_bags, 1,
+                    [&](int64_t begin, int64_t end) {
+                      for (int64_t b = begin; b < end; ++b) {
+                        std::fill(bag_of + splits[b], bag_of + splits[b + 1], b);
+                      }
+                    });
+  s->keys.reserve(nnz);
+  s->positions.reserve(nnz);
+  for (int64_t j = 0; j < nnz; ++j) {
+    if (IsPadding(ids[j], attrs)) continue;
+    s->keys.push_back(static_cast<uint64_t>(ids[j]));
+    s->positions.push_back(j);
+  }
+  RadixSortPairs(&s->keys, &s->positions, BitsFor(num_rows));
+  const int64_t m = static_cast<int64_t>(s->keys.size());
+  s->seg_starts.clear();
+  for (int64_t i = 0; i < m; ++i) {
+    if (i == 0 || s->keys[i] != s->keys[i - 1]) s->seg_starts.push_back(i);
+  }
+  s->seg_starts.push_back(m);
+}
+
+// Per-bag scale (see BagScale), computed once per bag.
+template <typename T, typename Tindex>
+void ComputeBagScales(thread::ThreadPool* pool, const Tindex* ids,
+                      const T* weights, const int64_t* splits, int64_t num_bags,
+                      const BagAttrs& attrs,
+                      std::vector<typename AccumulatorType<T>::type>* scales) {
+  scales->resize(num_bags);
+  auto* out = scales->data();
+  ForBalancedBlocks(pool, splits, num_bags, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      out[b] = ComputeBagScale(ids, weights, splits[b], splits[b + 1], attrs);
+    }
+  });
+}
+
+// Reduces segment u of the sorted entries into acc ([D]).
+template <typename T>
+inline void ReduceSegment(const SortedEntries& s, int64_t u,
+                          const T* grad,         // [B, D]
+                          const T* weights,      // [nnz] or null
+                          const int32* argmax,   // [B, D] or null
+                          const int64_t* splits,
+                          const typename AccumulatorType<T>::type* scales,
+                          int64_t dim,
+                          typename AccumulatorType<T>::type* acc) {
+  using Acc = typename AccumulatorType<T>::type;
+  std::fill(acc, acc + dim, Acc(0));
+  for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
+    const int64_t j = s.positions[k];
+    const int64_t b = s.bag_of[j];
+    const T* dy = grad + b * dim;
+    if (argmax != nullptr) {
+      const int32* pos = argmax + b * dim;
+      const int32 p = static_cast<int32>(j - splits[b]);
+      for (int64_t d = 0; d < dim; ++d) {
+        acc[d] += pos[d] == p ? static_cast<Acc>(dy[d]) : Acc(0);
+      }
+      continue;
+    }
+    const Acc c =
+        scales[b] * (weights != nullptr ? static_cast<Acc>(weights[j]) : Acc(1));
+    Axpy(acc, c, dy, dim);
+  }
+}
+
+// Per-call state of a params-gradient kernel (kernels may run concurrently,
+// so nothing of a call lives in the OpKernel object).
+template <typename T, typename Tindex>
+struct ParamsGradCall {
+  using Acc = typename AccumulatorType<T>::type;
+  BagShapes shapes;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  const int64_t* splits = nullptr;
+  const Tindex* ids = nullptr;
+  const T* grad = nullptr;
+  const T* weights = nullptr;
+  const int32* argmax = nullptr;
+  thread::ThreadPool* pool = nullptr;
+  SortedEntries sorted;
+  std::vector<Acc> scales;
+
+  // Calls write(u, acc) for every unique id, in parallel over segments
+  // balanced by entry count.
+  template <typename Write>
+  void ReduceAll(Write write) const {
+    const int64_t num_unique = sorted.num_unique();
+    ForBalancedBlocks(pool, sorted.seg_starts.data(), num_unique, dim,
+                      [&](int64_t begin, int64_t end) {
+                        std::vector<Acc> acc(dim);
+                        for (int64_t u = begin; u < end; ++u) {
+                          ReduceSegment(sorted, u, grad, weights, argmax,
+                                        splits, scales.data(), dim, acc.data());
+                          write(u, acc.data());
+                        }
+                      });
+  }
+};
+
+// Validates the inputs of GatherReduceSumGrad / GatherReduceSumDenseGrad
+// and sorts the entries by id.
+template <typename T, typename Tindex>
+Status PrepareParamsGrad(OpKernelContext* ctx, const BagAttrs& attrs,
+                         ParamsGradCall<T, Tindex>* call) {
+  const Tensor& grad = ctx->input(0);
+  const Tensor& indices = ctx->input(1);
+  const Tensor& row_splits = ctx->input(2);
+  const Tensor& weights = ctx->input(3);
+  const Tensor& argmax = ctx->input(4);
+  const Tensor& num_rows = ctx->input(5);
+  if (grad.dims() != 2) {
+    return errors::InvalidArgument("grad must be a matrix [B, D], got shape ",
+                                   grad.shape().DebugString());
+  }
+  if (!TensorShapeUtils::IsScalar(num_rows.shape())) {
+    return errors::InvalidArgument("num_rows must be a scalar, got shape ",
+                                   num_rows.shape().DebugString());
+  }
+  call->num_rows = num_rows.scalar<int64_t>()();
+  if (call->num_rows < 0) {
+    return errors::InvalidArgument("num_rows = ", call->num_rows,
+                                   " must be >= 0");
+  }
+  TF_RETURN_IF_ERROR(
+      ValidateBagShapes(indices, row_splits, weights, attrs, &call->shapes));
+  const int64_t num_bags = call->shapes.num_bags;
+  const int64_t nnz = call->shapes.nnz;
+  call->dim = grad.dim_size(1);
+  if (grad.dim_size(0) != num_bags) {
+    return errors::InvalidArgument("grad has ", grad.dim_size(0),
+                                   " rows but row_splits describes ", num_bags,
+                                   " bags");
+  }
+  const bool is_max = attrs.combiner == Combiner::kMax;
+  const int64_t argmax_rows = is_max ? num_bags : 0;
+  if (argmax.dims() != 2 || argmax.dim_size(0) != argmax_rows ||
+      (argmax_rows > 0 && argmax.dim_size(1) != call->dim)) {
+    return errors::InvalidArgument("argmax must have shape [", argmax_rows,
+                                   ", ", call->dim, "], got ",
+                                   argmax.shape().DebugString());
+  }
+  call->splits = row_splits.flat<int64_t>().data();
+  TF_RETURN_IF_ERROR(ValidateRowSplits(call->splits, num_bags, nnz));
+  call->ids = indices.flat<Tindex>().data();
+  call->pool = CpuPool(ctx);
+  TF_RETURN_IF_ERROR(
+      ValidateIndices(call->pool, call->ids, nnz, call->num_rows, attrs));
+  call->grad = grad.flat<T>().data();
+  call->weights = attrs.has_weights ? weights.flat<T>().data() : nullptr;
+  call->argmax = is_max ? argmax.flat<int32>().data() : nullptr;
+  SortEntries(call->pool, call->ids, call->splits, num_bags, nnz,
+              call->num_rows, attrs, &call->sorted);
+  if (!is_max) {
+    ComputeBagScales(call->pool, call->ids, call->weights, call->splits,
+                     num_bags, attrs, &call->scales);
+  }
+  return OkStatus();
+}
+
+template <typename T, typename Tindex>
+class GatherReduceSumGradOp : public OpKernel {
+ public:
+  explicit GatherReduceSumGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ParamsGradCall<T, Tindex> call;
+    OP_REQUIRES_OK(ctx, PrepareParamsGrad(ctx, attrs_, &call));
+    const int64_t num_unique = call.sorted.num_unique();
+    const int64_t dim = call.dim;
+    Tensor* unique_ids = nullptr;
+    Tensor* values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}),
+                                             &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({num_unique, dim}), &values));
+    Tindex* ids_out = unique_ids->flat<Tindex>().data();
+    T* values_out = values->flat<T>().data();
+    const SortedEntries& s = call.sorted;
+    for (int64_t u = 0; u < num_unique; ++u) {
+      ids_out[u] = static_cast<Tindex>(s.keys[s.seg_starts[u]]);
+    }
+    if (dim == 0) return;
+    call.ReduceAll([&](int64_t u, const auto* acc) {
+      T* row = values_out + u * dim;
+      for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+    });
+  }
+
+ private:
+  BagAttrs attrs_;
+};
+
+template <typename T, typename Tindex>
+class GatherReduceSumDenseGradOp : public OpKernel {
+ public:
+  explicit GatherReduceSumDenseGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ParamsGradCall<T, Tindex> call;
+    OP_REQUIRES_OK(ctx, PrepareParamsGrad(ctx, attrs_, &call));
+    const int64_t dim = call.dim;
+    const int64_t num_rows = call.num_rows;
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_rows, dim}),
+                                             &output));
+    if (dim == 0 || num_rows == 0) return;
+    T* out = output->flat<T>().data();
+    // Zero the whole table in parallel, then overwrite the touched rows.
+    call.pool->ParallelFor(num_rows, dim, [&](int64_t begin, int64_t end) {
+      std::fill(out + begin * dim, out + end * dim, T(0));
+    });
+    const SortedEntries& s = call.sorted;
+    call.ReduceAll([&](int64_t u, const auto* acc) {
+      T* row = out + static_cast<int64_t>(s.keys[s.seg_starts[u]]) * dim;
+      for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+    });
+  }
+
+ private:
+  BagAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// Backward w.r.t. weights.
+//   sum:   dw_j = <dy_b, e_j>
+//   mean:  dw_j = <dy_b, e_j - out_b> / S,            S = sum_k w_k
+//   sqrtn: dw_j = <dy_b, e_j> / S - w_j <dy_b, out_b> / S^2,  S = sqrt(sum w^2)
+// with 0 for padding entries and for bags whose S is 0.
+
+template <typename T, typename Tindex>
+class GatherReduceSumWeightsGradOp : public OpKernel {
+ public:
+  explicit GatherReduceSumWeightsGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+    OP_REQUIRES(ctx, attrs_.has_weights,
+                errors::InvalidArgument(
+                    "GatherReduceSumWeightsGrad needs has_weights = true"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    using Acc = typename AccumulatorType<T>::type;
+    const Tensor& grad = ctx->input(0);
+    const Tensor& params = ctx->input(1);
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
+    BagShapes shapes;
+    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
+                                          &shapes));
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    const TensorShape bag_shape({shapes.num_bags, dim});
+    OP_REQUIRES(ctx, grad.shape() == bag_shape,
+                errors::InvalidArgument("grad must have shape ",
+                                        bag_shape.DebugString(), ", got ",
+                                        grad.shape().DebugString()));
+    OP_REQUIRES(ctx, output.shape() == bag_shape,
+                errors::InvalidArgument("output must have shape ",
+                                        bag_shape.DebugString(), ", got ",
+                                        output.shape().DebugString()));
+    const int64_t* splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
+    const Tindex* ids = indices.flat<Tindex>().data();
+    thread::ThreadPool* pool = CpuPool(ctx);
+    OP_REQUIRES_OK(ctx,
+                   ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
+
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}),
+                                             &weights_grad));
+    const T* dy_data = grad.flat<T>().data();
+    const T* params_data = params.flat<T>().data();
+    const T* w = weights.flat<T>().data();
+    const T* out_data = output.flat<T>().data();
+    T* dw = weights_grad->flat<T>().data();
+    const BagAttrs attrs = attrs_;
+    ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin,
+                                                              int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t j0 = splits[b], j1 = splits[b + 1];
+        const T* dy = dy_data + b * dim;
+        const Acc scale = ComputeBagScale(ids, w, j0, j1, attrs);
+        const Acc dy_dot_out =
+            attrs.combiner == Combiner::kSum
+                ? Acc(0)
+                : Dot<Acc>(dy, out_data + b * dim, dim);
+        for (int64_t j = j0; j < j1; ++j) {
+          if (IsPadding(ids[j], attrs) || scale == Acc(0)) {
+            dw[j] = T(0);
+            continue;
+          }
+          if (j + kPrefetchDistance < j1 &&
+              !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+            PrefetchRow(params_data +
+                            static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
+                        dim);
+          }
+          const T* row = params_data + static_cast<int64_t>(ids[j]) * dim;
+          const Acc dot = Dot<Acc>(dy, row, dim);
+          Acc g;
+          switch (attrs.combiner) {
+            case Combiner::kMean:
+              g = (dot - dy_dot_out) * scale;
+              break;
+            case Combiner::kSqrtn:
+              g = dot * scale -
+                  static_cast<Acc>(w[j]) * dy_dot_out * scale * scale;
+              break;
+            default:
+              g = dot;
+          }
+          dw[j] = static_cast<T>(g);
+        }
+      }
+    });
+  }
+
+ private:
+  BagAttrs attrs_;
+};
+
+#define TF_TTEMB_REGISTER_CPU(T, Tindex)                             \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")            \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumOp<T, Tindex>);             \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")        \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumGradOp<T, Tindex>);         \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")   \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumDenseGradOp<T, Tindex>);    \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad") \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumWeightsGradOp<T, Tindex>);
+
+#define TF_TTEMB_REGISTER_CPU_ALL_INDICES(T) \
+  TF_TTEMB_REGISTER_CPU(T, int32)            \
+  TF_TTEMB_REGISTER_CPU(T, int64_t)
+
+TF_TTEMB_REGISTER_CPU_ALL_INDICES(Eigen::half)
+TF_TTEMB_REGISTER_CPU_ALL_INDICES(bfloat16)
+TF_TTEMB_REGISTER_CPU_ALL_INDICES(float)
+TF_TTEMB_REGISTER_CPU_ALL_INDICES(double)
+
+#undef TF_TTEMB_REGISTER_CPU_ALL_INDICES
+#undef TF_TTEMB_REGISTER_CPU
+
+}  // namespace
+}  // namespace tf_ttemb
+}  // namespace tensorflow

@@ -1,0 +1,72 @@
+// Shared pieces of the gather_reduce_sum kernels: attrs, validation and the
+// accumulation type. Used by the CPU kernels and by the GPU op glue, so that
+// both reject bad input with the same messages.
+
+#ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
+#define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/status.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+
+enum class Combiner { kSum, kMean, kSqrtn, kMax };
+
+// Attributes common to every op of the family, parsed once in the kernel
+// constructor.
+struct BagAttrs {
+  Combiner combiner = Combiner::kSum;
+  bool has_weights = false;
+  bool has_padding_id = false;
+  int64_t padding_id = -1;
+};
+
+Status ParseCombiner(const std::string& name, Combiner* combiner);
+Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
+const char* CombinerName(Combiner combiner);
+
+// Float32 accumulation for half types, the type itself otherwise.
+template <typename T>
+struct AccumulatorType {
+  using type = float;
+};
+template <>
+struct AccumulatorType<double> {
+  using type = double;
+};
+
+// Shapes of the CSR inputs. `num_bags` and `nnz` are set on success.
+struct BagShapes {
+  int64_t num_bags = 0;
+  int64_t nnz = 0;
+};
+Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits,
+                         const Tensor& weights, const BagAttrs& attrs,
+                         BagShapes* shapes);
+Status ValidateParamsShape(const Tensor& params);
+
+// Content checks of host-resident row_splits: row_splits[0] == 0,
+// non-decreasing, row_splits[B] == nnz.
+Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
+                         int64_t nnz);
+
+// The message for an id outside [0, num_rows) that is not the padding id.
+Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
+                     const BagAttrs& attrs);
+
+template <typename Tindex>
+inline bool IsPadding(Tindex id, const BagAttrs& attrs) {
+  return attrs.has_padding_id && static_cast<int64_t>(id) == attrs.padding_id;
+}
+
+}  // namespace tf_ttemb
+}  // namespace tensorflow
+
+#endif  // TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
