@@ -1,0 +1,27 @@
+"""Shared fixtures: a per-test seeded generator and the `gpu` marker's skip."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's id: fresh data per test, reproducible per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if tf.config.list_physical_devices("GPU"):
+        return
+    skip = pytest.mark.skip(reason="no GPU visible to TensorFlow")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,761 @@
+"""tf_ttemb.gather_reduce_sum against the float64 numpy reference (tests/reference.py).
+
+The big cross-product (combiner x value dtype x index dtype x input form x
+weighting x padding) runs on small shapes; large and odd dims, long bags, empty
+batches, gradients' structure, finite differences, the composite fallback, XLA
+and every error message have dedicated tests.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import reference
+import tf_ttemb
+from bags import (
+    COMBINER_WEIGHTING,
+    DTYPES,
+    FORMS,
+    ID_DTYPES,
+    RTOL,
+    assert_close,
+    combiner_id,
+    dense_bags,
+    dense_value,
+    make_bags,
+    make_params,
+    make_upstream,
+    make_weights,
+    quantize,
+    ragged_bags,
+    reference_all,
+    sparse_bags,
+    weights_like,
+)
+
+COMBINER_IDS = [combiner_id(v) for v in COMBINER_WEIGHTING]
+IMPLEMENTATIONS = ("custom_op", "composite")
+
+
+def run_op(params, bags, w_values, upstream, mode="eager", **kwargs):
+    """Forward plus gradients w.r.t. params and the weights' values, in one of three modes."""
+
+    def body(params, ids, w_values, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            weights = None
+            if w_values is not None:
+                tape.watch(w_values)
+                weights = weights_like(ids, w_values)
+            out = tf_ttemb.gather_reduce_sum(params, ids, weights, **kwargs)
+        sources = [params] if w_values is None else [params, w_values]
+        grads = tape.gradient(out, sources, output_gradients=upstream)
+        return out, grads
+
+    if mode == "function":
+        body = tf.function(body)
+    elif mode == "jit":
+        body = tf.function(body, jit_compile=True)
+    else:
+        assert mode == "eager", mode
+    out, grads = body(params, bags.ids, w_values, upstream)
+    return out, grads[0], (grads[1] if len(grads) > 1 else None)
+
+
+def check_case(
+    rng, bags, dtype, combiner, weighted, padding_id, num_rows, dim, mode="eager", **kwargs
+):
+    """Runs the op on `bags` and compares forward, params grad and weights grad with the reference."""
+    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
+    w, w64 = make_weights(rng, bags, dtype) if weighted else (None, None)
+    up, up64 = make_upstream(rng, bags, dim, dtype)
+    out, dp, dw = run_op(
+        params, bags, w, up, mode, combiner=combiner, padding_id=padding_id, **kwargs
+    )
+    (ref_out, s_out), (ref_dp, s_dp), ref_dw = reference_all(
+        params64, bags, w64, up64, combiner, padding_id
+    )
+    assert out.dtype == dtype
+    assert tuple(out.shape) == bags.lead_shape + (dim,)
+    assert_close(dense_value(out).reshape(-1, dim), ref_out, s_out, dtype, "forward")
+    assert dp is not None, "no gradient w.r.t. params"
+    assert dp.dtype == dtype
+    assert_close(dense_value(dp), ref_dp, s_dp, dtype, "params grad")
+    if weighted:
+        assert dw is not None, "no gradient w.r.t. weights"
+        assert tuple(dw.shape) == tuple(w.shape)
+        assert_close(bags.csr_from_values(dense_value(dw)), *ref_dw, dtype, "weights grad")
+    return out, dp, dw
+
+
+# --------------------------------------------------------------------------------------
+# The cross-product on small shapes: N = 11 rows so ids repeat inside and across bags.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding_id", [None, -1, 0], ids=lambda p: f"pad{p}")
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("ids_dtype", list(ID_DTYPES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+def test_matches_reference_eager(rng, combiner, weighted, dtype, ids_dtype, form, padding_id):
+    bags = make_bags(rng, form, 11, ID_DTYPES[ids_dtype], padding_id)
+    check_case(rng, bags, DTYPES[dtype], combiner, weighted, padding_id, 11, 3)
+
+
+# Graph mode exercises the wrapper's graph path (static shapes, shape functions, the
+# registered gradient inside a FuncGraph); the kernels are the eager ones, so value and
+# index dtypes are paired here instead of crossed to keep tracing time down.
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "dtype,ids_dtype", [("float32", "int32"), ("bfloat16", "int64")], ids=["f32-i32", "bf16-i64"]
+)
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+def test_matches_reference_in_tf_function(rng, combiner, weighted, dtype, ids_dtype, form):
+    bags = make_bags(rng, form, 11, ID_DTYPES[ids_dtype], padding_id=-1)
+    check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 3, mode="function")
+
+
+# --------------------------------------------------------------------------------------
+# Dims, long bags, empty batches, repeated ids.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+@pytest.mark.parametrize("dim", [1, 3, 33, 1000])
+def test_dims(rng, dim, combiner, weighted, dtype):
+    bags = ragged_bags(rng, rng.integers(0, 12, size=7), 40, tf.int64, padding_id=-1)
+    check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 40, dim)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+@pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
+def test_long_bags(rng, form, combiner, weighted, dtype):
+    """Bags of 0 to 5000 entries drawn from 200 rows."""
+    if form == "dense2d":
+        bags = dense_bags(rng, (3, 5000), 200, tf.int32, padding_id=-1, pad_fraction=0.05)
+    elif form == "ragged":
+        bags = ragged_bags(rng, [0, 5000, 1, 2, 4999, 17], 200, tf.int64, padding_id=-1)
+    else:
+        bags = sparse_bags(rng, [4999, 0, 3, 5000], 200, tf.int32, padding_id=7)
+    padding_id = 7 if form == "sparse" else -1
+    check_case(rng, bags, DTYPES[dtype], combiner, weighted, padding_id, 200, 8)
+
+
+EMPTY_CASES = [
+    ("dense2d", (0, 4)),
+    ("dense2d", (5, 0)),
+    ("dense2d", (0, 0)),
+    ("dense3d", (0, 3, 4)),
+    ("dense3d", (2, 0, 4)),
+    ("dense3d", (2, 3, 0)),
+    ("ragged", []),
+    ("ragged", [0, 0, 0]),
+    ("sparse", []),
+    ("sparse", [0, 0, 0]),
+]
+
+
+def empty_bags(rng, form, spec, ids_dtype):
+    if form.startswith("dense"):
+        return dense_bags(rng, spec, 5, ids_dtype, ids=np.zeros(spec, dtype=np.int64))
+    if form == "ragged":
+        return ragged_bags(rng, spec, 5, ids_dtype)
+    return sparse_bags(rng, spec, 5, ids_dtype, width=0 if spec else 4)
+
+
+EMPTY_MODES = [(c, w, "eager") for c, w in COMBINER_WEIGHTING] + [
+    ("sum", True, "function"),
+    ("max", False, "function"),
+]
+
+
+@pytest.mark.parametrize(
+    "combiner,weighted,mode", EMPTY_MODES,
+    ids=[f"{combiner_id((c, w))}-{m}" for c, w, m in EMPTY_MODES],
+)
+@pytest.mark.parametrize("form,spec", EMPTY_CASES, ids=[f"{f}-{s}" for f, s in EMPTY_CASES])
+def test_empty_batches_and_empty_bags(rng, form, spec, combiner, weighted, mode):
+    bags = empty_bags(rng, form, spec, tf.int32)
+    out, dp, dw = check_case(rng, bags, tf.float32, combiner, weighted, None, 5, 3, mode=mode)
+    assert not np.any(out.numpy())
+    if isinstance(dp, tf.IndexedSlices):
+        assert dp.indices.shape[0] == 0
+        assert tuple(dp.values.shape) == (0, 3)
+
+
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+def test_one_row_repeated_in_every_bag(rng, combiner, weighted):
+    bags = ragged_bags(rng, [3, 1, 4], 6, tf.int64, ids=[2, 2, 2, 2, 2, 5, 2, 2])
+    _, dp, _ = check_case(rng, bags, tf.float64, combiner, weighted, None, 6, 4)
+    np.testing.assert_array_equal(dp.indices.numpy(), [2, 5])
+
+
+@pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_zero_denominator_gives_zeros(rng, form, combiner):
+    """mean with weights summing to 0, sqrtn with all-zero weights: zeros, zero gradients."""
+    csr = {"mean": [1.0, -0.5, -0.5, 2.0, 1.0], "sqrtn": [0.0, 0.0, 0.0, 2.0, 1.0]}[combiner]
+    ids = [[1, 3, 1], [0, 4, -1]]  # second bag: padding entry carries no weight
+    if form == "dense2d":
+        bags = dense_bags(rng, None, 5, tf.int32, ids=ids)
+        csr = csr + [7.0]
+    elif form == "ragged":
+        bags = ragged_bags(rng, [3, 2], 5, tf.int32, ids=[1, 3, 1, 0, 4])
+    else:
+        bags = sparse_bags(rng, [3, 2], 5, tf.int32, ids=[1, 3, 1, 0, 4])
+    params, params64 = make_params(rng, 5, 3, tf.float64)
+    w = tf.constant(bags.values_from_csr(np.array(csr)), dtype=tf.float64)
+    up, up64 = make_upstream(rng, bags, 3, tf.float64)
+    out, dp, dw = run_op(params, bags, w, up, combiner=combiner, padding_id=-1)
+    (ref_out, s_out), (ref_dp, s_dp), (ref_dw, s_dw) = reference_all(
+        params64, bags, np.array(csr), up64, combiner, -1
+    )
+    assert not np.any(ref_out[0]) and not np.any(ref_dp[[1, 3]])
+    assert_close(dense_value(out).reshape(-1, 3), ref_out, s_out, tf.float64, "forward")
+    assert_close(dense_value(dp), ref_dp, s_dp, tf.float64, "params grad")
+    assert_close(bags.csr_from_values(dense_value(dw)), ref_dw, s_dw, tf.float64, "weights grad")
+
+
+@pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
+def test_max_of_negative_values_and_empty_bag(rng, form):
+    """max starts from the first entry, not from 0; an empty bag gives 0, not -inf."""
+    params64 = -rng.uniform(1.0, 2.0, size=(6, 5))
+    params = tf.constant(params64)
+    if form == "dense2d":
+        bags = dense_bags(rng, None, 6, tf.int64, ids=[[1, 4, 2], [-1, -1, -1]])
+    elif form == "ragged":
+        bags = ragged_bags(rng, [3, 0], 6, tf.int64, ids=[1, 4, 2])
+    else:
+        bags = sparse_bags(rng, [3, 0], 6, tf.int64, ids=[1, 4, 2])
+    out = tf_ttemb.gather_reduce_sum(params, bags.ids, combiner="max", padding_id=-1)
+    want = np.stack([params64[[1, 4, 2]].max(axis=0), np.zeros(5)])
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
+def test_max_ties_go_to_the_first_entry(rng, form, mode):
+    """Rows 1, 3 and 4 are equal and larger than all others: the first of them in each bag wins.
+
+    For the SparseTensor the entries are handed over shuffled; the bag order is the column
+    order, so the entry with the smallest column is the first.
+    """
+    params64 = rng.uniform(-1.0, 0.0, size=(6, 4))
+    params64[[1, 3, 4]] = rng.uniform(1.0, 2.0, size=4)
+    params64[5, 2] = 5.0  # row 5 wins column 2 wherever it appears
+    bag_ids = [[3, 1, 4, -1], [-1, 4, 0, 1], [0, 1, 5, 3]]
+    if form == "dense2d":
+        bags = dense_bags(rng, None, 6, tf.int32, ids=bag_ids)
+    else:
+        flat = [i for bag in bag_ids for i in bag if i != -1]
+        lengths = [sum(i != -1 for i in bag) for bag in bag_ids]
+        make = ragged_bags if form == "ragged" else sparse_bags
+        bags = make(rng, lengths, 6, tf.int32, ids=flat)
+    up, up64 = make_upstream(rng, bags, 4, tf.float64)
+    _, dp, _ = run_op(
+        tf.constant(params64), bags, None, up, mode, combiner="max", padding_id=-1
+    )
+    want = np.zeros((6, 4))
+    want[3] += up64[0]
+    want[4] += up64[1]
+    want[1] += np.where(np.arange(4) == 2, 0.0, up64[2])
+    want[5, 2] += up64[2, 2]
+    np.testing.assert_allclose(dense_value(dp), want, rtol=0, atol=1e-12)
+    ref, _ = reference.params_grad(params64, bags.flat_ids, bags.splits, up64, None, "max", -1)
+    np.testing.assert_allclose(ref, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("params_dtype", ["float16", "bfloat16", "float64"])
+def test_weights_are_cast_to_the_params_dtype(rng, params_dtype):
+    dtype = DTYPES[params_dtype]
+    bags = ragged_bags(rng, [2, 0, 3], 7, tf.int32, padding_id=-1)
+    params, params64 = make_params(rng, 7, 3, dtype)
+    w32 = tf.constant(rng.uniform(0.5, 1.5, size=bags.nnz), dtype=tf.float32)
+    w64 = tf.cast(tf.cast(w32, dtype), tf.float64).numpy()
+    up, up64 = make_upstream(rng, bags, 3, dtype)
+    out, _, dw = run_op(params, bags, w32, up, combiner="mean", padding_id=-1)
+    (ref_out, s_out), _, (ref_dw, s_dw) = reference_all(params64, bags, w64, up64, "mean", -1)
+    assert out.dtype == dtype
+    assert dw.dtype == tf.float32
+    assert_close(dense_value(out), ref_out, s_out, dtype, "forward")
+    # The gradient flows back through the cast to the weights' float32.
+    dw_dtype = tf.float32 if dtype == tf.float64 else dtype
+    assert_close(dense_value(dw), ref_dw, s_dw, dw_dtype, "weights grad")
+
+
+# --------------------------------------------------------------------------------------
+# Gradient structure: deduplicated sorted IndexedSlices, or dense with dense_grad=True.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("padding_id", [None, -1, 2], ids=lambda p: f"pad{p}")
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("ids_dtype", list(ID_DTYPES))
+@pytest.mark.parametrize(
+    "combiner,weighted", [("sum", True), ("max", False)], ids=["sum-weighted", "max"]
+)
+def test_params_grad_is_deduplicated_sorted_indexed_slices(
+    rng, combiner, weighted, ids_dtype, form, padding_id, implementation
+):
+    num_rows, dim = 9, 4
+    bags = make_bags(rng, form, num_rows, ID_DTYPES[ids_dtype], padding_id, max_len=8)
+    params, params64 = make_params(rng, num_rows, dim, tf.float32, distinct=combiner == "max")
+    w, w64 = make_weights(rng, bags, tf.float32) if weighted else (None, None)
+    up, up64 = make_upstream(rng, bags, dim, tf.float32)
+    _, dp, _ = run_op(
+        params, bags, w, up, combiner=combiner, padding_id=padding_id,
+        implementation=implementation,
+    )
+    assert isinstance(dp, tf.IndexedSlices), type(dp)
+    rows = reference.touched_rows(bags.flat_ids, padding_id)
+    np.testing.assert_array_equal(dp.indices.numpy(), rows)
+    assert tuple(dp.values.shape) == (len(rows), dim)
+    np.testing.assert_array_equal(np.asarray(dp.dense_shape), [num_rows, dim])
+    ref_dp, s_dp = reference.params_grad(
+        params64, bags.flat_ids, bags.splits, up64, w64, combiner, padding_id
+    )
+    assert_close(dp.values.numpy(), ref_dp[rows], s_dp[rows], tf.float32, "slice values")
+
+
+@pytest.mark.parametrize(
+    "form,ids_dtype,implementation",
+    [(f, i, "custom_op") for f in FORMS for i in ID_DTYPES]
+    + [("ragged", "int32", "composite"), ("dense3d", "int64", "composite")],
+)
+def test_indexed_slices_in_tf_function(rng, ids_dtype, form, implementation):
+    bags = make_bags(rng, form, 9, ID_DTYPES[ids_dtype], padding_id=-1, max_len=8)
+    params, _ = make_params(rng, 9, 2, tf.float64)
+    up, _ = make_upstream(rng, bags, 2, tf.float64)
+    _, dp, _ = run_op(
+        params, bags, None, up, "function", padding_id=-1, implementation=implementation
+    )
+    assert isinstance(dp, tf.IndexedSlices), type(dp)
+    np.testing.assert_array_equal(dp.indices.numpy(), reference.touched_rows(bags.flat_ids, -1))
+
+
+def _check_dense_grad(rng, combiner, weighted, form, implementation, mode):
+    bags = make_bags(rng, form, 10, tf.int64, padding_id=-1)
+    _, dp, _ = check_case(
+        rng, bags, tf.float32, combiner, weighted, -1, 10, 3, mode=mode,
+        dense_grad=True, implementation=implementation,
+    )
+    assert not isinstance(dp, tf.IndexedSlices)
+    assert isinstance(dp, tf.Tensor)
+    assert tuple(dp.shape) == (10, 3)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+def test_dense_grad(rng, combiner, weighted, form, implementation):
+    _check_dense_grad(rng, combiner, weighted, form, implementation, "eager")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("max", False)], ids=["sum-weighted", "max"])
+@pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
+def test_dense_grad_in_tf_function(rng, form, combiner, weighted, implementation):
+    _check_dense_grad(rng, combiner, weighted, form, implementation, "function")
+
+
+# --------------------------------------------------------------------------------------
+# Finite differences in float64.
+# --------------------------------------------------------------------------------------
+
+
+# The composite path is slow eagerly (~0.1 s a call, and finite differences call it
+# 2 * N * D times), so it is checked on the combiners whose gradients differ most.
+FD_CASES = [(c, w, f, "custom_op") for c, w in COMBINER_WEIGHTING
+            for f in ("dense2d", "ragged", "sparse")] + [
+    ("sqrtn", True, "ragged", "composite"),
+    ("max", False, "dense2d", "composite"),
+]
+
+
+@pytest.mark.parametrize(
+    "combiner,weighted,form,implementation", FD_CASES,
+    ids=[f"{combiner_id((c, w))}-{f}-{i}" for c, w, f, i in FD_CASES],
+)
+def test_compute_gradient_float64(rng, combiner, weighted, form, implementation):
+    num_rows, dim = 5, 3
+    bags = make_bags(rng, form, num_rows, tf.int32, padding_id=-1, num_bags=3, max_len=4)
+    params, _ = make_params(rng, num_rows, dim, tf.float64, distinct=combiner == "max")
+    w, _ = make_weights(rng, bags, tf.float64) if weighted else (None, None)
+    kwargs = dict(combiner=combiner, padding_id=-1, implementation=implementation)
+
+    def of_params(p):
+        weights = None if w is None else weights_like(bags.ids, w)
+        return tf_ttemb.gather_reduce_sum(p, bags.ids, weights, **kwargs)
+
+    theoretical, numerical = tf.test.compute_gradient(of_params, [params], delta=1e-6)
+    np.testing.assert_allclose(theoretical[0], numerical[0], rtol=0, atol=1e-8)
+    assert np.any(theoretical[0])
+
+    if weighted:
+
+        def of_weights(values):
+            return tf_ttemb.gather_reduce_sum(params, bags.ids, weights_like(bags.ids, values), **kwargs)
+
+        theoretical, numerical = tf.test.compute_gradient(of_weights, [w], delta=1e-6)
+        np.testing.assert_allclose(theoretical[0], numerical[0], rtol=0, atol=1e-8)
+        assert np.any(theoretical[0])
+
+
+# --------------------------------------------------------------------------------------
+# Custom op vs composite fallback, and XLA.
+# --------------------------------------------------------------------------------------
+
+
+def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_rows, dim, modes):
+    """Runs custom_op (eager) and composite (each mode) on the same data; compares all three."""
+    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
+    w, w64 = make_weights(rng, bags, dtype) if weighted else (None, None)
+    up, up64 = make_upstream(rng, bags, dim, dtype)
+    (ref_out, s_out), (ref_dp, s_dp), ref_dw = reference_all(
+        params64, bags, w64, up64, combiner, padding_id
+    )
+    results = []
+    for mode, implementation in modes:
+        out, dp, dw = run_op(
+            params, bags, w, up, mode, combiner=combiner, padding_id=padding_id,
+            implementation=implementation,
+        )
+        what = f"{implementation} ({mode})"
+        assert out.dtype == dtype
+        assert_close(dense_value(out).reshape(-1, dim), ref_out, s_out, dtype, f"{what} forward")
+        assert_close(dense_value(dp), ref_dp, s_dp, dtype, f"{what} params grad")
+        if weighted:
+            dw64 = bags.csr_from_values(dense_value(dw))
+            assert_close(dw64, *ref_dw, dtype, f"{what} weights grad")
+        results.append((dense_value(out), dense_value(dp), None if dw is None else dense_value(dw)))
+    # Same numbers within tolerance, pairwise (scale of the reference terms).
+    first = results[0]
+    for (mode, implementation), other in zip(modes[1:], results[1:]):
+        assert_close(other[0].reshape(-1, dim), first[0].reshape(-1, dim), s_out, dtype,
+                     f"{implementation} ({mode}) vs {modes[0][1]} forward")
+        assert_close(other[1], first[1], s_dp, dtype,
+                     f"{implementation} ({mode}) vs {modes[0][1]} params grad")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+def test_custom_op_matches_composite(rng, combiner, weighted, form, dtype):
+    bags = make_bags(rng, form, 11, tf.int32, padding_id=-1)
+    _both_implementations(
+        rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 5,
+        modes=[("eager", "custom_op"), ("eager", "composite")],
+    )
+
+
+# Tracing the composite path (a while loop plus its custom gradient) takes seconds.
+COMPOSITE_FUNCTION_CASES = [(c, w, "ragged") for c, w in COMBINER_WEIGHTING] + [
+    ("sum", True, "dense2d"), ("sum", True, "dense3d"), ("sum", True, "sparse"),
+]
+
+
+@pytest.mark.parametrize(
+    "combiner,weighted,form", COMPOSITE_FUNCTION_CASES,
+    ids=[f"{combiner_id((c, w))}-{f}" for c, w, f in COMPOSITE_FUNCTION_CASES],
+)
+def test_custom_op_matches_composite_in_tf_function(rng, combiner, weighted, form):
+    bags = make_bags(rng, form, 11, tf.int64, padding_id=-1)
+    _both_implementations(
+        rng, bags, tf.float32, combiner, weighted, -1, 11, 5,
+        modes=[("function", "custom_op"), ("function", "composite")],
+    )
+
+
+# Each XLA compilation takes seconds: every combiner once (ragged ids), every form once.
+JIT_CASES = [(c, w, "ragged", "auto") for c, w in COMBINER_WEIGHTING] + [
+    ("mean", True, "dense2d", "auto"),
+    ("max", False, "dense3d", "composite"),
+    ("sum", True, "sparse", "auto"),
+]
+
+
+@pytest.mark.parametrize(
+    "combiner,weighted,form,implementation", JIT_CASES,
+    ids=[f"{combiner_id((c, w))}-{f}-{i}" for c, w, f, i in JIT_CASES],
+)
+def test_jit_compile_matches_custom_op(rng, combiner, weighted, form, implementation):
+    bags = make_bags(rng, form, 11, tf.int64, padding_id=-1)
+    _both_implementations(
+        rng, bags, tf.float32, combiner, weighted, -1, 11, 5,
+        modes=[("eager", "custom_op"), ("jit", implementation)],
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,combiner,weighted",
+    [("float16", "mean", True), ("bfloat16", "max", False), ("float64", "sqrtn", True)],
+    ids=["float16-mean-weighted", "bfloat16-max", "float64-sqrtn-weighted"],
+)
+def test_jit_compile_other_dtypes(rng, combiner, weighted, dtype):
+    bags = make_bags(rng, "ragged", 11, tf.int32, padding_id=-1)
+    _both_implementations(
+        rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 5,
+        modes=[("eager", "custom_op"), ("jit", "auto")],
+    )
+
+
+def _op_types(concrete_function):
+    """Every op type in a traced function, including nested functions of its library."""
+    graph_def = concrete_function.graph.as_graph_def()
+    types = {node.op for node in graph_def.node}
+    for fn in graph_def.library.function:
+        types.update(node.op for node in fn.node_def)
+    return types
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_auto_picks_composite_only_under_jit(rng, jit_compile):
+    bags = make_bags(rng, "ragged", 11, tf.int32, padding_id=-1)
+    params, _ = make_params(rng, 11, 3, tf.float32)
+
+    @tf.function(jit_compile=jit_compile)
+    def f(params, ids):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            out = tf_ttemb.gather_reduce_sum(params, ids, padding_id=-1)
+        return out, tf.convert_to_tensor(tape.gradient(out, params))
+
+    f(params, bags.ids)
+    custom = {t for t in _op_types(f.get_concrete_function(params, bags.ids)) if "TfTtemb" in t}
+    if jit_compile:
+        assert not custom, f"custom ops traced under jit_compile=True: {sorted(custom)}"
+    else:
+        assert "TfTtemb>GatherReduceSum" in custom, sorted(custom)
+
+
+# --------------------------------------------------------------------------------------
+# Errors.
+# --------------------------------------------------------------------------------------
+
+N_ERR = 4096
+
+
+def _bad_ids_case(rng, case, ids_dtype):
+    """(bags, padding_id, expected message) for ids outside [0, N)."""
+    range_msg = "is not in [0, 4096)"
+    if case == "dense2d":
+        bags = dense_bags(rng, None, N_ERR, ids_dtype, ids=[[0, 1, 2], [3, 9001, 4]])
+        return bags, None, f"indices[4] = 9001 {range_msg}"
+    if case == "negative":
+        bags = dense_bags(rng, None, N_ERR, ids_dtype, ids=[[0, -5]])
+        return bags, None, f"indices[1] = -5 {range_msg}"
+    if case == "equal_to_n":
+        bags = ragged_bags(rng, [2, 0, 2], N_ERR, ids_dtype, ids=[1, 2, 3, 4096])
+        return bags, None, f"indices[3] = 4096 {range_msg}"
+    if case == "with_padding":
+        bags = dense_bags(rng, None, N_ERR, ids_dtype, ids=[[0, -1, -1], [-7, -1, 5]])
+        return bags, -1, f"indices[3] = -7 {range_msg} and is not padding_id (-1)"
+    if case == "dense3d":
+        ids = np.zeros((2, 2, 3), dtype=np.int64)
+        ids[1, 0, 2] = 5000
+        bags = dense_bags(rng, None, N_ERR, ids_dtype, ids=ids)
+        return bags, None, f"indices[8] = 5000 {range_msg}"
+    if case == "ragged":
+        bags = ragged_bags(rng, [2, 0, 3], N_ERR, ids_dtype, ids=[1, 2, 3, -2, 4])
+        return bags, 4, f"indices[3] = -2 {range_msg} and is not padding_id (4)"
+    if case == "sparse":
+        bags = sparse_bags(rng, [2, 3], N_ERR, ids_dtype, ids=[1, 2, 3, 4, 9001], shuffle=False)
+        return bags, None, f"indices[4] = 9001 {range_msg}"
+    if case == "int64_huge":
+        bags = dense_bags(rng, None, N_ERR, ids_dtype, ids=[[2**40, 1]])
+        return bags, None, f"indices[0] = 1099511627776 {range_msg}"
+    raise ValueError(case)
+
+
+BAD_ID_CASES = ["dense2d", "negative", "equal_to_n", "with_padding", "dense3d", "ragged", "sparse"]
+
+
+BAD_ID_PARAMS = [
+    (c, d, i, "eager")
+    for c in BAD_ID_CASES for d in ID_DTYPES for i in ("custom_op", "composite")
+] + [(c, "int64", "auto", "function") for c in BAD_ID_CASES] + [
+    ("int64_huge", "int64", "custom_op", "eager"),
+    ("int64_huge", "int64", "composite", "eager"),
+    ("dense2d", "int32", "composite", "function"),
+    ("with_padding", "int64", "composite", "function"),
+]
+
+
+@pytest.mark.parametrize(
+    "case,ids_dtype,implementation,mode", BAD_ID_PARAMS,
+    ids=["-".join(p) for p in BAD_ID_PARAMS],
+)
+def test_ids_out_of_range(rng, case, ids_dtype, implementation, mode):
+    bags, padding_id, message = _bad_ids_case(rng, case, ID_DTYPES[ids_dtype])
+    params, _ = make_params(rng, N_ERR, 2, tf.float32)
+
+    def f(params, ids):
+        return tf_ttemb.gather_reduce_sum(
+            params, ids, padding_id=padding_id, implementation=implementation
+        )
+
+    if mode == "function":
+        f = tf.function(f)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        f(params, bags.ids)
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(combiner="avg"), "avg"),
+        (dict(combiner="max", weights=True), "max"),
+        (dict(implementation="fast"), "fast"),
+    ],
+    ids=["bad_combiner", "max_with_weights", "bad_implementation"],
+)
+def test_python_argument_errors(rng, kwargs, pattern):
+    params, _ = make_params(rng, 5, 2, tf.float32)
+    ids = tf.constant([[0, 1], [2, 3]])
+    if kwargs.pop("weights", False):
+        kwargs["weights"] = tf.ones([2, 2])
+    with pytest.raises(ValueError, match=pattern):
+        tf_ttemb.gather_reduce_sum(params, ids, **kwargs)
+
+
+# Raw ops: the C++ validation that the Python wrapper would otherwise pre-empt.
+
+RAW_OPS = (
+    "tf_ttemb_gather_reduce_sum",
+    "tf_ttemb_gather_reduce_sum_grad",
+    "tf_ttemb_gather_reduce_sum_dense_grad",
+    "tf_ttemb_gather_reduce_sum_weights_grad",
+)
+
+
+@pytest.fixture(scope="module")
+def raw_ops():
+    from tf_ttemb.ops import _loader
+
+    return _loader.load_op_library()
+
+
+def call_raw(raw_ops, op, params, indices, row_splits, weights=None, combiner="sum",
+             padding_id=None, num_bags=None, rng=None):
+    params = tf.convert_to_tensor(params, dtype=tf.float32)
+    indices = tf.convert_to_tensor(indices)
+    row_splits = tf.constant(row_splits, dtype=tf.int64)
+    has_weights = weights is not None
+    weights = tf.constant(weights if has_weights else [], dtype=tf.float32)
+    attrs = dict(
+        combiner=combiner, has_weights=has_weights,
+        padding_id=-1 if padding_id is None else padding_id,
+        has_padding_id=padding_id is not None,
+    )
+    if num_bags is None:
+        num_bags = max(int(row_splits.shape[0]) - 1, 0)
+    dim = int(params.shape[-1]) if params.shape.rank else 1
+    grad = tf.constant(rng.normal(size=(num_bags, dim)), dtype=tf.float32)
+    if op == "tf_ttemb_gather_reduce_sum":
+        return getattr(raw_ops, op)(
+            params=params, indices=indices, row_splits=row_splits, weights=weights, **attrs
+        )
+    if op == "tf_ttemb_gather_reduce_sum_weights_grad":
+        return getattr(raw_ops, op)(
+            grad=grad, params=params, indices=indices, row_splits=row_splits,
+            weights=weights, output=tf.zeros_like(grad), **attrs
+        )
+    argmax = tf.zeros([num_bags if combiner == "max" else 0, dim], dtype=tf.int32)
+    return getattr(raw_ops, op)(
+        grad=grad, indices=indices, row_splits=row_splits, weights=weights, argmax=argmax,
+        num_rows=tf.constant(int(params.shape[0]), dtype=tf.int64), **attrs
+    )
+
+
+ROW_SPLITS_CASES = [
+    ([3, 5, 9], "row_splits[0] = 3 must be 0"),
+    ([0, 5, 2, 9], "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 5"),
+    ([0, 3, 7], r"row_splits[B] = 7 must equal the number of indices (9)"),
+]
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+@pytest.mark.parametrize(
+    "row_splits,message", ROW_SPLITS_CASES, ids=["first", "decreasing", "last"]
+)
+def test_raw_op_row_splits_errors(raw_ops, rng, op, row_splits, message):
+    indices = tf.constant([0, 1, 2, 3, 4, 5, 6, 7, 8], dtype=tf.int32)
+    weights = rng.uniform(size=9) if op.endswith("weights_grad") else None
+    pattern = re.escape(message)
+    if "[B]" in message:  # the last split may be named by B or by its position
+        pattern = pattern.replace(r"\[B\]", r"\[(B|2)\]")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
+        call_raw(raw_ops, op, rng.normal(size=(10, 2)), indices, row_splits, weights, rng=rng)
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+@pytest.mark.parametrize("padding_id", [None, 6])
+def test_raw_op_ids_out_of_range(raw_ops, rng, op, padding_id):
+    indices = tf.constant([0, 6, 2, 9001, 1], dtype=tf.int64)
+    weights = rng.uniform(size=5) if op.endswith("weights_grad") else None
+    message = "indices[3] = 9001 is not in [0, 4096)"
+    if padding_id is not None:
+        message += " and is not padding_id (6)"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        call_raw(raw_ops, op, rng.normal(size=(4096, 2)), indices, [0, 2, 5], weights,
+                 padding_id=padding_id, rng=rng)
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+def test_raw_op_weights_count_mismatch(raw_ops, rng, op):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=re.escape("weights has 5 entries but indices has 6")
+    ):
+        call_raw(raw_ops, op, rng.normal(size=(8, 2)), tf.constant([0, 1, 2, 3, 4, 5]),
+                 [0, 3, 6], rng.uniform(size=5), rng=rng)
+
+
+def test_raw_op_params_not_a_matrix(raw_ops, rng):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=re.escape("params must be a matrix [N, D], got shape [3]"),
+    ):
+        call_raw(raw_ops, RAW_OPS[0], rng.normal(size=3), tf.constant([0, 1]), [0, 2], rng=rng)
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+def test_raw_op_max_with_weights(raw_ops, rng, op):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=re.escape("combiner 'max' does not take weights")
+    ):
+        call_raw(raw_ops, op, rng.normal(size=(8, 2)), tf.constant([0, 1, 2]), [0, 1, 3],
+                 rng.uniform(size=3), combiner="max", rng=rng)
+
+
+# --------------------------------------------------------------------------------------
+# GPU.
+# --------------------------------------------------------------------------------------
+
+
+def _built_with_cuda():
+    info = pathlib.Path(tf_ttemb.__file__).with_name("_build_info.json")
+    return info.exists() and bool(json.loads(info.read_text()).get("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
+def test_on_gpu(rng, combiner, weighted, form, dtype):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    with tf.device("/GPU:0"):
+        bags = make_bags(rng, form, 11, tf.int64, padding_id=-1, max_len=40)
+        out, _, _ = check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 33)
+    assert "GPU" in out.device, out.device
