@@ -72,7 +72,7 @@ class Bags:
 
 
 def weights_like(ids, values: tf.Tensor):
-    """Weights with the structure of `ids`, built from a dense values tensor (so a tape can watch it)."""
+    """Weights shaped like `ids`, built from a dense values tensor (which a tape can watch)."""
     if isinstance(ids, tf.RaggedTensor):
         return ids.with_flat_values(values)
     if isinstance(ids, tf.SparseTensor):
@@ -222,7 +222,7 @@ def dense_value(x) -> np.ndarray:
 
 
 def assert_close(got, want, scale, dtype, what=""):
-    """|got - want| <= rtol(dtype) * scale elementwise, where scale >= |want| bounds the terms summed."""
+    """|got - want| <= rtol(dtype) * scale elementwise; scale >= |want| bounds the summed terms."""
     got = np.asarray(got, dtype=np.float64)
     want = np.asarray(want, dtype=np.float64)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != expected {want.shape}"
@@ -239,7 +239,7 @@ def assert_close(got, want, scale, dtype, what=""):
 
 
 def reference_all(params64, bags: Bags, weights64, upstream64, combiner, padding_id):
-    """Reference forward [B, D], dense params grad [N, D], weights grad [nnz] (CSR), with scales."""
+    """Reference forward [B, D], dense params grad [N, D], weights grad [nnz] (CSR), scales."""
     out = reference.forward(params64, bags.flat_ids, bags.splits, weights64, combiner, padding_id)
     dp = reference.params_grad(
         params64, bags.flat_ids, bags.splits, upstream64, weights64, combiner, padding_id

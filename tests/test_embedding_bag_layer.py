@@ -212,7 +212,8 @@ FULL_CONFIG = dict(
 def test_get_config_from_config(rng):
     layer = EmbeddingBag(**FULL_CONFIG)
     config = layer.get_config()
-    for key in ("input_dim", "output_dim", "combiner", "padding_id", "dense_grad", "implementation"):
+    plain = ("input_dim", "output_dim", "combiner", "padding_id", "dense_grad", "implementation")
+    for key in plain:
         assert config[key] == FULL_CONFIG[key], key
     for key in ("embeddings_initializer", "embeddings_regularizer", "embeddings_constraint"):
         assert config[key] is not None, key
@@ -261,7 +262,7 @@ def test_keras_file_round_trip(rng, tmp_path, form):
 
 
 def _run_fresh_python(script: str, *args: str) -> str:
-    """Runs `script` in a fresh interpreter that can import tf_ttemb; returns its last stdout line."""
+    """Runs `script` in a fresh interpreter that can import tf_ttemb; returns its last line."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])

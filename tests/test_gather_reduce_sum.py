@@ -23,7 +23,6 @@ from bags import (
     DTYPES,
     FORMS,
     ID_DTYPES,
-    RTOL,
     assert_close,
     combiner_id,
     dense_bags,
@@ -32,7 +31,6 @@ from bags import (
     make_params,
     make_upstream,
     make_weights,
-    quantize,
     ragged_bags,
     reference_all,
     sparse_bags,
@@ -71,7 +69,7 @@ def run_op(params, bags, w_values, upstream, mode="eager", **kwargs):
 def check_case(
     rng, bags, dtype, combiner, weighted, padding_id, num_rows, dim, mode="eager", **kwargs
 ):
-    """Runs the op on `bags` and compares forward, params grad and weights grad with the reference."""
+    """Runs the op on `bags`; compares forward, params grad and weights grad with the reference."""
     params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
     w, w64 = make_weights(rng, bags, dtype) if weighted else (None, None)
     up, up64 = make_upstream(rng, bags, dim, dtype)
@@ -363,7 +361,9 @@ def test_dense_grad(rng, combiner, weighted, form, implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("max", False)], ids=["sum-weighted", "max"])
+@pytest.mark.parametrize(
+    "combiner,weighted", [("sum", True), ("max", False)], ids=["sum-weighted", "max"]
+)
 @pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
 def test_dense_grad_in_tf_function(rng, form, combiner, weighted, implementation):
     _check_dense_grad(rng, combiner, weighted, form, implementation, "function")
@@ -405,7 +405,8 @@ def test_compute_gradient_float64(rng, combiner, weighted, form, implementation)
     if weighted:
 
         def of_weights(values):
-            return tf_ttemb.gather_reduce_sum(params, bags.ids, weights_like(bags.ids, values), **kwargs)
+            weights = weights_like(bags.ids, values)
+            return tf_ttemb.gather_reduce_sum(params, bags.ids, weights, **kwargs)
 
         theoretical, numerical = tf.test.compute_gradient(of_weights, [w], delta=1e-6)
         np.testing.assert_allclose(theoretical[0], numerical[0], rtol=0, atol=1e-8)
@@ -438,7 +439,7 @@ def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_
         if weighted:
             dw64 = bags.csr_from_values(dense_value(dw))
             assert_close(dw64, *ref_dw, dtype, f"{what} weights grad")
-        results.append((dense_value(out), dense_value(dp), None if dw is None else dense_value(dw)))
+        results.append((dense_value(out), dense_value(dp)))
     # Same numbers within tolerance, pairwise (scale of the reference terms).
     first = results[0]
     for (mode, implementation), other in zip(modes[1:], results[1:]):
@@ -627,6 +628,121 @@ def test_python_argument_errors(rng, kwargs, pattern):
         kwargs["weights"] = tf.ones([2, 2])
     with pytest.raises(ValueError, match=pattern):
         tf_ttemb.gather_reduce_sum(params, ids, **kwargs)
+
+
+def _wrapper_error_case(case):
+    """(params, ids, weights, kwargs) for one input the wrapper must reject."""
+    params = tf.constant(np.arange(12.0).reshape(6, 2), tf.float32)
+    dense = tf.constant([[0, 1], [2, 3]])
+    ragged = tf.ragged.constant([[0, 1], [2]])
+    sparse = tf.sparse.from_dense(tf.constant([[1, 0], [2, 3]]))
+    return {
+        "params_rank_1": (tf.zeros([6]), dense, None, {}),
+        "params_int": (tf.zeros([6, 2], tf.int32), dense, None, {}),
+        "ids_float": (params, tf.zeros([2, 2]), None, {}),
+        "ids_scalar": (params, tf.constant(1), None, {}),
+        "padding_id_str": (params, dense, None, dict(padding_id="x")),
+        "padding_id_bool": (params, dense, None, dict(padding_id=True)),
+        "dense_ids_ragged_weights": (params, dense, tf.ragged.constant([[1.0, 1.0], [1.0]]), {}),
+        "ragged_ids_dense_weights": (params, ragged, tf.ones([2, 2]), {}),
+        "sparse_ids_dense_weights": (params, sparse, tf.ones([2, 2]), {}),
+        "dense_weights_shape": (params, dense, tf.ones([2, 3]), {}),
+        "ragged_rank_2": (params, tf.ragged.constant([[[0], [1, 2]], [[3]]]), None, {}),
+        "sparse_3d": (params, tf.sparse.from_dense(tf.ones([2, 2, 2], tf.int32)), None, {}),
+        "ragged_weights_row_lengths": (
+            params, ragged, tf.ragged.constant([[1.0], [1.0, 1.0]]), {}
+        ),
+        "sparse_weights_pattern": (
+            params, sparse, tf.sparse.from_dense(tf.constant([[1.0, 1.0], [0.0, 1.0]])), {}
+        ),
+    }[case]
+
+
+WRAPPER_ERRORS = [
+    ("params_rank_1", ValueError, r"params must be a matrix \[N, D\], got shape \(6,\)"),
+    ("params_int", TypeError, "params must be float16, bfloat16, float32 or float64, got int32"),
+    ("ids_float", TypeError, "indices must be an integer tensor, got dtype float32"),
+    ("ids_scalar", ValueError, r"dense indices must have a known rank >= 1"),
+    ("padding_id_str", ValueError, "padding_id must be an integer or None, got 'x'"),
+    ("padding_id_bool", ValueError, "padding_id must be an integer or None, got True"),
+    ("dense_ids_ragged_weights", ValueError, "weights must be dense like the indices"),
+    ("ragged_ids_dense_weights", ValueError, "weights must be a RaggedTensor"),
+    ("sparse_ids_dense_weights", ValueError, "weights must be a SparseTensor like the indices"),
+    ("dense_weights_shape", ValueError, r"weights must have the shape of indices"),
+    ("ragged_rank_2", ValueError, "ragged indices must be \\[B, \\(L\\)\\] with ragged_rank 1"),
+    ("sparse_3d", ValueError, r"sparse indices must be 2-D \[B, L\]"),
+    (
+        "ragged_weights_row_lengths",
+        tf.errors.InvalidArgumentError,
+        "weights must have the same row lengths as indices",
+    ),
+    (
+        "sparse_weights_pattern",
+        tf.errors.InvalidArgumentError,
+        "weights must have the same sparsity pattern as indices",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "case,error,pattern", WRAPPER_ERRORS, ids=[c for c, _, _ in WRAPPER_ERRORS]
+)
+def test_wrapper_input_errors(case, error, pattern):
+    params, ids, weights, kwargs = _wrapper_error_case(case)
+    with pytest.raises(error, match=pattern):
+        tf_ttemb.gather_reduce_sum(params, ids, weights, **kwargs)
+
+
+def test_sparse_weights_in_another_entry_order(rng):
+    """Sparse weights are matched to ids by coordinate, not by position in `values`."""
+    bags = sparse_bags(rng, [3, 0, 4, 2], 9, tf.int64, padding_id=-1)
+    params, params64 = make_params(rng, 9, 3, tf.float64)
+    w64 = rng.uniform(0.5, 1.5, size=bags.nnz)
+    shuffled = rng.permutation(bags.nnz)
+    values = bags.values_from_csr(w64)
+    weights = tf.SparseTensor(
+        tf.gather(bags.ids.indices, shuffled), tf.constant(values[shuffled]),
+        bags.ids.dense_shape,
+    )
+    out = tf_ttemb.gather_reduce_sum(params, bags.ids, weights, combiner="mean", padding_id=-1)
+    want, scale = reference.forward(params64, bags.flat_ids, bags.splits, w64, "mean", -1)
+    assert_close(out.numpy(), want, scale, tf.float64, "forward")
+
+
+# --------------------------------------------------------------------------------------
+# Shapes in graphs: static where known, dynamic where not.
+# --------------------------------------------------------------------------------------
+
+SIGNATURES = {
+    "dense2d": tf.TensorSpec([None, 5], tf.int32),
+    "dense3d": tf.TensorSpec([2, None, 4], tf.int32),
+    "ragged": tf.RaggedTensorSpec([None, None], tf.int32, ragged_rank=1),
+    "sparse": tf.SparseTensorSpec([None, None], tf.int32),
+}
+STATIC_SHAPES = {
+    "dense2d": [None, 3],
+    "dense3d": [2, None, 3],
+    "ragged": [None, 3],
+    "sparse": [None, 3],
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_static_and_dynamic_shapes_in_tf_function(rng, form):
+    bags = make_bags(rng, form, 11, tf.int32, padding_id=-1)
+    params, params64 = make_params(rng, 11, 3, tf.float32)
+    seen = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32), SIGNATURES[form]])
+    def f(params, ids):
+        out = tf_ttemb.gather_reduce_sum(params, ids, combiner="sqrtn", padding_id=-1)
+        seen.append(out.shape.as_list())
+        return out
+
+    out = f(params, bags.ids)
+    assert seen == [STATIC_SHAPES[form]]
+    want, scale = reference.forward(params64, bags.flat_ids, bags.splits, None, "sqrtn", -1)
+    assert_close(out.numpy().reshape(-1, 3), want, scale, tf.float32, "forward")
 
 
 # Raw ops: the C++ validation that the Python wrapper would otherwise pre-empt.

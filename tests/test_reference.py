@@ -49,7 +49,9 @@ def test_forward_as_matrix_product(rng, combiner, weighted):
         wb = w[splits[b] : splits[b + 1]][live[splits[b] : splits[b + 1]]]
         den.append({"sum": 1.0, "mean": wb.sum(), "sqrtn": np.sqrt((wb**2).sum())}[combiner])
     den = np.array(den)
-    want = np.divide(m @ params, den[:, None], out=np.zeros((len(den), 3)), where=den[:, None] != 0)
+    want = np.divide(
+        m @ params, den[:, None], out=np.zeros((len(den), 3)), where=den[:, None] != 0
+    )
     got, scale = reference.forward(params, ids, splits, weights, combiner, PADDING)
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
     assert np.all(scale >= np.abs(got) - 1e-15)
@@ -109,7 +111,9 @@ def test_gradients_match_finite_differences(rng, combiner, weighted):
             out, _ = reference.forward(params, ids, splits, w, combiner, PADDING)
             return float(np.sum(out * upstream))
 
-        dw, scale = reference.weights_grad(params, ids, splits, weights, upstream, combiner, PADDING)
+        dw, scale = reference.weights_grad(
+            params, ids, splits, weights, upstream, combiner, PADDING
+        )
         np.testing.assert_allclose(dw, _numeric_grad(loss_of_weights, weights.copy()), atol=1e-7)
         np.testing.assert_array_equal(dw[ids == PADDING], 0.0)
         assert np.all(scale >= np.abs(dw) - 1e-12)
@@ -119,7 +123,8 @@ def test_max_tie_goes_to_first_entry():
     params = np.array([[1.0, 0.0], [1.0, 2.0], [0.0, 2.0]])
     ids = np.array([PADDING, 2, 0, 1])
     splits = np.array([0, 4])
-    dp, _ = reference.params_grad(params, ids, splits, np.array([[3.0, 5.0]]), None, "max", PADDING)
+    upstream = np.array([[3.0, 5.0]])
+    dp, _ = reference.params_grad(params, ids, splits, upstream, None, "max", PADDING)
     # column 0: rows 0 and 1 tie at 1.0, row 0 comes first; column 1: rows 2 and 1 tie, row 2 first
     np.testing.assert_array_equal(dp, [[3.0, 0.0], [0.0, 0.0], [0.0, 5.0]])
 
