@@ -1,0 +1,1646 @@
+// CUDA kernels and launchers of the gather_reduce_sum family. See the header
+// for the contract; this file holds how threads map to data.
+//
+// Column layout shared by every row kernel: a row of D elements is cut into
+// "vectors" of V = 16 / sizeof(T) consecutive elements (one 16-byte load when
+// the row is aligned). A *group* of G lanes (G a power of two <= 32, the
+// smallest that covers the row's vectors, so several groups share a warp when
+// D is small) owns one work item; lane g of the group handles vector
+// chunk * G + g. Rows wider than 32 vectors are cut into `chunks` column
+// chunks, each its own work item. Work items are walked with a grid-stride
+// loop, one item per group at a time.
+
+#include "cuda/gather_reduce_sum_kernels.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <limits>
+#include <type_traits>
+
+namespace tf_ttemb {
+namespace gpu {
+namespace {
+
+constexpr int kBlock = 256;
+// Entries whose rows are loaded before the first is used (forward).
+constexpr int kUnroll = 8;
+// Entries in flight per lane in the params-gradient segment loop.
+constexpr int kReduceUnroll = 4;
+// Params gradient: segments with more entries than this are split into pieces
+// of this many entries, reduced separately and combined in piece order.
+constexpr int64_t kPieceEntries = 256;
+// Forward: with fewer groups than this, bags are split into slices.
+constexpr int64_t kTargetGroups = 16384;
+constexpr int64_t kMinSliceEntries = 64;
+constexpr int64_t kMaxSlices = 1024;
+// Weights gradient: consecutive entries per group.
+constexpr int64_t kWeightsGradEntries = 8;
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+
+template <typename T>
+struct AccumulatorOf {
+  using type = float;
+};
+template <>
+struct AccumulatorOf<double> {
+  using type = double;
+};
+template <typename T>
+using AccT = typename AccumulatorOf<T>::type;
+
+__device__ __forceinline__ float ToAcc(float x) { return x; }
+__device__ __forceinline__ double ToAcc(double x) { return x; }
+__device__ __forceinline__ float ToAcc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToAcc(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromAcc(AccT<T> x);
+template <>
+__device__ __forceinline__ float FromAcc<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ double FromAcc<double>(double x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromAcc<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromAcc<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// V consecutive elements of a row, 16 bytes.
+template <typename T>
+struct alignas(16) Packet {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(T));
+  T v[kSize];
+};
+
+template <typename T>
+__host__ __device__ constexpr int VecOf() {
+  return Packet<T>::kSize;
+}
+
+// Loads the vector starting at element `col` of a row. kAligned: one 16-byte
+// load (row and D are multiples of V). Otherwise element by element, with
+// zeros past the end of the row (col + e >= dim).
+template <typename T, bool kAligned>
+__device__ __forceinline__ Packet<T> LoadVec(const T* __restrict__ p, int64_t col,
+                                             int64_t dim) {
+  Packet<T> r;
+  if (kAligned) {
+    *reinterpret_cast<uint4*>(r.v) = __ldg(reinterpret_cast<const uint4*>(p));
+  } else {
+#pragma unroll
+    for (int e = 0; e < Packet<T>::kSize; ++e) {
+      r.v[e] = col + e < dim ? p[e] : FromAcc<T>(AccT<T>(0));
+    }
+  }
+  return r;
+}
+
+template <typename T, bool kAligned>
+__device__ __forceinline__ void StoreVec(T* __restrict__ p, const Packet<T>& x,
+                                         int64_t col, int64_t dim) {
+  if (kAligned) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x.v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < Packet<T>::kSize; ++e) {
+      if (col + e < dim) p[e] = x.v[e];
+    }
+  }
+}
+
+template <int V>
+struct Ints {
+  int32_t v[V];
+};
+
+// argmax entries of one vector; -2 (never a position) past the row's end.
+template <int V, bool kAligned>
+__device__ __forceinline__ Ints<V> LoadInts(const int32_t* __restrict__ p, int64_t col,
+                                            int64_t dim) {
+  Ints<V> r;
+  if (kAligned && V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+      const int4 x = __ldg(reinterpret_cast<const int4*>(p) + i);
+      r.v[4 * i] = x.x;
+      r.v[4 * i + 1] = x.y;
+      r.v[4 * i + 2] = x.z;
+      r.v[4 * i + 3] = x.w;
+    }
+  } else if (kAligned && V == 2) {
+    const int2 x = __ldg(reinterpret_cast<const int2*>(p));
+    r.v[0] = x.x;
+    r.v[V - 1] = x.y;
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) r.v[e] = col + e < dim ? p[e] : -2;
+  }
+  return r;
+}
+
+template <int V, bool kAligned>
+__device__ __forceinline__ void StoreInts(int32_t* __restrict__ p, const Ints<V>& x,
+                                          int64_t col, int64_t dim) {
+  if (kAligned && V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+      reinterpret_cast<int4*>(p)[i] =
+          make_int4(x.v[4 * i], x.v[4 * i + 1], x.v[4 * i + 2], x.v[4 * i + 3]);
+    }
+  } else if (kAligned && V == 2) {
+    *reinterpret_cast<int2*>(p) = make_int2(x.v[0], x.v[V - 1]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      if (col + e < dim) p[e] = x.v[e];
+    }
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A BagScale(Combiner combiner, A sum, A sq_sum) {
+  if (combiner == Combiner::kMean) return sum != A(0) ? A(1) / sum : A(0);
+  if (combiner == Combiner::kSqrtn) return sq_sum > A(0) ? A(1) / sqrt(sq_sum) : A(0);
+  return A(1);
+}
+
+// Entries of bag b, clamped to [0, nnz] so that bad splits never lead to an
+// out-of-bounds read.
+__device__ __forceinline__ void BagRange(const int64_t* __restrict__ splits, int64_t b,
+                                         int64_t nnz, int64_t* begin, int64_t* end) {
+  const int64_t lo = min(max(splits[b], int64_t{0}), nnz);
+  *begin = lo;
+  *end = min(max(splits[b + 1], lo), nnz);
+}
+
+// The bag holding entry j: the largest b in [0, B) with splits[b] <= j
+// (always in [0, B), whatever splits holds). B >= 1.
+__device__ __forceinline__ int64_t FindBag(const int64_t* __restrict__ splits,
+                                           int64_t num_bags, int64_t j) {
+  int64_t lo = 0, hi = num_bags;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (splits[mid] <= j) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo > 0 ? lo - 1 : 0;
+}
+
+__device__ __forceinline__ void ReportMin(int64_t* field, int64_t value) {
+  atomicMin(reinterpret_cast<unsigned long long*>(field),
+            static_cast<unsigned long long>(value));
+}
+
+// Lanes of this thread's group, for shuffles within the group.
+__device__ __forceinline__ unsigned GroupMask(int group) {
+  if (group == 32) return 0xffffffffu;
+  const int first = (threadIdx.x & 31) & ~(group - 1);
+  return ((1u << group) - 1u) << first;
+}
+
+// Sum over the lanes of a group in a fixed butterfly order; every lane gets it.
+template <typename A>
+__device__ __forceinline__ A GroupSum(A x, unsigned mask, int group) {
+  for (int offset = group >> 1; offset > 0; offset >>= 1) {
+    x += __shfl_xor_sync(mask, x, offset, group);
+  }
+  return x;
+}
+
+__device__ __forceinline__ void DivMod(int64_t x, int64_t d, int64_t* q, int64_t* r) {
+  if (d == 1) {
+    *q = x;
+    *r = 0;
+  } else {
+    *q = x / d;
+    *r = x - *q * d;
+  }
+}
+
+// Grid-stride walk over work items, one per group of `group` lanes.
+struct GroupWalk {
+  int group;
+  int lane;
+  int64_t first;
+  int64_t stride;
+  __device__ explicit GroupWalk(int g)
+      : group(g),
+        lane(static_cast<int>(threadIdx.x) & (g - 1)),
+        first(static_cast<int64_t>(blockIdx.x) * (kBlock / g) + threadIdx.x / g),
+        stride(static_cast<int64_t>(gridDim.x) * (kBlock / g)) {}
+};
+
+// ---------------------------------------------------------------------------
+// Report kernels.
+
+// One thread per bag b: splits[b + 1] < splits[b] is recorded (first b wins).
+__global__ void CheckSplitsKernel(const int64_t* __restrict__ splits, int64_t num_bags,
+                                  DeviceReport* report) {
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       b < num_bags; b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (splits[b + 1] < splits[b]) ReportMin(&report->first_bad_split, b);
+  }
+}
+
+// One thread per entry: records ids outside [0, N) that are not padding.
+template <typename Tindex>
+__global__ void CheckIdsKernel(const Tindex* __restrict__ ids, int64_t nnz,
+                               int64_t num_rows, bool has_padding, int64_t padding_id,
+                               DeviceReport* report) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < nnz;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if ((id < 0 || id >= num_rows) && !(has_padding && id == padding_id)) {
+      ReportMin(&report->first_bad_index, j);
+    }
+  }
+}
+
+// One thread: fills in the values that go with the positions found.
+template <typename Tindex>
+__global__ void FinishReportKernel(const Tindex* __restrict__ ids, int64_t nnz,
+                                   const int64_t* __restrict__ splits, int64_t num_bags,
+                                   DeviceReport* report) {
+  report->first_split = splits[0];
+  report->last_split = splits[num_bags];
+  const int64_t b = report->first_bad_split;
+  if (b >= 0 && b < num_bags) {
+    report->bad_split_value = splits[b + 1];
+    report->bad_split_prev = splits[b];
+  }
+  const int64_t j = report->first_bad_index;
+  if (ids != nullptr && j >= 0 && j < nnz) {
+    report->bad_index_value = static_cast<int64_t>(ids[j]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+template <typename T, typename Tindex>
+struct ForwardArgs {
+  const T* params;         // [N, D]
+  const Tindex* ids;       // [nnz]
+  const int64_t* splits;   // [B + 1]
+  const T* weights;        // [nnz] or null
+  T* out;                  // [B, D]
+  int32_t* argmax;         // [B, D] or null
+  AccT<T>* part_acc;       // [B * slices, D] when slices > 1
+  int32_t* part_pos;       // [B * slices, D] when slices > 1 and max
+  AccT<T>* part_w;         // [B * slices, 2] when slices > 1
+  DeviceReport* report;
+  int64_t num_rows, dim, nnz, padding_id;
+  int64_t dim_vecs, chunks, slices, num_items;
+  int group;
+  Combiner combiner;
+  bool has_weights, has_padding;
+};
+
+// Work item = (bag, slice, column chunk); a group of G lanes owns it and walks
+// the slice's entries in order, kUnroll rows in flight per lane. With one
+// slice per bag the group writes the output row; otherwise it writes its
+// partial sums (and, for max, partial argmax) for ForwardCombineKernel.
+template <typename T, typename Tindex, bool kAligned, bool kMax>
+__global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, Tindex> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  const GroupWalk walk(a.group);
+  for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
+    int64_t rest, chunk, bag, slice;
+    DivMod(item, a.chunks, &rest, &chunk);
+    DivMod(rest, a.slices, &bag, &slice);
+    const int64_t cv = chunk * a.group + walk.lane;
+    if (cv >= a.dim_vecs) continue;  // no shuffles in this kernel
+    const bool reporter = cv == 0;
+    const int64_t col = cv * V;
+    int64_t begin, end;
+    BagRange(a.splits, bag, a.nnz, &begin, &end);
+    const int64_t len = end - begin;
+    const int64_t s0 = begin + len * slice / a.slices;
+    const int64_t s1 = begin + len * (slice + 1) / a.slices;
+    constexpr bool is_max = kMax;
+    int64_t first_bad = -1;
+
+    A acc[V];
+    int32_t pos[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      acc[e] = A(0);
+      pos[e] = -1;
+    }
+    A wsum = A(0), wsq = A(0);
+    // Ids and weights of the next kUnroll entries are loaded while the rows
+    // of the current ones are in flight. row < 0: padding, bad or past s1.
+    int64_t row[kUnroll];
+    A w[kUnroll];
+    auto load_ids = [&](int64_t j0) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + u;
+        row[u] = -1;
+        w[u] = A(0);
+        if (j < s1) {
+          const int64_t id = static_cast<int64_t>(a.ids[j]);
+          if (!(a.has_padding && id == a.padding_id)) {
+            if (id >= 0 && id < a.num_rows) {
+              row[u] = id;
+              w[u] = a.has_weights ? ToAcc(a.weights[j]) : A(1);
+            } else if (first_bad < 0) {
+              first_bad = j;
+            }
+          }
+        }
+      }
+    };
+    load_ids(s0);
+    for (int64_t j0 = s0; j0 < s1; j0 += kUnroll) {
+      Packet<T> x[kUnroll];
+      unsigned loaded = 0;
+      A wc[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        wc[u] = w[u];
+        if (row[u] >= 0) {
+          x[u] = LoadVec<T, kAligned>(a.params + row[u] * a.dim + col, col, a.dim);
+          loaded |= 1u << u;
+        }
+      }
+      load_ids(j0 + kUnroll);
+      if (kMax) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (!(loaded & (1u << u))) continue;
+          const int32_t p = static_cast<int32_t>(j0 + u - begin);
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const A v = ToAcc(x[u].v[e]);
+            const bool take = pos[e] < 0 || v > acc[e];
+            acc[e] = take ? v : acc[e];
+            pos[e] = take ? p : pos[e];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (!(loaded & (1u << u))) continue;
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] = fma(wc[u], ToAcc(x[u].v[e]), acc[e]);
+          wsum += wc[u];
+          wsq += wc[u] * wc[u];
+        }
+      }
+    }
+    if (reporter && first_bad >= 0) ReportMin(&a.report->first_bad_index, first_bad);
+
+    if (a.slices == 1) {
+      Packet<T> o;
+      if (is_max) {
+        Ints<V> p;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          o.v[e] = FromAcc<T>(pos[e] < 0 ? A(0) : acc[e]);
+          p.v[e] = pos[e];
+        }
+        StoreInts<V, kAligned>(a.argmax + bag * a.dim + col, p, col, a.dim);
+      } else {
+        const A scale = BagScale(a.combiner, wsum, wsq);
+#pragma unroll
+        for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[e] * scale);
+      }
+      StoreVec<T, kAligned>(a.out + bag * a.dim + col, o, col, a.dim);
+    } else {
+      const int64_t part = bag * a.slices + slice;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if (col + e >= a.dim) break;
+        a.part_acc[part * a.dim + col + e] = acc[e];
+        if (is_max) a.part_pos[part * a.dim + col + e] = pos[e];
+      }
+      if (reporter && !is_max) {
+        a.part_w[2 * part] = wsum;
+        a.part_w[2 * part + 1] = wsq;
+      }
+    }
+  }
+}
+
+// One thread per output element (bag, d): combines the bag's slices in slice
+// order, so ties in max still go to the first entry of the bag.
+template <typename T>
+__global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [B * S, D]
+                                     const int32_t* __restrict__ part_pos,  // [B * S, D] or null
+                                     const AccT<T>* __restrict__ part_w,    // [B * S, 2]
+                                     int64_t num_bags, int64_t dim, int64_t slices,
+                                     Combiner combiner,
+                                     T* __restrict__ out,             // [B, D]
+                                     int32_t* __restrict__ argmax) {  // [B, D] or null
+  using A = AccT<T>;
+  const int64_t total = num_bags * dim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t bag = i / dim, d = i - bag * dim;
+    const int64_t base = bag * slices;
+    if (combiner == Combiner::kMax) {
+      A best = A(0);
+      int32_t pos = -1;
+      for (int64_t s = 0; s < slices; ++s) {
+        const int32_t p = part_pos[(base + s) * dim + d];
+        const A v = part_acc[(base + s) * dim + d];
+        if (p >= 0 && (pos < 0 || v > best)) {
+          best = v;
+          pos = p;
+        }
+      }
+      out[i] = FromAcc<T>(pos < 0 ? A(0) : best);
+      argmax[i] = pos;
+    } else {
+      A acc = A(0), wsum = A(0), wsq = A(0);
+      for (int64_t s = 0; s < slices; ++s) {
+        acc += part_acc[(base + s) * dim + d];
+        wsum += part_w[2 * (base + s)];
+        wsq += part_w[2 * (base + s) + 1];
+      }
+      out[i] = FromAcc<T>(acc * BagScale(combiner, wsum, wsq));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Params gradient: preparation.
+
+// One thread per entry: key = id for valid entries, N (sorts last) for
+// padding and bad ids; value = the entry's position.
+template <typename Tindex, typename Key>
+__global__ void BuildSortKeysKernel(const Tindex* __restrict__ ids, int64_t nnz,
+                                    int64_t num_rows, bool has_padding, int64_t padding_id,
+                                    Key* __restrict__ keys, int32_t* __restrict__ positions,
+                                    DeviceReport* report) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < nnz;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    const bool pad = has_padding && id == padding_id;
+    const bool valid = !pad && id >= 0 && id < num_rows;
+    if (!valid && !pad) ReportMin(&report->first_bad_index, j);
+    keys[j] = static_cast<Key>(valid ? id : num_rows);
+    positions[j] = static_cast<int32_t>(j);
+  }
+}
+
+// One thread per i in [0, nnz]: 1 where a segment of equal valid keys starts.
+template <typename Key>
+__global__ void SegmentHeadsKernel(const Key* __restrict__ keys, int64_t nnz, Key sentinel,
+                                   int32_t* __restrict__ heads) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i <= nnz;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    heads[i] = i < nnz && keys[i] != sentinel && (i == 0 || keys[i] != keys[i - 1]) ? 1 : 0;
+  }
+}
+
+// One thread per sorted entry i: the segment heads record their start and id;
+// the last valid entry closes the last segment; thread 0 publishes U and m
+// (the number of valid entries) in meta and the report.
+template <typename Key>
+__global__ void ScatterSegmentsKernel(const Key* __restrict__ keys, int64_t nnz, Key sentinel,
+                                      const int32_t* __restrict__ heads,
+                                      const int32_t* __restrict__ seg_index,  // [nnz + 1]
+                                      int32_t* __restrict__ seg_start,        // [U + 1]
+                                      int64_t* __restrict__ seg_id,           // [U]
+                                      int64_t* __restrict__ meta,             // [2]: U, m
+                                      DeviceReport* report) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < nnz;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t num_unique = seg_index[nnz];
+    if (heads[i]) {
+      seg_start[seg_index[i]] = static_cast<int32_t>(i);
+      seg_id[seg_index[i]] = static_cast<int64_t>(keys[i]);
+    }
+    const bool valid = keys[i] != sentinel;
+    if (valid && (i + 1 == nnz || keys[i + 1] == sentinel)) {
+      seg_start[num_unique] = static_cast<int32_t>(i + 1);
+      meta[1] = i + 1;
+    }
+    if (i == 0) {
+      meta[0] = num_unique;
+      report->num_unique = num_unique;
+      if (!valid) {
+        seg_start[0] = 0;
+        meta[1] = 0;
+      }
+    }
+  }
+}
+
+// One thread per u in [0, nnz]: pieces of segment u if it has more than one,
+// else 0 (and 0 past U).
+__global__ void HotPiecesKernel(const int32_t* __restrict__ seg_start,
+                                const int64_t* __restrict__ meta, int64_t nnz,
+                                int32_t* __restrict__ hot) {
+  const int64_t num_unique = meta[0];
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u <= nnz;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int32_t pieces = 0;
+    if (u < num_unique) {
+      const int64_t count = seg_start[u + 1] - seg_start[u];
+      const int64_t p = (count + kPieceEntries - 1) / kPieceEntries;
+      pieces = p > 1 ? static_cast<int32_t>(p) : 0;
+    }
+    hot[u] = pieces;
+  }
+}
+
+// One warp per bag: scale[b] (mean, sqrtn) from the bag's weights, and
+// dyout[b] = <grad_b, output_b> when grad is given. Lane sums are combined in
+// a fixed butterfly order.
+template <typename T, typename Tindex>
+__global__ void BagScalesKernel(const Tindex* __restrict__ ids,      // [nnz] or null
+                                const int64_t* __restrict__ splits,  // [B + 1]
+                                const T* __restrict__ weights,       // [nnz] or null
+                                const T* __restrict__ grad,          // [B, D] or null
+                                const T* __restrict__ output,        // [B, D] or null
+                                int64_t num_bags, int64_t nnz, int64_t dim,
+                                Combiner combiner, bool has_padding, int64_t padding_id,
+                                AccT<T>* __restrict__ scale,    // [B] or null
+                                AccT<T>* __restrict__ dyout) {  // [B] or null
+  using A = AccT<T>;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+       b < num_bags; b += warps) {
+    if (scale != nullptr) {
+      int64_t begin, end;
+      BagRange(splits, b, nnz, &begin, &end);
+      A sum = A(0), sq = A(0);
+      for (int64_t j = begin + lane; j < end; j += 32) {
+        if (has_padding && static_cast<int64_t>(ids[j]) == padding_id) continue;
+        const A w = weights != nullptr ? ToAcc(weights[j]) : A(1);
+        sum += w;
+        sq += w * w;
+      }
+      sum = GroupSum(sum, 0xffffffffu, 32);
+      sq = GroupSum(sq, 0xffffffffu, 32);
+      if (lane == 0) scale[b] = BagScale(combiner, sum, sq);
+    }
+    if (dyout != nullptr) {
+      A dot = A(0);
+      for (int64_t d = lane; d < dim; d += 32) {
+        dot = fma(ToAcc(grad[b * dim + d]), ToAcc(output[b * dim + d]), dot);
+      }
+      dot = GroupSum(dot, 0xffffffffu, 32);
+      if (lane == 0) dyout[b] = dot;
+    }
+  }
+}
+
+// One thread per sorted valid entry k: its bag, and either its coefficient
+// scale[b] * w (sum, mean, sqrtn) or its position inside the bag (max).
+template <typename T>
+__global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  // [nnz] sorted
+                                      const int64_t* __restrict__ splits,     // [B + 1]
+                                      const T* __restrict__ weights,          // [nnz] or null
+                                      const AccT<T>* __restrict__ scale,      // [B] or null
+                                      const int64_t* __restrict__ meta, int64_t num_bags,
+                                      int64_t nnz, bool is_max,
+                                      int32_t* __restrict__ sorted_bag,       // [nnz]
+                                      AccT<T>* __restrict__ sorted_coef,      // [nnz] or null
+                                      int32_t* __restrict__ sorted_inbag) {   // [nnz] or null
+  using A = AccT<T>;
+  const int64_t valid = meta[1];
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < valid;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t pos = positions[k];
+    const int64_t b = FindBag(splits, num_bags, pos);
+    sorted_bag[k] = static_cast<int32_t>(b);
+    if (is_max) {
+      sorted_inbag[k] = static_cast<int32_t>(pos - splits[b]);
+    } else {
+      const A s = scale != nullptr ? scale[b] : A(1);
+      sorted_coef[k] = weights != nullptr ? s * ToAcc(weights[pos]) : s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Params gradient: reduction.
+
+template <typename T>
+struct ReduceArgs {
+  const T* grad;                 // [B, D]
+  const int32_t* argmax;         // [B, D] or null
+  const int32_t* sorted_bag;     // [m]
+  const AccT<T>* sorted_coef;    // [m] (not max)
+  const int32_t* sorted_inbag;   // [m] (max)
+  const int32_t* seg_start;      // [U + 1]
+  const int64_t* seg_id;         // [U]
+  const int32_t* hot;            // [nnz + 1]
+  const int32_t* hot_off;        // [nnz + 1]
+  const int64_t* meta;           // [2]: U, m
+  AccT<T>* part;                 // [hot pieces, D]
+  T* values;                     // [U, D] or null
+  T* dense;                      // [N, D] or null
+  const T* params;               // [N, D] (fusion) or null
+  AccT<T>* pdot;                 // [m, chunks] (fusion) or null
+  int64_t dim, dim_vecs, chunks, nnz, num_items;
+  int group;
+  bool is_max;
+};
+
+// Adds the entries k0..k1 of the sorted order to acc (this lane's vector of
+// the column chunk), in order. With fusion, also writes each entry's partial
+// dot <grad_b, params_row> over this chunk to pdot. All lanes of the group
+// run this together (the shuffles need them); `active` guards the memory.
+template <typename T, bool kAligned>
+__device__ __forceinline__ void ReduceEntries(const ReduceArgs<T>& a, int64_t k0, int64_t k1,
+                                              int64_t col, bool active, int64_t chunk,
+                                              unsigned mask, int lane,
+                                              const AccT<T> (&prow)[VecOf<T>()],
+                                              AccT<T> (&acc)[VecOf<T>()]) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  for (int64_t k = k0; k < k1; k += kReduceUnroll) {
+    int64_t bag[kReduceUnroll];
+    A coef[kReduceUnroll];
+    int32_t inbag[kReduceUnroll];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      bag[u] = 0;
+      coef[u] = A(0);
+      inbag[u] = -3;
+      if (k + u < k1) {
+        bag[u] = a.sorted_bag[k + u];
+        if (a.is_max) {
+          inbag[u] = a.sorted_inbag[k + u];
+        } else {
+          coef[u] = a.sorted_coef[k + u];
+        }
+      }
+    }
+    Packet<T> dy[kReduceUnroll];
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (active && k + u < k1) {
+        dy[u] = LoadVec<T, kAligned>(a.grad + bag[u] * a.dim + col, col, a.dim);
+      }
+    }
+    if (!active) {
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) dy[u].v[e] = FromAcc<T>(A(0));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceUnroll; ++u) {
+      if (!active || k + u >= k1) continue;
+      if (a.is_max) {
+        const Ints<V> am =
+            LoadInts<V, kAligned>(a.argmax + bag[u] * a.dim + col, col, a.dim);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] += am.v[e] == inbag[u] ? ToAcc(dy[u].v[e]) : A(0);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[e] = fma(coef[u], ToAcc(dy[u].v[e]), acc[e]);
+      }
+    }
+    if (a.pdot != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kReduceUnroll; ++u) {
+        if (k + u >= k1) continue;  // uniform across the group
+        A dot = A(0);
+#pragma unroll
+        for (int e = 0; e < V; ++e) dot = fma(ToAcc(dy[u].v[e]), prow[e], dot);
+        dot = GroupSum(dot, mask, a.group);
+        if (lane == 0) a.pdot[(k + u) * a.chunks + chunk] = dot;
+      }
+    }
+  }
+}
+
+template <typename T, bool kAligned>
+__device__ __forceinline__ void LoadParamsRow(const ReduceArgs<T>& a, int64_t row, int64_t col,
+                                              bool active, AccT<T> (&prow)[VecOf<T>()]) {
+  constexpr int V = VecOf<T>();
+  if (a.params != nullptr && active) {
+    const Packet<T> x = LoadVec<T, kAligned>(a.params + row * a.dim + col, col, a.dim);
+#pragma unroll
+    for (int e = 0; e < V; ++e) prow[e] = ToAcc(x.v[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) prow[e] = AccT<T>(0);
+  }
+}
+
+template <typename T, bool kAligned>
+__device__ __forceinline__ void WriteGradRow(const ReduceArgs<T>& a, int64_t u, int64_t row,
+                                             int64_t col, const AccT<T> (&acc)[VecOf<T>()]) {
+  constexpr int V = VecOf<T>();
+  Packet<T> o;
+#pragma unroll
+  for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[e]);
+  T* dst = a.values != nullptr ? a.values + u * a.dim : a.dense + row * a.dim;
+  StoreVec<T, kAligned>(dst + col, o, col, a.dim);
+}
+
+// Work item = (segment u, column chunk), for segments of at most
+// kPieceEntries entries: the group reduces the whole segment and writes the
+// gradient row.
+template <typename T, bool kAligned>
+__global__ void __launch_bounds__(kBlock, 2) ReduceSegmentsKernel(const ReduceArgs<T> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  const GroupWalk walk(a.group);
+  const unsigned mask = GroupMask(a.group);
+  const int64_t num_unique = a.meta[0];
+  for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
+    int64_t u, chunk;
+    DivMod(item, a.chunks, &u, &chunk);
+    if (u >= num_unique || a.hot[u] > 0) continue;  // uniform across the group
+    const int64_t cv = chunk * a.group + walk.lane;
+    const bool active = cv < a.dim_vecs;
+    const int64_t col = cv * V;
+    const int64_t row = a.seg_id[u];
+    A prow[V], acc[V];
+    LoadParamsRow<T, kAligned>(a, row, col, active, prow);
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = A(0);
+    ReduceEntries<T, kAligned>(a, a.seg_start[u], a.seg_start[u + 1], col, active, chunk, mask,
+                               walk.lane, prow, acc);
+    if (active) WriteGradRow<T, kAligned>(a, u, row, col, acc);
+  }
+}
+
+// Work item = (piece q of a long segment, column chunk): the group reduces
+// kPieceEntries entries into part[q].
+template <typename T, bool kAligned>
+__global__ void __launch_bounds__(kBlock, 2) ReducePiecesKernel(const ReduceArgs<T> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  const GroupWalk walk(a.group);
+  const unsigned mask = GroupMask(a.group);
+  const int64_t num_unique = a.meta[0];
+  const int64_t num_pieces = a.hot_off[a.nnz];
+  for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
+    int64_t q, chunk;
+    DivMod(item, a.chunks, &q, &chunk);
+    if (q >= num_pieces) continue;  // uniform across the group
+    // The segment u of piece q: the largest u with hot_off[u] <= q.
+    int64_t lo = 0, hi = num_unique;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      if (a.hot_off[mid] <= q) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const int64_t u = lo - 1;
+    const int64_t k0 = a.seg_start[u] + (q - a.hot_off[u]) * kPieceEntries;
+    const int64_t k1 = min(k0 + kPieceEntries, static_cast<int64_t>(a.seg_start[u + 1]));
+    const int64_t cv = chunk * a.group + walk.lane;
+    const bool active = cv < a.dim_vecs;
+    const int64_t col = cv * V;
+    A prow[V], acc[V];
+    LoadParamsRow<T, kAligned>(a, a.seg_id[u], col, active, prow);
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = A(0);
+    ReduceEntries<T, kAligned>(a, k0, k1, col, active, chunk, mask, walk.lane, prow, acc);
+    if (active) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if (col + e < a.dim) a.part[q * a.dim + col + e] = acc[e];
+      }
+    }
+  }
+}
+
+// Work item = (long segment u, column chunk): sums its pieces in piece order
+// and writes the gradient row.
+template <typename T, bool kAligned>
+__global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  const GroupWalk walk(a.group);
+  const int64_t num_unique = a.meta[0];
+  for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
+    int64_t u, chunk;
+    DivMod(item, a.chunks, &u, &chunk);
+    if (u >= num_unique || a.hot[u] == 0) continue;
+    const int64_t cv = chunk * a.group + walk.lane;
+    if (cv >= a.dim_vecs) continue;
+    const int64_t col = cv * V;
+    A acc[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = A(0);
+    const int64_t q0 = a.hot_off[u], q1 = q0 + a.hot[u];
+    for (int64_t q = q0; q < q1; ++q) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        if (col + e < a.dim) acc[e] += a.part[q * a.dim + col + e];
+      }
+    }
+    WriteGradRow<T, kAligned>(a, u, a.seg_id[u], col, acc);
+  }
+}
+
+// One thread per u < U: marks row seg_id[u] as written by the reduction.
+__global__ void MarkRowsKernel(const int64_t* __restrict__ seg_id,
+                               const int64_t* __restrict__ meta, int64_t bound,
+                               uint8_t* __restrict__ touched) {
+  const int64_t num_unique = min(meta[0], bound);
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    touched[seg_id[u]] = 1;
+  }
+}
+
+// Work item = (row, column chunk): zeros the rows of the dense gradient that
+// no segment writes.
+template <typename T, bool kAligned>
+__global__ void ZeroUntouchedRowsKernel(T* __restrict__ dense,  // [N, D]
+                                        const uint8_t* __restrict__ touched,  // [N]
+                                        int64_t dim, int64_t dim_vecs, int64_t chunks,
+                                        int64_t num_items, int group) {
+  constexpr int V = VecOf<T>();
+  const GroupWalk walk(group);
+  Packet<T> zero;
+#pragma unroll
+  for (int e = 0; e < V; ++e) zero.v[e] = FromAcc<T>(AccT<T>(0));
+  for (int64_t item = walk.first; item < num_items; item += walk.stride) {
+    int64_t row, chunk;
+    DivMod(item, chunks, &row, &chunk);
+    const int64_t cv = chunk * group + walk.lane;
+    if (cv >= dim_vecs || touched[row]) continue;
+    StoreVec<T, kAligned>(dense + row * dim + cv * V, zero, cv * V, dim);
+  }
+}
+
+template <typename Tindex>
+__global__ void WriteUniqueIdsKernel(const int64_t* __restrict__ seg_id,
+                                     const int64_t* __restrict__ meta,
+                                     Tindex* __restrict__ unique_ids) {
+  const int64_t num_unique = meta[0];
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    unique_ids[u] = static_cast<Tindex>(seg_id[u]);
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A WeightGradFromDot(Combiner combiner, A dot, A dyout, A scale,
+                                               A w) {
+  switch (combiner) {
+    case Combiner::kMean:
+      return (dot - dyout) * scale;
+    case Combiner::kSqrtn:
+      return dot * scale - w * dyout * scale * scale;
+    default:
+      return dot;
+  }
+}
+
+// One thread per sorted entry k: sums the chunk partial dots in chunk order
+// and writes dw at the entry's position; 0 for padding (sorted last).
+template <typename T>
+__global__ void FusedWeightsGradKernel(const int32_t* __restrict__ positions,  // [nnz] sorted
+                                       const int32_t* __restrict__ sorted_bag,
+                                       const AccT<T>* __restrict__ pdot,  // [m, chunks]
+                                       const AccT<T>* __restrict__ scale,  // [B] or null
+                                       const AccT<T>* __restrict__ dyout,  // [B] or null
+                                       const T* __restrict__ weights,      // [nnz]
+                                       const int64_t* __restrict__ meta, int64_t nnz,
+                                       int64_t chunks, Combiner combiner,
+                                       T* __restrict__ weights_grad) {  // [nnz]
+  using A = AccT<T>;
+  const int64_t valid = meta[1];
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < nnz;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t pos = positions[k];
+    A g = A(0);
+    if (k < valid) {
+      const int64_t b = sorted_bag[k];
+      const A s = scale != nullptr ? scale[b] : A(1);
+      if (s != A(0)) {
+        A dot = A(0);
+        for (int64_t c = 0; c < chunks; ++c) dot += pdot[k * chunks + c];
+        g = WeightGradFromDot(combiner, dot, dyout != nullptr ? dyout[b] : A(0), s,
+                              ToAcc(weights[pos]));
+      }
+    }
+    weights_grad[pos] = FromAcc<T>(g);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Weights gradient on its own.
+
+template <typename T, typename Tindex>
+struct WeightsGradArgs {
+  const T* grad;           // [B, D]
+  const T* params;         // [N, D]
+  const Tindex* ids;       // [nnz]
+  const int64_t* splits;   // [B + 1]
+  const T* weights;        // [nnz]
+  const AccT<T>* scale;    // [B] or null (sum)
+  const AccT<T>* dyout;    // [B] or null (sum)
+  T* weights_grad;         // [nnz]
+  DeviceReport* report;
+  int64_t num_rows, dim, dim_vecs, num_bags, nnz, padding_id, num_items;
+  int group;
+  Combiner combiner;
+  bool has_padding;
+};
+
+// Work item = kWeightsGradEntries consecutive entries; the group computes
+// each entry's dot <grad_b, params_row> over the whole row (lane-strided
+// vectors, then a butterfly sum) and lane 0 writes dw.
+template <typename T, typename Tindex, bool kAligned>
+__global__ void __launch_bounds__(kBlock) WeightsGradKernel(const WeightsGradArgs<T, Tindex> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  const GroupWalk walk(a.group);
+  const unsigned mask = GroupMask(a.group);
+  for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
+    const int64_t j0 = item * kWeightsGradEntries;
+    const int64_t j1 = min(j0 + kWeightsGradEntries, a.nnz);
+    int64_t b = FindBag(a.splits, a.num_bags, j0);
+    for (int64_t j = j0; j < j1; ++j) {
+      while (b + 1 < a.num_bags && a.splits[b + 1] <= j) ++b;
+      const int64_t id = static_cast<int64_t>(a.ids[j]);
+      const bool pad = a.has_padding && id == a.padding_id;
+      const bool valid = !pad && id >= 0 && id < a.num_rows;
+      if (!valid && !pad && walk.lane == 0) ReportMin(&a.report->first_bad_index, j);
+      const A s = a.scale != nullptr ? a.scale[b] : A(1);
+      if (!valid || s == A(0)) {
+        if (walk.lane == 0) a.weights_grad[j] = FromAcc<T>(A(0));
+        continue;
+      }
+      A dot = A(0);
+      const T* dy_row = a.grad + b * a.dim;
+      const T* p_row = a.params + id * a.dim;
+#pragma unroll 4
+      for (int64_t cv = walk.lane; cv < a.dim_vecs; cv += a.group) {
+        const int64_t col = cv * V;
+        const Packet<T> dy = LoadVec<T, kAligned>(dy_row + col, col, a.dim);
+        const Packet<T> pr = LoadVec<T, kAligned>(p_row + col, col, a.dim);
+#pragma unroll
+        for (int e = 0; e < V; ++e) dot = fma(ToAcc(dy.v[e]), ToAcc(pr.v[e]), dot);
+      }
+      dot = GroupSum(dot, mask, a.group);
+      if (walk.lane == 0) {
+        const A g = WeightGradFromDot(a.combiner, dot, a.dyout != nullptr ? a.dyout[b] : A(0), s,
+                                      ToAcc(a.weights[j]));
+        a.weights_grad[j] = FromAcc<T>(g);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int Pow2AtLeast(int64_t x) {
+  int p = 1;
+  while (p < x && p < 32) p <<= 1;
+  return p;
+}
+
+int GridFor(int64_t threads) {
+  return static_cast<int>(std::min(std::max<int64_t>(CeilDiv(threads, kBlock), 1), kMaxBlocks));
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Column layout of a row of `dim` elements of T (see the top of the file).
+struct Columns {
+  int64_t dim_vecs = 0;
+  int64_t chunks = 0;
+  int group = 1;
+};
+
+template <typename T>
+Columns ColumnsFor(int64_t dim) {
+  Columns c;
+  c.dim_vecs = CeilDiv(dim, VecOf<T>());
+  if (c.dim_vecs == 0) return c;
+  c.group = Pow2AtLeast(c.dim_vecs);
+  c.chunks = CeilDiv(c.dim_vecs, c.group);
+  return c;
+}
+
+// Carves sub-buffers out of the caller's scratch; with a null base it only
+// counts the bytes (so the size query and the launch share one layout).
+class Carver {
+ public:
+  explicit Carver(void* base)
+      : base_(base == nullptr ? nullptr
+                              : reinterpret_cast<char*>(
+                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
+  template <typename U>
+  U* Take(int64_t count) {
+    offset_ = (offset_ + 255) & ~size_t{255};
+    U* p = base_ == nullptr ? nullptr : reinterpret_cast<U*>(base_ + offset_);
+    offset_ += sizeof(U) * static_cast<size_t>(std::max<int64_t>(count, 0));
+    return p;
+  }
+  // Bytes used, plus room to align an unaligned base.
+  size_t bytes() const { return offset_ + 256; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+#define TTEMB_RETURN_IF_CUDA_ERROR(expr)    \
+  do {                                      \
+    const cudaError_t err_ = (expr);        \
+    if (err_ != cudaSuccess) return err_;   \
+  } while (0)
+
+cudaError_t LastLaunchError() { return cudaGetLastError(); }
+
+// Forward plan: columns, and how many slices each bag is split into.
+struct ForwardPlan {
+  Columns cols;
+  int64_t slices = 1;
+  int64_t num_items = 0;
+};
+
+template <typename T>
+ForwardPlan PlanForward(const BagProblem& p) {
+  ForwardPlan plan;
+  plan.cols = ColumnsFor<T>(p.dim);
+  if (plan.cols.chunks == 0 || p.num_bags == 0) return plan;
+  const int64_t groups = p.num_bags * plan.cols.chunks;
+  if (groups < kTargetGroups) {
+    const int64_t by_length = p.nnz / p.num_bags / kMinSliceEntries;
+    const int64_t wanted = CeilDiv(kTargetGroups, groups);
+    plan.slices = std::max<int64_t>(1, std::min({by_length, wanted, kMaxSlices}));
+  }
+  plan.num_items = groups * plan.slices;
+  return plan;
+}
+
+template <typename T>
+struct ForwardScratch {
+  AccT<T>* part_acc = nullptr;
+  int32_t* part_pos = nullptr;
+  AccT<T>* part_w = nullptr;
+};
+
+template <typename T>
+size_t CarveForward(const BagProblem& p, const ForwardPlan& plan, void* base,
+                    ForwardScratch<T>* s) {
+  Carver carver(base);
+  if (plan.slices > 1) {
+    const int64_t parts = p.num_bags * plan.slices;
+    s->part_acc = carver.Take<AccT<T>>(parts * p.dim);
+    if (p.combiner == Combiner::kMax) s->part_pos = carver.Take<int32_t>(parts * p.dim);
+    s->part_w = carver.Take<AccT<T>>(parts * 2);
+  }
+  return carver.bytes();
+}
+
+cudaError_t InitReport(DeviceReport* report, cudaStream_t stream) {
+  return cudaMemsetAsync(report, 0xff, sizeof(DeviceReport), stream);
+}
+
+cudaError_t CheckSplits(const int64_t* splits, int64_t num_bags, DeviceReport* report,
+                        cudaStream_t stream) {
+  if (num_bags == 0) return cudaSuccess;
+  CheckSplitsKernel<<<GridFor(num_bags), kBlock, 0, stream>>>(splits, num_bags, report);
+  return LastLaunchError();
+}
+
+template <typename Tindex>
+cudaError_t FinishReport(const Tindex* ids, int64_t nnz, const int64_t* splits,
+                         int64_t num_bags, DeviceReport* report, cudaStream_t stream) {
+  FinishReportKernel<Tindex><<<1, 1, 0, stream>>>(ids, nnz, splits, num_bags, report);
+  return LastLaunchError();
+}
+
+bool ValidProblem(const BagProblem& p) {
+  return p.num_rows >= 0 && p.dim >= 0 && p.num_bags >= 0 && p.nnz >= 0 &&
+         !(p.has_weights && p.combiner == Combiner::kMax);
+}
+
+// Params-gradient plan and scratch, shared by Prepare and Reduce.
+template <typename T>
+struct GradPlan {
+  Columns cols;
+  bool wide_keys = false;  // uint64 keys (N >= 2^32 - 1)
+  int end_bit = 1;
+  int64_t unique_bound = 0;  // min(nnz, N)
+  int64_t piece_bound = 0;   // most pieces of long segments
+};
+
+template <typename T>
+GradPlan<T> PlanGrad(const BagProblem& p) {
+  GradPlan<T> g;
+  g.cols = ColumnsFor<T>(p.dim);
+  g.wide_keys = p.num_rows >= int64_t{0xffffffff};
+  int bits = 0;
+  while (bits < 63 && (p.num_rows >> bits) != 0) ++bits;
+  g.end_bit = std::max(bits, 1);
+  g.unique_bound = std::min(p.nnz, p.num_rows);
+  g.piece_bound = 2 * p.nnz / kPieceEntries + 1;
+  return g;
+}
+
+template <typename T>
+struct GradScratch {
+  void* keys_in = nullptr;
+  void* keys_out = nullptr;
+  int32_t* pos_in = nullptr;
+  int32_t* pos_out = nullptr;
+  int32_t* heads = nullptr;
+  int32_t* seg_index = nullptr;
+  int32_t* seg_start = nullptr;
+  int64_t* seg_id = nullptr;
+  int32_t* hot = nullptr;
+  int32_t* hot_off = nullptr;
+  int64_t* meta = nullptr;
+  AccT<T>* scale = nullptr;
+  AccT<T>* dyout = nullptr;
+  int32_t* sorted_bag = nullptr;
+  AccT<T>* sorted_coef = nullptr;
+  int32_t* sorted_inbag = nullptr;
+  AccT<T>* part = nullptr;
+  AccT<T>* pdot = nullptr;
+  uint8_t* touched = nullptr;
+  void* cub_temp = nullptr;
+  size_t cub_bytes = 0;
+};
+
+template <typename Key>
+size_t SortTempBytes(int64_t nnz, int end_bit) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const Key*>(nullptr),
+                                  static_cast<Key*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), nnz, 0, end_bit);
+  return bytes;
+}
+
+size_t ScanTempBytes(int64_t items) {
+  size_t bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                static_cast<int32_t*>(nullptr), items);
+  return bytes;
+}
+
+template <typename T>
+size_t CarveGrad(const BagProblem& p, const GradPlan<T>& g, bool dense, bool fused, void* base,
+                 GradScratch<T>* s) {
+  Carver carver(base);
+  const int64_t n = p.nnz;
+  const size_t key_size = g.wide_keys ? sizeof(uint64_t) : sizeof(uint32_t);
+  s->keys_in = carver.Take<char>(n * static_cast<int64_t>(key_size));
+  s->keys_out = carver.Take<char>(n * static_cast<int64_t>(key_size));
+  s->pos_in = carver.Take<int32_t>(n);
+  s->pos_out = carver.Take<int32_t>(n);
+  s->heads = carver.Take<int32_t>(n + 1);
+  s->seg_index = carver.Take<int32_t>(n + 1);
+  s->seg_start = carver.Take<int32_t>(n + 1);
+  s->seg_id = carver.Take<int64_t>(n);
+  s->hot = carver.Take<int32_t>(n + 1);
+  s->hot_off = carver.Take<int32_t>(n + 1);
+  s->meta = carver.Take<int64_t>(2);
+  const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
+  if (scaled) s->scale = carver.Take<AccT<T>>(p.num_bags);
+  if (scaled && fused) s->dyout = carver.Take<AccT<T>>(p.num_bags);
+  s->sorted_bag = carver.Take<int32_t>(n);
+  if (p.combiner == Combiner::kMax) {
+    s->sorted_inbag = carver.Take<int32_t>(n);
+  } else {
+    s->sorted_coef = carver.Take<AccT<T>>(n);
+  }
+  s->part = carver.Take<AccT<T>>(g.piece_bound * p.dim);
+  if (fused) s->pdot = carver.Take<AccT<T>>(n * g.cols.chunks);
+  if (dense) s->touched = carver.Take<uint8_t>(p.num_rows);
+  s->cub_bytes = std::max(g.wide_keys ? SortTempBytes<uint64_t>(n, g.end_bit)
+                                      : SortTempBytes<uint32_t>(n, g.end_bit),
+                          ScanTempBytes(n + 1));
+  s->cub_temp = carver.Take<char>(static_cast<int64_t>(s->cub_bytes));
+  return carver.bytes();
+}
+
+bool GradSizesOk(const BagProblem& p) {
+  return p.nnz < std::numeric_limits<int32_t>::max() - 1 &&
+         p.num_bags < std::numeric_limits<int32_t>::max();
+}
+
+template <typename T, typename Tindex, typename Key>
+cudaError_t SortAndSegmentImpl(const BagProblem& p, const GradPlan<T>& g, const Tindex* ids,
+                               GradScratch<T>& s, DeviceReport* report, cudaStream_t stream) {
+  const int64_t n = p.nnz;
+  Key* keys_in = static_cast<Key*>(s.keys_in);
+  Key* keys_out = static_cast<Key*>(s.keys_out);
+  const Key sentinel = static_cast<Key>(p.num_rows);
+  BuildSortKeysKernel<Tindex, Key><<<GridFor(n), kBlock, 0, stream>>>(
+      ids, n, p.num_rows, p.has_padding_id, p.padding_id, keys_in, s.pos_in, report);
+  TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  size_t bytes = s.cub_bytes;
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
+      s.cub_temp, bytes, keys_in, keys_out, s.pos_in, s.pos_out, n, 0, g.end_bit, stream));
+  SegmentHeadsKernel<Key><<<GridFor(n + 1), kBlock, 0, stream>>>(keys_out, n, sentinel, s.heads);
+  TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  bytes = s.cub_bytes;
+  TTEMB_RETURN_IF_CUDA_ERROR(
+      cub::DeviceScan::ExclusiveSum(s.cub_temp, bytes, s.heads, s.seg_index, n + 1, stream));
+  ScatterSegmentsKernel<Key><<<GridFor(n), kBlock, 0, stream>>>(
+      keys_out, n, sentinel, s.heads, s.seg_index, s.seg_start, s.seg_id, s.meta, report);
+  TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  HotPiecesKernel<<<GridFor(n + 1), kBlock, 0, stream>>>(s.seg_start, s.meta, n, s.hot);
+  TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  bytes = s.cub_bytes;
+  return cub::DeviceScan::ExclusiveSum(s.cub_temp, bytes, s.hot, s.hot_off, n + 1, stream);
+}
+
+template <typename T>
+ReduceArgs<T> MakeReduceArgs(const BagProblem& p, const GradPlan<T>& g, const GradScratch<T>& s,
+                             const T* grad, const int32_t* argmax, T* values, T* dense,
+                             const WeightsGradFusion<T>* fusion) {
+  ReduceArgs<T> a;
+  a.grad = grad;
+  a.argmax = argmax;
+  a.sorted_bag = s.sorted_bag;
+  a.sorted_coef = s.sorted_coef;
+  a.sorted_inbag = s.sorted_inbag;
+  a.seg_start = s.seg_start;
+  a.seg_id = s.seg_id;
+  a.hot = s.hot;
+  a.hot_off = s.hot_off;
+  a.meta = s.meta;
+  a.part = s.part;
+  a.values = values;
+  a.dense = dense;
+  a.params = fusion != nullptr ? fusion->params : nullptr;
+  a.pdot = fusion != nullptr ? s.pdot : nullptr;
+  a.dim = p.dim;
+  a.dim_vecs = g.cols.dim_vecs;
+  a.chunks = g.cols.chunks;
+  a.nnz = p.nnz;
+  a.num_items = 0;
+  a.group = g.cols.group;
+  a.is_max = p.combiner == Combiner::kMax;
+  return a;
+}
+
+template <typename T, bool kAligned>
+cudaError_t LaunchReduceKernels(ReduceArgs<T> a, const GradPlan<T>& g, cudaStream_t stream) {
+  const int64_t group = g.cols.group;
+  a.num_items = g.unique_bound * g.cols.chunks;
+  if (a.num_items > 0) {
+    ReduceSegmentsKernel<T, kAligned><<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  ReduceArgs<T> pieces = a;
+  pieces.num_items = g.piece_bound * g.cols.chunks;
+  if (pieces.num_items > 0) {
+    ReducePiecesKernel<T, kAligned>
+        <<<GridFor(pieces.num_items * group), kBlock, 0, stream>>>(pieces);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  if (a.num_items > 0) {
+    CombinePiecesKernel<T, kAligned><<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Public launchers.
+
+cudaError_t LaunchCheckSplits(const int64_t* splits, int64_t num_bags, DeviceReport* report,
+                              cudaStream_t stream) {
+  if (num_bags < 0) return cudaErrorInvalidValue;
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, num_bags, report, stream));
+  return FinishReport<int32_t>(nullptr, 0, splits, num_bags, report, stream);
+}
+
+template <typename T>
+size_t ForwardScratchBytes(const BagProblem& p) {
+  ForwardScratch<T> s;
+  return CarveForward<T>(p, PlanForward<T>(p), nullptr, &s);
+}
+
+template <typename T, typename Tindex>
+cudaError_t LaunchForward(const BagProblem& p, const T* params, const Tindex* ids,
+                          const int64_t* splits, const T* weights, T* out, int32_t* argmax,
+                          DeviceReport* report, void* scratch, size_t scratch_bytes,
+                          cudaStream_t stream) {
+  if (!ValidProblem(p) || (p.combiner == Combiner::kMax && p.num_bags * p.dim > 0 &&
+                           argmax == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const ForwardPlan plan = PlanForward<T>(p);
+  ForwardScratch<T> s;
+  if (CarveForward<T>(p, plan, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
+  CarveForward<T>(p, plan, scratch, &s);
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
+  if (plan.num_items == 0) {
+    // No output elements: the ids are still checked.
+    if (p.nnz > 0) {
+      CheckIdsKernel<Tindex><<<GridFor(p.nnz), kBlock, 0, stream>>>(
+          ids, p.nnz, p.num_rows, p.has_padding_id, p.padding_id, report);
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
+  } else {
+    ForwardArgs<T, Tindex> a;
+    a.params = params;
+    a.ids = ids;
+    a.splits = splits;
+    a.weights = p.has_weights ? weights : nullptr;
+    a.out = out;
+    a.argmax = argmax;
+    a.part_acc = s.part_acc;
+    a.part_pos = s.part_pos;
+    a.part_w = s.part_w;
+    a.report = report;
+    a.num_rows = p.num_rows;
+    a.dim = p.dim;
+    a.nnz = p.nnz;
+    a.padding_id = p.padding_id;
+    a.dim_vecs = plan.cols.dim_vecs;
+    a.chunks = plan.cols.chunks;
+    a.slices = plan.slices;
+    a.num_items = plan.num_items;
+    a.group = plan.cols.group;
+    a.combiner = p.combiner;
+    a.has_weights = p.has_weights;
+    a.has_padding = p.has_padding_id;
+    const bool aligned = p.dim % VecOf<T>() == 0 && Aligned16(params) && Aligned16(out) &&
+                         (argmax == nullptr || Aligned16(argmax));
+    const int grid = GridFor(plan.num_items * plan.cols.group);
+    const bool is_max = p.combiner == Combiner::kMax;
+    if (aligned && is_max) {
+      ForwardKernel<T, Tindex, true, true><<<grid, kBlock, 0, stream>>>(a);
+    } else if (aligned) {
+      ForwardKernel<T, Tindex, true, false><<<grid, kBlock, 0, stream>>>(a);
+    } else if (is_max) {
+      ForwardKernel<T, Tindex, false, true><<<grid, kBlock, 0, stream>>>(a);
+    } else {
+      ForwardKernel<T, Tindex, false, false><<<grid, kBlock, 0, stream>>>(a);
+    }
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    if (plan.slices > 1) {
+      ForwardCombineKernel<T><<<GridFor(p.num_bags * p.dim), kBlock, 0, stream>>>(
+          s.part_acc, s.part_pos, s.part_w, p.num_bags, p.dim, plan.slices, p.combiner, out,
+          argmax);
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
+  }
+  return FinishReport<Tindex>(ids, p.nnz, splits, p.num_bags, report, stream);
+}
+
+template <typename T, typename Tindex>
+size_t ParamsGradScratchBytes(const BagProblem& p, bool dense, bool fuse_weights_grad) {
+  GradScratch<T> s;
+  return CarveGrad<T>(p, PlanGrad<T>(p), dense, fuse_weights_grad, nullptr, &s);
+}
+
+template <typename T, typename Tindex>
+cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
+                                    const int64_t* splits, const T* weights,
+                                    DeviceReport* report, bool dense, bool fuse_weights_grad,
+                                    void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  if (!ValidProblem(p) || !GradSizesOk(p)) return cudaErrorInvalidValue;
+  const GradPlan<T> g = PlanGrad<T>(p);
+  GradScratch<T> s;
+  if (CarveGrad<T>(p, g, dense, fuse_weights_grad, nullptr, &s) > scratch_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  CarveGrad<T>(p, g, dense, fuse_weights_grad, scratch, &s);
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
+  if (p.nnz == 0) {
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.meta, 0, 2 * sizeof(int64_t), stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(&report->num_unique, 0, sizeof(int64_t), stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.hot_off, 0, sizeof(int32_t), stream));
+  } else {
+    if (g.wide_keys) {
+      TTEMB_RETURN_IF_CUDA_ERROR(
+          (SortAndSegmentImpl<T, Tindex, uint64_t>(p, g, ids, s, report, stream)));
+    } else {
+      TTEMB_RETURN_IF_CUDA_ERROR(
+          (SortAndSegmentImpl<T, Tindex, uint32_t>(p, g, ids, s, report, stream)));
+    }
+    if (p.num_bags > 0) {
+      if (s.scale != nullptr) {
+        const int64_t warps_per_block = kBlock / 32;
+        BagScalesKernel<T, Tindex>
+            <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)),
+               kBlock, 0, stream>>>(ids, splits, p.has_weights ? weights : nullptr, nullptr,
+                                    nullptr, p.num_bags, p.nnz, p.dim, p.combiner,
+                                    p.has_padding_id, p.padding_id, s.scale, nullptr);
+        TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+      }
+      SortedEntryInfoKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
+          s.pos_out, splits, p.has_weights ? weights : nullptr, s.scale, s.meta, p.num_bags,
+          p.nnz, p.combiner == Combiner::kMax, s.sorted_bag, s.sorted_coef, s.sorted_inbag);
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
+  }
+  return FinishReport<Tindex>(ids, p.nnz, splits, p.num_bags, report, stream);
+}
+
+template <typename T, typename Tindex>
+cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int32_t* argmax,
+                                   Tindex* unique_ids, T* values, T* dense,
+                                   const WeightsGradFusion<T>* fusion, void* scratch,
+                                   size_t scratch_bytes, cudaStream_t stream) {
+  const bool is_dense = dense != nullptr;
+  const bool fused = fusion != nullptr;
+  if (!ValidProblem(p) || !GradSizesOk(p) || is_dense == (values != nullptr) ||
+      (p.combiner == Combiner::kMax && (argmax == nullptr || fused)) ||
+      (fused && (fusion->params == nullptr || fusion->weights == nullptr ||
+                 fusion->weights_grad == nullptr || !p.has_weights))) {
+    return cudaErrorInvalidValue;
+  }
+  const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
+  if (fused && scaled && fusion->output == nullptr) return cudaErrorInvalidValue;
+  const GradPlan<T> g = PlanGrad<T>(p);
+  GradScratch<T> s;
+  if (CarveGrad<T>(p, g, is_dense, fused, nullptr, &s) > scratch_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  CarveGrad<T>(p, g, is_dense, fused, scratch, &s);
+
+  if (is_dense && p.num_rows > 0 && p.dim > 0) {
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.touched, 0, p.num_rows, stream));
+    if (g.unique_bound > 0) {
+      MarkRowsKernel<<<GridFor(g.unique_bound), kBlock, 0, stream>>>(s.seg_id, s.meta,
+                                                                     g.unique_bound, s.touched);
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
+    const int64_t items = p.num_rows * g.cols.chunks;
+    const int grid = GridFor(items * g.cols.group);
+    if (p.dim % VecOf<T>() == 0 && Aligned16(dense)) {
+      ZeroUntouchedRowsKernel<T, true><<<grid, kBlock, 0, stream>>>(
+          dense, s.touched, p.dim, g.cols.dim_vecs, g.cols.chunks, items, g.cols.group);
+    } else {
+      ZeroUntouchedRowsKernel<T, false><<<grid, kBlock, 0, stream>>>(
+          dense, s.touched, p.dim, g.cols.dim_vecs, g.cols.chunks, items, g.cols.group);
+    }
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  if (fused && scaled && p.num_bags > 0) {
+    const int64_t warps_per_block = kBlock / 32;
+    BagScalesKernel<T, Tindex>
+        <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)), kBlock,
+           0, stream>>>(nullptr, nullptr, nullptr, grad, fusion->output, p.num_bags, p.nnz,
+                        p.dim, p.combiner, false, 0, nullptr, s.dyout);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  if (p.nnz > 0 && p.dim > 0 && p.num_bags > 0) {
+    const ReduceArgs<T> a = MakeReduceArgs<T>(p, g, s, grad, argmax, values, dense, fusion);
+    const bool aligned = p.dim % VecOf<T>() == 0 && Aligned16(grad) &&
+                         Aligned16(is_dense ? static_cast<const void*>(dense) : values) &&
+                         (!fused || Aligned16(fusion->params)) &&
+                         (argmax == nullptr || Aligned16(argmax));
+    if (aligned) {
+      TTEMB_RETURN_IF_CUDA_ERROR((LaunchReduceKernels<T, true>(a, g, stream)));
+    } else {
+      TTEMB_RETURN_IF_CUDA_ERROR((LaunchReduceKernels<T, false>(a, g, stream)));
+    }
+  }
+  if (unique_ids != nullptr && g.unique_bound > 0) {
+    WriteUniqueIdsKernel<Tindex><<<GridFor(g.unique_bound), kBlock, 0, stream>>>(
+        s.seg_id, s.meta, unique_ids);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  if (fused && p.nnz > 0) {
+    FusedWeightsGradKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
+        s.pos_out, s.sorted_bag, s.pdot, s.scale, s.dyout, fusion->weights, s.meta, p.nnz,
+        p.dim > 0 && p.num_bags > 0 ? g.cols.chunks : 0, p.combiner, fusion->weights_grad);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  }
+  return cudaSuccess;
+}
+
+template <typename T>
+size_t WeightsGradScratchBytes(const BagProblem& p) {
+  Carver carver(nullptr);
+  carver.Take<AccT<T>>(p.num_bags);
+  carver.Take<AccT<T>>(p.num_bags);
+  return carver.bytes();
+}
+
+template <typename T, typename Tindex>
+cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* params,
+                              const Tindex* ids, const int64_t* splits, const T* weights,
+                              const T* output, T* weights_grad, DeviceReport* report,
+                              void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
+  if (!ValidProblem(p) || p.combiner == Combiner::kMax || !p.has_weights ||
+      (scaled && output == nullptr) || WeightsGradScratchBytes<T>(p) > scratch_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  Carver carver(scratch);
+  AccT<T>* scale = carver.Take<AccT<T>>(p.num_bags);
+  AccT<T>* dyout = carver.Take<AccT<T>>(p.num_bags);
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
+  if (p.num_bags > 0 && p.nnz > 0) {
+    if (scaled) {
+      const int64_t warps_per_block = kBlock / 32;
+      BagScalesKernel<T, Tindex>
+          <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)),
+             kBlock, 0, stream>>>(ids, splits, weights, grad, output, p.num_bags, p.nnz, p.dim,
+                                  p.combiner, p.has_padding_id, p.padding_id, scale, dyout);
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
+    const Columns cols = ColumnsFor<T>(p.dim);
+    WeightsGradArgs<T, Tindex> a;
+    a.grad = grad;
+    a.params = params;
+    a.ids = ids;
+    a.splits = splits;
+    a.weights = weights;
+    a.scale = scaled ? scale : nullptr;
+    a.dyout = scaled ? dyout : nullptr;
+    a.weights_grad = weights_grad;
+    a.report = report;
+    a.num_rows = p.num_rows;
+    a.dim = p.dim;
+    a.dim_vecs = cols.dim_vecs;
+    a.num_bags = p.num_bags;
+    a.nnz = p.nnz;
+    a.padding_id = p.padding_id;
+    a.num_items = CeilDiv(p.nnz, kWeightsGradEntries);
+    a.group = cols.group;
+    a.combiner = p.combiner;
+    a.has_padding = p.has_padding_id;
+    const int grid = GridFor(a.num_items * cols.group);
+    if (p.dim % VecOf<T>() == 0 && Aligned16(grad) && Aligned16(params)) {
+      WeightsGradKernel<T, Tindex, true><<<grid, kBlock, 0, stream>>>(a);
+    } else {
+      WeightsGradKernel<T, Tindex, false><<<grid, kBlock, 0, stream>>>(a);
+    }
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  } else if (p.nnz > 0) {
+    // No bags but entries: row_splits is wrong (reported); the ids are still
+    // checked and the gradient is zero.
+    CheckIdsKernel<Tindex><<<GridFor(p.nnz), kBlock, 0, stream>>>(
+        ids, p.nnz, p.num_rows, p.has_padding_id, p.padding_id, report);
+    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    TTEMB_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(weights_grad, 0, sizeof(T) * static_cast<size_t>(p.nnz), stream));
+  }
+  return FinishReport<Tindex>(ids, p.nnz, splits, p.num_bags, report, stream);
+}
+
+// ---------------------------------------------------------------------------
+// Instantiations.
+
+#define TTEMB_INSTANTIATE(T, Tindex)                                                         \
+  template cudaError_t LaunchForward<T, Tindex>(                                             \
+      const BagProblem&, const T*, const Tindex*, const int64_t*, const T*, T*, int32_t*,    \
+      DeviceReport*, void*, size_t, cudaStream_t);                                           \
+  template size_t ParamsGradScratchBytes<T, Tindex>(const BagProblem&, bool, bool);          \
+  template cudaError_t LaunchParamsGradPrepare<T, Tindex>(                                   \
+      const BagProblem&, const Tindex*, const int64_t*, const T*, DeviceReport*, bool, bool, \
+      void*, size_t, cudaStream_t);                                                          \
+  template cudaError_t LaunchParamsGradReduce<T, Tindex>(                                    \
+      const BagProblem&, const T*, const int32_t*, Tindex*, T*, T*,                          \
+      const WeightsGradFusion<T>*, void*, size_t, cudaStream_t);                             \
+  template cudaError_t LaunchWeightsGrad<T, Tindex>(                                         \
+      const BagProblem&, const T*, const T*, const Tindex*, const int64_t*, const T*,        \
+      const T*, T*, DeviceReport*, void*, size_t, cudaStream_t);
+
+#define TTEMB_INSTANTIATE_T(T)                                    \
+  template size_t ForwardScratchBytes<T>(const BagProblem&);      \
+  template size_t WeightsGradScratchBytes<T>(const BagProblem&);  \
+  TTEMB_INSTANTIATE(T, int32_t)                                   \
+  TTEMB_INSTANTIATE(T, int64_t)
+
+TTEMB_INSTANTIATE_T(__half)
+TTEMB_INSTANTIATE_T(__nv_bfloat16)
+TTEMB_INSTANTIATE_T(float)
+TTEMB_INSTANTIATE_T(double)
+
+#undef TTEMB_INSTANTIATE_T
+#undef TTEMB_INSTANTIATE
+
+}  // namespace gpu
+}  // namespace tf_ttemb

@@ -1,0 +1,204 @@
+// C ABI over the gather_reduce_sum launchers, for the ctypes harness
+// (python/gpu_harness.py), which runs the kernels on a machine without
+// TensorFlow. Built with nvcc alone by python/build_gpu_harness.sh into
+// libtf_ttemb_gpu_harness.so. Not part of the op library: Bazel globs only
+// cuda/*.cu, not this folder.
+//
+// dtype codes: 0 float16, 1 bfloat16, 2 float32, 3 float64.
+// index codes: 0 int32, 1 int64.
+// Every function returning int returns a cudaError_t value (0 = success).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/gather_reduce_sum_kernels.cuh"
+
+namespace {
+
+using tf_ttemb::gpu::BagProblem;
+using tf_ttemb::gpu::Combiner;
+using tf_ttemb::gpu::DeviceReport;
+using tf_ttemb::gpu::WeightsGradFusion;
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<T>, Tag<Tindex>) for the codes; false for unknown codes.
+template <typename F>
+bool Dispatch(int dtype, int index_dtype, F&& f) {
+  auto with_index = [&](auto value_tag) {
+    if (index_dtype == 0) {
+      f(value_tag, Tag<int32_t>{});
+      return true;
+    }
+    if (index_dtype == 1) {
+      f(value_tag, Tag<int64_t>{});
+      return true;
+    }
+    return false;
+  };
+  switch (dtype) {
+    case 0:
+      return with_index(Tag<__half>{});
+    case 1:
+      return with_index(Tag<__nv_bfloat16>{});
+    case 2:
+      return with_index(Tag<float>{});
+    case 3:
+      return with_index(Tag<double>{});
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Mirrors tf_ttemb::gpu::BagProblem with fixed-width fields.
+struct TtembProblem {
+  int64_t num_rows;
+  int64_t dim;
+  int64_t num_bags;
+  int64_t nnz;
+  int64_t padding_id;
+  int32_t combiner;  // 0 sum, 1 mean, 2 sqrtn, 3 max
+  int32_t has_weights;
+  int32_t has_padding_id;
+  int32_t reserved;
+};
+
+static BagProblem ToProblem(const TtembProblem* c) {
+  BagProblem p;
+  p.num_rows = c->num_rows;
+  p.dim = c->dim;
+  p.num_bags = c->num_bags;
+  p.nnz = c->nnz;
+  p.padding_id = c->padding_id;
+  p.combiner = static_cast<Combiner>(c->combiner);
+  p.has_weights = c->has_weights != 0;
+  p.has_padding_id = c->has_padding_id != 0;
+  return p;
+}
+
+int ttemb_report_bytes(void) { return static_cast<int>(sizeof(DeviceReport)); }
+
+const char* ttemb_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+size_t ttemb_forward_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem) {
+  size_t bytes = 0;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto) {
+    bytes = tf_ttemb::gpu::ForwardScratchBytes<typename decltype(t)::type>(p);
+  });
+  return bytes;
+}
+
+int ttemb_forward(int dtype, int index_dtype, const TtembProblem* problem, const void* params,
+                  const void* ids, const int64_t* splits, const void* weights, void* out,
+                  int32_t* argmax, void* report, void* scratch, size_t scratch_bytes,
+                  void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+    using T = typename decltype(t)::type;
+    using I = typename decltype(i)::type;
+    err = tf_ttemb::gpu::LaunchForward<T, I>(
+        p, static_cast<const T*>(params), static_cast<const I*>(ids), splits,
+        static_cast<const T*>(weights), static_cast<T*>(out), argmax,
+        static_cast<DeviceReport*>(report), scratch, scratch_bytes,
+        static_cast<cudaStream_t>(stream));
+  });
+  return static_cast<int>(err);
+}
+
+size_t ttemb_params_grad_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem,
+                                       int dense, int fused) {
+  size_t bytes = 0;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+    bytes = tf_ttemb::gpu::ParamsGradScratchBytes<typename decltype(t)::type,
+                                                  typename decltype(i)::type>(p, dense != 0,
+                                                                               fused != 0);
+  });
+  return bytes;
+}
+
+int ttemb_params_grad_prepare(int dtype, int index_dtype, const TtembProblem* problem,
+                              const void* ids, const int64_t* splits, const void* weights,
+                              void* report, int dense, int fused, void* scratch,
+                              size_t scratch_bytes, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+    using T = typename decltype(t)::type;
+    using I = typename decltype(i)::type;
+    err = tf_ttemb::gpu::LaunchParamsGradPrepare<T, I>(
+        p, static_cast<const I*>(ids), splits, static_cast<const T*>(weights),
+        static_cast<DeviceReport*>(report), dense != 0, fused != 0, scratch, scratch_bytes,
+        static_cast<cudaStream_t>(stream));
+  });
+  return static_cast<int>(err);
+}
+
+// Fusion of the weights gradient when weights_grad is not null.
+int ttemb_params_grad_reduce(int dtype, int index_dtype, const TtembProblem* problem,
+                             const void* grad, const int32_t* argmax, void* unique_ids,
+                             void* values, void* dense, const void* fused_params,
+                             const void* fused_output, const void* fused_weights,
+                             void* weights_grad, void* scratch, size_t scratch_bytes,
+                             void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+    using T = typename decltype(t)::type;
+    using I = typename decltype(i)::type;
+    WeightsGradFusion<T> fusion{static_cast<const T*>(fused_params),
+                                static_cast<const T*>(fused_output),
+                                static_cast<const T*>(fused_weights), static_cast<T*>(weights_grad)};
+    err = tf_ttemb::gpu::LaunchParamsGradReduce<T, I>(
+        p, static_cast<const T*>(grad), argmax, static_cast<I*>(unique_ids),
+        static_cast<T*>(values), static_cast<T*>(dense),
+        weights_grad != nullptr ? &fusion : nullptr, scratch, scratch_bytes,
+        static_cast<cudaStream_t>(stream));
+  });
+  return static_cast<int>(err);
+}
+
+size_t ttemb_weights_grad_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem) {
+  size_t bytes = 0;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto) {
+    bytes = tf_ttemb::gpu::WeightsGradScratchBytes<typename decltype(t)::type>(p);
+  });
+  return bytes;
+}
+
+int ttemb_weights_grad(int dtype, int index_dtype, const TtembProblem* problem, const void* grad,
+                       const void* params, const void* ids, const int64_t* splits,
+                       const void* weights, const void* output, void* weights_grad, void* report,
+                       void* scratch, size_t scratch_bytes, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+    using T = typename decltype(t)::type;
+    using I = typename decltype(i)::type;
+    err = tf_ttemb::gpu::LaunchWeightsGrad<T, I>(
+        p, static_cast<const T*>(grad), static_cast<const T*>(params),
+        static_cast<const I*>(ids), splits, static_cast<const T*>(weights),
+        static_cast<const T*>(output), static_cast<T*>(weights_grad),
+        static_cast<DeviceReport*>(report), scratch, scratch_bytes,
+        static_cast<cudaStream_t>(stream));
+  });
+  return static_cast<int>(err);
+}
+
+}  // extern "C"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds the GPU harness library (the cuda/ kernels behind a C ABI, no
+# TensorFlow) with nvcc alone:
+#
+#   bash python/build_gpu_harness.sh [OUTPUT_DIR]     (default: build/gpu_harness)
+#
+# Writes OUTPUT_DIR/libtf_ttemb_gpu_harness.so; python/gpu_harness.py loads it.
+# NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc) and
+# NVCC_FLAGS (extra flags) may be set.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT_DIR="${1:-build/gpu_harness}"
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+mkdir -p "$OUT_DIR"
+FLAGS=(-arch=sm_90 -O3 -std=c++17 -Xcompiler -fPIC -I. ${NVCC_FLAGS:-})
+
+# The two translation units build in parallel.
+"$NVCC" "${FLAGS[@]}" -c cuda/gather_reduce_sum_kernels.cu -o "$OUT_DIR/kernels.o" &
+KERNELS=$!
+"$NVCC" "${FLAGS[@]}" -c cuda/harness/gpu_harness_capi.cu -o "$OUT_DIR/capi.o"
+wait "$KERNELS"
+"$NVCC" -arch=sm_90 -shared "$OUT_DIR/kernels.o" "$OUT_DIR/capi.o" \
+  -o "$OUT_DIR/libtf_ttemb_gpu_harness.so"
+echo "built $OUT_DIR/libtf_ttemb_gpu_harness.so"

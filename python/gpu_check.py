@@ -1,0 +1,650 @@
+"""Checks and benchmarks the CUDA kernels of gather_reduce_sum on a GPU, without TensorFlow.
+
+    python3 python/gpu_check.py            # build, full check sweep, benchmarks
+    python3 python/gpu_check.py --small    # a small sweep, for compute-sanitizer
+    python3 python/gpu_check.py --lib PATH # use a built library instead of building
+
+Correctness: every combiner, value dtype (f16, bf16, f32, f64) and id dtype (int32,
+int64) over shapes with D in {1, 3, 64, 127, 1024, 4096}, bag lengths from 0 to 4096,
+uniform and Zipf(1.1) ids (so some rows are very hot), padding ids, zero denominators,
+empty bags and batches; forward (output, argmax), params gradient (dense and
+deduplicated), weights gradient (fused and stand-alone), all against float64
+references computed on the CPU by torch. Outputs are poisoned with NaN first, so an
+element the kernels never write fails. Also: bitwise determinism over repeated runs,
+out-of-range ids and bad offsets (messages of the TF op).
+
+Benchmarks (CUDA-event medians, inputs rotated between fresh random sets): the issue's
+PKM and DLRM shapes against torch.nn.functional.embedding_bag in the same run.
+Prints a table; writes JSON to $OUT/gpu_check.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gpu_harness as gh  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+INDEX_DTYPES = [torch.int32, torch.int64]
+COMBINERS = ["sum", "mean", "sqrtn", "max"]
+RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
+ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-30, torch.float32: 1e-30, torch.float64: 0.0}
+DEVICE = "cuda"  # a dry run on a machine without a GPU sets "cpu"
+SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+         torch.float64: "f64", torch.int32: "i32", torch.int64: "i64"}
+
+# name, N, D, (min len, max len), B, distribution, padding id
+CONFIGS = [
+    ("d1", 50, 1, (0, 8), 64, "uniform", None),
+    ("d3-pad-oob", 100, 3, (0, 16), 50, "zipf", -1),
+    ("d64-pad", 1000, 64, (0, 64), 128, "uniform", 7),
+    ("d127-zipf", 500, 127, (0, 40), 64, "zipf", None),
+    ("d1024", 2000, 1024, (0, 32), 32, "uniform", None),
+    ("d4096-pad", 300, 4096, (0, 8), 8, "zipf", 3),
+    ("long-bags", 5000, 64, (2048, 4096), 3, "uniform", None),
+    ("hot-rows", 64, 96, (0, 4096), 24, "zipf", 5),
+    ("empty-bags", 10, 16, (0, 0), 5, "uniform", None),
+    ("no-bags", 10, 16, (0, 0), 0, "uniform", None),
+    ("zero-den", 40, 8, (2, 2), 6, "uniform", None),
+]
+SMALL_CONFIGS = ["d3-pad-oob", "d64-pad", "d127-zipf", "long-bags", "hot-rows", "zero-den",
+                 "empty-bags"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Inputs.
+
+def make_ids(n, num_rows, dist, dtype, gen, device):
+    if n == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    if dist == "uniform":
+        ids = torch.randint(0, num_rows, (n,), generator=gen)
+    else:
+        ranks = torch.arange(1, num_rows + 1, dtype=torch.float64)
+        probs = ranks.pow(-1.1)
+        draw = torch.multinomial(probs, n, replacement=True, generator=gen)
+        perm = torch.randperm(num_rows, generator=gen)
+        ids = perm[draw]
+    return ids.to(dtype).to(device)
+
+
+def make_case(config, dtype, itype, combiner, weighted, seed, device=None):
+    device = device or DEVICE
+    name, n_rows, dim, (lo, hi), bags, dist, pad = config
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (bags,), generator=gen)
+    offsets = torch.zeros(bags + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    nnz = int(offsets[-1])
+    ids = make_ids(nnz, n_rows, dist, itype, gen, "cpu")
+    if pad is not None and nnz:
+        mask = torch.rand(nnz, generator=gen) < 0.15
+        ids[mask] = pad
+    params = torch.randn(n_rows, dim, generator=gen, dtype=torch.float64)
+    if combiner == "max" and n_rows > 4:
+        # Ties: some rows repeat others exactly, so the first-entry rule is exercised.
+        params[1::4] = params[0::4][: params[1::4].shape[0]]
+    weights = None
+    if weighted:
+        if combiner == "mean":
+            weights = torch.rand(nnz, generator=gen, dtype=torch.float64) + 0.25
+        else:
+            sign = torch.where(torch.rand(nnz, generator=gen) < 0.3, -1.0, 1.0)
+            weights = (torch.rand(nnz, generator=gen, dtype=torch.float64) + 0.25) * sign
+        if name == "zero-den" and nnz >= 4:
+            weights[0], weights[1] = 0.5, -0.5  # bag 0: sum of weights is 0
+            weights[2], weights[3] = 0.0, 0.0  # bag 1: all weights 0
+    grad = torch.randn(bags, dim, generator=gen, dtype=torch.float64)
+    to = lambda t: None if t is None else t.to(dtype).to(device)  # noqa: E731
+    return dict(params=to(params), ids=ids.to(device), offsets=offsets.to(device),
+                weights=to(weights), grad=to(grad), padding_id=pad, combiner=combiner)
+
+
+# ---------------------------------------------------------------------------
+# float64 references (CPU).
+
+def reference(case, out_kernel=None):
+    params = case["params"].cpu().double()
+    ids = case["ids"].cpu().long()
+    offsets = case["offsets"].cpu()
+    w_in = case["weights"]
+    combiner, pad = case["combiner"], case["padding_id"]
+    grad = case["grad"].cpu().double()
+    n_rows, dim = params.shape
+    bags = offsets.numel() - 1
+    nnz = ids.numel()
+    lengths = offsets.diff()
+    bag = torch.repeat_interleave(torch.arange(bags), lengths)
+    pos_in_bag = torch.arange(nnz) - offsets[:-1][bag] if nnz else torch.zeros(0, dtype=torch.long)
+    valid = ids != pad if pad is not None else torch.ones(nnz, dtype=torch.bool)
+    vidx = valid.nonzero().squeeze(1)
+    vid, vb, vpos = ids[vidx], bag[vidx], pos_in_bag[vidx]
+    e = params[vid]
+    m = vidx.numel()
+    w = w_in.cpu().double()[vidx] if w_in is not None else torch.ones(m, dtype=torch.float64)
+    ref = {}
+    idx2 = vb[:, None].expand(-1, dim)
+    count = torch.zeros(bags, dtype=torch.float64).index_add_(0, vb, torch.ones(m, dtype=torch.float64))
+    if combiner == "max":
+        out = torch.full((bags, dim), -math.inf, dtype=torch.float64)
+        out.scatter_reduce_(0, idx2, e, "amax", include_self=True)
+        out[count == 0] = 0
+        cand = torch.where(e == out[vb], vpos[:, None].double(), math.inf)
+        am = torch.full((bags, dim), math.inf, dtype=torch.float64)
+        am.scatter_reduce_(0, idx2, cand, "amin", include_self=True)
+        am[count == 0] = -1
+        ref["out"], ref["out_abs"], ref["argmax"] = out, out.abs(), am.long()
+        contrib = torch.where(am[vb] == vpos[:, None].double(), grad[vb], 0.0)
+        contrib_abs = contrib.abs()
+    else:
+        wsum = torch.zeros(bags, dtype=torch.float64).index_add_(0, vb, w)
+        wsq = torch.zeros(bags, dtype=torch.float64).index_add_(0, vb, w * w)
+        if combiner == "mean":
+            scale = torch.where(wsum != 0, 1.0 / torch.where(wsum != 0, wsum, 1.0), 0.0)
+        elif combiner == "sqrtn":
+            scale = torch.where(wsq > 0, 1.0 / torch.sqrt(torch.where(wsq > 0, wsq, 1.0)), 0.0)
+        else:
+            scale = torch.ones(bags, dtype=torch.float64)
+        out = torch.zeros(bags, dim, dtype=torch.float64).index_add_(0, vb, w[:, None] * e)
+        out_abs = torch.zeros(bags, dim, dtype=torch.float64).index_add_(
+            0, vb, w.abs()[:, None] * e.abs())
+        ref["out"], ref["out_abs"] = out * scale[:, None], out_abs * scale.abs()[:, None]
+        coef = scale[vb] * w
+        contrib = coef[:, None] * grad[vb]
+        contrib_abs = coef.abs()[:, None] * grad[vb].abs()
+        if w_in is not None:
+            o = (out_kernel.cpu().double() if out_kernel is not None else ref["out"])
+            dot = (e * grad[vb]).sum(1)
+            dot_abs = (e.abs() * grad[vb].abs()).sum(1)
+            dyout = (grad * o).sum(1)
+            dyout_abs = (grad.abs() * o.abs()).sum(1)
+            s = scale[vb]
+            if combiner == "mean":
+                g = (dot - dyout[vb]) * s
+                g_abs = (dot_abs + dyout_abs[vb]) * s.abs()
+            elif combiner == "sqrtn":
+                g = dot * s - w * dyout[vb] * s * s
+                g_abs = dot_abs * s.abs() + w.abs() * dyout_abs[vb] * s * s
+            else:
+                g, g_abs = dot, dot_abs
+            dw = torch.zeros(nnz, dtype=torch.float64)
+            dw_abs = torch.zeros(nnz, dtype=torch.float64)
+            dw[vidx], dw_abs[vidx] = g, g_abs
+            ref["dw"], ref["dw_abs"] = dw, dw_abs
+    dense = torch.zeros(n_rows, dim, dtype=torch.float64).index_add_(0, vid, contrib)
+    dense_abs = torch.zeros(n_rows, dim, dtype=torch.float64).index_add_(0, vid, contrib_abs)
+    ref["dense"], ref["dense_abs"] = dense, dense_abs
+    ref["unique"] = torch.unique(vid)
+    return ref
+
+
+def close(got, ref, ref_abs, dtype):
+    """|got - ref| <= rtol * sum|terms| + atol elementwise; returns (ok, worst ratio)."""
+    if got.shape != ref.shape:
+        return False, float("inf")
+    if got.numel() == 0:
+        return True, 0.0
+    g = got.detach().cpu().double()
+    err = (g - ref).abs()
+    bound = RTOL[dtype] * ref_abs + ATOL[dtype]
+    ok = bool(torch.all(err <= bound)) and not bool(torch.isnan(g).any())
+    ratio = float((err / (ref_abs + 1e-300)).nan_to_num(float("inf")).max())
+    return ok, ratio
+
+
+# ---------------------------------------------------------------------------
+# Checks.
+
+def check_case(config, dtype, itype, combiner, weighted, seed):
+    case = make_case(config, dtype, itype, combiner, weighted, seed)
+    res = {"config": config[0], "dtype": SHORT[dtype], "itype": SHORT[itype],
+           "combiner": combiner, "weighted": weighted, "failures": [], "worst": {}}
+    fail = res["failures"]
+    p, ids, off, w, dy, pad = (case[k] for k in ("params", "ids", "offsets", "weights", "grad",
+                                                  "padding_id"))
+    out, argmax = gh.gather_reduce_sum_with_argmax(p, ids, off, w, combiner, pad)
+    ref = reference(case, out_kernel=out)
+    ok, ratio = close(out, ref["out"], ref["out_abs"], dtype)
+    res["worst"]["forward"] = ratio
+    if combiner == "max":
+        exact = torch.equal(out.cpu().double(), ref["out"])
+        if not (ok and exact):
+            fail.append("forward max value")
+        if not torch.equal(argmax.cpu().long(), ref["argmax"]):
+            fail.append("forward argmax")
+    elif not ok:
+        fail.append(f"forward (worst error / sum|terms| = {ratio:.3g})")
+
+    for dense in (True, False):
+        pg, dw = gh.gather_reduce_sum_backward(p, ids, off, w, dy, combiner, pad, dense=dense)
+        tag = "dense" if dense else "dedup"
+        if dense:
+            ok, ratio = close(pg, ref["dense"], ref["dense_abs"], dtype)
+        else:
+            uid, vals = pg
+            if not torch.equal(uid.cpu().long(), ref["unique"]) or uid.dtype != ids.dtype:
+                fail.append("dedup unique ids")
+                ok, ratio = False, float("inf")
+            else:
+                u = ref["unique"]
+                ok, ratio = close(vals, ref["dense"][u], ref["dense_abs"][u], dtype)
+        res["worst"][f"params_grad_{tag}"] = ratio
+        if not ok:
+            fail.append(f"params grad {tag} ({ratio:.3g})")
+        if w is not None:
+            ok, ratio = close(dw, ref["dw"], ref["dw_abs"], dtype)
+            res["worst"][f"weights_grad_fused_{tag}"] = ratio
+            if not ok:
+                fail.append(f"fused weights grad {tag} ({ratio:.3g})")
+    if w is not None:
+        dw = gh.weights_grad(p, ids, off, w, dy, out, combiner, pad)
+        ok, ratio = close(dw, ref["dw"], ref["dw_abs"], dtype)
+        res["worst"]["weights_grad"] = ratio
+        if not ok:
+            fail.append(f"weights grad ({ratio:.3g})")
+    return res
+
+
+def sweep_cases(small):
+    configs = [c for c in CONFIGS if not small or c[0] in SMALL_CONFIGS]
+    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else DTYPES
+    cases = []
+    for config in configs:
+        for dtype in dtypes:
+            for combiner in COMBINERS:
+                for weighted in ((False, True) if combiner != "max" else (False,)):
+                    for itype in INDEX_DTYPES:
+                        cases.append((config, dtype, itype, combiner, weighted))
+    if small:  # one id dtype per case, alternating
+        cases = [c for i, c in enumerate(cases) if (i + i // 2) % 2 == 0]
+    return cases
+
+
+def run_sweep(small, max_cases=None):
+    cases = sweep_cases(small)
+    if max_cases and len(cases) > max_cases:
+        step = len(cases) / max_cases
+        cases = [cases[int(i * step)] for i in range(max_cases)]
+    results = []
+    for seed, (config, dtype, itype, combiner, weighted) in enumerate(cases, 1):
+        try:
+            r = check_case(config, dtype, itype, combiner, weighted, seed)
+        except Exception as exc:  # noqa: BLE001 -- reported, not hidden
+            r = {"config": config[0], "dtype": SHORT[dtype], "itype": SHORT[itype],
+                 "combiner": combiner, "weighted": weighted,
+                 "failures": [f"exception: {exc!r}"], "trace": traceback.format_exc()}
+        results.append(r)
+        if r["failures"]:
+            log("FAIL", {k: r[k] for k in ("config", "dtype", "itype", "combiner", "weighted")},
+                r["failures"])
+            if "trace" in r:
+                log(r["trace"])
+    return results
+
+
+def bits(t):
+    view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(view)
+
+
+def check_determinism(small):
+    """Same inputs, several runs: every output must be bitwise identical."""
+    out = []
+    shapes = [(20000, 256, 2048, 64)] if not small else [(500, 64, 64, 32)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for n_rows, dim, bags, length in shapes:
+            config = ("det", n_rows, dim, (length, length), bags, "zipf", None)
+            case = make_case(config, dtype, torch.int64, "sqrtn", True, 1234)
+            p, ids, off, w, dy = (case[k] for k in ("params", "ids", "offsets", "weights",
+                                                     "grad"))
+            runs = []
+            for _ in range(3):
+                fwd = gh.gather_reduce_sum(p, ids, off, w, "sqrtn")
+                dense, dw = gh.gather_reduce_sum_backward(p, ids, off, w, dy, "sqrtn")
+                (uid, vals), dw2 = gh.gather_reduce_sum_backward(p, ids, off, w, dy, "sqrtn",
+                                                                  dense=False)
+                dws = gh.weights_grad(p, ids, off, w, dy, fwd, "sqrtn")
+                runs.append([bits(fwd), bits(dense), bits(dw), uid, bits(vals), bits(dw2),
+                             bits(dws)])
+            same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
+            hot = int(torch.bincount(ids.long()).max())
+            out.append({"dtype": SHORT[dtype], "shape": [n_rows, dim, bags, length],
+                        "hottest_row_entries": hot, "bitwise_identical": same})
+            log(f"determinism {SHORT[dtype]} N={n_rows} D={dim} B={bags}x{length} "
+                f"hottest row {hot} entries: {'identical' if same else 'DIFFERENT'}")
+    return out
+
+
+def expect_error(fn, message):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc) == message, str(exc)
+    return False, "no error"
+
+
+def check_errors():
+    """Bad ids and offsets: the TF op's messages, from forward, params grad and weights grad."""
+    results = []
+    dev = "cuda"
+    params = torch.randn(10, 8, device=dev)
+    off = torch.tensor([0, 4, 10], device=dev)
+    w = torch.rand(10, device=dev)
+    dy = torch.randn(2, 8, device=dev)
+    for itype in INDEX_DTYPES:
+        big = 2**40 if itype == torch.int64 else 2**30
+        ids = torch.tensor([1, 2, 3, 4, 5, 10, 6, -3, 7, big], dtype=itype, device=dev)
+        ids_pad = torch.tensor([1, -1, 3, -3, 5, 9, 6, 10, 7, 1], dtype=itype, device=dev)
+        cases = [
+            ("forward", lambda: gh.gather_reduce_sum(params, ids, off),
+             "indices[5] = 10 is not in [0, 10)"),
+            ("forward padding", lambda: gh.gather_reduce_sum(params, ids_pad, off, padding_id=-1),
+             "indices[3] = -3 is not in [0, 10) and is not padding_id (-1)"),
+            ("forward max", lambda: gh.gather_reduce_sum(params, ids, off, combiner="max"),
+             "indices[5] = 10 is not in [0, 10)"),
+            ("params grad dense", lambda: gh.gather_reduce_sum_backward(params, ids, off, w, dy),
+             "indices[5] = 10 is not in [0, 10)"),
+            ("params grad dedup",
+             lambda: gh.gather_reduce_sum_backward(params, ids, off, None, dy, dense=False),
+             "indices[5] = 10 is not in [0, 10)"),
+            ("weights grad", lambda: gh.weights_grad(params, ids, off, w, dy),
+             "indices[5] = 10 is not in [0, 10)"),
+            ("huge id", lambda: gh.gather_reduce_sum(params, ids[9:], off * 0 + torch.tensor(
+                [0, 0, 1], device=dev)), f"indices[0] = {big} is not in [0, 10)"),
+            ("row_splits[0]", lambda: gh.gather_reduce_sum(
+                params, ids[:3], torch.tensor([1, 2, 3], device=dev)),
+             "row_splits[0] = 1 must be 0"),
+            ("row_splits decreasing", lambda: gh.gather_reduce_sum(
+                params, ids[:5], torch.tensor([0, 3, 2, 5], device=dev)),
+             "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3"),
+            ("row_splits last", lambda: gh.gather_reduce_sum(
+                params, ids[:5], torch.tensor([0, 3, 4], device=dev)),
+             "row_splits[2] = 4 must equal the number of indices (5)"),
+            ("row_splits decreasing grad", lambda: gh.gather_reduce_sum_backward(
+                params, ids[:5], torch.tensor([0, 3, 2, 5], device=dev), None,
+                torch.randn(3, 8, device=dev)),
+             "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3"),
+            ("max with weights", lambda: gh.gather_reduce_sum(params, ids, off, w, "max"),
+             "combiner 'max' does not take weights"),
+        ]
+        for name, fn, msg in cases:
+            ok, got = expect_error(fn, msg)
+            results.append({"itype": SHORT[itype], "case": name, "ok": ok, "got": got,
+                            "want": msg})
+            if not ok:
+                log(f"FAIL error check {name} {SHORT[itype]}: got {got!r}, want {msg!r}")
+    torch.cuda.synchronize()
+    return results
+
+
+# ---------------------------------------------------------------------------
+# Benchmarks.
+
+def bench(fn, iters, warmup=3):
+    """Median of CUDA-event timings in ms; fn(i) gets the iteration number."""
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    events = []
+    for i in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(i)
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
+def bench_graph(make_fn, iters):
+    """Median replay time (ms) of CUDA graphs, one captured per input set: device time
+    without the host's launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            make_fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for i in range(3):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            make_fn(i)
+        graphs.append(g)
+    ms = bench(lambda i: graphs[i % 3].replay(), iters)
+    del graphs
+    return ms
+
+
+def timed(r, key, make_fn, iters, graph=True):
+    """r[key + '_ms']: graph replay when it can be captured, else eager; both recorded."""
+    try:
+        r[key + "_eager_ms"] = bench(make_fn, iters)
+    except Exception as exc:  # noqa: BLE001
+        r[key + "_eager_ms"] = None
+        r[key + "_error"] = repr(exc)[:300]
+        r[key + "_ms"] = None
+        return
+    if graph:
+        try:
+            r[key + "_graph_ms"] = bench_graph(make_fn, iters)
+        except Exception as exc:  # noqa: BLE001
+            r[key + "_graph_ms"] = None
+            r[key + "_graph_error"] = repr(exc)[:300]
+            torch.cuda.synchronize()
+    r[key + "_ms"] = r.get(key + "_graph_ms") or r[key + "_eager_ms"]
+
+
+def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backward_form):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(7)
+    nnz = bags * length
+    params = torch.randn(n_rows, dim, device=dev, dtype=dtype, generator=gen)
+    sets = []
+    for _ in range(3):
+        ids = torch.randint(0, n_rows, (nnz,), device=dev, generator=gen)
+        w = torch.rand(nnz, device=dev, dtype=dtype, generator=gen) if weighted else None
+        dy = torch.randn(bags, dim, device=dev, dtype=dtype, generator=gen)
+        sets.append((ids, w, dy))
+    off = torch.arange(0, nnz + 1, length, device=dev)
+    gathered = nnz * dim * params.element_size()
+    r = {"shape": name, "N": n_rows, "D": dim, "bags": bags, "bag_len": length,
+         "dtype": SHORT[dtype], "weighted": weighted, "gathered_bytes": gathered}
+    dense = backward_form == "dense-fused"
+
+    def ours_fwd(i):
+        ids, w, _ = sets[i % 3]
+        gh.forward_async(params, ids, off, w)
+
+    def ours_fwd_checked(i):
+        ids, w, _ = sets[i % 3]
+        gh.gather_reduce_sum(params, ids, off, w)
+
+    def ours_bwd(i):
+        ids, w, dy = sets[i % 3]
+        gh.backward_async(params, ids, off, w, dy, dense=dense)
+
+    def ours_fwd_bwd(i):
+        ours_fwd(i)
+        ours_bwd(i)
+
+    def ours_fwd_bwd_checked(i):
+        ids, w, dy = sets[i % 3]
+        _, _, c1, rep1 = gh.forward_async(params, ids, off, w)
+        _, _, c2, rep2 = gh.backward_async(params, ids, off, w, dy, dense=dense)
+        c1.raise_for(rep1)
+        if dense:
+            c2.raise_for(rep2)
+
+    def torch_fwd(i):
+        ids, w, _ = sets[i % 3]
+        F.embedding_bag(ids, params, off[:-1], mode="sum", per_sample_weights=w)
+
+    p_leaf = params.detach().clone().requires_grad_(True)
+    leaves = [w.detach().clone().requires_grad_(True) if w is not None else None
+              for _, w, _ in sets]
+
+    def torch_fwd_bwd(i):
+        ids, _, dy = sets[i % 3]
+        out = F.embedding_bag(ids, p_leaf, off[:-1], mode="sum", per_sample_weights=leaves[i % 3])
+        inputs = [p_leaf] + ([leaves[i % 3]] if weighted else [])
+        torch.autograd.grad(out, inputs, dy)
+
+    timed(r, "ours_fwd", ours_fwd, iters)
+    timed(r, "ours_fwd_checked", ours_fwd_checked, iters, graph=False)
+    timed(r, "torch_fwd", torch_fwd, iters)
+    # The deduplicated form reads U back to size its output: eager only.
+    timed(r, "ours_bwd", ours_bwd, iters, graph=dense)
+    timed(r, "ours_fwd_bwd", ours_fwd_bwd, iters, graph=dense)
+    timed(r, "ours_fwd_bwd_checked", ours_fwd_bwd_checked, iters, graph=False)
+    timed(r, "torch_fwd_bwd", torch_fwd_bwd, iters)
+    if r.get("torch_fwd_bwd_ms") and r.get("torch_fwd_ms"):
+        # torch's backward alone: its fwd+bwd less its forward, from the same timing mode.
+        mode = "graph" if r.get("torch_fwd_bwd_graph_ms") and r.get("torch_fwd_graph_ms") \
+            else "eager"
+        r["torch_bwd_ms"] = r[f"torch_fwd_bwd_{mode}_ms"] - r[f"torch_fwd_{mode}_ms"]
+    r["ours_fwd_TBps"] = gathered / r["ours_fwd_ms"] / 1e9 if r.get("ours_fwd_ms") else None
+    r["torch_fwd_TBps"] = gathered / r["torch_fwd_ms"] / 1e9 if r.get("torch_fwd_ms") else None
+    r["ours_bwd_form"] = ("dense [N, D] + fused weights grad" if dense and weighted
+                          else "dense [N, D]" if dense else "deduplicated [U, D] (reads U back)")
+    for k in ("fwd", "bwd", "fwd_bwd"):
+        t, o = r.get(f"torch_{k}_ms"), r.get(f"ours_{k}_ms")
+        r[f"speedup_{k}"] = t / o if t and o else None
+    del p_leaf, leaves
+    torch.cuda.empty_cache()
+    return r
+
+
+def run_benchmarks():
+    rows = []
+    specs = [
+        ("PKM", 262144, 1024, 16384, 128, torch.float32, True, 20, "dense-fused"),
+        ("PKM", 262144, 1024, 16384, 128, torch.bfloat16, True, 20, "dense-fused"),
+        ("DLRM", 10_000_000, 64, 8192, 20, torch.float32, False, 50, "dedup"),
+    ]
+    for spec in specs:
+        try:
+            r = bench_shape(*spec)
+        except Exception as exc:  # noqa: BLE001
+            r = {"shape": spec[0], "dtype": SHORT[spec[5]], "error": repr(exc)[:300],
+                 "trace": traceback.format_exc()}
+        rows.append(r)
+        log(json.dumps(r))
+    return rows
+
+
+def copy_bandwidth():
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = bench(lambda i: y.copy_(x), 20)
+    return 2 * x.numel() / ms / 1e9
+
+
+def build(lib_dir):
+    t0 = time.time()
+    subprocess.run(["bash", str(REPO / "python" / "build_gpu_harness.sh"), str(lib_dir)],
+                   check=True)
+    return time.time() - t0
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="small sweep, no benchmarks")
+    ap.add_argument("--lib", help="use this built library instead of building")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--max-cases", type=int, help="cap the sweep at this many cases")
+    args = ap.parse_args()
+
+    report = {"argv": sys.argv, "host": platform.node()}
+    if args.lib:
+        lib = pathlib.Path(args.lib)
+    else:
+        lib_dir = REPO / "build" / "gpu_harness"
+        report["build_s"] = build(lib_dir)
+        lib = lib_dir / "libtf_ttemb_gpu_harness.so"
+    gh.load(lib)
+    props = torch.cuda.get_device_properties(0)
+    report["gpu"] = props.name
+    report["torch"] = torch.__version__
+    log(f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
+    gh.POISON = True
+    t0 = time.time()
+    sweep = run_sweep(args.small, args.max_cases)
+    report["sweep_s"] = time.time() - t0
+    report["sweep"] = sweep
+    report["errors"] = check_errors()
+    report["determinism"] = check_determinism(args.small)
+    gh.POISON = False
+    n_fail = sum(bool(r["failures"]) for r in sweep)
+    n_err_fail = sum(not r["ok"] for r in report["errors"])
+    n_det_fail = sum(not r["bitwise_identical"] for r in report["determinism"])
+    if not args.small and not args.no_bench:
+        report["copy_TBps"] = copy_bandwidth()
+        report["bench"] = run_benchmarks()
+    passed = n_fail == 0 and n_err_fail == 0 and n_det_fail == 0
+    report["passed"] = passed
+
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        name = "gpu_check_small.json" if args.small else "gpu_check.json"
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    log("")
+    log(f"sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed ({report['sweep_s']:.1f} s); "
+        f"error messages: {len(report['errors']) - n_err_fail}/{len(report['errors'])}; "
+        f"determinism: {len(report['determinism']) - n_det_fail}/{len(report['determinism'])}")
+    worst = {}
+    for r in sweep:
+        for k, v in r.get("worst", {}).items():
+            key = (r["dtype"], k)
+            worst[key] = max(worst.get(key, 0.0), v)
+    for (dt, k), v in sorted(worst.items()):
+        log(f"  worst |err| / sum|terms|  {dt:5s} {k:28s} {v:.3g}")
+    if "bench" in report:
+        log(f"device-to-device copy: {report['copy_TBps']:.2f} TB/s (read + write)")
+        log(f"{'shape':6s} {'dtype':5s} {'ours fwd':>9s} {'TB/s':>5s} {'torch fwd':>9s} "
+            f"{'x':>5s} {'ours bwd':>9s} {'torch bwd':>9s} {'x':>5s} {'ours f+b':>9s} "
+            f"{'torch f+b':>9s} {'x':>5s}  backward form")
+        for r in report["bench"]:
+            if "error" in r:
+                log(f"{r['shape']:6s} {r['dtype']:5s} error {r['error']}")
+                continue
+            log(f"{r['shape']:6s} {r['dtype']:5s} {fmt(r.get('ours_fwd_ms')):>9s} "
+                f"{fmt(r.get('ours_fwd_TBps'), '.2f'):>5s} {fmt(r.get('torch_fwd_ms')):>9s} "
+                f"{fmt(r.get('speedup_fwd'), '.2f'):>5s} {fmt(r.get('ours_bwd_ms')):>9s} "
+                f"{fmt(r.get('torch_bwd_ms')):>9s} {fmt(r.get('speedup_bwd'), '.2f'):>5s} "
+                f"{fmt(r.get('ours_fwd_bwd_ms')):>9s} {fmt(r.get('torch_fwd_bwd_ms')):>9s} "
+                f"{fmt(r.get('speedup_fwd_bwd'), '.2f'):>5s}  {r['ours_bwd_form']}")
+        log("(graph-replay medians where capturable, else eager; *_checked in the JSON add "
+            "the read-back of the device report)")
+    log("PASSED" if passed else "FAILED")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
