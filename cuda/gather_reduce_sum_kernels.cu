@@ -1529,11 +1529,15 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
         s.seg_id, s.meta, unique_ids);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
-  if (fused && p.nnz > 0) {
+  if (fused && p.nnz > 0 && p.num_bags > 0) {
     FusedWeightsGradKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
         s.pos_out, s.sorted_bag, s.pdot, s.scale, s.dyout, fusion->weights, s.meta, p.nnz,
-        p.dim > 0 && p.num_bags > 0 ? g.cols.chunks : 0, p.combiner, fusion->weights_grad);
+        p.dim > 0 ? g.cols.chunks : 0, p.combiner, fusion->weights_grad);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  } else if (fused && p.nnz > 0) {
+    // Entries but no bags: row_splits is wrong (reported by Prepare).
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+        fusion->weights_grad, 0, sizeof(T) * static_cast<size_t>(p.nnz), stream));
   }
   return cudaSuccess;
 }
