@@ -1,0 +1,309 @@
+"""Helpers shared by the benchmark programs in `python/`: timing, peak memory, machine info.
+
+Nothing here imports TensorFlow or PyTorch: the benchmark drivers stay light and each
+measurement runs in a worker process that imports the framework it measures (see
+`run_worker`).
+
+Peak memory is measured two ways:
+
+* TensorFlow's allocator statistics (`tensorflow_peak_bytes`): with
+  `TF_CPU_ALLOCATOR_USE_BFC=true` in the environment before TensorFlow places its first
+  tensor, CPU tensors come from a BFC allocator that counts them, and
+  `tf.config.experimental.get_memory_info("CPU:0")` reports the current and peak bytes
+  (`reset_memory_stats` restarts the peak). It counts allocator chunks, not tensors: the
+  BFC allocator hands out a free chunk of up to twice the requested size without splitting
+  it, so a tensor can count up to 2x its size. It is blind to memory a kernel takes from
+  `malloc`/`new` directly (e.g. `std::vector` scratch) and to other frameworks.
+* The resident set size (`PeakRss`): Linux keeps a high-water mark of it (`VmHWM`), which
+  writing "5" to `/proc/self/clear_refs` resets to the current size. It sees every byte
+  the process touches, including the C library's caches, so it is the comparable measure
+  across frameworks, and a little noisier. Where the reset is not allowed, the growth of
+  `getrusage().ru_maxrss` is used instead (a lower bound once the process has peaked
+  higher before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+MIB = float(1 << 20)
+
+CHECKOUT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def add_checkout_to_path() -> None:
+    """Makes `import tf_ttemb` find the package of this checkout (not an installed one)."""
+    if CHECKOUT_ROOT not in sys.path:
+        sys.path.insert(0, CHECKOUT_ROOT)
+
+
+# ----------------------------------------------------------------------------------------
+# Timing.
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock statistics of repeated calls, in milliseconds."""
+
+    median_ms: float
+    min_ms: float
+    repeats: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> Timing:
+    """Times `fn()` `repeats` times after `warmup` untimed calls.
+
+    `fn` must return only once its work is done (TensorFlow on CPU and PyTorch on CPU
+    both run synchronously). Its result is dropped before the next call, so consecutive
+    calls do not hold each other's outputs.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return Timing(statistics.median(samples), min(samples), repeats)
+
+
+# ----------------------------------------------------------------------------------------
+# Peak memory.
+
+
+def _status_kib(field: str) -> Optional[int]:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM), or None where there is none."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+class PeakRss:
+    """Measures how far the resident set size rises above its level at `start()`.
+
+    Example:
+      meter = PeakRss()
+      meter.start()
+      step()
+      growth_bytes = meter.growth_bytes()
+    """
+
+    def __init__(self) -> None:
+        self.method = ""
+        self._baseline = 0
+
+    def start(self) -> None:
+        """Resets the high-water mark (where allowed) and records the baseline."""
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+            rss_kib = _status_kib("VmRSS")
+            if rss_kib is None or _status_kib("VmHWM") is None:
+                raise OSError("no VmRSS/VmHWM in /proc/self/status")
+            self.method = "VmHWM (reset via /proc/self/clear_refs)"
+            self._baseline = rss_kib * 1024
+        except OSError:
+            self.method = "ru_maxrss growth (lower bound)"
+            self._baseline = _ru_maxrss_bytes()
+
+    def growth_bytes(self) -> int:
+        """Peak RSS since `start()` minus the baseline, in bytes (never negative)."""
+        if not self.method:
+            raise RuntimeError("PeakRss.growth_bytes() called before start()")
+        if self.method.startswith("VmHWM"):
+            peak = (_status_kib("VmHWM") or 0) * 1024
+        else:
+            peak = _ru_maxrss_bytes()
+        return max(0, peak - self._baseline)
+
+
+def tensorflow_peak_bytes(tf: Any, step: Callable[[], Any]) -> Dict[str, Any]:
+    """Peak growth of TensorFlow's CPU allocator over one call of `step()`.
+
+    Needs `TF_CPU_ALLOCATOR_USE_BFC=true` in the environment before TensorFlow placed its
+    first tensor. The result of `step()` stays alive until the peak is read, so it counts.
+
+    Returns:
+      `{"ok": True, "growth_bytes": int}`, or `{"ok": False, "reason": str}` when the
+      allocator keeps no statistics.
+    """
+    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    except (ValueError, tf.errors.OpError) as e:
+        return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+    result = step()
+    info = tf.config.experimental.get_memory_info("CPU:0")
+    del result
+    if info["peak"] <= 0:
+        return {"ok": False, "reason": "the CPU allocator reported a peak of 0 bytes"}
+    return {"ok": True, "growth_bytes": int(info["peak"] - before)}
+
+
+# ----------------------------------------------------------------------------------------
+# Worker processes.
+
+
+def run_worker(
+    script: str, spec: Mapping[str, Any], env_updates: Mapping[str, Optional[str]]
+) -> Dict[str, Any]:
+    """Runs `script --_worker SPEC` in a fresh interpreter and returns its JSON result.
+
+    The worker writes its result to the file named by `spec["result_path"]` (set here),
+    so TensorFlow's log lines on stdout/stderr cannot corrupt it.
+
+    Args:
+      script: Path of the benchmark program.
+      spec: What to measure; must be JSON-serialisable.
+      env_updates: Environment changes for the worker; a value of None removes the name.
+
+    Returns:
+      The worker's result, or `{"ok": False, "error": ...}` with the tail of its output
+      when it failed.
+    """
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for key, value in env_updates.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    fd, result_path = tempfile.mkstemp(prefix="tf_ttemb_bench_", suffix=".json")
+    os.close(fd)
+    try:
+        spec = dict(spec, result_path=result_path)
+        proc = subprocess.run(
+            [sys.executable, script, "--_worker", json.dumps(spec)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
+        )
+        try:
+            with open(result_path, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+            return {"ok": False, "error": f"worker exited with status {proc.returncode}:\n{tail}"}
+    finally:
+        os.unlink(result_path)
+
+
+def write_worker_result(spec: Mapping[str, Any], result: Mapping[str, Any]) -> None:
+    """The worker side of `run_worker`."""
+    with open(spec["result_path"], "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+# ----------------------------------------------------------------------------------------
+# Reporting.
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_info() -> Dict[str, Any]:
+    """Facts about the machine and the run that make a result reproducible."""
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable_cpus(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "command_line": [sys.executable] + sys.argv,
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(
+            ["git", "-C", CHECKOUT_ROOT, "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            str(cell).ljust(width) if i == 0 else str(cell).rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths))
+        ]
+        return " | ".join(parts)
+
+    rule = "-+-".join("-" * width for width in widths)
+    return "\n".join([line(headers), rule] + [line(row) for row in rows])
+
+
+def log(message: str) -> None:
+    """Progress messages go to stderr, the results to stdout."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def mib(num_bytes: Optional[float]) -> Optional[float]:
+    return None if num_bytes is None else num_bytes / MIB
+
+
+def parse_list(text: str, allowed: Sequence[str]) -> List[str]:
+    """Parses a comma-separated choice list for argparse, keeping the order given."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise ValueError(
+            f"unknown choice(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"choose from {', '.join(allowed)}"
+        )
+    return list(dict.fromkeys(items))

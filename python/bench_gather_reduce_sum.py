@@ -1,0 +1,730 @@
+"""Benchmarks `tf_ttemb.gather_reduce_sum` on CPU against what users write today.
+
+Run from the checkout after `bash configure.sh` (which builds tf_ttemb/_tf_ttemb_ops.so):
+
+  .venv/bin/python python/bench_gather_reduce_sum.py                  # the issue's target
+  .venv/bin/python python/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
+  .venv/bin/python python/bench_gather_reduce_sum.py --help
+
+The default case is the target of the issue: a float32 table of N=65,536 rows × D=256,
+2,048 bags of 128 ids each (uniform random), weighted sum.
+
+Implementations (`--impls`, all by default; torch only where it is importable):
+
+  custom_op  tf_ttemb.gather_reduce_sum(params, ids, w, implementation="custom_op")
+  composite  tf_ttemb.gather_reduce_sum(params, ids, w, implementation="composite")
+  tf_gather  tf.reduce_sum(tf.gather(params, ids) * w[..., None], axis=-2), the TF
+             composite users write today and the baseline of the speed-ups
+  tf_sparse  tf.nn.embedding_lookup_sparse(params, sp_ids, sp_weights, combiner="sum")
+  torch      torch.nn.functional.embedding_bag(ids, params, mode="sum",
+             per_sample_weights=w, sparse=True) on CPU, with torch.set_num_threads equal
+             to TensorFlow's intra-op thread count (torch is never a dependency of tf_ttemb)
+
+What is measured, per implementation:
+
+* fwd: one call producing the [B, D] output.
+* fwd+bwd: the output plus the gradients w.r.t. the table (a `tf.Variable`) and w.r.t. the
+  weights, for a random upstream gradient (`GradientTape.gradient(..., output_gradients=)`;
+  `backward(upstream)` for torch). TensorFlow steps run as `tf.function`s (graph mode,
+  no XLA); "eager f+b" times the same step without `tf.function`.
+* Times are the median and the minimum over `--repeats` calls after `--warmup` calls.
+* Peak memory growth of one fwd+bwd step, i.e. how far memory rises above what the
+  inputs already hold, outputs and gradients included:
+  - "TF alloc": TensorFlow's own CPU allocator statistics (`TF_CPU_ALLOCATOR_USE_BFC=true`,
+    `tf.config.experimental.reset_memory_stats` / `get_memory_info("CPU:0")["peak"]`).
+    They count whole allocator chunks, and the BFC allocator hands out a free chunk of up
+    to twice the size asked for without splitting it, so a tensor can count up to 2x its
+    size; and they miss scratch a kernel takes from `malloc` directly;
+  - "RSS": growth of the process's peak resident set size over the first full-size step
+    (after a warm-up on 4 bags), which sees everything and is comparable with torch.
+  Every implementation is measured in fresh processes (one for timing and RSS with the
+  default allocator, one for the allocator statistics), so peaks never mix and the
+  timings use the allocator users get.
+* A check that every implementation computes the same numbers as the baseline: inner
+  products of the output, the (densified) table gradient and the weights gradient with
+  fixed random probes, compared relative to the norms involved.
+
+The "(output + gradient) size" printed with the table is the least any fwd+bwd step must
+hold: output [B, D] + table gradient [U, D] (U = unique ids, deduplicated) + weights
+gradient [nnz].
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import _bench_util as util
+
+IMPLS: Dict[str, str] = {
+    "custom_op": "tf_ttemb custom op",
+    "composite": "tf_ttemb composite",
+    "tf_gather": "TF gather*w+reduce_sum",
+    "tf_sparse": "tf.nn.embedding_lookup_sparse",
+    "torch": "torch embedding_bag (CPU)",
+}
+BASELINE = "tf_gather"
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+# Largest accepted difference of the probe inner products, relative to the norms involved.
+AGREEMENT_TOLERANCE = {"float16": 5e-2, "bfloat16": 5e-2, "float32": 1e-4, "float64": 1e-10}
+WARMUP_BAGS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One benchmark case: a [num_rows, dim] table and bags × bag_size weighted ids."""
+
+    num_rows: int
+    dim: int
+    bags: int
+    bag_size: int
+    dtype: str
+    index_dtype: str
+    seed: int
+
+    @property
+    def nnz(self) -> int:
+        """Number of lookups (ids) in the batch."""
+        return self.bags * self.bag_size
+
+    def describe(self) -> str:
+        """A one-line description for the report."""
+        return (
+            f"N={self.num_rows:,} x D={self.dim}, {self.bags:,} bags x {self.bag_size} ids "
+            f"({self.nnz:,} lookups), {self.dtype} values, {self.index_dtype} ids, weighted sum"
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# Data: numpy only, reproducible from the seed, so every process builds the same case.
+
+
+def _rng(problem: Problem, stream: int) -> np.random.Generator:
+    return np.random.default_rng([problem.seed, stream])
+
+
+def _float_dtype(problem: Problem) -> type:
+    """The numpy dtype data is generated in (half types are cast by the frameworks)."""
+    return np.float64 if problem.dtype == "float64" else np.float32
+
+
+def make_ids(problem: Problem, bags: Optional[int] = None) -> np.ndarray:
+    """[bags, bag_size] ids, uniform in [0, num_rows)."""
+    shape = (problem.bags if bags is None else bags, problem.bag_size)
+    return _rng(problem, 0).integers(0, problem.num_rows, size=shape, dtype=problem.index_dtype)
+
+
+def make_arrays(problem: Problem, bags: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """The table [N, D], positive weights [bags, L] and an upstream gradient [bags, D]."""
+    bags = problem.bags if bags is None else bags
+    dtype = _float_dtype(problem)
+    return {
+        "ids": make_ids(problem, bags),
+        "params": _rng(problem, 1).standard_normal((problem.num_rows, problem.dim), dtype=dtype),
+        "weights": _rng(problem, 2).uniform(0.0, 1.0, (bags, problem.bag_size)).astype(dtype),
+        "upstream": _rng(problem, 3).standard_normal((bags, problem.dim), dtype=dtype),
+    }
+
+
+def make_probes(problem: Problem) -> Dict[str, np.ndarray]:
+    """Fixed random float64 probes for the table and weights gradients."""
+    rng = _rng(problem, 4)
+    return {
+        "params_grad": rng.standard_normal((problem.num_rows, problem.dim)),
+        "weights_grad": rng.standard_normal((problem.bags, problem.bag_size)),
+    }
+
+
+def reference_bytes(problem: Problem) -> Dict[str, int]:
+    """Bytes of the output [B, D], the deduplicated table gradient [U, D] and weights grad."""
+    itemsize = ITEMSIZE[problem.dtype]
+    unique = int(np.unique(make_ids(problem)).size)
+    sizes = {
+        "unique_ids": unique,
+        "output": problem.bags * problem.dim * itemsize,
+        "params_grad": unique * problem.dim * itemsize,
+        "weights_grad": problem.nnz * itemsize,
+    }
+    sizes["total"] = sizes["output"] + sizes["params_grad"] + sizes["weights_grad"]
+    return sizes
+
+
+def fingerprints(
+    output: np.ndarray,
+    params_grad: np.ndarray,
+    weights_grad: np.ndarray,
+    upstream: np.ndarray,
+    probes: Dict[str, np.ndarray],
+) -> Dict[str, List[float]]:
+    """Inner products of the results with probes, and the norm products that bound them."""
+
+    def pair(x: np.ndarray, probe: np.ndarray) -> List[float]:
+        x = np.asarray(x, np.float64).reshape(probe.shape)
+        return [float(np.vdot(x, probe)), float(np.linalg.norm(x) * np.linalg.norm(probe))]
+
+    return {
+        "output": pair(output, np.asarray(upstream, np.float64)),
+        "params_grad": pair(params_grad, probes["params_grad"]),
+        "weights_grad": pair(weights_grad, probes["weights_grad"]),
+    }
+
+
+def max_disagreement(result: Dict[str, List[float]], reference: Dict[str, List[float]]) -> float:
+    """Largest |<x, p> - <x_ref, p>| / (|x_ref| |p|) over the fingerprints."""
+    worst = 0.0
+    for key, (value, _) in result.items():
+        ref_value, ref_norms = reference[key]
+        worst = max(worst, abs(value - ref_value) / max(ref_norms, 1e-300))
+    return worst
+
+
+# ----------------------------------------------------------------------------------------
+# Workers: one process per (implementation, measurement), see `_bench_util.run_worker`.
+
+
+def _tf_call(tf: Any, impl: str) -> Callable[[Any, Any, Any], Any]:
+    """The implementation as `call(params, ids [B, L], weights [B, L]) -> [B, D]`."""
+    if impl in ("custom_op", "composite"):
+        import tf_ttemb
+
+        def call(params, ids, weights):
+            return tf_ttemb.gather_reduce_sum(
+                params, ids, weights, combiner="sum", implementation=impl
+            )
+
+    elif impl == "tf_gather":
+
+        def call(params, ids, weights):
+            return tf.reduce_sum(tf.gather(params, ids) * weights[..., None], axis=-2)
+
+    elif impl == "tf_sparse":
+
+        @functools.lru_cache(maxsize=None)
+        def positions(bags: int, bag_size: int):
+            # [B * L, 2] (bag, slot) coordinates: the SparseTensor form users would hold.
+            # Built eagerly (init_scope) so every traced step captures the same tensor.
+            grid = np.stack(np.indices((bags, bag_size)), axis=-1).reshape(-1, 2)
+            with tf.init_scope():
+                return tf.constant(grid, tf.int64)
+
+        def call(params, ids, weights):
+            bags, bag_size = ids.shape
+            where = positions(bags, bag_size)
+            shape = [bags, bag_size]
+            sp_ids = tf.SparseTensor(where, tf.reshape(ids, [-1]), shape)
+            sp_weights = tf.SparseTensor(where, tf.reshape(weights, [-1]), shape)
+            return tf.nn.embedding_lookup_sparse(params, sp_ids, sp_weights, combiner="sum")
+
+    else:
+        raise ValueError(f"not a TensorFlow implementation: {impl!r}")
+    return call
+
+
+def _tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Measures one TensorFlow implementation: `mode` "time" (times, RSS, fingerprints)
+    or "allocator" (the BFC allocator's peak; needs TF_CPU_ALLOCATOR_USE_BFC=true)."""
+    import tensorflow as tf
+
+    util.add_checkout_to_path()
+    problem = Problem(**spec["problem"])
+    threads = spec["threads"]
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+    dtype = tf.as_dtype(problem.dtype)
+    call = _tf_call(tf, spec["impl"])
+
+    def tensors(arrays: Dict[str, np.ndarray]) -> Tuple[Any, Any, Any]:
+        return (
+            tf.constant(arrays["ids"]),
+            tf.cast(arrays["weights"], dtype),
+            tf.cast(arrays["upstream"], dtype),
+        )
+
+    arrays = make_arrays(problem)
+    params = tf.Variable(tf.cast(arrays["params"], dtype), name="params")
+    if spec["sparse_updated"]:
+        # What a sparse optimizer update (scatter) leaves behind: TensorFlow then copies
+        # the whole variable on every later dense read (ReadVariableOp).
+        params.scatter_add(tf.IndexedSlices(tf.zeros([1, problem.dim], dtype), tf.constant([0])))
+    ids, weights, upstream = tensors(arrays)
+
+    def forward_backward_eager(ids, weights, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            output = call(params, ids, weights)
+        params_grad, weights_grad = tape.gradient(
+            output, [params, weights], output_gradients=upstream
+        )
+        return output, params_grad, weights_grad
+
+    forward = tf.function(lambda ids, weights: call(params, ids, weights))
+    forward_backward = tf.function(forward_backward_eager)
+    versions = {"tensorflow": tf.__version__, "numpy": np.__version__}
+    if spec["impl"] in ("custom_op", "composite"):
+        import tf_ttemb
+
+        versions["tf_ttemb"] = tf_ttemb.__version__
+        versions["tf_ttemb_path"] = os.path.dirname(tf_ttemb.__file__)
+
+    if spec["mode"] == "allocator":
+        for _ in range(max(1, spec["warmup"])):
+            forward_backward(ids, weights, upstream)
+        peak = util.tensorflow_peak_bytes(tf, lambda: forward_backward(ids, weights, upstream))
+        return {"ok": True, "allocator_peak": peak, "versions": versions}
+
+    # Trace the full-size step and run a small one first, so the RSS growth of the first
+    # full-size call is that of the computation, not of tracing or thread-pool start-up.
+    forward_backward.get_concrete_function(ids, weights, upstream)
+    forward_backward(*tensors(make_arrays(problem, bags=WARMUP_BAGS)))
+    meter = util.PeakRss()
+    meter.start()
+    output, params_grad, weights_grad = forward_backward(ids, weights, upstream)
+    rss_growth = meter.growth_bytes()
+
+    if isinstance(params_grad, tf.IndexedSlices):
+        params_grad = tf.math.unsorted_segment_sum(
+            tf.cast(params_grad.values, tf.float64), params_grad.indices, problem.num_rows
+        )
+    as_numpy = lambda x: tf.cast(x, tf.float64).numpy()  # noqa: E731
+    prints = fingerprints(
+        as_numpy(output),
+        as_numpy(params_grad),
+        as_numpy(weights_grad),
+        arrays["upstream"],
+        make_probes(problem),
+    )
+    del output, params_grad, weights_grad
+
+    warmup, repeats = spec["warmup"], spec["repeats"]
+    result = {
+        "ok": True,
+        "versions": versions,
+        "threads": threads or util.usable_cpus(),
+        "rss_growth_bytes": rss_growth,
+        "rss_method": meter.method,
+        "fingerprints": prints,
+        "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
+        "fwd_bwd": util.time_calls(
+            lambda: forward_backward(ids, weights, upstream), warmup, repeats
+        ).to_json(),
+    }
+    if spec["eager"]:
+        result["eager_fwd_bwd"] = util.time_calls(
+            lambda: forward_backward_eager(ids, weights, upstream), warmup, repeats
+        ).to_json()
+    return result
+
+
+def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Measures torch's CPU embedding_bag: times (forward under no_grad), RSS, fingerprints."""
+    import torch
+    import torch.nn.functional as F
+
+    problem = Problem(**spec["problem"])
+    threads = spec["threads"] or util.usable_cpus()
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, problem.dtype)
+
+    arrays = make_arrays(problem)
+    table = torch.nn.Parameter(torch.from_numpy(arrays["params"]).to(dtype))
+
+    def tensors(arrays: Dict[str, np.ndarray]) -> Tuple[Any, Any, Any]:
+        return (
+            torch.from_numpy(arrays["ids"]),
+            torch.from_numpy(arrays["weights"]).to(dtype).requires_grad_(),
+            torch.from_numpy(arrays["upstream"]).to(dtype),
+        )
+
+    def call(ids, weights):
+        return F.embedding_bag(ids, table, mode="sum", per_sample_weights=weights, sparse=True)
+
+    def forward(ids, weights):
+        with torch.no_grad():
+            return call(ids, weights)
+
+    def forward_backward(ids, weights, upstream):
+        table.grad = None
+        weights.grad = None
+        output = call(ids, weights)
+        output.backward(upstream)
+        return output, table.grad, weights.grad
+
+    ids, weights, upstream = tensors(arrays)
+    forward_backward(*tensors(make_arrays(problem, bags=WARMUP_BAGS)))
+    meter = util.PeakRss()
+    meter.start()
+    output, params_grad, weights_grad = forward_backward(ids, weights, upstream)
+    rss_growth = meter.growth_bytes()
+
+    as_numpy = lambda x: x.detach().to(torch.float64).numpy()  # noqa: E731
+    if params_grad.is_sparse:
+        params_grad = params_grad.coalesce().to_dense()
+    prints = fingerprints(
+        as_numpy(output),
+        as_numpy(params_grad),
+        as_numpy(weights_grad),
+        arrays["upstream"],
+        make_probes(problem),
+    )
+    del output, params_grad, weights_grad
+
+    warmup, repeats = spec["warmup"], spec["repeats"]
+    return {
+        "ok": True,
+        "versions": {"torch": torch.__version__, "numpy": np.__version__},
+        "threads": threads,
+        "rss_growth_bytes": rss_growth,
+        "rss_method": meter.method,
+        "fingerprints": prints,
+        "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
+        "fwd_bwd": util.time_calls(
+            lambda: forward_backward(ids, weights, upstream), warmup, repeats
+        ).to_json(),
+    }
+
+
+def worker_main(spec: Dict[str, Any]) -> None:
+    """Entry point of a worker process: measures one implementation, writes JSON."""
+    try:
+        if spec["impl"] == "torch":
+            result = _torch_worker(spec)
+        else:
+            result = _tf_worker(spec)
+    except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
+        message = str(e).strip().splitlines()
+        result = {"ok": False, "error": f"{type(e).__name__}: {message[0] if message else ''}"}
+    util.write_worker_result(spec, result)
+
+
+# ----------------------------------------------------------------------------------------
+# Driver.
+
+
+def measure(args: argparse.Namespace, problem: Problem) -> List[Dict[str, Any]]:
+    """Runs the workers for every requested implementation, in order."""
+    script = os.path.abspath(__file__)
+    base_spec = {
+        "problem": dataclasses.asdict(problem),
+        "threads": args.threads,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "eager": args.eager,
+        "sparse_updated": args.sparse_updated,
+    }
+    results = []
+    for i, impl in enumerate(args.impls, 1):
+        label = IMPLS[impl]
+        if impl == "torch" and importlib.util.find_spec("torch") is None:
+            util.log(f"[{i}/{len(args.impls)}] {label}: skipped, torch is not importable")
+            results.append({"impl": impl, "ok": False, "error": "torch is not importable"})
+            continue
+        util.log(f"[{i}/{len(args.impls)}] {label}: timing and RSS ...")
+        result = util.run_worker(
+            script, dict(base_spec, impl=impl, mode="time"), {"TF_CPU_ALLOCATOR_USE_BFC": None}
+        )
+        if result.get("ok") and impl != "torch" and args.allocator_stats:
+            util.log(f"[{i}/{len(args.impls)}] {label}: TensorFlow allocator peak ...")
+            stats = util.run_worker(
+                script,
+                dict(base_spec, impl=impl, mode="allocator"),
+                {"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+            )
+            result["allocator_peak"] = stats.get("allocator_peak") or {
+                "ok": False,
+                "reason": stats.get("error", "unknown"),
+            }
+        result["impl"] = impl
+        results.append(result)
+    return results
+
+
+def _ms(timing: Optional[Dict[str, float]]) -> str:
+    if not timing:
+        return "-"
+    return f"{timing['median_ms']:.1f} ({timing['min_ms']:.1f})"
+
+
+def _mib(num_bytes: Optional[float]) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / util.MIB:,.1f}"
+
+
+def _speedup(result: Dict[str, Any], baseline: Optional[Dict[str, Any]], key: str) -> str:
+    if not baseline or not result.get(key) or not baseline.get(key):
+        return "-"
+    return f"{baseline[key]['median_ms'] / result[key]['median_ms']:.2f}x"
+
+
+def report(
+    args: argparse.Namespace,
+    problem: Problem,
+    results: Sequence[Dict[str, Any]],
+    reference: Dict[str, int],
+) -> str:
+    """The results table and its legend, as printed."""
+    measured = {r["impl"]: r for r in results if r.get("ok")}
+    baseline = measured.get(BASELINE)
+    check_ref = baseline or next(iter(measured.values()), None)
+    tolerance = AGREEMENT_TOLERANCE[problem.dtype]
+
+    headers = ["implementation", "fwd ms", "fwd+bwd ms"]
+    if args.eager:
+        headers.append("eager f+b ms")
+    headers += ["peak MiB (TF alloc)", "peak MiB (RSS)", "speed-up fwd", "speed-up f+b", "agrees"]
+    rows = []
+    failures = []
+    for result in results:
+        label = IMPLS[result["impl"]]
+        if not result.get("ok"):
+            rows.append([label] + ["n/a"] * (len(headers) - 1))
+            failures.append(f"{label}: {result.get('error', 'failed')}")
+            continue
+        allocator = result.get("allocator_peak") or {}
+        if check_ref is result:
+            agrees = "ref"
+        else:
+            worst = max_disagreement(result["fingerprints"], check_ref["fingerprints"])
+            result["disagreement"] = worst
+            agrees = "yes" if worst <= tolerance else f"NO ({worst:.1e})"
+        row = [label, _ms(result.get("fwd")), _ms(result.get("fwd_bwd"))]
+        if args.eager:
+            row.append(_ms(result.get("eager_fwd_bwd")))
+        row += [
+            _mib(allocator.get("growth_bytes")) if allocator.get("ok") else "-",
+            _mib(result.get("rss_growth_bytes")),
+            _speedup(result, baseline, "fwd"),
+            _speedup(result, baseline, "fwd_bwd"),
+            agrees,
+        ]
+        rows.append(row)
+
+    rss_methods = sorted({r["rss_method"] for r in measured.values() if r.get("rss_method")})
+    allocator_notes = sorted(
+        {
+            r["allocator_peak"]["reason"]
+            for r in measured.values()
+            if r.get("allocator_peak") and not r["allocator_peak"].get("ok")
+        }
+    )
+    threads = sorted({r["threads"] for r in measured.values() if r.get("threads")})
+    lines = [
+        f"gather_reduce_sum, CPU: {problem.describe()}"
+        + (", table variable sparse-updated before" if args.sparse_updated else ""),
+        f"threads: {', '.join(map(str, threads)) or '?'} (TF intra-op = torch)",
+        "",
+        util.format_table(headers, rows),
+        "",
+        f"ms: median (min) over {args.repeats} calls after {args.warmup} warm-up calls; TF "
+        "steps run as tf.function (graph, no XLA), 'eager f+b' without it; torch is eager.",
+        "peak MiB: growth over one fwd+bwd step above the inputs, output and gradients "
+        "included; 'TF alloc' = TensorFlow's BFC CPU allocator statistics "
+        "(TF_CPU_ALLOCATOR_USE_BFC=true; whole chunks, so up to 2x a tensor's size, "
+        "and tensors only), 'RSS' = peak resident set size growth over the first "
+        f"full-size step ({'; '.join(rss_methods) or 'n/a'}).",
+        f"speed-ups: median vs {IMPLS[BASELINE]}. agrees: probe inner products of output, "
+        f"table gradient and weights gradient match "
+        f"{IMPLS[check_ref['impl']] if check_ref else '-'} within {tolerance:g} (relative).",
+        "",
+        "(output + gradient) size, the least a fwd+bwd step holds: "
+        f"{_mib(reference['total'])} MiB = output [{problem.bags:,}, {problem.dim}] "
+        f"{_mib(reference['output'])} MiB + table gradient [U={reference['unique_ids']:,}, "
+        f"{problem.dim}] {_mib(reference['params_grad'])} MiB + weights gradient "
+        f"[{problem.nnz:,}] {_mib(reference['weights_grad'])} MiB",
+    ]
+    for note in allocator_notes:
+        lines.append(f"TF allocator statistics unavailable: {note}")
+    for failure in failures:
+        lines.append(f"failed: {failure}")
+    return "\n".join(lines)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text.replace(",", "").replace("_", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _impl_list(text: str) -> List[str]:
+    try:
+        return util.parse_list(text, list(IMPLS))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line (see `--help`)."""
+    parser = argparse.ArgumentParser(
+        description="Time and peak memory of tf_ttemb.gather_reduce_sum against the TF "
+        "composite, tf.nn.embedding_lookup_sparse and torch's embedding_bag, on CPU.",
+        epilog="Implementations: "
+        + "; ".join(f"{key} = {label}" for key, label in IMPLS.items())
+        + ". Each one runs in fresh processes. See the module docstring for the method.",
+    )
+    parser.add_argument(
+        "--num-rows",
+        "-N",
+        type=_positive_int,
+        default=65_536,
+        help="rows of the table (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dim",
+        "-D",
+        type=_positive_int,
+        default=256,
+        help="embedding dimension (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--bags",
+        "-B",
+        type=_positive_int,
+        default=2_048,
+        help="number of bags (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--bag-size",
+        "-L",
+        type=_positive_int,
+        default=128,
+        help="ids per bag (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="table, weights and output dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--index-dtype",
+        choices=("int32", "int64"),
+        default="int64",
+        help="dtype of the ids (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=10,
+        help="timed calls per measurement (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=2,
+        help="untimed calls before timing (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--impls",
+        type=_impl_list,
+        default=None,
+        help="comma-separated implementations to run (default: all; torch "
+        "is skipped where it is not importable)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_non_negative_int,
+        default=0,
+        help="TF intra-op threads, and torch threads (default: 0 = "
+        "TensorFlow's default, one per usable CPU)",
+    )
+    parser.add_argument(
+        "--no-eager",
+        dest="eager",
+        action="store_false",
+        help="skip the eager (no tf.function) fwd+bwd timing",
+    )
+    parser.add_argument(
+        "--no-allocator-stats",
+        dest="allocator_stats",
+        action="store_false",
+        help="skip the TensorFlow allocator peak (saves a process per impl)",
+    )
+    parser.add_argument(
+        "--sparse-updated-table",
+        dest="sparse_updated",
+        action="store_true",
+        help="scatter into the table variable before measuring, as a sparse "
+        "optimizer update does in training: TensorFlow then copies the whole "
+        "table on every dense read of it (not on tf.gather)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="data seed (default: %(default)s)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write all results and machine information to PATH"
+    )
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the benchmark; the exit status is 1 when an implementation failed."""
+    args = parse_args(argv)
+    if args._worker:
+        worker_main(json.loads(args._worker))
+        return 0
+
+    problem = Problem(
+        num_rows=args.num_rows,
+        dim=args.dim,
+        bags=args.bags,
+        bag_size=args.bag_size,
+        dtype=args.dtype,
+        index_dtype=args.index_dtype,
+        seed=args.seed,
+    )
+    if args.impls is None:
+        # torch is optional by default; asked for explicitly, its absence is reported.
+        args.impls = list(IMPLS)
+        if importlib.util.find_spec("torch") is None:
+            args.impls.remove("torch")
+            util.log("torch is not importable: its embedding_bag is left out")
+    util.log(f"gather_reduce_sum benchmark: {problem.describe()}")
+
+    results = measure(args, problem)
+    reference = reference_bytes(problem)
+    print(report(args, problem, results, reference))
+
+    if args.json:
+        versions: Dict[str, Any] = {}
+        for result in results:
+            versions.update(result.get("versions", {}))
+        document = {
+            "benchmark": "gather_reduce_sum",
+            "machine": util.machine_info(),
+            "versions": versions,
+            "problem": dataclasses.asdict(problem),
+            "settings": {
+                "repeats": args.repeats,
+                "warmup": args.warmup,
+                "threads": args.threads,
+                "eager": args.eager,
+                "allocator_stats": args.allocator_stats,
+                "sparse_updated_table": args.sparse_updated,
+                "baseline": BASELINE,
+                "agreement_tolerance": AGREEMENT_TOLERANCE[problem.dtype],
+            },
+            "reference_bytes": reference,
+            "results": results,
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=2)
+        util.log(f"wrote {args.json}")
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,681 @@
+"""`python -m tf_ttemb demo`: what tf_ttemb buys you, measured on your machine.
+
+The demo is a list of sections (`SECTIONS`), one per feature; each one runs its
+measurements, prints a summary and saves a plot and a JSON file under `--out`.
+
+* `gather_reduce_sum`: a Product-Key-Memory-like lookup (a value table, and per token
+  heads × knn slots with softmax weights), done by `tf_ttemb.gather_reduce_sum` and by
+  the plain TensorFlow composite `tf.reduce_sum(tf.gather(values, ids) * w[..., None], -2)`.
+  It compares one training step (forward and the gradients w.r.t. the values and the
+  weights) in time and peak memory, checks that both give the same numbers, and sweeps
+  the number of tokens.
+
+How it measures:
+
+* Times: median wall-clock time of the step as a `tf.function`, after a warm-up call,
+  in this process, with TensorFlow's default CPU allocator (the one users get).
+* Peak memory growth: how far memory rises above its level before the step, the step's
+  output and gradients included, measured in a separate worker process after a warm-up
+  step. On Linux it is the peak resident set size (VmHWM, which writing "5" to
+  /proc/self/clear_refs resets before each step); the worker runs with
+  `MALLOC_MMAP_THRESHOLD_=65536`, so every buffer of 64 KiB or more is mapped when
+  allocated and returned to the OS when freed, and the peak is that of live memory, kernel
+  scratch included. Elsewhere it falls back to TensorFlow's BFC CPU allocator statistics
+  (`TF_CPU_ALLOCATOR_USE_BFC=true`, `tf.config.experimental.get_memory_info`), which count
+  whole allocator chunks and so can overstate a tensor by up to 2x. The output says which
+  method was used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+import tf_ttemb
+from tf_ttemb.ops import _loader
+
+DEFAULT_OUT = "demo_output"
+MIB = float(1 << 20)
+
+# Printed before each line the memory worker sends to the demo process.
+_RECORD_MARK = "@tf_ttemb-demo-record "
+
+
+# ----------------------------------------------------------------------------------------
+# Measuring.
+
+
+def median_time_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median wall-clock milliseconds of `fn()` over `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _status_kib(field: str) -> Optional[int]:
+    """A `kB` field of /proc/self/status (Linux), or None."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+RSS = "peak resident set size"
+TF_ALLOCATOR = "TensorFlow BFC allocator statistics"
+
+
+def memory_method() -> str:
+    """`RSS` where this process may reset its peak RSS (Linux), else `TF_ALLOCATOR`."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return TF_ALLOCATOR
+    return RSS if _status_kib("VmHWM") is not None else TF_ALLOCATOR
+
+
+def memory_worker_env(method: str) -> Dict[str, Optional[str]]:
+    """Environment changes that `method` needs in a fresh process (None removes a name)."""
+    if method == RSS:
+        # Fixed (not adaptive) mmap threshold: freed buffers >= 64 KiB leave the RSS.
+        return {"MALLOC_MMAP_THRESHOLD_": "65536", "TF_CPU_ALLOCATOR_USE_BFC": None}
+    return {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def peak_growth_bytes(fn: Callable[[], Any], method: str) -> int:
+    """How far memory rises above its current level while `fn()` runs and is held.
+
+    Args:
+      fn: The computation; its result stays alive until the peak is read.
+      method: `RSS` or `TF_ALLOCATOR`, in a process started with `memory_worker_env`.
+
+    Returns:
+      The growth in bytes.
+    """
+    if method == RSS:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # resets VmHWM, the peak resident set size, to the current size
+        before = _status_kib("VmRSS")
+        result = fn()
+        peak = _status_kib("VmHWM")
+        del result
+        return (peak - before) * 1024
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    result = fn()
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    del result
+    return peak - before
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return " | ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths))
+        )
+
+    return "\n".join(
+        [line(headers), "-+-".join("-" * width for width in widths)] + [line(r) for r in rows]
+    )
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> str:
+    if not numerator or not denominator:
+        return "-"
+    return f"{numerator / denominator:.1f}x"
+
+
+def _mib(num_bytes: Optional[float]) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / MIB:,.1f}"
+
+
+# ----------------------------------------------------------------------------------------
+# Section `gather_reduce_sum`: a Product-Key-Memory-like lookup.
+
+
+@dataclasses.dataclass(frozen=True)
+class PkmShape:
+    """The lookup of a Product-Key-Memory layer: per token, heads × knn weighted slots."""
+
+    slots: int = 65_536
+    dim: int = 256
+    heads: int = 4
+    knn: int = 32
+
+    @property
+    def bag_size(self) -> int:
+        """Slots per token: one bag of heads × knn entries."""
+        return self.heads * self.knn
+
+    def describe(self) -> str:
+        """A one-line description for the report."""
+        return (
+            f"values table {self.slots:,} x {self.dim} float32 "
+            f"({self.slots * self.dim * 4 / MIB:,.1f} MiB); per token {self.heads} heads x "
+            f"{self.knn} knn = {self.bag_size} slots with softmax weights"
+        )
+
+
+def pkm_values(shape: PkmShape, seed: int) -> np.ndarray:
+    """The [slots, dim] value table, initialised like PKM's values: N(0, 1/dim)."""
+    rng = np.random.default_rng([seed, 0])
+    return rng.normal(0.0, shape.dim**-0.5, (shape.slots, shape.dim)).astype(np.float32)
+
+
+def pkm_batch(shape: PkmShape, tokens: int, seed: int) -> Dict[str, np.ndarray]:
+    """Slot ids and weights of `tokens` tokens, and an upstream gradient.
+
+    Returns:
+      `ids` [tokens, heads * knn] int64, uniform random slots; `weights` of the same
+      shape, a softmax over each head's knn scores (positive, summing to 1 per head);
+      `upstream` [tokens, dim], a random gradient of the loss w.r.t. the output.
+    """
+    rng = np.random.default_rng([seed, 1, tokens])
+    ids = rng.integers(0, shape.slots, (tokens, shape.bag_size), dtype=np.int64)
+    scores = 2.0 * rng.standard_normal((tokens, shape.heads, shape.knn))
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    upstream = rng.standard_normal((tokens, shape.dim))
+    return {
+        "ids": ids,
+        "weights": weights.reshape(tokens, shape.bag_size).astype(np.float32),
+        "upstream": upstream.astype(np.float32),
+    }
+
+
+def fused_lookup(values: tf.Variable, ids: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """The lookup with tf_ttemb: no [tokens, slots, dim] tensor is ever built."""
+    return tf_ttemb.gather_reduce_sum(values, ids, weights)
+
+
+def composite_lookup(values: tf.Variable, ids: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
+    """The lookup as plain TensorFlow: gathers [tokens, slots, dim], weighs it, sums it."""
+    return tf.reduce_sum(tf.gather(values, ids) * weights[..., None], axis=-2)
+
+
+LOOKUPS: Dict[str, Callable[[tf.Variable, tf.Tensor, tf.Tensor], tf.Tensor]] = {
+    "plain TF (gather * w, reduce_sum)": composite_lookup,
+    "tf_ttemb.gather_reduce_sum": fused_lookup,
+}
+BASELINE, FUSED = list(LOOKUPS)
+
+
+def training_step(lookup: Callable, values: tf.Variable) -> Callable:
+    """A `tf.function` returning the lookup and its gradients w.r.t. values and weights."""
+
+    @tf.function
+    def step(ids: tf.Tensor, weights: tf.Tensor, upstream: tf.Tensor):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            output = lookup(values, ids, weights)
+        values_grad, weights_grad = tape.gradient(
+            output, [values, weights], output_gradients=upstream
+        )
+        return output, values_grad, weights_grad
+
+    return step
+
+
+def table_variables(shape: PkmShape, seed: int) -> Dict[str, tf.Variable]:
+    """One copy of the values table per lookup.
+
+    Separate variables matter: once a variable has been read sparsely (`tf.gather`, or a
+    sparse optimizer update), TensorFlow copies all of it on every later dense read, so a
+    table shared with the plain lookup would charge the fused one a full copy per step.
+    """
+    initial = pkm_values(shape, seed)
+    return {name: tf.Variable(initial, name="values") for name in LOOKUPS}
+
+
+def _batch_tensors(shape: PkmShape, tokens: int, seed: int) -> Tuple[tf.Tensor, ...]:
+    batch = pkm_batch(shape, tokens, seed)
+    return tuple(tf.constant(batch[key]) for key in ("ids", "weights", "upstream"))
+
+
+def memory_sweep(
+    shape: PkmShape, token_counts: Sequence[int], seed: int, method: str
+) -> Iterator[dict]:
+    """Peak memory growth of one training step, per token count and lookup.
+
+    Runs in the memory worker (see `_run_memory_worker`); each step is warmed up once
+    (tracing, first-run allocations) before it is measured.
+    """
+    tables = table_variables(shape, seed)
+    for tokens in token_counts:
+        batch = _batch_tensors(shape, tokens, seed)
+        for name, lookup in LOOKUPS.items():
+            step = training_step(lookup, tables[name])
+            step(*batch)
+            growth = peak_growth_bytes(lambda: step(*batch), method)
+            yield {"lookup": name, "tokens": tokens, "bytes": growth}
+
+
+def _memory_worker(spec_json: str) -> None:
+    """Entry point of the memory worker process: one marked JSON line per measurement."""
+    spec = json.loads(spec_json)
+    shape = PkmShape(**spec["shape"])
+    for record in memory_sweep(shape, spec["tokens"], spec["seed"], spec["method"]):
+        print(_RECORD_MARK + json.dumps(record), flush=True)
+
+
+def _run_memory_worker(
+    shape: PkmShape,
+    token_counts: Sequence[int],
+    seed: int,
+    method: str,
+    on_record: Callable[[dict], None],
+) -> List[dict]:
+    """Runs `memory_sweep` in a fresh process set up for `method`.
+
+    A separate process keeps the memory settings (which change timings a lot) and the
+    memory of the sweep away from the timings taken in this process.
+    """
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for key, value in memory_worker_env(method).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(tf_ttemb.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    spec = {
+        "shape": dataclasses.asdict(shape),
+        "tokens": list(token_counts),
+        "seed": seed,
+        "method": method,
+    }
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from tf_ttemb import demo; demo._memory_worker(sys.argv[1])",
+        json.dumps(spec),
+    ]
+    records, other_lines = [], []
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        for line in proc.stdout:
+            if line.startswith(_RECORD_MARK):
+                records.append(json.loads(line[len(_RECORD_MARK) :]))
+                on_record(records[-1])
+            else:
+                other_lines = (other_lines + [line.rstrip()])[-20:]
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the memory worker failed with status {proc.returncode}:\n" + "\n".join(other_lines)
+        )
+    return records
+
+
+def _differences(results: Dict[str, Tuple]) -> Dict[str, Tuple[float, float]]:
+    """Max |fused - plain| and max |plain| of output, values gradient and weights gradient.
+
+    The values gradients (IndexedSlices: deduplicated for the fused lookup, one row per
+    lookup for the plain one) are compared densified.
+    """
+    names = ("output", "values gradient", "weights gradient")
+    differences = {}
+    for name, fused, plain in zip(names, results[FUSED], results[BASELINE]):
+        fused, plain = tf.convert_to_tensor(fused), tf.convert_to_tensor(plain)
+        differences[name] = (
+            float(tf.reduce_max(tf.abs(fused - plain))),
+            float(tf.reduce_max(tf.abs(plain))),
+        )
+    return differences
+
+
+def _measure(
+    shape: PkmShape, token_counts: Sequence[int], args: argparse.Namespace
+) -> Tuple[Dict[str, Dict[int, Dict[str, Any]]], Dict[str, Tuple[float, float]], str]:
+    """Memory (worker process) and time (this process) per lookup and token count.
+
+    Returns:
+      `sweep[lookup][tokens] = {"bytes": peak growth, "time_ms": median}`, the
+      differences at `args.headline_tokens` (see `_differences`), and the memory method.
+    """
+    import keras  # only for its progress bar
+
+    progress = keras.utils.Progbar(
+        2 * len(LOOKUPS) * len(token_counts) + 1, unit_name="measurement"
+    )
+    method = memory_method()
+    sweep: Dict[str, Dict[int, Dict[str, Any]]] = {name: {} for name in LOOKUPS}
+    for record in _run_memory_worker(
+        shape, token_counts, args.seed, method, lambda _: progress.add(1)
+    ):
+        sweep[record["lookup"]][record["tokens"]] = {"bytes": record["bytes"]}
+
+    tables = table_variables(shape, args.seed)
+    differences = {}
+    for tokens in token_counts:
+        batch = _batch_tensors(shape, tokens, args.seed)
+        # One tf.function per token count: each traces once, for its own shapes.
+        steps = {name: training_step(lookup, tables[name]) for name, lookup in LOOKUPS.items()}
+        for name, step in steps.items():
+            sweep[name][tokens]["time_ms"] = median_time_ms(
+                lambda: step(*batch), warmup=1, repeats=args.repeats
+            )
+            progress.add(1)
+        if tokens == args.headline_tokens:
+            differences = _differences({name: step(*batch) for name, step in steps.items()})
+            progress.add(1)
+    return sweep, differences, method
+
+
+def _print_summary(
+    shape: PkmShape,
+    token_counts: Sequence[int],
+    sweep: Dict[str, Dict[int, Dict[str, Any]]],
+    differences: Dict[str, Tuple[float, float]],
+    memory: str,
+    args: argparse.Namespace,
+) -> None:
+    tokens = args.headline_tokens
+    headline = {name: sweep[name][tokens] for name in LOOKUPS}
+    plain, fused = headline[BASELINE], headline[FUSED]
+    print(f"\nAt {tokens:,} tokens ({tokens * shape.bag_size:,} lookups), one training step:")
+    print(
+        format_table(
+            ["", "time ms", "peak memory growth MiB"],
+            [[name, f"{r['time_ms']:,.1f}", _mib(r["bytes"])] for name, r in headline.items()],
+        )
+    )
+    print(
+        f"=> tf_ttemb: {_ratio(plain['bytes'], fused['bytes'])} less memory, "
+        f"{_ratio(plain['time_ms'], fused['time_ms'])} faster."
+    )
+    same = all(diff <= 1e-5 * max(scale, 1.0) for diff, scale in differences.values())
+    print(
+        ("Same numbers" if same else "DIFFERENT NUMBERS")
+        + ": max |tf_ttemb - plain TF| = "
+        + ", ".join(
+            f"{diff:.1e} ({name}, values up to {scale:.2g})"
+            for name, (diff, scale) in differences.items()
+        )
+    )
+
+    print("\nScaling with the number of tokens:")
+    rows = []
+    for t in token_counts:
+        plain, fused = sweep[BASELINE][t], sweep[FUSED][t]
+        rows.append(
+            [
+                f"{t:,}",
+                f"{plain['time_ms']:,.1f}",
+                f"{fused['time_ms']:,.1f}",
+                _ratio(plain["time_ms"], fused["time_ms"]),
+                _mib(plain["bytes"]),
+                _mib(fused["bytes"]),
+                _ratio(plain["bytes"], fused["bytes"]),
+            ]
+        )
+    headers = [
+        "tokens",
+        "plain TF ms",
+        "tf_ttemb ms",
+        "faster",
+        "plain TF MiB",
+        "tf_ttemb MiB",
+        "less memory",
+    ]
+    print(format_table(headers, rows))
+
+    allocator = (
+        "TensorFlow's BFC allocator (TF_CPU_ALLOCATOR_USE_BFC is set)"
+        if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+        else "TensorFlow's default CPU allocator"
+    )
+    threads = tf.config.threading.get_intra_op_parallelism_threads() or os.cpu_count()
+    memory_note = {
+        RSS: "peak resident set size, allocations of 64 KiB or more unmapped when freed",
+        TF_ALLOCATOR: "TensorFlow BFC allocator statistics, which count whole chunks",
+    }[memory]
+    print(
+        f"Times: median of {args.repeats} steps after a warm-up, tf.function, {allocator}, "
+        f"{threads} threads. Memory: peak growth over one step, output and gradients "
+        f"included ({memory_note}; measured in a separate process)."
+    )
+
+
+def _plot(
+    path: str,
+    shape: PkmShape,
+    token_counts: Sequence[int],
+    sweep: Dict[str, Dict[int, Dict[str, Any]]],
+) -> bool:
+    """Saves time and memory vs tokens as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        return False
+    figure, all_axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (
+        ("time_ms", "training step time (ms)", 1.0),
+        ("bytes", "peak memory growth (MiB)", MIB),
+    )
+    for axes, (key, label, unit) in zip(all_axes, panels):
+        for name in LOOKUPS:
+            ys = [(sweep[name][t][key] or np.nan) / unit for t in token_counts]
+            axes.plot(token_counts, ys, marker="o", label=name)
+        last = token_counts[-1]
+        ratio = _ratio(sweep[BASELINE][last][key], sweep[FUSED][last][key])
+        axes.annotate(
+            f"{ratio} {'less' if key == 'bytes' else 'faster'}",
+            (last, (sweep[FUSED][last][key] or np.nan) / unit),
+            textcoords="offset points",
+            xytext=(-10, -16),
+            ha="right",
+        )
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xticks(token_counts, [f"{t:,}" for t in token_counts])
+        axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.4g}"))
+        axes.yaxis.set_minor_formatter(ticker.NullFormatter())
+        axes.set_xlabel("tokens per batch")
+        axes.set_ylabel(label + ", lower is better")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    figure.suptitle(
+        f"PKM-like lookup: {shape.slots:,} x {shape.dim} values, {shape.bag_size} slots per "
+        "token; forward + gradients"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def section_gather_reduce_sum(args: argparse.Namespace) -> Dict[str, Any]:
+    """Fused vs plain-TF PKM-like lookup: time, memory, equality, scaling with tokens."""
+    shape = PkmShape(slots=args.slots, dim=args.dim, heads=args.heads, knn=args.knn)
+    token_counts = sorted(set(args.tokens) | {args.headline_tokens})
+    print(f"A Product-Key-Memory-like lookup: {shape.describe()}.")
+    print(
+        "One training step = the lookup plus its gradients w.r.t. the values (a tf.Variable) "
+        f"and the weights; tokens {', '.join(f'{t:,}' for t in token_counts)}."
+    )
+    _loader.load_op_library()  # fail early, with the loader's advice, when it is not built
+
+    sweep, differences, memory = _measure(shape, token_counts, args)
+    _print_summary(shape, token_counts, sweep, differences, memory, args)
+
+    result = {
+        "shape": dataclasses.asdict(shape),
+        "headline_tokens": args.headline_tokens,
+        "repeats": args.repeats,
+        "memory_method": memory,
+        "max_abs_difference": {name: diff for name, (diff, _) in differences.items()},
+        "sweep": {name: {str(t): v for t, v in by_t.items()} for name, by_t in sweep.items()},
+    }
+    json_path = os.path.join(args.out, "gather_reduce_sum.json")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    png_path = os.path.join(args.out, "gather_reduce_sum.png")
+    if args.no_plot:
+        print(f"Saved {json_path}.")
+    elif _plot(png_path, shape, token_counts, sweep):
+        print(f"Saved {png_path} and {json_path}.")
+    else:
+        print(f"Saved {json_path} (no plot: matplotlib is not installed).")
+    return result
+
+
+# ----------------------------------------------------------------------------------------
+# The command.
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One part of the demo: a title and a function that runs it and returns its results."""
+
+    title: str
+    run: Callable[[argparse.Namespace], Dict[str, Any]]
+
+
+SECTIONS: Dict[str, Section] = {
+    "gather_reduce_sum": Section(
+        "fused EmbeddingBag vs plain TensorFlow on a PKM-like lookup", section_gather_reduce_sum
+    ),
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(item.replace("_", "")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _sections(text: str) -> List[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}"
+        )
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the demo's options to `parser` (the `demo` subcommand of `python -m tf_ttemb`)."""
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help="where the plots and JSON results go (default: %(default)s/)",
+    )
+    parser.add_argument(
+        "--sections",
+        type=_sections,
+        default=list(SECTIONS),
+        help=f"comma-separated sections to run (default: all: {', '.join(SECTIONS)})",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_int_list,
+        default=[256, 512, 1024, 2048, 4096],
+        help="token counts of the scaling sweep (default: 256,512,1024,2048,4096)",
+    )
+    parser.add_argument(
+        "--headline-tokens",
+        type=_positive_int,
+        default=1024,
+        help="token count of the summary and the equality check (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed steps per measurement (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=PkmShape.slots,
+        help="rows of the values table (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dim",
+        type=_positive_int,
+        default=PkmShape.dim,
+        help="width of the values table (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--heads",
+        type=_positive_int,
+        default=PkmShape.heads,
+        help="memory heads per token (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--knn",
+        type=_positive_int,
+        default=PkmShape.knn,
+        help="slots per head (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short smoke test: tokens 128,256,512, headline 256, 2 repeats (overrides "
+        "those options)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="do not draw the PNG plots")
+    parser.add_argument("--seed", type=int, default=0, help="data seed (default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the selected sections; returns the process exit status."""
+    if args.quick:
+        args.tokens, args.headline_tokens, args.repeats = [128, 256, 512], 256, 2
+    os.makedirs(args.out, exist_ok=True)
+    for index, name in enumerate(args.sections, 1):
+        section = SECTIONS[name]
+        print(f"\n== [{index}/{len(args.sections)}] {name}: {section.title} ==")
+        try:
+            section.run(args)
+        except _loader.OpLibraryNotFoundError as e:
+            print(f"\n{e}", file=sys.stderr)
+            return 1
+    return 0
