@@ -112,8 +112,10 @@ def _training_data(rng, form, count=64):
         bags = sparse_bags(rng, lengths, N_FIT, tf.int64, ids=ids, width=L_FIT + 3)
         bags.ids = tf.sparse.reorder(bags.ids)  # tf.data slices sparse rows in canonical order
         spec = keras.Input(shape=(L_FIT + 3,), dtype="int64", sparse=True)
-    targets = rng.normal(size=(count, 1)).astype(np.float32)
-    return bags, spec, targets
+    # A learnable target: the bag mean of a random per-row teacher value.
+    teacher = rng.normal(size=(N_FIT, 1))
+    targets, _ = reference.forward(teacher, bags.flat_ids, bags.splits, None, "mean", PAD_FIT)
+    return bags, spec, targets.astype(np.float32)
 
 
 @pytest.mark.parametrize("dense_grad", [False, True], ids=["sparse_grad", "dense_grad"])
@@ -128,10 +130,10 @@ def test_fit(rng, form, implementation, dense_grad):
     )
     outputs = keras.layers.Dense(1)(layer(inputs))
     model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.5), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.2), loss="mse")
     before = layer.embeddings.numpy().copy()
     data = tf.data.Dataset.from_tensor_slices((bags.ids, targets)).batch(16)
-    history = model.fit(data, epochs=8, verbose=0)
+    history = model.fit(data, epochs=8, verbose=0, shuffle=False)
     losses = history.history["loss"]
     assert losses[-1] < losses[0], losses
     after = layer.embeddings.numpy()
@@ -144,6 +146,7 @@ def test_fit(rng, form, implementation, dense_grad):
 
 def test_jit_support_flags():
     assert EmbeddingBag(5, 2, implementation="custom_op").supports_jit is False
+    assert EmbeddingBag(5, 2).supports_jit is False  # "auto" runs the custom op outside XLA
     assert EmbeddingBag(5, 2, implementation="composite").supports_jit is True
 
 
@@ -190,6 +193,28 @@ def test_mixed_precision(rng, global_policy, policy, compute_dtype, form, weight
     grad = tape.gradient(loss, layer.embeddings)
     assert grad is not None and grad.dtype == tf.float32
     assert np.all(np.isfinite(tf.convert_to_tensor(grad).numpy()))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_fit_mixed_precision(rng, global_policy, policy):
+    """Training under a mixed policy (loss scaling for float16) updates only touched rows."""
+    keras.utils.set_random_seed(int(rng.integers(2**31)))
+    bags, _, targets = _training_data(rng, "ragged")
+    global_policy(policy)
+    inputs = keras.Input(shape=(None,), dtype="int64", ragged=True)
+    layer = EmbeddingBag(N_FIT, D_FIT, combiner="mean", padding_id=PAD_FIT)
+    outputs = keras.layers.Dense(1, dtype="float32")(layer(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.2), loss="mse")
+    before = layer.embeddings.numpy().copy()
+    data = tf.data.Dataset.from_tensor_slices((bags.ids, targets)).batch(16)
+    losses = model.fit(data, epochs=8, verbose=0, shuffle=False).history["loss"]
+    assert losses[-1] < losses[0], losses
+    assert layer.embeddings.dtype == "float32"
+    after = layer.embeddings.numpy()
+    untouched = np.setdiff1d(np.arange(N_FIT), reference.touched_rows(bags.flat_ids, PAD_FIT))
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+    assert np.any(after != before)
 
 
 # --------------------------------------------------------------------------------------
@@ -368,6 +393,9 @@ def test_model_export_served_in_fresh_process(rng, tmp_path):
         (dict(output_dim=-1), "output_dim", "-1"),
         (dict(combiner="avg"), "combiner", "avg"),
         (dict(implementation="fast"), "implementation", "fast"),
+        (dict(padding_id=-2), "padding_id", "-2"),
+        (dict(padding_id=10), "padding_id", "10"),
+        (dict(padding_id="x"), "padding_id", "'x'"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -8,6 +8,7 @@ and every error message have dedicated tests.
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 import re
@@ -240,7 +241,7 @@ def test_max_of_negative_values_and_empty_bag(rng, form):
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 @pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
 def test_max_ties_go_to_the_first_entry(rng, form, mode):
     """Rows 1, 3 and 4 are equal and larger than all others: the first of them in each bag wins.
@@ -509,6 +510,52 @@ def test_jit_compile_other_dtypes(rng, combiner, weighted, dtype):
         rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 5,
         modes=[("eager", "custom_op"), ("jit", "auto")],
     )
+
+
+def _grs_module():
+    # tf_ttemb.ops re-exports the function under the module's name, so go through sys.modules.
+    return importlib.import_module("tf_ttemb.ops.gather_reduce_sum")
+
+
+CHUNK_CASES = [
+    (c, w, f, "eager") for c, w in COMBINER_WEIGHTING for f in ("dense2d", "ragged", "sparse")
+] + [
+    ("mean", True, "ragged", "jit"),
+    ("max", False, "dense2d", "jit"),
+    ("sqrtn", True, "sparse", "jit"),
+]
+
+
+@pytest.mark.parametrize(
+    "combiner,weighted,form,mode", CHUNK_CASES,
+    ids=[f"{combiner_id((c, w))}-{f}-{m}" for c, w, f, m in CHUNK_CASES],
+)
+def test_composite_across_many_chunks(rng, monkeypatch, combiner, weighted, form, mode):
+    """A tiny chunk budget makes the composite loop over many chunks, the last one partial."""
+    monkeypatch.setattr(_grs_module(), "COMPOSITE_CHUNK_BYTES", 40)
+    if form == "dense2d":
+        bags = dense_bags(rng, (7, 9), 11, tf.int32, padding_id=-1)
+    else:
+        make = ragged_bags if form == "ragged" else sparse_bags
+        bags = make(rng, [5, 0, 13, 1, 9, 0, 4], 11, tf.int64, padding_id=-1)
+    check_case(rng, bags, tf.float32, combiner, weighted, -1, 11, 3, mode=mode,
+               implementation="composite")
+
+
+def test_out_of_range_ids_under_jit_count_as_padding(rng):
+    """Under XLA the composite cannot raise; documented: bad ids behave like padding."""
+    params, params64 = make_params(rng, 6, 3, tf.float32)
+    ids = np.array([[0, 9001, 2], [-5, 4, 4]])
+    bags = dense_bags(rng, None, 6, tf.int64, ids=ids)
+    up, up64 = make_upstream(rng, bags, 3, tf.float32)
+    out, dp, _ = run_op(params, bags, None, up, "jit", combiner="mean")
+    as_padding = np.where((ids < 0) | (ids >= 6), -1, ids).reshape(-1)
+    want, scale = reference.forward(params64, as_padding, bags.splits, None, "mean", -1)
+    assert_close(out.numpy(), want, scale, tf.float32, "forward")
+    want_dp, scale = reference.params_grad(
+        params64, as_padding, bags.splits, up64, None, "mean", -1
+    )
+    assert_close(dense_value(dp), want_dp, scale, tf.float32, "params grad")
 
 
 def _op_types(concrete_function):
