@@ -27,10 +27,9 @@ namespace gpu {
 namespace {
 
 constexpr int kBlock = 256;
-// Entries whose rows are loaded before the first is used (forward).
+// Row vectors each lane has in flight in the gather loops (forward and
+// params-gradient reduction): kUnroll / NV entries of NV vectors.
 constexpr int kUnroll = 8;
-// Entries in flight per lane in the params-gradient segment loop.
-constexpr int kReduceUnroll = 4;
 // Params gradient: segments with more entries than this are split into pieces
 // of this many entries, reduced separately and combined in piece order.
 constexpr int64_t kPieceEntries = 256;
@@ -167,6 +166,21 @@ __device__ __forceinline__ void StoreInts(int32_t* __restrict__ p, const Ints<V>
       if (col + e < dim) p[e] = x.v[e];
     }
   }
+}
+
+template <typename A>
+__device__ __forceinline__ A IntBitsAsAcc(int32_t x);
+template <>
+__device__ __forceinline__ float IntBitsAsAcc<float>(int32_t x) {
+  return __int_as_float(x);
+}
+template <>
+__device__ __forceinline__ double IntBitsAsAcc<double>(int32_t x) {
+  return __longlong_as_double(static_cast<long long>(x));
+}
+__device__ __forceinline__ int32_t AccBitsAsInt(float x) { return __float_as_int(x); }
+__device__ __forceinline__ int32_t AccBitsAsInt(double x) {
+  return static_cast<int32_t>(__double_as_longlong(x));
 }
 
 template <typename A>
@@ -312,45 +326,48 @@ struct ForwardArgs {
 };
 
 // Work item = (bag, slice, column chunk); a group of G lanes owns it and walks
-// the slice's entries in order, kUnroll rows in flight per lane. With one
-// slice per bag the group writes the output row; otherwise it writes its
-// partial sums (and, for max, partial argmax) for ForwardCombineKernel.
-template <typename T, typename Tindex, bool kAligned, bool kMax>
+// the slice's entries in order, kUnroll / NV entries of NV vectors each in
+// flight per lane (lane vectors: chunk * G * NV + i * G + lane, i < NV). The
+// ids of the next entries are loaded while the current rows are in flight.
+// With one slice per bag the group writes the output row; otherwise it writes
+// its partial sums (and, for max, partial argmax) for ForwardCombineKernel.
+template <typename T, typename Tindex, bool kAligned, bool kMax, int NV>
 __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, Tindex> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
+  constexpr int U = kUnroll / NV;
   const GroupWalk walk(a.group);
   for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
     int64_t rest, chunk, bag, slice;
     DivMod(item, a.chunks, &rest, &chunk);
     DivMod(rest, a.slices, &bag, &slice);
-    const int64_t cv = chunk * a.group + walk.lane;
-    if (cv >= a.dim_vecs) continue;  // no shuffles in this kernel
-    const bool reporter = cv == 0;
-    const int64_t col = cv * V;
+    const int64_t base = chunk * a.group * NV + walk.lane;
+    if (base >= a.dim_vecs) continue;  // no shuffles in this kernel
+    const bool reporter = base == 0;
     int64_t begin, end;
     BagRange(a.splits, bag, a.nnz, &begin, &end);
     const int64_t len = end - begin;
     const int64_t s0 = begin + len * slice / a.slices;
     const int64_t s1 = begin + len * (slice + 1) / a.slices;
-    constexpr bool is_max = kMax;
     int64_t first_bad = -1;
 
-    A acc[V];
-    int32_t pos[V];
+    A acc[NV][V];
+    int32_t pos[NV][V];
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      acc[e] = A(0);
-      pos[e] = -1;
+    for (int i = 0; i < NV; ++i) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        acc[i][e] = A(0);
+        pos[i][e] = -1;
+      }
     }
     A wsum = A(0), wsq = A(0);
-    // Ids and weights of the next kUnroll entries are loaded while the rows
-    // of the current ones are in flight. row < 0: padding, bad or past s1.
-    int64_t row[kUnroll];
-    A w[kUnroll];
+    // row < 0: padding, bad or past s1.
+    int64_t row[U];
+    A w[U];
     auto load_ids = [&](int64_t j0) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         const int64_t j = j0 + u;
         row[u] = -1;
         w[u] = A(0);
@@ -368,38 +385,45 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
       }
     };
     load_ids(s0);
-    for (int64_t j0 = s0; j0 < s1; j0 += kUnroll) {
-      Packet<T> x[kUnroll];
+    for (int64_t j0 = s0; j0 < s1; j0 += U) {
+      Packet<T> x[U][NV];
       unsigned loaded = 0;
-      A wc[kUnroll];
+      A wc[U];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         wc[u] = w[u];
         if (row[u] >= 0) {
-          x[u] = LoadVec<T, kAligned>(a.params + row[u] * a.dim + col, col, a.dim);
           loaded |= 1u << u;
-        }
-      }
-      load_ids(j0 + kUnroll);
-      if (kMax) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (!(loaded & (1u << u))) continue;
-          const int32_t p = static_cast<int32_t>(j0 + u - begin);
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            const A v = ToAcc(x[u].v[e]);
-            const bool take = pos[e] < 0 || v > acc[e];
-            acc[e] = take ? v : acc[e];
-            pos[e] = take ? p : pos[e];
+          for (int i = 0; i < NV; ++i) {
+            const int64_t cv = base + i * a.group;
+            if (NV == 1 || cv < a.dim_vecs) {
+              x[u][i] = LoadVec<T, kAligned>(a.params + row[u] * a.dim + cv * V, cv * V, a.dim);
+            }
           }
         }
-      } else {
+      }
+      load_ids(j0 + U);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (!(loaded & (1u << u))) continue;
+      for (int u = 0; u < U; ++u) {
+        if (!(loaded & (1u << u))) continue;
+        const int32_t p = static_cast<int32_t>(j0 + u - begin);
 #pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] = fma(wc[u], ToAcc(x[u].v[e]), acc[e]);
+        for (int i = 0; i < NV; ++i) {
+          if (NV > 1 && base + i * a.group >= a.dim_vecs) continue;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const A v = ToAcc(x[u][i].v[e]);
+            if (kMax) {
+              const bool take = pos[i][e] < 0 || v > acc[i][e];
+              acc[i][e] = take ? v : acc[i][e];
+              pos[i][e] = take ? p : pos[i][e];
+            } else {
+              acc[i][e] = fma(wc[u], v, acc[i][e]);
+            }
+          }
+        }
+        if (!kMax) {
           wsum += wc[u];
           wsq += wc[u] * wc[u];
         }
@@ -407,34 +431,41 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
     }
     if (reporter && first_bad >= 0) ReportMin(&a.report->first_bad_index, first_bad);
 
-    if (a.slices == 1) {
-      Packet<T> o;
-      if (is_max) {
-        Ints<V> p;
+    const A scale = BagScale(a.combiner, wsum, wsq);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t cv = base + i * a.group;
+      if (cv >= a.dim_vecs) continue;
+      const int64_t col = cv * V;
+      if (a.slices == 1) {
+        Packet<T> o;
+        if (kMax) {
+          Ints<V> pp;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            o.v[e] = FromAcc<T>(pos[i][e] < 0 ? A(0) : acc[i][e]);
+            pp.v[e] = pos[i][e];
+          }
+          StoreInts<V, kAligned>(a.argmax + bag * a.dim + col, pp, col, a.dim);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[i][e] * scale);
+        }
+        StoreVec<T, kAligned>(a.out + bag * a.dim + col, o, col, a.dim);
+      } else {
+        const int64_t part = bag * a.slices + slice;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          o.v[e] = FromAcc<T>(pos[e] < 0 ? A(0) : acc[e]);
-          p.v[e] = pos[e];
+          if (col + e >= a.dim) break;
+          a.part_acc[part * a.dim + col + e] = acc[i][e];
+          if (kMax) a.part_pos[part * a.dim + col + e] = pos[i][e];
         }
-        StoreInts<V, kAligned>(a.argmax + bag * a.dim + col, p, col, a.dim);
-      } else {
-        const A scale = BagScale(a.combiner, wsum, wsq);
-#pragma unroll
-        for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[e] * scale);
       }
-      StoreVec<T, kAligned>(a.out + bag * a.dim + col, o, col, a.dim);
-    } else {
+    }
+    if (a.slices > 1 && reporter && !kMax) {
       const int64_t part = bag * a.slices + slice;
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        if (col + e >= a.dim) break;
-        a.part_acc[part * a.dim + col + e] = acc[e];
-        if (is_max) a.part_pos[part * a.dim + col + e] = pos[e];
-      }
-      if (reporter && !is_max) {
-        a.part_w[2 * part] = wsum;
-        a.part_w[2 * part + 1] = wsq;
-      }
+      a.part_w[2 * part] = wsum;
+      a.part_w[2 * part + 1] = wsq;
     }
   }
 }
@@ -659,70 +690,88 @@ struct ReduceArgs {
   bool is_max;
 };
 
-// Adds the entries k0..k1 of the sorted order to acc (this lane's vector of
-// the column chunk), in order. With fusion, also writes each entry's partial
-// dot <grad_b, params_row> over this chunk to pdot. All lanes of the group
-// run this together (the shuffles need them); `active` guards the memory.
-template <typename T, bool kAligned>
+// Adds the entries k0..k1 of the sorted order to acc, in order. The lane's
+// vectors are base + i * G, i < NV. With fusion, also writes each entry's
+// partial dot <grad_b, params_row> over this column chunk to pdot. All lanes
+// of the group run this together (the shuffles need them); inactive vectors
+// read nothing and count as zeros. The bags and coefficients of the next
+// entries are loaded while the current grad rows are in flight.
+template <typename T, bool kAligned, int NV>
 __device__ __forceinline__ void ReduceEntries(const ReduceArgs<T>& a, int64_t k0, int64_t k1,
-                                              int64_t col, bool active, int64_t chunk,
-                                              unsigned mask, int lane,
-                                              const AccT<T> (&prow)[VecOf<T>()],
-                                              AccT<T> (&acc)[VecOf<T>()]) {
+                                              int64_t base, int64_t chunk, unsigned mask,
+                                              int lane, const AccT<T> (&prow)[NV][VecOf<T>()],
+                                              AccT<T> (&acc)[NV][VecOf<T>()]) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
-  for (int64_t k = k0; k < k1; k += kReduceUnroll) {
-    int64_t bag[kReduceUnroll];
-    A coef[kReduceUnroll];
-    int32_t inbag[kReduceUnroll];
+  constexpr int U = kUnroll / NV;
+  // info: the entry's coefficient, or for max its position inside the bag
+  // (the int's bits).
+  int32_t bag[U];
+  A info[U];
+  auto load_info = [&](int64_t k) {
 #pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       bag[u] = 0;
-      coef[u] = A(0);
-      inbag[u] = -3;
+      info[u] = A(0);
       if (k + u < k1) {
         bag[u] = a.sorted_bag[k + u];
-        if (a.is_max) {
-          inbag[u] = a.sorted_inbag[k + u];
+        info[u] = a.is_max ? IntBitsAsAcc<A>(a.sorted_inbag[k + u]) : a.sorted_coef[k + u];
+      }
+    }
+  };
+  load_info(k0);
+  for (int64_t k = k0; k < k1; k += U) {
+    int32_t cur_bag[U];
+    A cur_info[U];
+    Packet<T> dy[U][NV];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      cur_bag[u] = bag[u];
+      cur_info[u] = info[u];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int64_t cv = base + i * a.group;
+        if (k + u < k1 && cv < a.dim_vecs) {
+          dy[u][i] = LoadVec<T, kAligned>(a.grad + static_cast<int64_t>(bag[u]) * a.dim + cv * V,
+                                          cv * V, a.dim);
         } else {
-          coef[u] = a.sorted_coef[k + u];
+#pragma unroll
+          for (int e = 0; e < V; ++e) dy[u][i].v[e] = FromAcc<T>(A(0));
         }
       }
     }
-    Packet<T> dy[kReduceUnroll];
+    load_info(k + U);
 #pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      if (active && k + u < k1) {
-        dy[u] = LoadVec<T, kAligned>(a.grad + bag[u] * a.dim + col, col, a.dim);
-      }
-    }
-    if (!active) {
+    for (int u = 0; u < U; ++u) {
+      if (k + u >= k1) continue;
 #pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
+      for (int i = 0; i < NV; ++i) {
+        const int64_t cv = base + i * a.group;
+        if (cv >= a.dim_vecs) continue;
+        if (a.is_max) {
+          const int32_t inbag = AccBitsAsInt(cur_info[u]);
+          const Ints<V> am = LoadInts<V, kAligned>(
+              a.argmax + static_cast<int64_t>(cur_bag[u]) * a.dim + cv * V, cv * V, a.dim);
 #pragma unroll
-        for (int e = 0; e < V; ++e) dy[u].v[e] = FromAcc<T>(A(0));
-      }
-    }
+          for (int e = 0; e < V; ++e) {
+            acc[i][e] += am.v[e] == inbag ? ToAcc(dy[u][i].v[e]) : A(0);
+          }
+        } else {
 #pragma unroll
-    for (int u = 0; u < kReduceUnroll; ++u) {
-      if (!active || k + u >= k1) continue;
-      if (a.is_max) {
-        const Ints<V> am =
-            LoadInts<V, kAligned>(a.argmax + bag[u] * a.dim + col, col, a.dim);
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] += am.v[e] == inbag[u] ? ToAcc(dy[u].v[e]) : A(0);
-      } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = fma(coef[u], ToAcc(dy[u].v[e]), acc[e]);
+          for (int e = 0; e < V; ++e) acc[i][e] = fma(cur_info[u], ToAcc(dy[u][i].v[e]), acc[i][e]);
+        }
       }
     }
     if (a.pdot != nullptr) {
 #pragma unroll
-      for (int u = 0; u < kReduceUnroll; ++u) {
+      for (int u = 0; u < U; ++u) {
         if (k + u >= k1) continue;  // uniform across the group
         A dot = A(0);
 #pragma unroll
-        for (int e = 0; e < V; ++e) dot = fma(ToAcc(dy[u].v[e]), prow[e], dot);
+        for (int i = 0; i < NV; ++i) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) dot = fma(ToAcc(dy[u][i].v[e]), prow[i][e], dot);
+        }
         dot = GroupSum(dot, mask, a.group);
         if (lane == 0) a.pdot[(k + u) * a.chunks + chunk] = dot;
       }
@@ -730,35 +779,44 @@ __device__ __forceinline__ void ReduceEntries(const ReduceArgs<T>& a, int64_t k0
   }
 }
 
-template <typename T, bool kAligned>
-__device__ __forceinline__ void LoadParamsRow(const ReduceArgs<T>& a, int64_t row, int64_t col,
-                                              bool active, AccT<T> (&prow)[VecOf<T>()]) {
+template <typename T, bool kAligned, int NV>
+__device__ __forceinline__ void LoadParamsRow(const ReduceArgs<T>& a, int64_t row, int64_t base,
+                                              AccT<T> (&prow)[NV][VecOf<T>()]) {
   constexpr int V = VecOf<T>();
-  if (a.params != nullptr && active) {
-    const Packet<T> x = LoadVec<T, kAligned>(a.params + row * a.dim + col, col, a.dim);
 #pragma unroll
-    for (int e = 0; e < V; ++e) prow[e] = ToAcc(x.v[e]);
-  } else {
+  for (int i = 0; i < NV; ++i) {
+    const int64_t cv = base + i * a.group;
+    if (a.params != nullptr && cv < a.dim_vecs) {
+      const Packet<T> x = LoadVec<T, kAligned>(a.params + row * a.dim + cv * V, cv * V, a.dim);
 #pragma unroll
-    for (int e = 0; e < V; ++e) prow[e] = AccT<T>(0);
+      for (int e = 0; e < V; ++e) prow[i][e] = ToAcc(x.v[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) prow[i][e] = AccT<T>(0);
+    }
   }
 }
 
-template <typename T, bool kAligned>
+template <typename T, bool kAligned, int NV>
 __device__ __forceinline__ void WriteGradRow(const ReduceArgs<T>& a, int64_t u, int64_t row,
-                                             int64_t col, const AccT<T> (&acc)[VecOf<T>()]) {
+                                             int64_t base, const AccT<T> (&acc)[NV][VecOf<T>()]) {
   constexpr int V = VecOf<T>();
-  Packet<T> o;
-#pragma unroll
-  for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[e]);
   T* dst = a.values != nullptr ? a.values + u * a.dim : a.dense + row * a.dim;
-  StoreVec<T, kAligned>(dst + col, o, col, a.dim);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t cv = base + i * a.group;
+    if (cv >= a.dim_vecs) continue;
+    Packet<T> o;
+#pragma unroll
+    for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[i][e]);
+    StoreVec<T, kAligned>(dst + cv * V, o, cv * V, a.dim);
+  }
 }
 
 // Work item = (segment u, column chunk), for segments of at most
 // kPieceEntries entries: the group reduces the whole segment and writes the
 // gradient row.
-template <typename T, bool kAligned>
+template <typename T, bool kAligned, int NV>
 __global__ void __launch_bounds__(kBlock, 2) ReduceSegmentsKernel(const ReduceArgs<T> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
@@ -768,24 +826,27 @@ __global__ void __launch_bounds__(kBlock, 2) ReduceSegmentsKernel(const ReduceAr
   for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
     int64_t u, chunk;
     DivMod(item, a.chunks, &u, &chunk);
-    if (u >= num_unique || a.hot[u] > 0) continue;  // uniform across the group
-    const int64_t cv = chunk * a.group + walk.lane;
-    const bool active = cv < a.dim_vecs;
-    const int64_t col = cv * V;
+    if (u >= num_unique) continue;  // uniform across the group
+    const int32_t hot = a.hot[u];
+    const int64_t k0 = a.seg_start[u], k1 = a.seg_start[u + 1];
     const int64_t row = a.seg_id[u];
-    A prow[V], acc[V];
-    LoadParamsRow<T, kAligned>(a, row, col, active, prow);
+    if (hot > 0) continue;
+    const int64_t base = chunk * a.group * NV + walk.lane;
+    A prow[NV][V], acc[NV][V];
+    LoadParamsRow<T, kAligned, NV>(a, row, base, prow);
 #pragma unroll
-    for (int e = 0; e < V; ++e) acc[e] = A(0);
-    ReduceEntries<T, kAligned>(a, a.seg_start[u], a.seg_start[u + 1], col, active, chunk, mask,
-                               walk.lane, prow, acc);
-    if (active) WriteGradRow<T, kAligned>(a, u, row, col, acc);
+    for (int i = 0; i < NV; ++i) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[i][e] = A(0);
+    }
+    ReduceEntries<T, kAligned, NV>(a, k0, k1, base, chunk, mask, walk.lane, prow, acc);
+    WriteGradRow<T, kAligned, NV>(a, u, row, base, acc);
   }
 }
 
 // Work item = (piece q of a long segment, column chunk): the group reduces
 // kPieceEntries entries into part[q].
-template <typename T, bool kAligned>
+template <typename T, bool kAligned, int NV>
 __global__ void __launch_bounds__(kBlock, 2) ReducePiecesKernel(const ReduceArgs<T> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
@@ -810,18 +871,23 @@ __global__ void __launch_bounds__(kBlock, 2) ReducePiecesKernel(const ReduceArgs
     const int64_t u = lo - 1;
     const int64_t k0 = a.seg_start[u] + (q - a.hot_off[u]) * kPieceEntries;
     const int64_t k1 = min(k0 + kPieceEntries, static_cast<int64_t>(a.seg_start[u + 1]));
-    const int64_t cv = chunk * a.group + walk.lane;
-    const bool active = cv < a.dim_vecs;
-    const int64_t col = cv * V;
-    A prow[V], acc[V];
-    LoadParamsRow<T, kAligned>(a, a.seg_id[u], col, active, prow);
+    const int64_t base = chunk * a.group * NV + walk.lane;
+    A prow[NV][V], acc[NV][V];
+    LoadParamsRow<T, kAligned, NV>(a, a.seg_id[u], base, prow);
 #pragma unroll
-    for (int e = 0; e < V; ++e) acc[e] = A(0);
-    ReduceEntries<T, kAligned>(a, k0, k1, col, active, chunk, mask, walk.lane, prow, acc);
-    if (active) {
+    for (int i = 0; i < NV; ++i) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[i][e] = A(0);
+    }
+    ReduceEntries<T, kAligned, NV>(a, k0, k1, base, chunk, mask, walk.lane, prow, acc);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t col = (base + i * a.group) * V;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        if (col + e < a.dim) a.part[q * a.dim + col + e] = acc[e];
+        if (base + i * a.group < a.dim_vecs && col + e < a.dim) {
+          a.part[q * a.dim + col + e] = acc[i][e];
+        }
       }
     }
   }
@@ -829,7 +895,7 @@ __global__ void __launch_bounds__(kBlock, 2) ReducePiecesKernel(const ReduceArgs
 
 // Work item = (long segment u, column chunk): sums its pieces in piece order
 // and writes the gradient row.
-template <typename T, bool kAligned>
+template <typename T, bool kAligned, int NV>
 __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
@@ -839,20 +905,20 @@ __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T
     int64_t u, chunk;
     DivMod(item, a.chunks, &u, &chunk);
     if (u >= num_unique || a.hot[u] == 0) continue;
-    const int64_t cv = chunk * a.group + walk.lane;
-    if (cv >= a.dim_vecs) continue;
-    const int64_t col = cv * V;
-    A acc[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) acc[e] = A(0);
+    const int64_t base = chunk * a.group * NV + walk.lane;
+    A acc[NV][V];
     const int64_t q0 = a.hot_off[u], q1 = q0 + a.hot[u];
-    for (int64_t q = q0; q < q1; ++q) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t col = (base + i * a.group) * V;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        if (col + e < a.dim) acc[e] += a.part[q * a.dim + col + e];
+        acc[i][e] = A(0);
+        if (base + i * a.group >= a.dim_vecs || col + e >= a.dim) continue;
+        for (int64_t q = q0; q < q1; ++q) acc[i][e] += a.part[q * a.dim + col + e];
       }
     }
-    WriteGradRow<T, kAligned>(a, u, a.seg_id[u], col, acc);
+    WriteGradRow<T, kAligned, NV>(a, u, a.seg_id[u], base, acc);
   }
 }
 
@@ -1031,15 +1097,18 @@ struct Columns {
   int64_t dim_vecs = 0;
   int64_t chunks = 0;
   int group = 1;
+  int nv = 1;  // vectors per lane per entry
 };
 
+// nv > 1 only when a full group still has nv vectors per lane to do.
 template <typename T>
-Columns ColumnsFor(int64_t dim) {
+Columns ColumnsFor(int64_t dim, int nv = 1) {
   Columns c;
   c.dim_vecs = CeilDiv(dim, VecOf<T>());
   if (c.dim_vecs == 0) return c;
   c.group = Pow2AtLeast(c.dim_vecs);
-  c.chunks = CeilDiv(c.dim_vecs, c.group);
+  c.nv = c.dim_vecs >= 32 * nv ? nv : 1;
+  c.chunks = CeilDiv(c.dim_vecs, c.group * c.nv);
   return c;
 }
 
@@ -1084,7 +1153,7 @@ struct ForwardPlan {
 template <typename T>
 ForwardPlan PlanForward(const BagProblem& p) {
   ForwardPlan plan;
-  plan.cols = ColumnsFor<T>(p.dim);
+  plan.cols = ColumnsFor<T>(p.dim, 2);
   if (plan.cols.chunks == 0 || p.num_bags == 0) return plan;
   const int64_t groups = p.num_bags * plan.cols.chunks;
   if (groups < kTargetGroups) {
@@ -1139,6 +1208,11 @@ bool ValidProblem(const BagProblem& p) {
          !(p.has_weights && p.combiner == Combiner::kMax);
 }
 
+// Vectors per lane in the params-gradient reduction of wide rows: as many as
+// keep its registers (sums, params row, rows in flight) without spills.
+template <typename T>
+constexpr int kReduceWideNV = sizeof(T) == 4 ? 4 : 2;
+
 // Params-gradient plan and scratch, shared by Prepare and Reduce.
 template <typename T>
 struct GradPlan {
@@ -1152,7 +1226,7 @@ struct GradPlan {
 template <typename T>
 GradPlan<T> PlanGrad(const BagProblem& p) {
   GradPlan<T> g;
-  g.cols = ColumnsFor<T>(p.dim);
+  g.cols = ColumnsFor<T>(p.dim, kReduceWideNV<T>);
   g.wide_keys = p.num_rows >= int64_t{0xffffffff};
   int bits = 0;
   while (bits < 63 && (p.num_rows >> bits) != 0) ++bits;
@@ -1301,26 +1375,35 @@ ReduceArgs<T> MakeReduceArgs(const BagProblem& p, const GradPlan<T>& g, const Gr
   return a;
 }
 
-template <typename T, bool kAligned>
+template <typename T, bool kAligned, int NV>
 cudaError_t LaunchReduceKernels(ReduceArgs<T> a, const GradPlan<T>& g, cudaStream_t stream) {
   const int64_t group = g.cols.group;
   a.num_items = g.unique_bound * g.cols.chunks;
   if (a.num_items > 0) {
-    ReduceSegmentsKernel<T, kAligned><<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
+    ReduceSegmentsKernel<T, kAligned, NV>
+        <<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   ReduceArgs<T> pieces = a;
   pieces.num_items = g.piece_bound * g.cols.chunks;
   if (pieces.num_items > 0) {
-    ReducePiecesKernel<T, kAligned>
+    ReducePiecesKernel<T, kAligned, NV>
         <<<GridFor(pieces.num_items * group), kBlock, 0, stream>>>(pieces);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   if (a.num_items > 0) {
-    CombinePiecesKernel<T, kAligned><<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
+    CombinePiecesKernel<T, kAligned, NV>
+        <<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   return cudaSuccess;
+}
+
+template <typename T, bool kAligned>
+cudaError_t LaunchReduceKernels(const ReduceArgs<T>& a, const GradPlan<T>& g,
+                                cudaStream_t stream) {
+  if (g.cols.nv > 1) return LaunchReduceKernels<T, kAligned, kReduceWideNV<T>>(a, g, stream);
+  return LaunchReduceKernels<T, kAligned, 1>(a, g, stream);
 }
 
 }  // namespace
@@ -1392,14 +1475,29 @@ cudaError_t LaunchForward(const BagProblem& p, const T* params, const Tindex* id
                          (argmax == nullptr || Aligned16(argmax));
     const int grid = GridFor(plan.num_items * plan.cols.group);
     const bool is_max = p.combiner == Combiner::kMax;
+    const bool wide = plan.cols.nv == 2;
     if (aligned && is_max) {
-      ForwardKernel<T, Tindex, true, true><<<grid, kBlock, 0, stream>>>(a);
+      if (wide) {
+        ForwardKernel<T, Tindex, true, true, 2><<<grid, kBlock, 0, stream>>>(a);
+      } else {
+        ForwardKernel<T, Tindex, true, true, 1><<<grid, kBlock, 0, stream>>>(a);
+      }
     } else if (aligned) {
-      ForwardKernel<T, Tindex, true, false><<<grid, kBlock, 0, stream>>>(a);
+      if (wide) {
+        ForwardKernel<T, Tindex, true, false, 2><<<grid, kBlock, 0, stream>>>(a);
+      } else {
+        ForwardKernel<T, Tindex, true, false, 1><<<grid, kBlock, 0, stream>>>(a);
+      }
     } else if (is_max) {
-      ForwardKernel<T, Tindex, false, true><<<grid, kBlock, 0, stream>>>(a);
+      if (wide) {
+        ForwardKernel<T, Tindex, false, true, 2><<<grid, kBlock, 0, stream>>>(a);
+      } else {
+        ForwardKernel<T, Tindex, false, true, 1><<<grid, kBlock, 0, stream>>>(a);
+      }
+    } else if (wide) {
+      ForwardKernel<T, Tindex, false, false, 2><<<grid, kBlock, 0, stream>>>(a);
     } else {
-      ForwardKernel<T, Tindex, false, false><<<grid, kBlock, 0, stream>>>(a);
+      ForwardKernel<T, Tindex, false, false, 1><<<grid, kBlock, 0, stream>>>(a);
     }
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
     if (plan.slices > 1) {
@@ -1473,12 +1571,15 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
   const bool fused = fusion != nullptr;
   if (!ValidProblem(p) || !GradSizesOk(p) || is_dense == (values != nullptr) ||
       (p.combiner == Combiner::kMax && (argmax == nullptr || fused)) ||
-      (fused && (fusion->params == nullptr || fusion->weights == nullptr ||
-                 fusion->weights_grad == nullptr || !p.has_weights))) {
+      (fused && ((fusion->params == nullptr && p.num_rows * p.dim > 0) ||
+                 (p.nnz > 0 && (fusion->weights == nullptr || fusion->weights_grad == nullptr)) ||
+                 !p.has_weights))) {
     return cudaErrorInvalidValue;
   }
   const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
-  if (fused && scaled && fusion->output == nullptr) return cudaErrorInvalidValue;
+  if (fused && scaled && fusion->output == nullptr && p.num_bags * p.dim > 0) {
+    return cudaErrorInvalidValue;
+  }
   const GradPlan<T> g = PlanGrad<T>(p);
   GradScratch<T> s;
   if (CarveGrad<T>(p, g, is_dense, fused, nullptr, &s) > scratch_bytes) {
@@ -1493,14 +1594,15 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
                                                                      g.unique_bound, s.touched);
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
     }
-    const int64_t items = p.num_rows * g.cols.chunks;
-    const int grid = GridFor(items * g.cols.group);
+    const Columns zc = ColumnsFor<T>(p.dim);
+    const int64_t items = p.num_rows * zc.chunks;
+    const int grid = GridFor(items * zc.group);
     if (p.dim % VecOf<T>() == 0 && Aligned16(dense)) {
       ZeroUntouchedRowsKernel<T, true><<<grid, kBlock, 0, stream>>>(
-          dense, s.touched, p.dim, g.cols.dim_vecs, g.cols.chunks, items, g.cols.group);
+          dense, s.touched, p.dim, zc.dim_vecs, zc.chunks, items, zc.group);
     } else {
       ZeroUntouchedRowsKernel<T, false><<<grid, kBlock, 0, stream>>>(
-          dense, s.touched, p.dim, g.cols.dim_vecs, g.cols.chunks, items, g.cols.group);
+          dense, s.touched, p.dim, zc.dim_vecs, zc.chunks, items, zc.group);
     }
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
@@ -1557,7 +1659,8 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
                               void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
   if (!ValidProblem(p) || p.combiner == Combiner::kMax || !p.has_weights ||
-      (scaled && output == nullptr) || WeightsGradScratchBytes<T>(p) > scratch_bytes) {
+      (scaled && output == nullptr && p.num_bags * p.dim > 0) ||
+      WeightsGradScratchBytes<T>(p) > scratch_bytes) {
     return cudaErrorInvalidValue;
   }
   Carver carver(scratch);

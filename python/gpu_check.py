@@ -553,6 +553,21 @@ def run_benchmarks():
     return rows
 
 
+def profile_run():
+    """The PKM shapes once each (forward, then dense backward with the fused weights
+    gradient), for a profiler such as ncu to catch the kernels."""
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        params = torch.randn(262144, 1024, device="cuda", dtype=dtype, generator=gen)
+        ids = torch.randint(0, 262144, (16384 * 128,), device="cuda", generator=gen)
+        w = torch.rand(ids.numel(), device="cuda", dtype=dtype, generator=gen)
+        dy = torch.randn(16384, 1024, device="cuda", dtype=dtype, generator=gen)
+        off = torch.arange(0, ids.numel() + 1, 128, device="cuda")
+        gh.forward_async(params, ids, off, w)
+        gh.backward_async(params, ids, off, w, dy, dense=True)
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth():
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -577,6 +592,7 @@ def main():
     ap.add_argument("--lib", help="use this built library instead of building")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--max-cases", type=int, help="cap the sweep at this many cases")
+    ap.add_argument("--profile", action="store_true", help="only run the PKM shapes once")
     args = ap.parse_args()
 
     report = {"argv": sys.argv, "host": platform.node()}
@@ -587,6 +603,9 @@ def main():
         report["build_s"] = build(lib_dir)
         lib = lib_dir / "libtf_ttemb_gpu_harness.so"
     gh.load(lib)
+    if args.profile:
+        profile_run()
+        return 0
     props = torch.cuda.get_device_properties(0)
     report["gpu"] = props.name
     report["torch"] = torch.__version__

@@ -3,7 +3,7 @@
 # then compute-sanitizer memcheck and racecheck on a small sweep. Logs and JSON
 # go to $OUT (at most 8 files come back).
 #
-#   bash cuda/harness/device_run.sh [LIB]
+#   bash cuda/harness/device_run.sh [LIB]   (e.g. .gpu_harness/libtf_ttemb_gpu_harness.so)
 #
 # LIB: a prebuilt libtf_ttemb_gpu_harness.so (carried from the build machine);
 # without it the library is built here first. The build is also run here in
@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 LIB="${1:-}"
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
-  --format=csv > "$OUT/nvidia_smi.txt" 2>&1
+  --format=csv > "$OUT/check.log" 2>&1
 if [ -n "$LIB" ] && python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LIB"; then
   (time bash python/build_gpu_harness.sh /tmp/rebuild > "$OUT/build_on_device.log" 2>&1;
    echo "rc=$?" >> "$OUT/build_on_device.log") 2>> "$OUT/build_on_device.log" &
@@ -30,17 +30,25 @@ else
   BUILD=""
 fi
 
-timeout "${CHECK_TIMEOUT:-260}" python3 python/gpu_check.py "${LIB_ARG[@]}" 2>&1 | tee "$OUT/check.log"
+timeout "${CHECK_TIMEOUT:-260}" python3 python/gpu_check.py "${LIB_ARG[@]}" 2>&1 | tee -a "$OUT/check.log"
 echo "check rc=${PIPESTATUS[0]}" | tee -a "$OUT/check.log"
 
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 timeout "${MEMCHECK_TIMEOUT:-110}" compute-sanitizer --tool memcheck --leak-check no \
-  --print-limit 20 python3 python/gpu_check.py --small --max-cases 50 "${LIB_ARG[@]}" \
+  --print-limit 20 python3 python/gpu_check.py --small "${LIB_ARG[@]}" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?" >> "$OUT/memcheck.log"
 timeout "${RACECHECK_TIMEOUT:-60}" compute-sanitizer --tool racecheck --print-limit 20 \
-  python3 python/gpu_check.py --small --max-cases 16 "${LIB_ARG[@]}" > "$OUT/racecheck.log" 2>&1
+  python3 python/gpu_check.py --small --max-cases 40 "${LIB_ARG[@]}" > "$OUT/racecheck.log" 2>&1
 echo "racecheck rc=$?" >> "$OUT/racecheck.log"
+if [ "${NCU:-1}" = 1 ]; then
+  timeout "${NCU_TIMEOUT:-90}" ncu --clock-control none \
+    -k regex:"ForwardKernel|ReduceSegmentsKernel|SortedEntryInfo|FusedWeightsGrad|DeviceRadixSort" \
+    --launch-count 14 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 python/gpu_check.py --profile "${LIB_ARG[@]}" > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?" >> "$OUT/ncu.txt"
+fi
 [ -n "$BUILD" ] && wait "$BUILD"
 echo "== tails"
 tail -n 4 "$OUT/memcheck.log" "$OUT/racecheck.log" "$OUT/build_on_device.log"
