@@ -23,6 +23,8 @@
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -383,7 +385,27 @@ void ForwardBags(const T* params,        // [N, D]
   }
 }
 
-template <typename T, typename Tindex>
+// Looks up the variable behind resource input `input` and checks its dtype.
+template <typename T>
+Status LookupVariable(OpKernelContext* ctx, int input,
+                      core::RefCountPtr<Var>* variable) {
+  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), variable));
+  const DataType expected = DataTypeToEnum<T>::value;
+  if ((*variable)->tensor()->dtype() != expected) {
+    return errors::InvalidArgument(
+        "params variable has dtype ",
+        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
+        DataTypeString(expected));
+  }
+  if (!(*variable)->is_initialized) {
+    return errors::FailedPrecondition("params variable is not initialized");
+  }
+  return OkStatus();
+}
+
+// ParamsFromResource: params arrive as a resource variable, read in place
+// under a shared lock instead of as a (possibly copied) tensor.
+template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumOp : public OpKernel {
  public:
   explicit GatherReduceSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -391,7 +413,18 @@ class GatherReduceSumOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& params = ctx->input(0);
+    if (!ParamsFromResource) {
+      ComputeWithParams(ctx, ctx->input(0));
+      return;
+    }
+    core::RefCountPtr<Var> variable;
+    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 0, &variable));
+    tf_shared_lock lock(*variable->mu());
+    ComputeWithParams(ctx, *variable->tensor());
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
     const Tensor& indices = ctx->input(1);
     const Tensor& row_splits = ctx->input(2);
     const Tensor& weights = ctx->input(3);
@@ -442,7 +475,6 @@ class GatherReduceSumOp : public OpKernel {
                       });
   }
 
- private:
   BagAttrs attrs_;
 };
 
@@ -743,7 +775,7 @@ class GatherReduceSumDenseGradOp : public OpKernel {
 //   sqrtn: dw_j = <dy_b, e_j> / S - w_j <dy_b, out_b> / S^2,  S = sqrt(sum w^2)
 // with 0 for padding entries and for bags whose S is 0.
 
-template <typename T, typename Tindex>
+template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumWeightsGradOp : public OpKernel {
  public:
   explicit GatherReduceSumWeightsGradOp(OpKernelConstruction* ctx)
@@ -755,9 +787,20 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    if (!ParamsFromResource) {
+      ComputeWithParams(ctx, ctx->input(1));
+      return;
+    }
+    core::RefCountPtr<Var> variable;
+    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &variable));
+    tf_shared_lock lock(*variable->mu());
+    ComputeWithParams(ctx, *variable->tensor());
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
     using Acc = typename AccumulatorType<T>::type;
     const Tensor& grad = ctx->input(0);
-    const Tensor& params = ctx->input(1);
     const Tensor& indices = ctx->input(2);
     const Tensor& row_splits = ctx->input(3);
     const Tensor& weights = ctx->input(4);
@@ -834,7 +877,6 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
     });
   }
 
- private:
   BagAttrs attrs_;
 };
 
@@ -843,7 +885,12 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
                               .Device(DEVICE_CPU)                    \
                               .TypeConstraint<T>("T")                \
                               .TypeConstraint<Tindex>("Tindices"),   \
-                          GatherReduceSumOp<T, Tindex>);             \
+                          GatherReduceSumOp<T, Tindex, false>);      \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")    \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumOp<T, Tindex, true>);       \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")        \
                               .Device(DEVICE_CPU)                    \
                               .TypeConstraint<T>("T")                \
@@ -858,7 +905,13 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
                               .Device(DEVICE_CPU)                    \
                               .TypeConstraint<T>("T")                \
                               .TypeConstraint<Tindex>("Tindices"),   \
-                          GatherReduceSumWeightsGradOp<T, Tindex>);
+                          GatherReduceSumWeightsGradOp<T, Tindex, false>); \
+  REGISTER_KERNEL_BUILDER(                                           \
+      Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")             \
+          .Device(DEVICE_CPU)                                        \
+          .TypeConstraint<T>("T")                                    \
+          .TypeConstraint<Tindex>("Tindices"),                       \
+      GatherReduceSumWeightsGradOp<T, Tindex, true>);
 
 #define TF_TTEMB_REGISTER_CPU_ALL_INDICES(T) \
   TF_TTEMB_REGISTER_CPU(T, int32)            \

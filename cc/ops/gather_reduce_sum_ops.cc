@@ -161,6 +161,70 @@ REGISTER_OP("TfTtemb>GatherReduceSumWeightsGrad")
     })
     .Doc("Gradient of GatherReduceSum w.r.t. the per-entry weights.");
 
+// Variants that read the table straight from a resource variable under its
+// lock. Reading a variable as a tensor copies the whole [N, D] table on every
+// read once the variable has been updated sparsely (TensorFlow switches it to
+// copy-on-read mode), which would cancel the memory the fused op saves.
+// `dense_grad` only selects the form of the registered gradient.
+namespace {
+
+Status ResourceParamsDim(InferenceContext* c, DimensionHandle* dim) {
+  *dim = c->UnknownDim();
+  const auto* handle_data = c->input_handle_shapes_and_types(0);
+  if (handle_data != nullptr && !handle_data->empty()) {
+    ShapeHandle params;
+    TF_RETURN_IF_ERROR(c->WithRank((*handle_data)[0].shape, 2, &params));
+    *dim = c->Dim(params, 1);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("TfTtemb>ResourceGatherReduceSum")
+    .Input("params: resource")    // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz] or [0]
+    .Output("output: T")          // [B, D]
+    .Output("argmax: int32")      // [B, D] or [0, D]
+    .Attr("dense_grad: bool = false")
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle num_bags, dim;
+      TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
+      TF_RETURN_IF_ERROR(ResourceParamsDim(c, &dim));
+      c->set_output(0, c->Matrix(num_bags, dim));
+      std::string combiner;
+      TF_RETURN_IF_ERROR(c->GetAttr("combiner", &combiner));
+      c->set_output(1, c->Matrix(combiner == "max" ? num_bags : c->MakeDim(0), dim));
+      return OkStatus();
+    })
+    .Doc("GatherReduceSum reading params from a resource variable, without a copy.");
+
+REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
+    .Input("grad: T")             // [B, D]
+    .Input("params: resource")    // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz]
+    .Input("output: T")           // [B, D]
+    .Output("weights_grad: T")    // [nnz]
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, output, indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
+      TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
+      DimensionHandle num_bags;
+      TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+      c->set_output(0, indices);
+      return OkStatus();
+    })
+    .Doc("GatherReduceSumWeightsGrad reading params from a resource variable.");
+
 #undef TF_TTEMB_BAG_ATTRS
 
 }  // namespace tf_ttemb
