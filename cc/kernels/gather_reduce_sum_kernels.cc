@@ -545,6 +545,8 @@ void SortEntries(thread::ThreadPool* pool, const Tindex* ids,
                         std::fill(bag_of + splits[b], bag_of + splits[b + 1], b);
                       }
                     });
+  s->keys.clear();
+  s->positions.clear();
   s->keys.reserve(nnz);
   s->positions.reserve(nnz);
   for (int64_t j = 0; j < nnz; ++j) {
