@@ -1,0 +1,663 @@
+// GPU OpKernels of the gather_reduce_sum family: TensorFlow glue around the
+// CUDA launchers of cuda/gather_reduce_sum_kernels.cuh.
+//
+// Every kernel
+//   * checks shapes on the host with the validation shared with the CPU
+//     kernels (same messages);
+//   * runs the launchers on the op's CUDA stream, with scratch from
+//     allocate_temp sized by the launchers' size queries;
+//   * copies the launchers' DeviceReport (what the device found wrong in the
+//     ids and row_splits) into pinned host memory, waits for the stream, and
+//     raises the CPU kernel's InvalidArgument for the first problem found.
+// The deduplicated params gradient needs that read-back anyway to size its
+// outputs ([U] and [U, D]); it runs the prepare launch, reads U, allocates,
+// then runs the reduce launch.
+//
+// These kernels have not been run: the GPU machine of this project has no
+// TensorFlow. The launchers themselves are checked there through the ctypes
+// harness (python/gpu_check.py).
+
+#if GOOGLE_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cuda/gather_reduce_sum_kernels.cuh"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "xla/stream_executor/stream.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+namespace {
+
+// The CUDA launchers (namespace ::tf_ttemb::gpu, outside `tensorflow`).
+namespace launchers = ::tf_ttemb::gpu;
+
+// TensorFlow's half types and the CUDA types the launchers take have the
+// same layout; data pointers are reinterpreted.
+template <typename T>
+struct CudaTypeOf {
+  using type = T;
+};
+template <>
+struct CudaTypeOf<Eigen::half> {
+  using type = __half;
+};
+template <>
+struct CudaTypeOf<bfloat16> {
+  using type = __nv_bfloat16;
+};
+static_assert(sizeof(Eigen::half) == sizeof(__half) &&
+                  alignof(Eigen::half) == alignof(__half),
+              "Eigen::half and __half must have the same layout");
+static_assert(sizeof(bfloat16) == sizeof(__nv_bfloat16) &&
+                  alignof(bfloat16) == alignof(__nv_bfloat16),
+              "bfloat16 and __nv_bfloat16 must have the same layout");
+
+template <typename T>
+const typename CudaTypeOf<T>::type* DevicePtr(const Tensor& t) {
+  return reinterpret_cast<const typename CudaTypeOf<T>::type*>(
+      t.flat<T>().data());
+}
+template <typename T>
+typename CudaTypeOf<T>::type* DevicePtr(Tensor* t) {
+  return reinterpret_cast<typename CudaTypeOf<T>::type*>(t->flat<T>().data());
+}
+
+// `data` for an output with elements, else a non-null placeholder: the
+// params-grad launcher tells the output form from which pointers are set and
+// writes nothing to an empty output.
+template <typename P>
+P* NonEmptyOr(P* data, int64_t num_elements, void* placeholder) {
+  return num_elements > 0 ? data : static_cast<P*>(placeholder);
+}
+
+Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return OkStatus();
+  return errors::Internal("tf_ttemb GPU ", what, " failed: ",
+                          cudaGetErrorName(err), " (", cudaGetErrorString(err),
+                          ")");
+}
+
+launchers::Combiner ToGpu(Combiner combiner) {
+  switch (combiner) {
+    case Combiner::kMean:
+      return launchers::Combiner::kMean;
+    case Combiner::kSqrtn:
+      return launchers::Combiner::kSqrtn;
+    case Combiner::kMax:
+      return launchers::Combiner::kMax;
+    case Combiner::kSum:
+      break;
+  }
+  return launchers::Combiner::kSum;
+}
+
+launchers::BagProblem MakeProblem(const BagAttrs& attrs,
+                                  const BagShapes& shapes, int64_t num_rows,
+                                  int64_t dim) {
+  launchers::BagProblem p;
+  p.num_rows = num_rows;
+  p.dim = dim;
+  p.num_bags = shapes.num_bags;
+  p.nnz = shapes.nnz;
+  p.combiner = ToGpu(attrs.combiner);
+  p.has_weights = attrs.has_weights;
+  p.has_padding_id = attrs.has_padding_id;
+  p.padding_id = attrs.padding_id;
+  return p;
+}
+
+// The CPU kernel's error for the first problem in the report, in the CPU
+// kernel's order (row_splits, then ids). Messages match ValidateRowSplits.
+Status ReportStatus(const launchers::DeviceReport& r, const BagShapes& shapes,
+                    int64_t num_rows, const BagAttrs& attrs) {
+  if (r.first_split != 0) {
+    return errors::InvalidArgument("row_splits[0] = ", r.first_split,
+                                   " must be 0");
+  }
+  if (r.first_bad_split >= 0) {
+    const int64_t b = r.first_bad_split;
+    return errors::InvalidArgument(
+        "row_splits must be non-decreasing: row_splits[", b + 1,
+        "] = ", r.bad_split_value, " < row_splits[", b, "] = ",
+        r.bad_split_prev);
+  }
+  if (r.last_split != shapes.nnz) {
+    return errors::InvalidArgument("row_splits[", shapes.num_bags,
+                                   "] = ", r.last_split,
+                                   " must equal the number of indices (",
+                                   shapes.nnz, ")");
+  }
+  if (r.first_bad_index >= 0) {
+    return BadIndexError(r.first_bad_index, r.bad_index_value, num_rows, attrs);
+  }
+  return OkStatus();
+}
+
+// The op's CUDA stream, the launchers' report in device memory and its pinned
+// host copy, for one Compute call.
+class GpuCall {
+ public:
+  Status Init(OpKernelContext* ctx) {
+    ctx_ = ctx;
+    const DeviceContext* device_context = ctx->op_device_context();
+    if (device_context == nullptr || device_context->stream() == nullptr) {
+      return errors::Internal("tf_ttemb: the op has no GPU stream");
+    }
+    stream_ = static_cast<cudaStream_t>(
+        device_context->stream()->platform_specific_handle().stream);
+    if (stream_ == nullptr) {
+      return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
+    }
+    const TensorShape report_shape({kReportWords});
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
+    AllocatorAttributes pinned;
+    pinned.set_on_host(true);
+    pinned.set_gpu_compatible(true);
+    return ctx->allocate_temp(DT_INT64, report_shape, &host_report_, pinned);
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  launchers::DeviceReport* device_report() {
+    return reinterpret_cast<launchers::DeviceReport*>(
+        device_report_.flat<int64_t>().data());
+  }
+
+  // Device scratch of at least `bytes` bytes (the launchers align it).
+  Status AllocateScratch(size_t bytes, void** scratch) {
+    if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes,
+                                       " bytes is too large");
+    }
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
+        DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), &scratch_));
+    *scratch = scratch_.flat<int8>().data();
+    return OkStatus();
+  }
+
+  // A small device buffer standing in for outputs without elements (see
+  // NonEmptyOr); never written.
+  Status AllocatePlaceholder(void** placeholder) {
+    TF_RETURN_IF_ERROR(
+        ctx_->allocate_temp(DT_INT64, TensorShape({2}), &placeholder_));
+    *placeholder = placeholder_.flat<int64_t>().data();
+    return OkStatus();
+  }
+
+  // Copies the report to the host and waits for the stream: everything the
+  // launchers queued before has finished when this returns OK.
+  Status ReadReport(launchers::DeviceReport* report) {
+    int64_t* host = host_report_.flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(host, device_report(), sizeof(launchers::DeviceReport),
+                        cudaMemcpyDeviceToHost, stream_),
+        "copy of the device report"));
+    TF_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
+    std::memcpy(report, host, sizeof(launchers::DeviceReport));
+    return OkStatus();
+  }
+
+ private:
+  static_assert(sizeof(launchers::DeviceReport) % sizeof(int64_t) == 0,
+                "DeviceReport must be a whole number of int64 words");
+  static constexpr int64_t kReportWords =
+      sizeof(launchers::DeviceReport) / sizeof(int64_t);
+
+  OpKernelContext* ctx_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  Tensor device_report_;
+  Tensor host_report_;
+  Tensor scratch_;
+  Tensor placeholder_;
+};
+
+// Looks up the variable behind resource input `input` and checks its dtype
+// (as the CPU kernels do).
+template <typename T>
+Status LookupVariable(OpKernelContext* ctx, int input,
+                      core::RefCountPtr<Var>* variable) {
+  TF_RETURN_IF_ERROR(
+      LookupResource(ctx, HandleFromInput(ctx, input), variable));
+  const DataType expected = DataTypeToEnum<T>::value;
+  if ((*variable)->tensor()->dtype() != expected) {
+    return errors::InvalidArgument(
+        "params variable has dtype ",
+        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
+        DataTypeString(expected));
+  }
+  if (!(*variable)->is_initialized) {
+    return errors::FailedPrecondition("params variable is not initialized");
+  }
+  return OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Forward (GatherReduceSum, ResourceGatherReduceSum).
+
+template <typename T, typename Tindex, bool ParamsFromResource>
+class GatherReduceSumGpuOp : public OpKernel {
+ public:
+  explicit GatherReduceSumGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    if (!ParamsFromResource) {
+      ComputeWithParams(ctx, ctx->input(0));
+      return;
+    }
+    core::RefCountPtr<Var> variable;
+    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 0, &variable));
+    // Held until the stream has finished reading the table (ReadReport).
+    tf_shared_lock lock(*variable->mu());
+    ComputeWithParams(ctx, *variable->tensor());
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+    using CT = typename CudaTypeOf<T>::type;
+    const Tensor& indices = ctx->input(1);
+    const Tensor& row_splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
+    BagShapes shapes;
+    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
+                                          &shapes));
+    const bool is_max = attrs_.combiner == Combiner::kMax;
+    // argmax holds int32 positions inside a bag; the CPU kernel checks each
+    // bag's length, which the GPU kernel cannot see on the host.
+    OP_REQUIRES(ctx,
+                !is_max || shapes.nnz <= std::numeric_limits<int32>::max(),
+                errors::InvalidArgument(
+                    "combiner 'max' on GPU supports at most 2^31 - 1 indices, "
+                    "got ",
+                    shapes.nnz));
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({shapes.num_bags, dim}), &output));
+    Tensor* argmax = nullptr;
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(
+                 1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
+
+    GpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    const CT* weights_ptr =
+        attrs_.has_weights ? DevicePtr<T>(weights) : nullptr;
+    int32* argmax_ptr = is_max ? argmax->flat<int32>().data() : nullptr;
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchForward<CT, Tindex>(
+                            p, DevicePtr<T>(params),
+                            indices.flat<Tindex>().data(),
+                            row_splits.flat<int64_t>().data(), weights_ptr,
+                            DevicePtr<T>(output), argmax_ptr,
+                            call.device_report(), scratch, scratch_bytes,
+                            call.stream()),
+                        "gather_reduce_sum forward launch"));
+    launchers::DeviceReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+  }
+
+  BagAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// Gradient w.r.t. params (GatherReduceSumGrad, GatherReduceSumDenseGrad).
+
+// Host-side checks and the pieces both forms use. Messages match the CPU
+// kernel's PrepareParamsGrad.
+template <typename T, typename Tindex>
+struct ParamsGradInputs {
+  using CT = typename CudaTypeOf<T>::type;
+  BagShapes shapes;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  const CT* grad = nullptr;                     // [B, D]
+  const Tindex* ids = nullptr;                  // [nnz]
+  const int64_t* splits = nullptr;              // [B + 1]
+  const CT* weights = nullptr;                  // [nnz] or null
+  const int32* argmax = nullptr;                // [B, D] for max, else null
+  bool is_max = false;
+  bool argmax_empty = true;
+
+  // The argmax pointer for the reduce launch, which needs a non-null one for
+  // max even when argmax has no elements.
+  const int32* ArgmaxOr(void* placeholder) const {
+    return is_max && argmax_empty ? static_cast<const int32*>(placeholder)
+                                  : argmax;
+  }
+
+  Status Validate(OpKernelContext* ctx, const BagAttrs& attrs) {
+    const Tensor& grad_t = ctx->input(0);
+    const Tensor& indices = ctx->input(1);
+    const Tensor& row_splits = ctx->input(2);
+    const Tensor& weights_t = ctx->input(3);
+    const Tensor& argmax_t = ctx->input(4);
+    const Tensor& num_rows_t = ctx->input(5);  // host memory
+    if (grad_t.dims() != 2) {
+      return errors::InvalidArgument("grad must be a matrix [B, D], got shape ",
+                                     grad_t.shape().DebugString());
+    }
+    if (!TensorShapeUtils::IsScalar(num_rows_t.shape())) {
+      return errors::InvalidArgument("num_rows must be a scalar, got shape ",
+                                     num_rows_t.shape().DebugString());
+    }
+    num_rows = num_rows_t.scalar<int64_t>()();
+    if (num_rows < 0) {
+      return errors::InvalidArgument("num_rows = ", num_rows, " must be >= 0");
+    }
+    TF_RETURN_IF_ERROR(
+        ValidateBagShapes(indices, row_splits, weights_t, attrs, &shapes));
+    dim = grad_t.dim_size(1);
+    if (grad_t.dim_size(0) != shapes.num_bags) {
+      return errors::InvalidArgument("grad has ", grad_t.dim_size(0),
+                                     " rows but row_splits describes ",
+                                     shapes.num_bags, " bags");
+    }
+    is_max = attrs.combiner == Combiner::kMax;
+    const int64_t argmax_rows = is_max ? shapes.num_bags : 0;
+    if (argmax_t.dims() != 2 || argmax_t.dim_size(0) != argmax_rows ||
+        (argmax_rows > 0 && argmax_t.dim_size(1) != dim)) {
+      return errors::InvalidArgument("argmax must have shape [", argmax_rows,
+                                     ", ", dim, "], got ",
+                                     argmax_t.shape().DebugString());
+    }
+    // The sort and the segment bookkeeping use int32 positions.
+    if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
+      return errors::InvalidArgument(
+          "the GPU params gradient supports fewer than 2^31 - 2 indices, got ",
+          shapes.nnz);
+    }
+    if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
+      return errors::InvalidArgument(
+          "the GPU params gradient supports fewer than 2^31 - 1 bags, got ",
+          shapes.num_bags);
+    }
+    grad = DevicePtr<T>(grad_t);
+    ids = indices.flat<Tindex>().data();
+    splits = row_splits.flat<int64_t>().data();
+    weights = attrs.has_weights ? DevicePtr<T>(weights_t) : nullptr;
+    argmax = is_max ? argmax_t.flat<int32>().data() : nullptr;
+    argmax_empty = argmax_t.NumElements() == 0;
+    return OkStatus();
+  }
+};
+
+// Deduplicated form: unique_indices [U] ascending, values [U, D].
+template <typename T, typename Tindex>
+class GatherReduceSumGradGpuOp : public OpKernel {
+ public:
+  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    using CT = typename CudaTypeOf<T>::type;
+    ParamsGradInputs<T, Tindex> in;
+    OP_REQUIRES_OK(ctx, in.Validate(ctx, attrs_));
+    GpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    const launchers::BagProblem p =
+        MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
+    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
+        p, /*dense=*/false, /*fuse_weights_grad=*/false);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                            p, in.ids, in.splits, in.weights,
+                            call.device_report(), /*dense=*/false,
+                            /*fuse_weights_grad=*/false, scratch,
+                            scratch_bytes, call.stream()),
+                        "gather_reduce_sum params grad prepare"));
+    launchers::DeviceReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, ReportStatus(report, in.shapes, in.num_rows, attrs_));
+    const int64_t num_unique = report.num_unique;
+    OP_REQUIRES(ctx,
+                num_unique >= 0 &&
+                    num_unique <= std::min(in.shapes.nnz, in.num_rows),
+                errors::Internal("tf_ttemb GPU params grad: the device found ",
+                                 num_unique, " unique ids among ",
+                                 in.shapes.nnz, " indices"));
+
+    Tensor* unique_ids = nullptr;
+    Tensor* values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}),
+                                             &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({num_unique, in.dim}), &values));
+    if (num_unique == 0) return;
+    void* placeholder = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
+    // Queued after the outputs exist; the stream orders it before any reader.
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                            p, in.grad, in.ArgmaxOr(placeholder),
+                            unique_ids->flat<Tindex>().data(),
+                            NonEmptyOr(DevicePtr<T>(values),
+                                       values->NumElements(), placeholder),
+                            /*dense=*/nullptr, /*fusion=*/nullptr, scratch,
+                            scratch_bytes, call.stream()),
+                        "gather_reduce_sum params grad reduce"));
+  }
+
+ private:
+  BagAttrs attrs_;
+};
+
+// Dense form: params_grad [N, D]. No read-back is needed to size it, so the
+// report is read once, after both launches.
+template <typename T, typename Tindex>
+class GatherReduceSumDenseGradGpuOp : public OpKernel {
+ public:
+  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    using CT = typename CudaTypeOf<T>::type;
+    ParamsGradInputs<T, Tindex> in;
+    OP_REQUIRES_OK(ctx, in.Validate(ctx, attrs_));
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({in.num_rows, in.dim}), &output));
+    GpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    const launchers::BagProblem p =
+        MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
+    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
+        p, /*dense=*/true, /*fuse_weights_grad=*/false);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    // Prepare always runs: it checks the ids and row_splits.
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                            p, in.ids, in.splits, in.weights,
+                            call.device_report(), /*dense=*/true,
+                            /*fuse_weights_grad=*/false, scratch,
+                            scratch_bytes, call.stream()),
+                        "gather_reduce_sum params grad prepare"));
+    if (output->NumElements() > 0) {
+      void* placeholder = nullptr;
+      OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
+      // Safe whatever the ids hold: the launchers never read out of bounds.
+      OP_REQUIRES_OK(
+          ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                              p, in.grad, in.ArgmaxOr(placeholder),
+                              /*unique_ids=*/nullptr,
+                              /*values=*/nullptr, DevicePtr<T>(output),
+                              /*fusion=*/nullptr, scratch, scratch_bytes,
+                              call.stream()),
+                          "gather_reduce_sum params grad reduce"));
+    }
+    launchers::DeviceReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, ReportStatus(report, in.shapes, in.num_rows, attrs_));
+  }
+
+ private:
+  BagAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// Gradient w.r.t. the weights (GatherReduceSumWeightsGrad,
+// ResourceGatherReduceSumWeightsGrad).
+
+template <typename T, typename Tindex, bool ParamsFromResource>
+class GatherReduceSumWeightsGradGpuOp : public OpKernel {
+ public:
+  explicit GatherReduceSumWeightsGradGpuOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+    OP_REQUIRES(ctx, attrs_.has_weights,
+                errors::InvalidArgument(
+                    "GatherReduceSumWeightsGrad needs has_weights = true"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    if (!ParamsFromResource) {
+      ComputeWithParams(ctx, ctx->input(1));
+      return;
+    }
+    core::RefCountPtr<Var> variable;
+    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &variable));
+    // Held until the stream has finished reading the table (ReadReport).
+    tf_shared_lock lock(*variable->mu());
+    ComputeWithParams(ctx, *variable->tensor());
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+    using CT = typename CudaTypeOf<T>::type;
+    const Tensor& grad = ctx->input(0);
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
+    BagShapes shapes;
+    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
+                                          &shapes));
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    const TensorShape bag_shape({shapes.num_bags, dim});
+    OP_REQUIRES(ctx, grad.shape() == bag_shape,
+                errors::InvalidArgument("grad must have shape ",
+                                        bag_shape.DebugString(), ", got ",
+                                        grad.shape().DebugString()));
+    OP_REQUIRES(ctx, output.shape() == bag_shape,
+                errors::InvalidArgument("output must have shape ",
+                                        bag_shape.DebugString(), ", got ",
+                                        output.shape().DebugString()));
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}),
+                                             &weights_grad));
+
+    GpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
+                            p, DevicePtr<T>(grad), DevicePtr<T>(params),
+                            indices.flat<Tindex>().data(),
+                            row_splits.flat<int64_t>().data(),
+                            DevicePtr<T>(weights), DevicePtr<T>(output),
+                            DevicePtr<T>(weights_grad), call.device_report(),
+                            scratch, scratch_bytes, call.stream()),
+                        "gather_reduce_sum weights grad launch"));
+    launchers::DeviceReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+  }
+
+  BagAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// Registration: the dtypes of the CPU kernels. num_rows is read on the host;
+// a resource handle always lives in host memory.
+
+#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                  \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                 \
+                              .Device(DEVICE_GPU)                         \
+                              .TypeConstraint<T>("T")                     \
+                              .TypeConstraint<Tindex>("Tindices"),        \
+                          GatherReduceSumGpuOp<T, Tindex, false>);        \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")         \
+                              .Device(DEVICE_GPU)                         \
+                              .HostMemory("params")                       \
+                              .TypeConstraint<T>("T")                     \
+                              .TypeConstraint<Tindex>("Tindices"),        \
+                          GatherReduceSumGpuOp<T, Tindex, true>);         \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")             \
+                              .Device(DEVICE_GPU)                         \
+                              .HostMemory("num_rows")                     \
+                              .TypeConstraint<T>("T")                     \
+                              .TypeConstraint<Tindex>("Tindices"),        \
+                          GatherReduceSumGradGpuOp<T, Tindex>);           \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")        \
+                              .Device(DEVICE_GPU)                         \
+                              .HostMemory("num_rows")                     \
+                              .TypeConstraint<T>("T")                     \
+                              .TypeConstraint<Tindex>("Tindices"),        \
+                          GatherReduceSumDenseGradGpuOp<T, Tindex>);      \
+  REGISTER_KERNEL_BUILDER(                                                \
+      Name("TfTtemb>GatherReduceSumWeightsGrad")                          \
+          .Device(DEVICE_GPU)                                             \
+          .TypeConstraint<T>("T")                                         \
+          .TypeConstraint<Tindex>("Tindices"),                            \
+      GatherReduceSumWeightsGradGpuOp<T, Tindex, false>);                 \
+  REGISTER_KERNEL_BUILDER(                                                \
+      Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")                  \
+          .Device(DEVICE_GPU)                                             \
+          .HostMemory("params")                                           \
+          .TypeConstraint<T>("T")                                         \
+          .TypeConstraint<Tindex>("Tindices"),                            \
+      GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);
+
+#define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \
+  TF_TTEMB_REGISTER_GPU(T, int32)            \
+  TF_TTEMB_REGISTER_GPU(T, int64_t)
+
+TF_TTEMB_REGISTER_GPU_ALL_INDICES(Eigen::half)
+TF_TTEMB_REGISTER_GPU_ALL_INDICES(bfloat16)
+TF_TTEMB_REGISTER_GPU_ALL_INDICES(float)
+TF_TTEMB_REGISTER_GPU_ALL_INDICES(double)
+
+#undef TF_TTEMB_REGISTER_GPU_ALL_INDICES
+#undef TF_TTEMB_REGISTER_GPU
+
+}  // namespace
+}  // namespace tf_ttemb
+}  // namespace tensorflow
+
+#endif  // GOOGLE_CUDA
