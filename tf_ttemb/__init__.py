@@ -1,0 +1,17 @@
+"""tf_ttemb: a fused EmbeddingBag op and Keras 3 layer for TensorFlow.
+
+`tf_ttemb.gather_reduce_sum` is the op, `tf_ttemb.layers.EmbeddingBag` the Keras 3 layer.
+Importing the package registers the custom ops when the op library loads (so a
+SavedModel that uses them can be loaded next), but never fails because of it: a missing
+or stale library is reported on the first use of the custom op.
+"""
+
+__version__ = "0.1.0"
+
+from tf_ttemb import layers
+from tf_ttemb.ops import _loader
+from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
+
+_loader.try_load_op_library()
+
+__all__ = ["__version__", "gather_reduce_sum", "layers"]

@@ -1,0 +1,722 @@
+"""`gather_reduce_sum`: a fused EmbeddingBag for TensorFlow, its gradients and its XLA fallback.
+
+Two implementations compute the same numbers and gradients:
+
+* `custom_op`: the `TfTtemb>GatherReduceSum` op family from `tf_ttemb/_tf_ttemb_ops.so`
+  (see `docs/gather_reduce_sum_contract.md`). Its gradients are registered below.
+* `composite`: plain TensorFlow ops that also compile under XLA and run on TPU. Rows are
+  gathered, weighted and segment-reduced a chunk of entries at a time, forward and
+  backward, so the full gathered [nnz, D] tensor is never built; see
+  `COMPOSITE_CHUNK_BYTES`.
+
+Both take bags in CSR form: flat ids [nnz], int64 row_splits [B + 1] and optional flat
+weights [nnz]. `gather_reduce_sum` converts dense, ragged and sparse ids to that form and
+shapes the result back.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_ttemb.ops import _loader
+
+COMBINERS = ("sum", "mean", "sqrtn", "max")
+IMPLEMENTATIONS = ("auto", "custom_op", "composite")
+
+# Memory budget of the composite implementation, in bytes: a chunk of entries is sized so
+# that one [chunk, D] temporary of the accumulation dtype (float32 for float16/bfloat16
+# params) fits in it (int64 for the position bookkeeping of combiner "max"). A chunk step
+# holds a few such temporaries at once, and chunks run one after another
+# (parallel_iterations=1), so the extra memory is a small multiple of this budget plus
+# the [B, D] accumulator and O(nnz) integer/weight vectors, whatever nnz is. Gradients
+# additionally hold their result: [U, D] (or [N, D] for dense gradients) in the
+# accumulation dtype.
+COMPOSITE_CHUNK_BYTES = 64 * 1024 * 1024
+
+_HALF_TYPES = (tf.float16, tf.bfloat16)
+_VALUE_TYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+IndicesLike = tf.Tensor | tf.RaggedTensor | tf.SparseTensor | Sequence
+
+
+class _Bags(NamedTuple):
+    """A batch of bags in CSR form and how to shape the [B, D] result back."""
+
+    ids: tf.Tensor  # [nnz] int32 or int64
+    row_splits: tf.Tensor  # [B + 1] int64
+    weights: tf.Tensor | None  # [nnz] params dtype, or None
+    segment_ids: Callable[[], tf.Tensor]  # () -> [nnz] int64 bag of each entry
+    batch_shape: tf.Tensor | None  # dense ids: the leading dims to restore
+    static_batch_shape: tf.TensorShape
+
+
+def _check_choice(what: str, value: object, allowed: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(
+            f"{what} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}"
+        )
+
+
+def _int_ids(ids: tf.Tensor, what: str) -> tf.Tensor:
+    if ids.dtype in (tf.int32, tf.int64):
+        return ids
+    if ids.dtype.is_integer:
+        return tf.cast(ids, tf.int64)
+    raise TypeError(f"{what} must be an integer tensor, got dtype {ids.dtype.name}")
+
+
+def _static_or_dynamic(static: int | None, dynamic: tf.Tensor):
+    return static if static is not None else dynamic
+
+
+def _row_major(sparse: tf.SparseTensor, xla: bool):
+    """(coordinates, values) of a 2-D SparseTensor in row-major order."""
+    if not xla:
+        ordered = tf.sparse.reorder(sparse)
+        return ordered.indices, ordered.values
+    # SparseReorder has no XLA kernel: a stable sort on the linearised coordinate.
+    key = sparse.indices[:, 0] * sparse.dense_shape[1] + sparse.indices[:, 1]
+    order = tf.argsort(key, stable=True)
+    return tf.gather(sparse.indices, order), tf.gather(sparse.values, order)
+
+
+def _to_csr(indices: IndicesLike, weights, dtype: tf.DType, xla: bool) -> _Bags:
+    """Converts dense, ragged or sparse ids (and weights of the same structure) to CSR."""
+    if isinstance(indices, tf.RaggedTensor):
+        if indices.ragged_rank != 1 or indices.flat_values.shape.rank != 1:
+            raise ValueError(
+                "ragged indices must be [B, (L)] with ragged_rank 1, got "
+                f"ragged_rank {indices.ragged_rank} and shape {indices.shape}"
+            )
+        ids = _int_ids(indices.values, "indices")
+        row_splits = tf.cast(indices.row_splits, tf.int64)
+        flat_weights = None
+        if weights is not None:
+            if not isinstance(weights, tf.RaggedTensor) or weights.ragged_rank != 1:
+                raise ValueError(
+                    "weights must be a RaggedTensor with ragged_rank 1 like the indices, "
+                    f"got {type(weights).__name__}"
+                )
+            same = tf.debugging.assert_equal(
+                tf.cast(weights.row_splits, tf.int64),
+                row_splits,
+                message="weights must have the same row lengths as indices",
+            )
+            with tf.control_dependencies([same] if same is not None else []):
+                flat_weights = tf.cast(tf.identity(weights.values), dtype)
+
+        def segment_ids() -> tf.Tensor:
+            # Bag of entry j = number of bag ends <= j; stays static-shaped under XLA.
+            positions = tf.range(tf.shape(ids, out_type=tf.int64)[0], dtype=tf.int64)
+            return tf.searchsorted(row_splits[1:], positions, side="right", out_type=tf.int64)
+
+        return _Bags(ids, row_splits, flat_weights, segment_ids, None, indices.shape[:1])
+
+    if isinstance(indices, tf.SparseTensor):
+        if indices.shape.rank != 2:
+            raise ValueError(f"sparse indices must be 2-D [B, L], got shape {indices.shape}")
+        num_bags = _static_or_dynamic(indices.shape[0], indices.dense_shape[0])
+        coords, values = _row_major(indices, xla)
+        rows = coords[:, 0]
+        # Bag b starts at the first entry whose row is >= b.
+        row_splits = tf.searchsorted(
+            rows, tf.range(tf.cast(num_bags, tf.int64) + 1), side="left", out_type=tf.int64
+        )
+        ids = _int_ids(values, "indices")
+        flat_weights = None
+        if weights is not None:
+            if not isinstance(weights, tf.SparseTensor):
+                raise ValueError(
+                    f"weights must be a SparseTensor like the indices, got {type(weights).__name__}"
+                )
+            weight_coords, weight_values = _row_major(weights, xla)
+            same = None
+            if not xla:
+                same = tf.debugging.assert_equal(
+                    weight_coords,
+                    coords,
+                    message="weights must have the same sparsity pattern as indices",
+                )
+            with tf.control_dependencies([same] if same is not None else []):
+                flat_weights = tf.cast(tf.identity(weight_values), dtype)
+        return _Bags(ids, row_splits, flat_weights, lambda: rows, None, indices.shape[:1])
+
+    if isinstance(weights, (tf.RaggedTensor, tf.SparseTensor)):
+        # A structure mismatch, a ValueError like the ragged and sparse ones above.
+        raise ValueError(  # noqa: TRY004
+            f"weights must be dense like the indices, got {type(weights).__name__}"
+        )
+    dense_ids = _int_ids(tf.convert_to_tensor(indices), "indices")
+    if dense_ids.shape.rank is None or dense_ids.shape.rank < 1:
+        raise ValueError(
+            f"dense indices must have a known rank >= 1 ([..., L]), got shape {dense_ids.shape}"
+        )
+    shape = tf.shape(dense_ids, out_type=tf.int64)
+    batch_shape = shape[:-1]
+    bag_size = shape[-1]
+    num_bags = tf.reduce_prod(batch_shape)
+    ids = tf.reshape(dense_ids, [-1])
+    row_splits = tf.range(num_bags + 1, dtype=tf.int64) * bag_size
+    flat_weights = None
+    if weights is not None:
+        dense_weights = tf.convert_to_tensor(weights)
+        if not dense_weights.shape.is_compatible_with(dense_ids.shape):
+            raise ValueError(
+                f"weights must have the shape of indices {dense_ids.shape}, "
+                f"got {dense_weights.shape}"
+            )
+        same = tf.debugging.assert_equal(
+            tf.shape(dense_weights, out_type=tf.int64),
+            shape,
+            message="weights must have the shape of indices",
+        )
+        with tf.control_dependencies([same] if same is not None else []):
+            flat_weights = tf.reshape(tf.cast(dense_weights, dtype), [-1])
+
+    def dense_segment_ids() -> tf.Tensor:
+        bags = tf.range(num_bags, dtype=tf.int64)[:, None]
+        return tf.reshape(tf.broadcast_to(bags, tf.stack([num_bags, bag_size])), [-1])
+
+    return _Bags(
+        ids, row_splits, flat_weights, dense_segment_ids, batch_shape, dense_ids.shape[:-1]
+    )
+
+
+def _in_xla_context() -> bool:
+    """Whether ops built now will be compiled by XLA (e.g. in `tf.function(jit_compile=True)`).
+
+    TensorFlow has no public API for this; `tf.__internal__.get_enclosing_xla_context` is the
+    narrowest one it exports (TensorFlow's own losses use it), so it is isolated here.
+    """
+    if tf.executing_eagerly():
+        return False
+    get_context = getattr(tf.__internal__, "get_enclosing_xla_context", None)
+    return get_context is not None and get_context() is not None
+
+
+def _on_tpu(params: tf.Tensor) -> bool:
+    """Whether the computation runs on a TPU (TPUStrategy, or params placed on a TPU)."""
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        if isinstance(
+            strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)
+        ):
+            return True
+    device = getattr(params, "device", "") or ""
+    return ":TPU:" in device
+
+
+# ----------------------------------------------------------------------------------------
+# Custom-op path and its registered gradients.
+
+
+def _op_attrs(combiner, has_weights: bool, padding_id: int | None) -> dict:
+    return {
+        "combiner": combiner,
+        "has_weights": has_weights,
+        "padding_id": -1 if padding_id is None else padding_id,
+        "has_padding_id": padding_id is not None,
+    }
+
+
+def _attrs_of(op) -> dict:
+    return {
+        key: op.get_attr(key) for key in ("combiner", "has_weights", "padding_id", "has_padding_id")
+    }
+
+
+def _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs):
+    params_shape = tf.shape(params, out_type=tf.int64)
+    unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
+        grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+    )
+    return tf.IndexedSlices(values, unique_ids, dense_shape=params_shape)
+
+
+def _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs):
+    if not attrs["has_weights"]:
+        return None
+    return lib.tf_ttemb_gather_reduce_sum_weights_grad(
+        grad, params, ids, row_splits, weights, output, **attrs
+    )
+
+
+@tf.RegisterGradient("TfTtemb>GatherReduceSum")
+def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
+    """Gradients of GatherReduceSum: IndexedSlices over sorted unique ids, weights, None."""
+    lib = _loader.load_op_library()
+    attrs = _attrs_of(op)
+    params, ids, row_splits, weights = op.inputs[:4]
+    output, argmax = op.outputs[:2]
+    params_grad = _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs)
+    weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs)
+    return params_grad, None, None, weights_grad
+
+
+tf.no_gradient("TfTtemb>GatherReduceSumGrad")
+tf.no_gradient("TfTtemb>GatherReduceSumDenseGrad")
+tf.no_gradient("TfTtemb>GatherReduceSumWeightsGrad")
+
+
+def _custom_op(
+    params: tf.Tensor, bags: _Bags, combiner: str, padding_id: int | None, dense_grad: bool
+) -> tf.Tensor:
+    lib = _loader.load_op_library()
+    has_weights = bags.weights is not None
+    attrs = _op_attrs(combiner, has_weights, padding_id)
+    weights = bags.weights if has_weights else tf.zeros([0], params.dtype)
+    ids, row_splits = bags.ids, bags.row_splits
+    if not dense_grad:
+        output, _ = lib.tf_ttemb_gather_reduce_sum(params, ids, row_splits, weights, **attrs)
+        return output
+
+    # The op has no attr for the gradient's form, so the dense-gradient variant replaces
+    # the registered (sparse) gradient with one that calls GatherReduceSumDenseGrad.
+    @tf.custom_gradient
+    def forward(params, weights):
+        # stop_gradient: the registered gradient is replaced, so an eager tape need not
+        # record the inner op.
+        output, argmax = lib.tf_ttemb_gather_reduce_sum(
+            tf.stop_gradient(params), ids, row_splits, tf.stop_gradient(weights), **attrs
+        )
+
+        def grad(dy):
+            params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
+                dy,
+                ids,
+                row_splits,
+                weights,
+                argmax,
+                tf.shape(params, out_type=tf.int64)[0],
+                **attrs,
+            )
+            weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, dy, attrs)
+            return params_grad, weights_grad
+
+        return output, grad
+
+    return forward(params, weights)
+
+
+# ----------------------------------------------------------------------------------------
+# Composite path: plain TensorFlow ops, chunked.
+
+
+def _bounds_check(ids: tf.Tensor, num_rows: tf.Tensor, padding_id: int | None) -> list:
+    """Raises (eagerly) or returns an assert op (graphs) for ids outside [0, num_rows).
+
+    The message matches the custom op's: `indices[17] = 9001 is not in [0, 4096)`, plus
+    ` and is not padding_id (P)` when a padding id is set; the position is the flat one.
+    """
+    bad = (ids < 0) | (ids >= num_rows)
+    suffix = "" if padding_id is None else f" and is not padding_id ({padding_id})"
+    if padding_id is not None:
+        bad &= ids != padding_id
+
+    def first_bad():
+        position = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
+        return position, ids[position]
+
+    if tf.executing_eagerly():
+        if bool(tf.reduce_any(bad)):
+            position, value = first_bad()
+            raise tf.errors.InvalidArgumentError(
+                None,
+                None,
+                f"indices[{int(position)}] = {int(value)} is not in [0, {int(num_rows)})" + suffix,
+            )
+        return []
+
+    def fail():
+        position, value = first_bad()
+        message = tf.strings.join(
+            [
+                "indices[",
+                tf.strings.as_string(position),
+                "] = ",
+                tf.strings.as_string(value),
+                " is not in [0, ",
+                tf.strings.as_string(num_rows),
+                ")" + suffix,
+            ]
+        )
+        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
+            return tf.constant(False)
+
+    return [tf.cond(tf.reduce_any(bad), fail, lambda: tf.constant(True))]
+
+
+def _composite(
+    params: tf.Tensor,
+    bags: _Bags,
+    combiner: str,
+    padding_id: int | None,
+    dense_grad: bool,
+    xla: bool,
+) -> tuple[tf.Tensor, Callable]:
+    """gather_reduce_sum from plain TensorFlow ops, chunked forward and backward.
+
+    Returns the [B, D] output and `backward(dy, weights_wanted) -> (params_grad,
+    weights_grad)` for `tf.custom_gradient`. `xla`: ids outside [0, N) are treated like
+    padding instead of raising (asserts do not survive XLA compilation), and the params
+    gradient is dense (tf.unique does not compile).
+    """
+    # Runs inside tf.custom_gradient, which supplies the gradient; without these an eager
+    # GradientTape would also record every chunk's ops and keep all their [chunk, D]
+    # intermediates alive until the backward pass.
+    params = tf.stop_gradient(params)
+    if bags.weights is not None:
+        bags = bags._replace(weights=tf.stop_gradient(bags.weights))
+    dtype = params.dtype
+    acc_dtype = tf.float32 if dtype in _HALF_TYPES else dtype
+    ids_dtype = bags.ids.dtype
+    ids = tf.cast(bags.ids, tf.int64)
+    params_shape = tf.shape(params, out_type=tf.int64)
+    num_rows = params_shape[0]
+    dim = _static_or_dynamic(params.shape[1], tf.shape(params)[1])
+    nnz = _static_or_dynamic(bags.ids.shape[0], tf.shape(ids, out_type=tf.int64)[0])
+    static_bags = bags.row_splits.shape[0]
+    num_bags = _static_or_dynamic(
+        None if static_bags is None else static_bags - 1,
+        tf.shape(bags.row_splits, out_type=tf.int64)[0] - 1,
+    )
+    # Segment num_bags is a dummy bag that absorbs padding, invalid ids and the slack
+    # of the last chunk, so every chunk has the same static shape.
+    dummy = num_bags
+
+    not_padding = tf.ones_like(ids, tf.bool) if padding_id is None else ids != padding_id
+    valid = not_padding & (ids >= 0) & (ids < num_rows)
+    checks = [] if xla else _bounds_check(ids, num_rows, padding_id)
+    with tf.control_dependencies(checks):
+        safe_ids = tf.where(valid, ids, tf.zeros_like(ids))
+    segments = bags.segment_ids()
+    entry_bags = tf.where(valid, segments, tf.cast(dummy, tf.int64) * tf.ones_like(segments))
+
+    # Per-entry weights with the combiner's per-bag scale folded in.
+    if bags.weights is None:
+        raw_weights = tf.cast(valid, acc_dtype)
+    else:
+        raw_weights = tf.where(valid, tf.cast(bags.weights, acc_dtype), tf.zeros([], acc_dtype))
+    scale = None  # [B + 1], 1/denominator per bag, 0 for the dummy bag and zero denominators
+    if combiner in ("mean", "sqrtn"):
+        terms = raw_weights if combiner == "mean" else tf.square(raw_weights)
+        denominator = tf.math.unsorted_segment_sum(terms, entry_bags, num_bags + 1)
+        if combiner == "sqrtn":
+            denominator = tf.sqrt(denominator)
+        # The dummy bag only holds zero weights, so its scale is 0 too.
+        scale = tf.math.divide_no_nan(tf.ones_like(denominator), denominator)
+        entry_weights = raw_weights * tf.gather(scale, entry_bags)
+    else:
+        entry_weights = raw_weights
+
+    # Chunks of `chunk` entries: vectors padded to num_chunks * chunk and viewed as rows.
+    itemsize = 8 if combiner == "max" else acc_dtype.size
+    if isinstance(dim, int):
+        chunk = max(1, COMPOSITE_CHUNK_BYTES // (max(dim, 1) * itemsize))
+    else:
+        chunk = tf.maximum(
+            tf.constant(1, tf.int64),
+            COMPOSITE_CHUNK_BYTES // (tf.maximum(tf.cast(dim, tf.int64), 1) * itemsize),
+        )
+    if isinstance(nnz, int) and isinstance(chunk, int):
+        chunk = min(chunk, max(nnz, 1))
+        num_chunks = -(-nnz // chunk)
+    else:
+        chunk = tf.minimum(tf.cast(chunk, tf.int64), tf.maximum(tf.cast(nnz, tf.int64), 1))
+        num_chunks = (nnz + chunk - 1) // chunk
+    slack = num_chunks * chunk - nnz
+
+    if isinstance(chunk, int) and isinstance(num_chunks, int):
+        chunked_shape = [num_chunks, chunk]
+    else:
+        chunked_shape = tf.stack([num_chunks, chunk])
+
+    def chunked(vector, fill):
+        padded = tf.concat([vector, tf.fill(tf.reshape(slack, [1]), fill)], axis=0)
+        return tf.reshape(padded, chunked_shape)
+
+    ids_c = chunked(safe_ids, tf.constant(0, tf.int64))
+    bags_c = chunked(entry_bags, tf.cast(dummy, tf.int64))
+    weights_c = chunked(entry_weights, tf.constant(0, acc_dtype))
+
+    def positions_of(k):
+        return tf.cast(k * chunk, tf.int64) + tf.range(tf.cast(chunk, tf.int64))  # [chunk]
+
+    def rows_of(k):
+        return tf.cast(tf.gather(params, ids_c[k]), acc_dtype)  # [chunk, D]
+
+    def loop(body, state):
+        def step(k, *state):
+            return (k + 1,) + tuple(body(k, *state))
+
+        result = tf.while_loop(
+            lambda k, *_: k < num_chunks,
+            step,
+            (tf.constant(0, tf.int64),) + tuple(state),
+            parallel_iterations=1,
+        )
+        return result[1:]
+
+    acc_shape = tf.stack([tf.cast(num_bags, tf.int64) + 1, tf.cast(dim, tf.int64)])
+    if combiner == "max":
+        lowest = tf.constant(acc_dtype.min, acc_dtype)
+
+        def max_step(k, acc):
+            return (
+                tf.maximum(acc, tf.math.unsorted_segment_max(rows_of(k), bags_c[k], num_bags + 1)),
+            )
+
+        (acc,) = loop(max_step, (tf.fill(acc_shape, lowest),))
+        counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), entry_bags, num_bags + 1)
+        acc = tf.where((counts > 0)[:, None], acc, tf.zeros([], acc_dtype))
+    else:
+
+        def sum_step(k, acc):
+            weighted = rows_of(k) * weights_c[k][:, None]
+            return (acc + tf.math.unsorted_segment_sum(weighted, bags_c[k], num_bags + 1),)
+
+        (acc,) = loop(sum_step, (tf.zeros(acc_shape, acc_dtype),))
+    # acc: [B + 1, D] in acc_dtype; row B (the dummy bag) is garbage.
+
+    sparse_params_grad = not (xla or dense_grad)
+
+    def backward(dy: tf.Tensor, weights_wanted: bool):
+        dy_pad = tf.concat([tf.cast(dy, acc_dtype), tf.zeros(tf.stack([1, dim]), acc_dtype)], 0)
+        if sparse_params_grad:
+            unique_ids = tf.sort(tf.unique(tf.boolean_mask(ids, valid)).y)
+            num_slots = tf.shape(unique_ids, out_type=tf.int64)[0]
+            slots_c = chunked(
+                tf.searchsorted(unique_ids, safe_ids, side="left", out_type=tf.int64),
+                tf.constant(0, tf.int64),
+            )
+            targets_c, num_targets = slots_c, num_slots + 1
+        else:
+            targets_c, num_targets = ids_c, num_rows
+        grad_shape = tf.stack([num_targets, tf.cast(dim, tf.int64)])
+
+        if combiner == "max":
+            # Pass 1: per (bag, dim), the first position whose value equals the max.
+            never = tf.cast(num_chunks * chunk, tf.int64)
+
+            def argmax_step(k, first):
+                hit = tf.equal(rows_of(k), tf.gather(acc, bags_c[k]))
+                pos = tf.where(hit, positions_of(k)[:, None], never)
+                return (
+                    tf.minimum(first, tf.math.unsorted_segment_min(pos, bags_c[k], num_bags + 1)),
+                )
+
+            (first,) = loop(argmax_step, (tf.fill(acc_shape, never),))
+
+            # Pass 2: that entry gets dy.
+            def max_grad_step(k, grad_acc):
+                bags_k = bags_c[k]
+                won = tf.equal(tf.gather(first, bags_k), positions_of(k)[:, None])
+                contrib = tf.where(won, tf.gather(dy_pad, bags_k), tf.zeros([], acc_dtype))
+                return (
+                    grad_acc + tf.math.unsorted_segment_sum(contrib, targets_c[k], num_targets),
+                )
+
+            (grad_acc,) = loop(max_grad_step, (tf.zeros(grad_shape, acc_dtype),))
+            weights_grad = None
+        else:
+            if weights_wanted:
+                # d out_b / d w_j = (e_j - out_b) / W_b (mean), (e_j - w_j out_b / Q_b) / Q_b
+                # (sqrtn), e_j (sum): only a per-bag dot <dy_b, out_b> is needed besides
+                # the per-entry dot <dy_b, e_j>.
+                dy_dot_out = tf.reduce_sum(dy_pad * acc, axis=1)  # [B + 1]
+                if combiner == "sqrtn":
+                    raw_c = chunked(raw_weights, tf.constant(0, acc_dtype))
+
+            def sum_grad_step(k, grad_acc, *weight_grads):
+                dy_rows = tf.gather(dy_pad, bags_c[k])  # [chunk, D]
+                contrib = dy_rows * weights_c[k][:, None]
+                grad_acc = grad_acc + tf.math.unsorted_segment_sum(
+                    contrib, targets_c[k], num_targets
+                )
+                if not weights_wanted:
+                    return (grad_acc,)
+                dot = tf.reduce_sum(rows_of(k) * dy_rows, axis=1)  # [chunk]
+                if combiner in ("mean", "sqrtn"):
+                    bag_scale = tf.gather(scale, bags_c[k])
+                    bag_dot_out = tf.gather(dy_dot_out, bags_c[k])
+                    if combiner == "sqrtn":
+                        bag_dot_out = raw_c[k] * bag_scale * bag_dot_out
+                    dot = (dot - bag_dot_out) * bag_scale
+                dot = tf.where(tf.equal(bags_c[k], dummy), tf.zeros_like(dot), dot)
+                return grad_acc, weight_grads[0].write(tf.cast(k, tf.int32), dot)
+
+            state = (tf.zeros(grad_shape, acc_dtype),)
+            if weights_wanted:
+                state += (
+                    tf.TensorArray(
+                        acc_dtype,
+                        size=tf.cast(num_chunks, tf.int32),
+                        element_shape=tf.TensorShape([chunk if isinstance(chunk, int) else None]),
+                    ),
+                )
+            results = loop(sum_grad_step, state)
+            grad_acc = results[0]
+            weights_grad = None
+            if weights_wanted:
+                weights_grad = tf.cast(results[1].concat()[:nnz], dtype)
+
+        if sparse_params_grad:
+            params_grad = tf.IndexedSlices(
+                tf.cast(grad_acc[:-1], dtype), tf.cast(unique_ids, ids_dtype), params_shape
+            )
+        else:
+            params_grad = tf.cast(grad_acc, dtype)
+        return params_grad, weights_grad
+
+    output = tf.cast(acc[:-1], dtype)
+    return output, backward
+
+
+def _composite_with_gradient(
+    params: tf.Tensor,
+    bags: _Bags,
+    combiner: str,
+    padding_id: int | None,
+    dense_grad: bool,
+    xla: bool,
+) -> tf.Tensor:
+    if bags.weights is None:
+
+        @tf.custom_gradient
+        def forward(params):
+            output, backward = _composite(params, bags, combiner, padding_id, dense_grad, xla)
+            return output, lambda dy: backward(dy, False)[0]
+
+        return forward(params)
+
+    @tf.custom_gradient
+    def forward_weighted(params, weights):
+        output, backward = _composite(
+            params, bags._replace(weights=weights), combiner, padding_id, dense_grad, xla
+        )
+        return output, lambda dy: backward(dy, True)
+
+    return forward_weighted(params, bags.weights)
+
+
+# ----------------------------------------------------------------------------------------
+# Public API.
+
+
+def gather_reduce_sum(
+    params,
+    indices: IndicesLike,
+    weights=None,
+    combiner: str = "sum",
+    padding_id: int | None = None,
+    dense_grad: bool = False,
+    implementation: str = "auto",
+    name: str | None = None,
+) -> tf.Tensor:
+    """Looks up rows of `params` and combines them per bag (a fused EmbeddingBag).
+
+    For each bag b, with entries j whose id is not `padding_id`:
+
+    * `sum`:   `sum_j w_j * params[ids_j]`
+    * `mean`:  `sum_j w_j * params[ids_j] / sum_j w_j` (the entry count when unweighted)
+    * `sqrtn`: `sum_j w_j * params[ids_j] / sqrt(sum_j w_j**2)`
+    * `max`:   the elementwise max of `params[ids_j]` (no weights)
+
+    A bag without entries, or with a zero denominator, gives zeros. The gathered
+    [nnz, D] rows are never materialised.
+
+    Gradients: w.r.t. `params` a `tf.IndexedSlices` over the sorted unique ids of the
+    batch, each row summed once (a dense [N, D] tensor with `dense_grad=True`, and always
+    for the composite implementation under XLA); w.r.t. `weights` a tensor of their shape
+    (flat values for ragged and sparse weights); none w.r.t. ids. For `max`, the first
+    entry of a bag reaching the max of a column receives that column's gradient.
+
+    Args:
+      params: The [N, D] table: a tensor or a variable (`tf.Variable`, a Keras variable,
+        or a mixed-precision autocast variable, read in its autocast dtype). float16,
+        bfloat16, float32 or float64; half types accumulate in float32.
+      indices: Row ids, int32 or int64, as a dense tensor [..., L] (output [..., D]; a
+        vector [L] gives [D]), a `tf.RaggedTensor` [B, (L)] with ragged_rank 1 (output
+        [B, D]) or a 2-D `tf.SparseTensor` [B, L] in any order (output [B, D], B =
+        dense_shape[0]).
+      weights: Optional per-entry weights with the structure of `indices` (dense of the
+        same shape, ragged with the same row lengths, sparse with the same indices), cast
+        to the dtype of `params`.
+      combiner: "sum", "mean", "sqrtn" or "max".
+      padding_id: Entries with this id contribute nothing (and are not counted by mean and
+        sqrtn) and get no gradient. It need not lie in [0, N).
+      dense_grad: Return the params gradient as a dense [N, D] tensor instead of
+        `tf.IndexedSlices`.
+      implementation: "custom_op" (the fused op from the compiled library), "composite"
+        (plain TensorFlow ops, chunked; compiles under XLA and runs on TPU) or "auto": the
+        composite inside an XLA-compiled function (`tf.function(jit_compile=True)`) or
+        under a TPUStrategy / on a TPU device, the custom op otherwise.
+      name: Optional name scope.
+
+    Returns:
+      The combined embeddings, dtype of `params`, shape [..., D] for dense ids and
+      [B, D] for ragged and sparse ids.
+
+    Raises:
+      ValueError: For an unknown `combiner` or `implementation`, weights with `max`, or
+        malformed `indices`/`weights` structures.
+      tf.errors.InvalidArgumentError: For an id outside [0, N) that is not `padding_id`
+        (`indices[17] = 9001 is not in [0, 4096)`, the position being the flat one;
+        for sparse ids, in row-major order). Under XLA, the composite implementation
+        cannot raise: it treats such ids like padding (they contribute zero and never
+        read out of bounds), so checking ids is then the caller's responsibility.
+      ImportError: When the custom op is selected and the op library cannot be loaded.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> import tf_ttemb
+    >>> table = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    >>> ids = tf.ragged.constant([[0, 2], [], [1, 2]])
+    >>> tf_ttemb.gather_reduce_sum(table, ids, combiner="mean").numpy()
+    array([[3., 4.],
+           [0., 0.],
+           [4., 5.]], dtype=float32)
+    >>> weights = tf.constant([[2.0, 0.5], [1.0, 1.0]])
+    >>> tf_ttemb.gather_reduce_sum(table, tf.constant([[0, 1], [2, 2]]), weights,
+    ...                            implementation="composite").numpy()
+    array([[ 3.5,  6. ],
+           [10. , 12. ]], dtype=float32)
+    """
+    _check_choice("combiner", combiner, COMBINERS)
+    _check_choice("implementation", implementation, IMPLEMENTATIONS)
+    if combiner == "max" and weights is not None:
+        raise ValueError("combiner 'max' does not take weights")
+    if padding_id is not None:
+        try:
+            if isinstance(padding_id, bool):
+                raise TypeError
+            padding_id = operator.index(padding_id)
+        except TypeError:
+            raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
+    with tf.name_scope(name or "gather_reduce_sum"):
+        params = tf.convert_to_tensor(params)
+        if params.shape.rank is not None and params.shape.rank != 2:
+            raise ValueError(f"params must be a matrix [N, D], got shape {params.shape}")
+        if params.dtype not in _VALUE_TYPES:
+            raise TypeError(
+                f"params must be float16, bfloat16, float32 or float64, got {params.dtype.name}"
+            )
+        xla = _in_xla_context() or _on_tpu(params)
+        bags = _to_csr(indices, weights, params.dtype, xla)
+        if implementation == "auto":
+            implementation = "composite" if xla else "custom_op"
+        if implementation == "custom_op":
+            output = _custom_op(params, bags, combiner, padding_id, dense_grad)
+        else:
+            output = _composite_with_gradient(params, bags, combiner, padding_id, dense_grad, xla)
+        if bags.batch_shape is not None:
+            output = tf.reshape(
+                output, tf.concat([bags.batch_shape, tf.shape(output, out_type=tf.int64)[1:]], 0)
+            )
+        output.set_shape(bags.static_batch_shape.concatenate(params.shape[1:]))
+        return output
