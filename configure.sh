@@ -93,8 +93,9 @@ print(" ".join(missing))
 PY
 )"
 if [ -n "$MISSING" ]; then
-  say "pip install $MISSING"
-  "$PY" -m pip install --disable-pip-version-check --progress-bar off -q $MISSING
+  read -r -a SPECS <<<"$MISSING"
+  say "pip install ${SPECS[*]}"
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off -q "${SPECS[@]}"
 else
   say "python packages: present"
 fi
@@ -103,7 +104,8 @@ fi
 if ! command -v bazel >/dev/null; then
   apt_install bazel-bootstrap bazel-platforms
 fi
-if ! command -v g++ >/dev/null; then
+# Bazel's auto-configured C++ toolchain runs gcc; nvcc runs it as host compiler.
+if ! command -v gcc >/dev/null || ! command -v g++ >/dev/null; then
   apt_install g++
 fi
 PLATFORMS=""
