@@ -39,7 +39,8 @@ class EmbeddingBag(keras.layers.Layer):
     The params gradient is a `tf.IndexedSlices` over the distinct ids of the batch (a
     dense [input_dim, output_dim] tensor with `dense_grad=True`), so optimizers update
     only the rows used. Under mixed precision the table stays in the variable dtype
-    (float32) and is read, together with the weights, in the compute dtype.
+    (float32) and is read in place; rows and weights are combined in float32 and the
+    result is cast to the compute dtype.
 
     Requires the TensorFlow backend of Keras. With `implementation="auto"` or
     `"custom_op"` the layer reports `supports_jit = False`, so `Model.fit` does not
@@ -140,6 +141,8 @@ class EmbeddingBag(keras.layers.Layer):
             regularizer=self.embeddings_regularizer,
             constraint=self.embeddings_constraint,
             trainable=True,
+            # Read in place in the variable dtype, never as a cast copy; see call().
+            autocast=False,
         )
         self.built = True
 
@@ -147,11 +150,14 @@ class EmbeddingBag(keras.layers.Layer):
         """Combines the embeddings of each bag of `indices`; see the class docstring."""
         if self.combiner == "max" and weights is not None:
             raise ValueError("combiner 'max' does not take weights")
-        # Read the float32 table in the compute dtype (a no-op unless mixed precision);
-        # gather_reduce_sum casts the weights to the same dtype.
-        params = tf.cast(tf.convert_to_tensor(self.embeddings), self.compute_dtype)
-        return _grs.gather_reduce_sum(
-            params,
+        # The table is passed as the variable itself, so the custom op reads it in place
+        # (no per-step copy of the [input_dim, output_dim] table, which TensorFlow would
+        # otherwise make once the table has been updated sparsely). Under mixed precision
+        # the rows are combined in the variable dtype (weights cast to it) and only the
+        # [..., output_dim] result is cast to the compute dtype: no float16 copy of the
+        # table per step, and float32 accumulation.
+        output = _grs.gather_reduce_sum(
+            self.embeddings,
             indices,
             weights,
             combiner=self.combiner,
@@ -159,6 +165,7 @@ class EmbeddingBag(keras.layers.Layer):
             dense_grad=self.dense_grad,
             implementation=self.implementation,
         )
+        return tf.cast(output, self.compute_dtype)
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
         """[..., L] ids give [..., output_dim]; ragged and sparse [B, L] give [B, output_dim]."""

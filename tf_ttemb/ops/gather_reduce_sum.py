@@ -257,7 +257,78 @@ def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
     return params_grad, None, None, weights_grad
 
 
+def _resource_variable(params) -> Optional[tf.Variable]:
+    """The resource variable behind `params` (a `tf.Variable` or a Keras variable), or None.
+
+    Reading a variable as a tensor copies the whole table once the variable has been
+    updated sparsely (TensorFlow then keeps it in copy-on-read mode), so the custom op
+    reads such variables in place through their handle instead. A Keras variable that is
+    being autocast (mixed precision) is read as a tensor in its compute dtype.
+    """
+    if not isinstance(params, tf.Variable):
+        try:
+            params = params.value  # a Keras variable wraps a tf.Variable
+        except AttributeError:
+            return None
+        if not isinstance(params, tf.Variable):
+            return None
+    try:
+        handle = params.handle
+    except (AttributeError, ValueError):
+        return None
+    if not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
+        return None
+    return params
+
+
+@tf.RegisterGradient("TfTtemb>ResourceGatherReduceSum")
+def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad):
+    """Gradients of ResourceGatherReduceSum, as for GatherReduceSum, w.r.t. the handle."""
+    lib = _loader.load_op_library()
+    attrs = _attrs_of(op)
+    handle, ids, row_splits, weights = op.inputs[:4]
+    output, argmax = op.outputs[:2]
+    params_shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
+    if op.get_attr("dense_grad"):
+        params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
+            grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+        )
+    else:
+        unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
+            grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+        )
+        params_grad = tf.IndexedSlices(values, unique_ids, dense_shape=params_shape)
+    weights_grad = None
+    if attrs["has_weights"]:
+        weights_grad = lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
+            grad, handle, ids, row_splits, weights, output, **attrs
+        )
+    return params_grad, None, None, weights_grad
+
+
+def _custom_op_on_variable(
+    variable: tf.Variable,
+    bags: _Bags,
+    combiner: str,
+    padding_id: Optional[int],
+    dense_grad: bool,
+) -> tf.Tensor:
+    lib = _loader.load_op_library()
+    has_weights = bags.weights is not None
+    attrs = _op_attrs(combiner, has_weights, padding_id)
+    weights = bags.weights if has_weights else tf.zeros([0], variable.dtype)
+    # A read of no rows, through the public API, tells every active GradientTape that
+    # the variable was used (the op below reads it through its handle, which tapes do
+    # not see as a variable access) and costs nothing.
+    variable.sparse_read(tf.zeros([0], tf.int32))
+    output, _ = lib.tf_ttemb_resource_gather_reduce_sum(
+        variable.handle, bags.ids, bags.row_splits, weights, dense_grad=dense_grad, **attrs
+    )
+    return output
+
+
 tf.no_gradient("TfTtemb>GatherReduceSumGrad")
+tf.no_gradient("TfTtemb>ResourceGatherReduceSumWeightsGrad")
 tf.no_gradient("TfTtemb>GatherReduceSumDenseGrad")
 tf.no_gradient("TfTtemb>GatherReduceSumWeightsGrad")
 
@@ -699,24 +770,31 @@ def gather_reduce_sum(
         except TypeError:
             raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
     with tf.name_scope(name or "gather_reduce_sum"):
-        params = tf.convert_to_tensor(params)
-        if params.shape.rank is not None and params.shape.rank != 2:
-            raise ValueError(f"params must be a matrix [N, D], got shape {params.shape}")
-        if params.dtype not in _VALUE_TYPES:
+        variable = _resource_variable(params)
+        if variable is None:
+            params = tf.convert_to_tensor(params)
+        shape = tf.TensorShape(params.shape)
+        dtype = tf.as_dtype(params.dtype)
+        if shape.rank is not None and shape.rank != 2:
+            raise ValueError(f"params must be a matrix [N, D], got shape {shape}")
+        if dtype not in _VALUE_TYPES:
             raise TypeError(
-                f"params must be float16, bfloat16, float32 or float64, got {params.dtype.name}"
+                f"params must be float16, bfloat16, float32 or float64, got {dtype.name}"
             )
-        xla = _in_xla_context() or _on_tpu(params)
-        bags = _to_csr(indices, weights, params.dtype, xla)
+        xla = _in_xla_context() or _on_tpu(variable if variable is not None else params)
+        bags = _to_csr(indices, weights, dtype, xla)
         if implementation == "auto":
             implementation = "composite" if xla else "custom_op"
-        if implementation == "custom_op":
+        if implementation == "custom_op" and variable is not None:
+            output = _custom_op_on_variable(variable, bags, combiner, padding_id, dense_grad)
+        elif implementation == "custom_op":
             output = _custom_op(params, bags, combiner, padding_id, dense_grad)
         else:
+            params = tf.convert_to_tensor(params)
             output = _composite_with_gradient(params, bags, combiner, padding_id, dense_grad, xla)
         if bags.batch_shape is not None:
             output = tf.reshape(
                 output, tf.concat([bags.batch_shape, tf.shape(output, out_type=tf.int64)[1:]], 0)
             )
-        output.set_shape(bags.static_batch_shape.concatenate(params.shape[1:]))
+        output.set_shape(bags.static_batch_shape.concatenate(shape[1:]))
         return output
