@@ -1,0 +1,174 @@
+"""gather_reduce_sum on variables: the table is read in place, never copied per call.
+
+A `tf.Variable` (or a Keras variable) passed as `params` goes to the resource-variable op,
+which reads the table under the variable's lock instead of through a ReadVariableOp (which
+copies the whole table once the variable has been updated sparsely). These tests check
+that path against the float64 reference, that tapes see the variable without an explicit
+`watch`, and that no dense read of the table appears in the traced graph.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ttemb
+import reference
+from bags import (
+    RTOL,
+    assert_close,
+    dense_value,
+    make_bags,
+    make_params,
+    make_upstream,
+    make_weights,
+    quantize,
+    weights_like,
+)
+
+DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
+COMBINERS = ["sum", "mean", "sqrtn", "max"]
+
+
+def _run(variable, bags, values, upstream, combiner, dense_grad, padding_id, use_function):
+    def step():
+        # No tape.watch of the variable: the tape must learn of it from the op call itself.
+        with tf.GradientTape() as tape:
+            weights = None
+            if values is not None:
+                tape.watch(values)
+                weights = weights_like(bags.ids, values)
+            out = tf_ttemb.gather_reduce_sum(
+                variable,
+                bags.ids,
+                weights,
+                combiner=combiner,
+                padding_id=padding_id,
+                dense_grad=dense_grad,
+                implementation="custom_op",
+            )
+            loss = tf.reduce_sum(tf.cast(out, tf.float64) * tf.cast(upstream, tf.float64))
+        sources = [variable] + ([values] if values is not None else [])
+        return out, tape.gradient(loss, sources)
+
+    if use_function:
+        step = tf.function(step)
+    return step()
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("dense_grad", [False, True], ids=["sparse_grad", "dense_grad"])
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_variable_matches_reference(rng, dtype, combiner, dense_grad, use_function):
+    num_rows, dim, padding_id = 23, 5, 4
+    bags = make_bags(rng, "ragged", num_rows, tf.int64, padding_id=padding_id)
+    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
+    variable = tf.Variable(params)
+    weights, weights64 = (None, None)
+    if combiner != "max":
+        weights, weights64 = make_weights(rng, bags, dtype)
+    upstream, upstream64 = make_upstream(rng, bags, dim, dtype)
+
+    out, grads = _run(
+        variable, bags, weights, upstream, combiner, dense_grad, padding_id, use_function
+    )
+
+    want, scale = reference.forward(
+        params64, bags.flat_ids, bags.splits, weights64, combiner, padding_id
+    )
+    assert out.dtype == dtype
+    assert_close(dense_value(out).reshape(want.shape), want, scale, dtype, "output")
+    params_grad = grads[0]
+    if dense_grad:
+        assert isinstance(params_grad, tf.Tensor)
+    else:
+        assert isinstance(params_grad, tf.IndexedSlices)
+        ids = params_grad.indices.numpy()
+        assert np.all(np.diff(ids) > 0), f"gradient ids not sorted and unique: {ids}"
+        np.testing.assert_array_equal(ids, reference.touched_rows(bags.flat_ids, padding_id))
+    want_dp, scale_dp = reference.params_grad(
+        params64, bags.flat_ids, bags.splits, upstream64, weights64, combiner, padding_id
+    )
+    assert_close(dense_value(params_grad), want_dp, scale_dp, dtype, "params grad")
+    if weights is not None:
+        want_dw, scale_dw = reference.weights_grad(
+            params64, bags.flat_ids, bags.splits, weights64, upstream64, combiner, padding_id
+        )
+        got_dw = bags.csr_from_values(dense_value(grads[1]))
+        assert_close(got_dw, want_dw, scale_dw, dtype, "weights grad")
+
+
+def test_keras_variable_reads_in_place(rng):
+    num_rows, dim = 40, 7
+    values = rng.normal(size=(num_rows, dim))
+    variable = keras.Variable(values, dtype="float32")
+    bags = make_bags(rng, "dense2d", num_rows, tf.int32)
+    out = tf_ttemb.gather_reduce_sum(variable, bags.ids, combiner="mean")
+    want, scale = reference.forward(
+        tf.cast(tf.constant(values, tf.float32), tf.float64).numpy(),
+        bags.flat_ids, bags.splits, None, "mean", None,
+    )
+    assert_close(dense_value(out).reshape(want.shape), want, scale, tf.float32, "output")
+
+
+def test_sees_sparse_updates(rng):
+    """After a scatter update (which puts the variable in copy-on-read mode) the op reads
+    the updated rows."""
+    num_rows, dim = 30, 4
+    params, params64 = quantize(rng.normal(size=(num_rows, dim)), tf.float64)
+    variable = tf.Variable(params)
+    bags = make_bags(rng, "ragged", num_rows, tf.int64)
+    delta = rng.normal(size=(3, dim))
+    rows = np.array([1, 7, 29])
+    variable.scatter_sub(tf.IndexedSlices(tf.constant(delta), tf.constant(rows)))
+    params64 = params64.copy()
+    params64[rows] -= delta
+    out = tf_ttemb.gather_reduce_sum(variable, bags.ids)
+    want, scale = reference.forward(params64, bags.flat_ids, bags.splits, None, "sum", None)
+    assert_close(out.numpy(), want, scale, tf.float64, "output after scatter_sub")
+
+
+def test_traced_graph_has_no_dense_table_read(rng):
+    variable = tf.Variable(rng.normal(size=(50, 8)).astype(np.float32))
+    ids = tf.constant(rng.integers(0, 50, size=(6, 3)))
+    weights = tf.constant(rng.uniform(0.5, 1.5, size=(6, 3)).astype(np.float32))
+
+    @tf.function
+    def step(ids, weights):
+        with tf.GradientTape() as tape:
+            out = tf_ttemb.gather_reduce_sum(variable, ids, weights)
+            loss = tf.reduce_sum(out * out)
+        return tape.gradient(loss, variable)
+
+    graph = step.get_concrete_function(ids, weights).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert "TfTtemb>ResourceGatherReduceSum" in op_types
+    assert "ReadVariableOp" not in op_types, sorted(op_types)
+    assert isinstance(step(ids, weights), tf.IndexedSlices)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_layer_mixed_precision_accumulates_in_variable_dtype(rng, policy):
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        layer = tf_ttemb.layers.EmbeddingBag(60, 9, combiner="sqrtn")
+        ids = tf.constant(rng.integers(0, 60, size=(5, 4)))
+        weights = tf.constant(rng.uniform(0.5, 1.5, size=(5, 4)), tf.float16)
+        out = layer(ids, weights=weights)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    compute_dtype = tf.float16 if policy == "mixed_float16" else tf.bfloat16
+    assert out.dtype == compute_dtype
+    assert layer.embeddings.dtype == "float32"
+    table64 = tf.cast(layer.embeddings.value, tf.float64).numpy()
+    weights64 = tf.cast(tf.cast(weights, tf.float32), tf.float64).numpy().reshape(-1)
+    flat_ids = ids.numpy().reshape(-1)
+    splits = np.arange(0, flat_ids.size + 1, 4)
+    want, scale = reference.forward(table64, flat_ids, splits, weights64, "sqrtn", None)
+    # Only the final cast rounds to the half type: one rounding of the result.
+    assert_close(dense_value(out), want, scale, compute_dtype, "mixed-precision output")
+    assert RTOL[compute_dtype] <= 1e-2
