@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Keep TensorFlow's C++ start-up chatter (INFO and WARNING lines) out of the commands'
+# output; errors still show. A value the user set wins.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from typing import Dict, Optional, Sequence, Tuple
 
 # command name -> (module under tf_ttemb, one-line help). A command's module is imported

@@ -169,12 +169,18 @@ def _to_csr(indices: IndicesLike, weights, dtype: tf.DType, xla: bool) -> _Bags:
                 f"weights must have the shape of indices {dense_ids.shape}, "
                 f"got {dense_weights.shape}"
             )
-        same = tf.debugging.assert_equal(
-            tf.shape(dense_weights, out_type=tf.int64),
-            shape,
-            message="weights must have the shape of indices",
+        checks = []
+        static_match = (
+            dense_weights.shape.is_fully_defined() and dense_weights.shape == dense_ids.shape
         )
-        with tf.control_dependencies([same] if same is not None else []):
+        if not static_match:  # only a runtime check can tell
+            same = tf.debugging.assert_equal(
+                tf.shape(dense_weights, out_type=tf.int64),
+                shape,
+                message="weights must have the shape of indices",
+            )
+            checks = [same] if same is not None else []
+        with tf.control_dependencies(checks):
             flat_weights = tf.reshape(tf.cast(dense_weights, dtype), [-1])
 
     def dense_segment_ids() -> tf.Tensor:
