@@ -112,24 +112,69 @@ Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits,
   return OkStatus();
 }
 
+Status RowSplitsStartError(int64_t first_split) {
+  return errors::InvalidArgument("row_splits[0] = ", first_split, " must be 0");
+}
+
+Status RowSplitsOrderError(int64_t bag, int64_t next_split, int64_t split) {
+  return errors::InvalidArgument(
+      "row_splits must be non-decreasing: row_splits[", bag + 1,
+      "] = ", next_split, " < row_splits[", bag, "] = ", split);
+}
+
+Status RowSplitsEndError(int64_t num_bags, int64_t last_split, int64_t nnz) {
+  return errors::InvalidArgument("row_splits[", num_bags, "] = ", last_split,
+                                 " must equal the number of indices (", nnz,
+                                 ")");
+}
+
 Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
                          int64_t nnz) {
-  if (row_splits[0] != 0) {
-    return errors::InvalidArgument("row_splits[0] = ", row_splits[0],
-                                   " must be 0");
-  }
+  if (row_splits[0] != 0) return RowSplitsStartError(row_splits[0]);
   for (int64_t b = 0; b < num_bags; ++b) {
     if (row_splits[b + 1] < row_splits[b]) {
-      return errors::InvalidArgument(
-          "row_splits must be non-decreasing: row_splits[", b + 1,
-          "] = ", row_splits[b + 1], " < row_splits[", b, "] = ", row_splits[b]);
+      return RowSplitsOrderError(b, row_splits[b + 1], row_splits[b]);
     }
   }
   if (row_splits[num_bags] != nnz) {
-    return errors::InvalidArgument("row_splits[", num_bags,
-                                   "] = ", row_splits[num_bags],
-                                   " must equal the number of indices (", nnz,
-                                   ")");
+    return RowSplitsEndError(num_bags, row_splits[num_bags], nnz);
+  }
+  return OkStatus();
+}
+
+Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
+                                ParamsGradShapes* shapes) {
+  const Tensor& grad = ctx->input(0);
+  const Tensor& argmax = ctx->input(4);
+  const Tensor& num_rows = ctx->input(5);
+  if (grad.dims() != 2) {
+    return errors::InvalidArgument("grad must be a matrix [B, D], got shape ",
+                                   grad.shape().DebugString());
+  }
+  if (!TensorShapeUtils::IsScalar(num_rows.shape())) {
+    return errors::InvalidArgument("num_rows must be a scalar, got shape ",
+                                   num_rows.shape().DebugString());
+  }
+  shapes->num_rows = num_rows.scalar<int64_t>()();
+  if (shapes->num_rows < 0) {
+    return errors::InvalidArgument("num_rows = ", shapes->num_rows,
+                                   " must be >= 0");
+  }
+  TF_RETURN_IF_ERROR(ValidateBagShapes(ctx->input(1), ctx->input(2),
+                                       ctx->input(3), attrs, &shapes->bags));
+  const int64_t num_bags = shapes->bags.num_bags;
+  shapes->dim = grad.dim_size(1);
+  if (grad.dim_size(0) != num_bags) {
+    return errors::InvalidArgument("grad has ", grad.dim_size(0),
+                                   " rows but row_splits describes ", num_bags,
+                                   " bags");
+  }
+  const int64_t argmax_rows = attrs.combiner == Combiner::kMax ? num_bags : 0;
+  if (argmax.dims() != 2 || argmax.dim_size(0) != argmax_rows ||
+      (argmax_rows > 0 && argmax.dim_size(1) != shapes->dim)) {
+    return errors::InvalidArgument("argmax must have shape [", argmax_rows,
+                                   ", ", shapes->dim, "], got ",
+                                   argmax.shape().DebugString());
   }
   return OkStatus();
 }
@@ -385,24 +430,6 @@ void ForwardBags(const T* params,        // [N, D]
   }
 }
 
-// Looks up the variable behind resource input `input` and checks its dtype.
-template <typename T>
-Status LookupVariable(OpKernelContext* ctx, int input,
-                      core::RefCountPtr<Var>* variable) {
-  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), variable));
-  const DataType expected = DataTypeToEnum<T>::value;
-  if ((*variable)->tensor()->dtype() != expected) {
-    return errors::InvalidArgument(
-        "params variable has dtype ",
-        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
-        DataTypeString(expected));
-  }
-  if (!(*variable)->is_initialized) {
-    return errors::FailedPrecondition("params variable is not initialized");
-  }
-  return OkStatus();
-}
-
 // ParamsFromResource: params arrive as a resource variable, read in place
 // under a shared lock instead of as a (possibly copied) tensor.
 template <typename T, typename Tindex, bool ParamsFromResource>
@@ -652,38 +679,14 @@ Status PrepareParamsGrad(OpKernelContext* ctx, const BagAttrs& attrs,
   const Tensor& row_splits = ctx->input(2);
   const Tensor& weights = ctx->input(3);
   const Tensor& argmax = ctx->input(4);
-  const Tensor& num_rows = ctx->input(5);
-  if (grad.dims() != 2) {
-    return errors::InvalidArgument("grad must be a matrix [B, D], got shape ",
-                                   grad.shape().DebugString());
-  }
-  if (!TensorShapeUtils::IsScalar(num_rows.shape())) {
-    return errors::InvalidArgument("num_rows must be a scalar, got shape ",
-                                   num_rows.shape().DebugString());
-  }
-  call->num_rows = num_rows.scalar<int64_t>()();
-  if (call->num_rows < 0) {
-    return errors::InvalidArgument("num_rows = ", call->num_rows,
-                                   " must be >= 0");
-  }
-  TF_RETURN_IF_ERROR(
-      ValidateBagShapes(indices, row_splits, weights, attrs, &call->shapes));
+  ParamsGradShapes shapes;
+  TF_RETURN_IF_ERROR(ValidateParamsGradInputs(ctx, attrs, &shapes));
+  call->shapes = shapes.bags;
+  call->num_rows = shapes.num_rows;
+  call->dim = shapes.dim;
   const int64_t num_bags = call->shapes.num_bags;
   const int64_t nnz = call->shapes.nnz;
-  call->dim = grad.dim_size(1);
-  if (grad.dim_size(0) != num_bags) {
-    return errors::InvalidArgument("grad has ", grad.dim_size(0),
-                                   " rows but row_splits describes ", num_bags,
-                                   " bags");
-  }
   const bool is_max = attrs.combiner == Combiner::kMax;
-  const int64_t argmax_rows = is_max ? num_bags : 0;
-  if (argmax.dims() != 2 || argmax.dim_size(0) != argmax_rows ||
-      (argmax_rows > 0 && argmax.dim_size(1) != call->dim)) {
-    return errors::InvalidArgument("argmax must have shape [", argmax_rows,
-                                   ", ", call->dim, "], got ",
-                                   argmax.shape().DebugString());
-  }
   call->splits = row_splits.flat<int64_t>().data();
   TF_RETURN_IF_ERROR(ValidateRowSplits(call->splits, num_bags, nnz));
   call->ids = indices.flat<Tindex>().data();

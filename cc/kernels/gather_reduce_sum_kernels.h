@@ -10,6 +10,8 @@
 #include <type_traits>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/platform/status.h"
@@ -57,9 +59,44 @@ Status ValidateParamsShape(const Tensor& params);
 Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
                          int64_t nnz);
 
+// The messages of ValidateRowSplits, one per rule, also raised by the GPU
+// kernels from their device-side checks.
+Status RowSplitsStartError(int64_t first_split);
+Status RowSplitsOrderError(int64_t bag, int64_t next_split, int64_t split);
+Status RowSplitsEndError(int64_t num_bags, int64_t last_split, int64_t nnz);
+
 // The message for an id outside [0, num_rows) that is not the padding id.
 Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
                      const BagAttrs& attrs);
+
+// Host-side shape checks of the params-gradient ops (inputs grad [B, D],
+// indices, row_splits, weights, argmax, num_rows in host memory).
+struct ParamsGradShapes {
+  BagShapes bags;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+};
+Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
+                                ParamsGradShapes* shapes);
+
+// Looks up the variable behind resource input `input` of a Resource* op and
+// checks that it is initialized and holds T.
+template <typename T>
+Status LookupVariable(OpKernelContext* ctx, int input,
+                      core::RefCountPtr<Var>* variable) {
+  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), variable));
+  const DataType expected = DataTypeToEnum<T>::value;
+  if ((*variable)->tensor()->dtype() != expected) {
+    return errors::InvalidArgument(
+        "params variable has dtype ",
+        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
+        DataTypeString(expected));
+  }
+  if (!(*variable)->is_initialized) {
+    return errors::FailedPrecondition("params variable is not initialized");
+  }
+  return OkStatus();
+}
 
 template <typename Tindex>
 inline bool IsPadding(Tindex id, const BagAttrs& attrs) {

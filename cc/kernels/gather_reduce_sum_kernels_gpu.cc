@@ -123,22 +123,13 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs,
 // kernel's order (row_splits, then ids). Messages match ValidateRowSplits.
 Status ReportStatus(const launchers::DeviceReport& r, const BagShapes& shapes,
                     int64_t num_rows, const BagAttrs& attrs) {
-  if (r.first_split != 0) {
-    return errors::InvalidArgument("row_splits[0] = ", r.first_split,
-                                   " must be 0");
-  }
+  if (r.first_split != 0) return RowSplitsStartError(r.first_split);
   if (r.first_bad_split >= 0) {
-    const int64_t b = r.first_bad_split;
-    return errors::InvalidArgument(
-        "row_splits must be non-decreasing: row_splits[", b + 1,
-        "] = ", r.bad_split_value, " < row_splits[", b, "] = ",
-        r.bad_split_prev);
+    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value,
+                               r.bad_split_prev);
   }
   if (r.last_split != shapes.nnz) {
-    return errors::InvalidArgument("row_splits[", shapes.num_bags,
-                                   "] = ", r.last_split,
-                                   " must equal the number of indices (",
-                                   shapes.nnz, ")");
+    return RowSplitsEndError(shapes.num_bags, r.last_split, shapes.nnz);
   }
   if (r.first_bad_index >= 0) {
     return BadIndexError(r.first_bad_index, r.bad_index_value, num_rows, attrs);
@@ -225,26 +216,6 @@ class GpuCall {
   Tensor scratch_;
   Tensor placeholder_;
 };
-
-// Looks up the variable behind resource input `input` and checks its dtype
-// (as the CPU kernels do).
-template <typename T>
-Status LookupVariable(OpKernelContext* ctx, int input,
-                      core::RefCountPtr<Var>* variable) {
-  TF_RETURN_IF_ERROR(
-      LookupResource(ctx, HandleFromInput(ctx, input), variable));
-  const DataType expected = DataTypeToEnum<T>::value;
-  if ((*variable)->tensor()->dtype() != expected) {
-    return errors::InvalidArgument(
-        "params variable has dtype ",
-        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
-        DataTypeString(expected));
-  }
-  if (!(*variable)->is_initialized) {
-    return errors::FailedPrecondition("params variable is not initialized");
-  }
-  return OkStatus();
-}
 
 // ---------------------------------------------------------------------------
 // Forward (GatherReduceSum, ResourceGatherReduceSum).
@@ -356,35 +327,12 @@ struct ParamsGradInputs {
     const Tensor& row_splits = ctx->input(2);
     const Tensor& weights_t = ctx->input(3);
     const Tensor& argmax_t = ctx->input(4);
-    const Tensor& num_rows_t = ctx->input(5);  // host memory
-    if (grad_t.dims() != 2) {
-      return errors::InvalidArgument("grad must be a matrix [B, D], got shape ",
-                                     grad_t.shape().DebugString());
-    }
-    if (!TensorShapeUtils::IsScalar(num_rows_t.shape())) {
-      return errors::InvalidArgument("num_rows must be a scalar, got shape ",
-                                     num_rows_t.shape().DebugString());
-    }
-    num_rows = num_rows_t.scalar<int64_t>()();
-    if (num_rows < 0) {
-      return errors::InvalidArgument("num_rows = ", num_rows, " must be >= 0");
-    }
-    TF_RETURN_IF_ERROR(
-        ValidateBagShapes(indices, row_splits, weights_t, attrs, &shapes));
-    dim = grad_t.dim_size(1);
-    if (grad_t.dim_size(0) != shapes.num_bags) {
-      return errors::InvalidArgument("grad has ", grad_t.dim_size(0),
-                                     " rows but row_splits describes ",
-                                     shapes.num_bags, " bags");
-    }
+    ParamsGradShapes checked;
+    TF_RETURN_IF_ERROR(ValidateParamsGradInputs(ctx, attrs, &checked));
+    shapes = checked.bags;
+    num_rows = checked.num_rows;
+    dim = checked.dim;
     is_max = attrs.combiner == Combiner::kMax;
-    const int64_t argmax_rows = is_max ? shapes.num_bags : 0;
-    if (argmax_t.dims() != 2 || argmax_t.dim_size(0) != argmax_rows ||
-        (argmax_rows > 0 && argmax_t.dim_size(1) != dim)) {
-      return errors::InvalidArgument("argmax must have shape [", argmax_rows,
-                                     ", ", dim, "], got ",
-                                     argmax_t.shape().DebugString());
-    }
     // The sort and the segment bookkeeping use int32 positions.
     if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
       return errors::InvalidArgument(
