@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
