@@ -172,3 +172,47 @@ def test_layer_mixed_precision_accumulates_in_variable_dtype(rng, policy):
     # Only the final cast rounds to the half type: one rounding of the result.
     assert_close(dense_value(out), want, scale, compute_dtype, "mixed-precision output")
     assert RTOL[compute_dtype] <= 1e-2
+
+
+@pytest.mark.parametrize("use_variable", [False, True], ids=["tensor", "variable"])
+@pytest.mark.parametrize("dense_grad", [False, True], ids=["sparse_grad", "dense_grad"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_fused_and_two_op_backward_agree(rng, monkeypatch, combiner, dense_grad, use_variable):
+    """Without a GPU the weighted backward runs as one fused op; with one, as the two ops
+    (params gradient, weights gradient) that have GPU kernels. Both must give the same
+    gradients, bit for bit (same summation order)."""
+    from tf_ttemb.ops import gather_reduce_sum as grs_module
+
+    num_rows, dim = 31, 6
+    bags = make_bags(rng, "ragged", num_rows, tf.int32, padding_id=2)
+    params, _ = make_params(rng, num_rows, dim, tf.float32)
+    values, _ = make_weights(rng, bags, tf.float32)
+    upstream, _ = make_upstream(rng, bags, dim, tf.float32)
+
+    def gradients():
+        table = tf.Variable(params) if use_variable else params
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            if not use_variable:
+                tape.watch(table)
+            out = tf_ttemb.gather_reduce_sum(
+                table, bags.ids, weights_like(bags.ids, values), combiner=combiner,
+                padding_id=2, dense_grad=dense_grad, implementation="custom_op",
+            )
+            loss = tf.reduce_sum(out * upstream)
+        return tape.gradient(loss, [table, values])
+
+    assert grs_module._use_fused_backward({"has_weights": True, "combiner": combiner})
+    fused = gradients()
+    consulted = []
+    monkeypatch.setattr(
+        grs_module, "_use_fused_backward", lambda attrs: consulted.append(attrs) and False
+    )
+    two_op = gradients()
+    assert consulted, "the gradient never chose between the fused and the two-op backward"
+    for got, want in zip(two_op, fused):
+        assert type(got) is type(want)
+        if isinstance(want, tf.IndexedSlices):
+            np.testing.assert_array_equal(got.indices.numpy(), want.indices.numpy())
+            got, want = got.values, want.values
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

@@ -555,6 +555,7 @@ struct SortedEntries {
   std::vector<int64_t> positions;    // [M] entry positions, ascending per id
   std::vector<int64_t> seg_starts;   // [U + 1] segment boundaries into keys
   std::vector<int64_t> bag_of;       // [nnz] bag of each entry
+  std::vector<int64_t> bags;         // [M] bag of each sorted entry
   int64_t num_unique() const {
     return static_cast<int64_t>(seg_starts.size()) - 1;
   }
@@ -588,6 +589,20 @@ void SortEntries(thread::ThreadPool* pool, const Tindex* ids,
     if (i == 0 || s->keys[i] != s->keys[i - 1]) s->seg_starts.push_back(i);
   }
   s->seg_starts.push_back(m);
+  // The bag of each sorted entry, gathered once here with independent loads,
+  // so the reduction's inner loop does not wait on a chain of cache misses
+  // (position -> bag -> upstream-gradient row).
+  s->bags.resize(m);
+  int64_t* bags = s->bags.data();
+  const int64_t* positions = s->positions.data();
+  auto gather_bags = [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) bags[k] = bag_of[positions[k]];
+  };
+  if (m < 65536) {
+    gather_bags(0, m);
+  } else {
+    pool->ParallelFor(m, 4, gather_bags);
+  }
 }
 
 // Per-bag scale (see BagScale), computed once per bag.
@@ -617,9 +632,13 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
                           typename AccumulatorType<T>::type* acc) {
   using Acc = typename AccumulatorType<T>::type;
   std::fill(acc, acc + dim, Acc(0));
+  const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
   for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
     const int64_t j = s.positions[k];
-    const int64_t b = s.bag_of[j];
+    const int64_t b = s.bags[k];
+    if (k + kPrefetchDistance < num_sorted) {
+      PrefetchRow(grad + s.bags[k + kPrefetchDistance] * dim, dim);
+    }
     const T* dy = grad + b * dim;
     if (argmax != nullptr) {
       const int32* pos = argmax + b * dim;
@@ -885,6 +904,160 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
   BagAttrs attrs_;
 };
 
+// ---------------------------------------------------------------------------
+// Fused backward (weighted sum, mean, sqrtn): one pass over the entries sorted
+// by id computes the params gradient of each unique row and, with that row
+// loaded once, the weights gradient of each of its entries (formulas as in
+// GatherReduceSumWeightsGradOp). Every entry belongs to exactly one segment,
+// so each weights-gradient element is written by one thread: deterministic.
+
+template <typename T, typename Tindex, bool ParamsFromResource>
+class GatherReduceSumFusedGradOp : public OpKernel {
+ public:
+  explicit GatherReduceSumFusedGradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
+    OP_REQUIRES(ctx, attrs_.has_weights,
+                errors::InvalidArgument(
+                    "GatherReduceSumFusedGrad needs has_weights = true"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    if (!ParamsFromResource) {
+      ComputeWithParams(ctx, ctx->input(1));
+      return;
+    }
+    core::RefCountPtr<Var> variable;
+    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &variable));
+    tf_shared_lock lock(*variable->mu());
+    ComputeWithParams(ctx, *variable->tensor());
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+    using Acc = typename AccumulatorType<T>::type;
+    const Tensor& grad = ctx->input(0);
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
+    ParamsGradCall<T, Tindex> call;
+    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
+                                          &call.shapes));
+    const int64_t num_bags = call.shapes.num_bags;
+    const int64_t nnz = call.shapes.nnz;
+    call.num_rows = params.dim_size(0);
+    call.dim = params.dim_size(1);
+    const int64_t dim = call.dim;
+    const TensorShape bag_shape({num_bags, dim});
+    OP_REQUIRES(ctx, grad.shape() == bag_shape,
+                errors::InvalidArgument("grad must have shape ",
+                                        bag_shape.DebugString(), ", got ",
+                                        grad.shape().DebugString()));
+    OP_REQUIRES(ctx, output.shape() == bag_shape,
+                errors::InvalidArgument("output must have shape ",
+                                        bag_shape.DebugString(), ", got ",
+                                        output.shape().DebugString()));
+    call.splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(call.splits, num_bags, nnz));
+    call.ids = indices.flat<Tindex>().data();
+    call.pool = CpuPool(ctx);
+    OP_REQUIRES_OK(ctx, ValidateIndices(call.pool, call.ids, nnz,
+                                        call.num_rows, attrs_));
+    call.grad = grad.flat<T>().data();
+    call.weights = weights.flat<T>().data();
+    SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows,
+                attrs_, &call.sorted);
+    ComputeBagScales(call.pool, call.ids, call.weights, call.splits, num_bags,
+                     attrs_, &call.scales);
+    const SortedEntries& s = call.sorted;
+    const int64_t num_unique = s.num_unique();
+
+    // <dy_b, out_b> per bag, for mean and sqrtn.
+    std::vector<Acc> dy_dot_out(num_bags, Acc(0));
+    const T* out_data = output.flat<T>().data();
+    if (attrs_.combiner != Combiner::kSum) {
+      ForBalancedBlocks(call.pool, call.splits, num_bags, dim,
+                        [&](int64_t begin, int64_t end) {
+                          for (int64_t b = begin; b < end; ++b) {
+                            dy_dot_out[b] = Dot<Acc>(call.grad + b * dim,
+                                                     out_data + b * dim, dim);
+                          }
+                        });
+    }
+
+    Tensor* unique_ids = nullptr;
+    Tensor* params_grad = nullptr;
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({dense_grad_ ? 0 : num_unique}),
+                            &unique_ids));
+    const int64_t grad_rows = dense_grad_ ? call.num_rows : num_unique;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({grad_rows, dim}),
+                                             &params_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({nnz}),
+                                             &weights_grad));
+    T* values = params_grad->flat<T>().data();
+    T* dw = weights_grad->flat<T>().data();
+    // Padding entries (in no segment) keep a zero weights gradient.
+    std::fill(dw, dw + nnz, T(0));
+    if (dense_grad_ && dim > 0) {
+      call.pool->ParallelFor(grad_rows, dim, [&](int64_t begin, int64_t end) {
+        std::fill(values + begin * dim, values + end * dim, T(0));
+      });
+    } else {
+      Tindex* ids_out = unique_ids->flat<Tindex>().data();
+      for (int64_t u = 0; u < num_unique; ++u) {
+        ids_out[u] = static_cast<Tindex>(s.keys[s.seg_starts[u]]);
+      }
+    }
+    const T* params_data = params.flat<T>().data();
+    const T* w = call.weights;
+    const Combiner combiner = attrs_.combiner;
+    const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
+    ForBalancedBlocks(call.pool, s.seg_starts.data(), num_unique, dim,
+                      [&](int64_t begin, int64_t end) {
+      std::vector<Acc> acc(dim);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
+        const T* row = params_data + id * dim;
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
+          const int64_t j = s.positions[k];
+          const int64_t b = s.bags[k];
+          if (k + kPrefetchDistance < num_sorted) {
+            PrefetchRow(call.grad + s.bags[k + kPrefetchDistance] * dim, dim);
+          }
+          const T* dy = call.grad + b * dim;
+          const Acc scale = call.scales[b];
+          const Acc wj = static_cast<Acc>(w[j]);
+          Axpy(acc.data(), scale * wj, dy, dim);
+          const Acc dot = Dot<Acc>(dy, row, dim);
+          Acc g;
+          switch (combiner) {
+            case Combiner::kMean:
+              g = (dot - dy_dot_out[b]) * scale;
+              break;
+            case Combiner::kSqrtn:
+              g = dot * scale - wj * dy_dot_out[b] * scale * scale;
+              break;
+            default:
+              g = dot;
+          }
+          dw[j] = static_cast<T>(g);
+        }
+        T* out_row = values + (dense_grad_ ? id : u) * dim;
+        for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);
+      }
+    });
+  }
+
+  BagAttrs attrs_;
+  bool dense_grad_ = false;
+};
+
 #define TF_TTEMB_REGISTER_CPU(T, Tindex)                             \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")            \
                               .Device(DEVICE_CPU)                    \
@@ -916,7 +1089,18 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
           .Device(DEVICE_CPU)                                        \
           .TypeConstraint<T>("T")                                    \
           .TypeConstraint<Tindex>("Tindices"),                       \
-      GatherReduceSumWeightsGradOp<T, Tindex, true>);
+      GatherReduceSumWeightsGradOp<T, Tindex, true>);                \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")   \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumFusedGradOp<T, Tindex, false>); \
+  REGISTER_KERNEL_BUILDER(                                           \
+      Name("TfTtemb>ResourceGatherReduceSumFusedGrad")               \
+          .Device(DEVICE_CPU)                                        \
+          .TypeConstraint<T>("T")                                    \
+          .TypeConstraint<Tindex>("Tindices"),                       \
+      GatherReduceSumFusedGradOp<T, Tindex, true>);
 
 #define TF_TTEMB_REGISTER_CPU_ALL_INDICES(T) \
   TF_TTEMB_REGISTER_CPU(T, int32)            \

@@ -225,6 +225,68 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
     })
     .Doc("GatherReduceSumWeightsGrad reading params from a resource variable.");
 
+// Fused backward for weighted sum/mean/sqrtn (CPU): the params gradient and the
+// weights gradient in one pass over the entries grouped by id, so each table
+// row is read once (in id order) instead of gathered again per entry.
+// With dense_grad the params gradient is [N, D] and unique_indices is empty.
+namespace {
+
+Status FusedGradShapes(InferenceContext* c, DimensionHandle dim) {
+  ShapeHandle grad, output, indices;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
+  TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 1), dim, &dim));
+  DimensionHandle num_bags;
+  TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+  bool dense_grad;
+  TF_RETURN_IF_ERROR(c->GetAttr("dense_grad", &dense_grad));
+  c->set_output(0, c->Vector(dense_grad ? c->MakeDim(0) : c->UnknownDim()));
+  c->set_output(1, c->Matrix(c->UnknownDim(), dim));
+  c->set_output(2, indices);
+  return OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("TfTtemb>GatherReduceSumFusedGrad")
+    .Input("grad: T")             // [B, D]
+    .Input("params: T")           // [N, D]
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz]
+    .Input("output: T")           // [B, D]
+    .Output("unique_indices: Tindices")  // [U], or [0] with dense_grad
+    .Output("params_grad: T")            // [U, D], or [N, D] with dense_grad
+    .Output("weights_grad: T")           // [nnz]
+    .Attr("dense_grad: bool = false")
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle params;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &params));
+      return FusedGradShapes(c, c->Dim(params, 1));
+    })
+    .Doc("Params and weights gradients of a weighted GatherReduceSum in one pass.");
+
+REGISTER_OP("TfTtemb>ResourceGatherReduceSumFusedGrad")
+    .Input("grad: T")             // [B, D]
+    .Input("params: resource")    // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz]
+    .Input("output: T")           // [B, D]
+    .Output("unique_indices: Tindices")
+    .Output("params_grad: T")
+    .Output("weights_grad: T")
+    .Attr("dense_grad: bool = false")
+    .TF_TTEMB_BAG_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      return FusedGradShapes(c, c->UnknownDim());
+    })
+    .Doc("GatherReduceSumFusedGrad reading params from a resource variable.");
+
 #undef TF_TTEMB_BAG_ATTRS
 
 }  // namespace tf_ttemb

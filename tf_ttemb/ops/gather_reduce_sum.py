@@ -16,6 +16,7 @@ shapes the result back.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional
@@ -258,9 +259,30 @@ def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
     attrs = _attrs_of(op)
     params, ids, row_splits, weights = op.inputs[:4]
     output, argmax = op.outputs[:2]
+    if _use_fused_backward(attrs):
+        unique_ids, values, weights_grad = lib.tf_ttemb_gather_reduce_sum_fused_grad(
+            grad, params, ids, row_splits, weights, output, dense_grad=False, **attrs
+        )
+        params_shape = tf.shape(params, out_type=tf.int64)
+        return tf.IndexedSlices(values, unique_ids, params_shape), None, None, weights_grad
     params_grad = _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs)
     weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs)
     return params_grad, None, None, weights_grad
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_visible() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _use_fused_backward(attrs: dict) -> bool:
+    """Whether the weighted backward can use the one-pass fused gradient op.
+
+    It computes the params and weights gradients together, reading each table row once
+    in id order instead of gathering it again per entry. Its kernel is CPU-only, so it is
+    used when TensorFlow sees no GPU (on GPU the two-op backward runs there).
+    """
+    return attrs["has_weights"] and attrs["combiner"] != "max" and not _gpu_visible()
 
 
 def _resource_variable(params) -> Optional[tf.Variable]:
@@ -295,6 +317,14 @@ def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad):
     handle, ids, row_splits, weights = op.inputs[:4]
     output, argmax = op.outputs[:2]
     params_shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
+    if _use_fused_backward(attrs):
+        dense_grad = op.get_attr("dense_grad")
+        unique_ids, values, weights_grad = lib.tf_ttemb_resource_gather_reduce_sum_fused_grad(
+            grad, handle, ids, row_splits, weights, output, dense_grad=dense_grad, **attrs
+        )
+        if dense_grad:
+            return values, None, None, weights_grad
+        return tf.IndexedSlices(values, unique_ids, params_shape), None, None, weights_grad
     if op.get_attr("dense_grad"):
         params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
             grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
@@ -334,6 +364,8 @@ def _custom_op_on_variable(
 
 
 tf.no_gradient("TfTtemb>GatherReduceSumGrad")
+tf.no_gradient("TfTtemb>GatherReduceSumFusedGrad")
+tf.no_gradient("TfTtemb>ResourceGatherReduceSumFusedGrad")
 tf.no_gradient("TfTtemb>ResourceGatherReduceSumWeightsGrad")
 tf.no_gradient("TfTtemb>GatherReduceSumDenseGrad")
 tf.no_gradient("TfTtemb>GatherReduceSumWeightsGrad")
@@ -362,6 +394,11 @@ def _custom_op(
         )
 
         def grad(dy):
+            if _use_fused_backward(attrs):
+                _, params_grad, weights_grad = lib.tf_ttemb_gather_reduce_sum_fused_grad(
+                    dy, params, ids, row_splits, weights, output, dense_grad=True, **attrs
+                )
+                return params_grad, weights_grad
             params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
                 dy,
                 ids,
