@@ -142,6 +142,27 @@ Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
   return OkStatus();
 }
 
+Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params,
+                                 const BagAttrs& attrs, BagShapes* shapes) {
+  TF_RETURN_IF_ERROR(ValidateParamsShape(params));
+  TF_RETURN_IF_ERROR(ValidateBagShapes(ctx->input(2), ctx->input(3),
+                                       ctx->input(4), attrs, shapes));
+  const TensorShape bag_shape({shapes->num_bags, params.dim_size(1)});
+  const Tensor& grad = ctx->input(0);
+  const Tensor& output = ctx->input(5);
+  if (grad.shape() != bag_shape) {
+    return errors::InvalidArgument("grad must have shape ",
+                                   bag_shape.DebugString(), ", got ",
+                                   grad.shape().DebugString());
+  }
+  if (output.shape() != bag_shape) {
+    return errors::InvalidArgument("output must have shape ",
+                                   bag_shape.DebugString(), ", got ",
+                                   output.shape().DebugString());
+  }
+  return OkStatus();
+}
+
 Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                 ParamsGradShapes* shapes) {
   const Tensor& grad = ctx->input(0);
@@ -829,21 +850,10 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
     const Tensor& row_splits = ctx->input(3);
     const Tensor& weights = ctx->input(4);
     const Tensor& output = ctx->input(5);
-    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
-                                          &shapes));
+    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
-    const TensorShape bag_shape({shapes.num_bags, dim});
-    OP_REQUIRES(ctx, grad.shape() == bag_shape,
-                errors::InvalidArgument("grad must have shape ",
-                                        bag_shape.DebugString(), ", got ",
-                                        grad.shape().DebugString()));
-    OP_REQUIRES(ctx, output.shape() == bag_shape,
-                errors::InvalidArgument("output must have shape ",
-                                        bag_shape.DebugString(), ", got ",
-                                        output.shape().DebugString()));
     const int64_t* splits = row_splits.flat<int64_t>().data();
     OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
     const Tindex* ids = indices.flat<Tindex>().data();
@@ -942,24 +952,14 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     const Tensor& row_splits = ctx->input(3);
     const Tensor& weights = ctx->input(4);
     const Tensor& output = ctx->input(5);
-    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
     ParamsGradCall<T, Tindex> call;
-    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
-                                          &call.shapes));
+    OP_REQUIRES_OK(ctx,
+                   ValidateWeightsGradInputs(ctx, params, attrs_, &call.shapes));
     const int64_t num_bags = call.shapes.num_bags;
     const int64_t nnz = call.shapes.nnz;
     call.num_rows = params.dim_size(0);
     call.dim = params.dim_size(1);
     const int64_t dim = call.dim;
-    const TensorShape bag_shape({num_bags, dim});
-    OP_REQUIRES(ctx, grad.shape() == bag_shape,
-                errors::InvalidArgument("grad must have shape ",
-                                        bag_shape.DebugString(), ", got ",
-                                        grad.shape().DebugString()));
-    OP_REQUIRES(ctx, output.shape() == bag_shape,
-                errors::InvalidArgument("output must have shape ",
-                                        bag_shape.DebugString(), ", got ",
-                                        output.shape().DebugString()));
     call.splits = row_splits.flat<int64_t>().data();
     OP_REQUIRES_OK(ctx, ValidateRowSplits(call.splits, num_bags, nnz));
     call.ids = indices.flat<Tindex>().data();

@@ -79,6 +79,13 @@ struct ParamsGradShapes {
 Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                 ParamsGradShapes* shapes);
 
+// Host-side shape checks of the ops taking (grad [B, D], params [N, D],
+// indices, row_splits, weights [nnz], output [B, D]) as inputs 0..5 (the
+// weights gradient and the fused gradient); `params` is passed separately
+// because the Resource* variants read it from a variable.
+Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params,
+                                 const BagAttrs& attrs, BagShapes* shapes);
+
 // Looks up the variable behind resource input `input` of a Resource* op and
 // checks that it is initialized and holds T.
 template <typename T>

@@ -508,21 +508,10 @@ class GatherReduceSumWeightsGradGpuOp : public OpKernel {
     const Tensor& row_splits = ctx->input(3);
     const Tensor& weights = ctx->input(4);
     const Tensor& output = ctx->input(5);
-    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
-                                          &shapes));
+    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
-    const TensorShape bag_shape({shapes.num_bags, dim});
-    OP_REQUIRES(ctx, grad.shape() == bag_shape,
-                errors::InvalidArgument("grad must have shape ",
-                                        bag_shape.DebugString(), ", got ",
-                                        grad.shape().DebugString()));
-    OP_REQUIRES(ctx, output.shape() == bag_shape,
-                errors::InvalidArgument("output must have shape ",
-                                        bag_shape.DebugString(), ", got ",
-                                        output.shape().DebugString()));
     Tensor* weights_grad = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}),
                                              &weights_grad));
