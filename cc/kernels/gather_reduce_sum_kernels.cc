@@ -461,14 +461,9 @@ class GatherReduceSumOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (!ParamsFromResource) {
-      ComputeWithParams(ctx, ctx->input(0));
-      return;
-    }
-    core::RefCountPtr<Var> variable;
-    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 0, &variable));
-    tf_shared_lock lock(*variable->mu());
-    ComputeWithParams(ctx, *variable->tensor());
+    WithParams<T, ParamsFromResource>(ctx, 0, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
   }
 
  private:
@@ -832,14 +827,9 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (!ParamsFromResource) {
-      ComputeWithParams(ctx, ctx->input(1));
-      return;
-    }
-    core::RefCountPtr<Var> variable;
-    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &variable));
-    tf_shared_lock lock(*variable->mu());
-    ComputeWithParams(ctx, *variable->tensor());
+    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
   }
 
  private:
@@ -934,14 +924,9 @@ class GatherReduceSumFusedGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (!ParamsFromResource) {
-      ComputeWithParams(ctx, ctx->input(1));
-      return;
-    }
-    core::RefCountPtr<Var> variable;
-    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &variable));
-    tf_shared_lock lock(*variable->mu());
-    ComputeWithParams(ctx, *variable->tensor());
+    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
   }
 
  private:

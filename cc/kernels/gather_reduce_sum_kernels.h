@@ -110,6 +110,21 @@ inline bool IsPadding(Tindex id, const BagAttrs& attrs) {
   return attrs.has_padding_id && static_cast<int64_t>(id) == attrs.padding_id;
 }
 
+// Calls compute(params) with the table of input `input`: the tensor itself,
+// or, for the Resource* ops (FromResource), the variable's tensor read in
+// place under the variable's shared lock, held until compute returns.
+template <typename T, bool FromResource, typename Compute>
+void WithParams(OpKernelContext* ctx, int input, Compute compute) {
+  if (!FromResource) {
+    compute(ctx->input(input));
+    return;
+  }
+  core::RefCountPtr<Var> variable;
+  OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, input, &variable));
+  tf_shared_lock lock(*variable->mu());
+  compute(*variable->tensor());
+}
+
 }  // namespace tf_ttemb
 }  // namespace tensorflow
 

@@ -228,15 +228,11 @@ class GatherReduceSumGpuOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (!ParamsFromResource) {
-      ComputeWithParams(ctx, ctx->input(0));
-      return;
-    }
-    core::RefCountPtr<Var> variable;
-    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 0, &variable));
-    // Held until the stream has finished reading the table (ReadReport).
-    tf_shared_lock lock(*variable->mu());
-    ComputeWithParams(ctx, *variable->tensor());
+    // A variable's lock is held until the stream has finished reading the
+    // table (ComputeWithParams waits for it in ReadReport).
+    WithParams<T, ParamsFromResource>(ctx, 0, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
   }
 
  private:
@@ -489,15 +485,11 @@ class GatherReduceSumWeightsGradGpuOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    if (!ParamsFromResource) {
-      ComputeWithParams(ctx, ctx->input(1));
-      return;
-    }
-    core::RefCountPtr<Var> variable;
-    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &variable));
-    // Held until the stream has finished reading the table (ReadReport).
-    tf_shared_lock lock(*variable->mu());
-    ComputeWithParams(ctx, *variable->tensor());
+    // A variable's lock is held until the stream has finished reading the
+    // table (ComputeWithParams waits for it in ReadReport).
+    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
   }
 
  private:

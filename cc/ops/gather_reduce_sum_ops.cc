@@ -43,6 +43,22 @@ Status BagInputShapes(InferenceContext* c, int indices_input, int row_splits_inp
   return OkStatus();
 }
 
+// Shapes of the ops taking (grad [B, D], params, indices, row_splits,
+// weights, output [B, D]): merges grad with output and D with *dim (which
+// returns the merged D), B with row_splits, and returns indices' shape [nnz].
+Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim,
+                              ShapeHandle* indices) {
+  ShapeHandle grad, output;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
+  TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 1), *dim, dim));
+  DimensionHandle num_bags;
+  TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+  return c->WithRank(c->input(2), 1, indices);
+}
+
 }  // namespace
 
 #define TF_TTEMB_BAG_ATTRS                                         \
@@ -145,17 +161,10 @@ REGISTER_OP("TfTtemb>GatherReduceSumWeightsGrad")
     .Output("weights_grad: T")    // [nnz]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle grad, params, output, indices;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      ShapeHandle params, indices;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &params));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
-      TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
-      DimensionHandle dim;
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 1), c->Dim(params, 1), &dim));
-      DimensionHandle num_bags;
-      TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+      DimensionHandle dim = c->Dim(params, 1);
+      TF_RETURN_IF_ERROR(WeightsGradInputShapes(c, &dim, &indices));
       c->set_output(0, indices);
       return OkStatus();
     })
@@ -212,14 +221,9 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
     .Output("weights_grad: T")    // [nnz]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle grad, output, indices;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
-      TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
-      DimensionHandle num_bags;
-      TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+      ShapeHandle indices;
+      DimensionHandle dim = c->UnknownDim();
+      TF_RETURN_IF_ERROR(WeightsGradInputShapes(c, &dim, &indices));
       c->set_output(0, indices);
       return OkStatus();
     })
@@ -232,15 +236,8 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
 namespace {
 
 Status FusedGradShapes(InferenceContext* c, DimensionHandle dim) {
-  ShapeHandle grad, output, indices;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
-  TF_RETURN_IF_ERROR(c->Merge(grad, output, &grad));
-  TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 1), dim, &dim));
-  DimensionHandle num_bags;
-  TF_RETURN_IF_ERROR(BagInputShapes(c, 2, 3, 4, &num_bags));
-  TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+  ShapeHandle indices;
+  TF_RETURN_IF_ERROR(WeightsGradInputShapes(c, &dim, &indices));
   bool dense_grad;
   TF_RETURN_IF_ERROR(c->GetAttr("dense_grad", &dense_grad));
   c->set_output(0, c->Vector(dense_grad ? c->MakeDim(0) : c->UnknownDim()));
