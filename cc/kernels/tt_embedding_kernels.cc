@@ -194,10 +194,15 @@ class Cores {
 };
 
 // One level of a chunk's prefix tree.
+//
+// Nodes are numbered in creation order (children of a parent are consecutive);
+// their products are stored at their position in `order`, so that a group's
+// products are one contiguous block.
 struct Level {
   std::vector<int64_t> parent;    // [count] node at the previous level
   std::vector<int64_t> core_row;  // [count] row of core k it multiplies with
   std::vector<int64_t> order;     // [count] nodes sorted by (core_row, node)
+  std::vector<int64_t> slot;      // [count] position of each node in order
   std::vector<int64_t> groups;    // offsets into order of each core row's run
   int64_t count() const { return static_cast<int64_t>(parent.size()); }
   int64_t num_groups() const {
@@ -241,6 +246,8 @@ struct PrefixTree {
                        [&](int64_t a, int64_t b) {
                          return level.core_row[a] < level.core_row[b];
                        });
+      level.slot.resize(count);
+      for (int64_t i = 0; i < count; ++i) level.slot[level.order[i]] = i;
       level.groups.clear();
       for (int64_t i = 0; i < count; ++i) {
         if (i == 0 || level.core_row[level.order[i]] !=
@@ -271,7 +278,8 @@ void ForGroups(thread::ThreadPool* pool, const Level& level,
   });
 }
 
-// Fills prefix[k] ([count_k, cols_k * r_{k+1}]) for k = 0..last_level.
+// Fills prefix[k] ([count_k, cols_k * r_{k+1}], node blocks at their slots)
+// for k = 0..last_level.
 template <typename T, typename Acc>
 void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
                    const Cores<T, Acc>& cores, const PrefixTree& tree,
@@ -282,13 +290,14 @@ void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
     std::vector<Acc>& out = (*prefix)[0];
     const int64_t width = s.width[0];
     out.resize(level.count() * width);
-    for (int64_t node = 0; node < level.count(); ++node) {
-      std::copy_n(cores.Row(0, level.core_row[node]), width,
-                  out.data() + node * width);
+    for (int64_t i = 0; i < level.count(); ++i) {
+      std::copy_n(cores.Row(0, level.core_row[level.order[i]]), width,
+                  out.data() + i * width);
     }
   }
   for (int k = 1; k <= last_level; ++k) {
     const Level& level = tree.levels[k];
+    const Level& up = tree.levels[k - 1];
     const int64_t rows = s.cols[k - 1];         // rows of one node's block
     const int64_t inner = s.r[k];               // contracted rank
     const int64_t out_cols = s.q[k] * s.r[k + 1];
@@ -302,28 +311,21 @@ void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
       const int64_t n = level.groups[g + 1] - first;
       const ConstMatrixMap<Acc> core(
           cores.Row(k, level.core_row[level.order[first]]), inner, out_cols);
+      MatrixMap<Acc> c(out.data() + first * out_size, n * rows, out_cols);
       if (n == 1) {
-        const int64_t node = level.order[first];
-        const ConstMatrixMap<Acc> a(in.data() + level.parent[node] * in_size,
-                                    rows, inner);
-        MatrixMap<Acc> c(out.data() + node * out_size, rows, out_cols);
+        const int64_t parent = up.slot[level.parent[level.order[first]]];
+        const ConstMatrixMap<Acc> a(in.data() + parent * in_size, rows, inner);
         c.noalias() = a * core;
         return;
       }
-      std::vector<Acc> a_buf(n * in_size), c_buf(n * out_size);
+      std::vector<Acc> a_buf(n * in_size);
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t node = level.order[first + i];
-        std::copy_n(in.data() + level.parent[node] * in_size, in_size,
+        const int64_t parent = up.slot[level.parent[level.order[first + i]]];
+        std::copy_n(in.data() + parent * in_size, in_size,
                     a_buf.data() + i * in_size);
       }
       const ConstMatrixMap<Acc> a(a_buf.data(), n * rows, inner);
-      MatrixMap<Acc> c(c_buf.data(), n * rows, out_cols);
       c.noalias() = a * core;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t node = level.order[first + i];
-        std::copy_n(c_buf.data() + i * out_size, out_size,
-                    out.data() + node * out_size);
-      }
     });
   }
 }
@@ -483,7 +485,8 @@ class TTRowsOp : public OpKernel {
       const int64_t dim = s.dim;
       pool->ParallelFor(n, dim, [&](int64_t first, int64_t end) {
         for (int64_t j = first; j < end; ++j) {
-          const Acc* src = last.data() + tree.leaf[j] * dim;
+          const Acc* src =
+              last.data() + tree.levels[T_last].slot[tree.leaf[j]] * dim;
           T* dst = rows + (begin + j) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
         }
@@ -564,57 +567,52 @@ class TTRowsGradOp : public OpKernel {
 
         // dP_{T-1} per leaf: the grad rows of its ids, in id order.
         const int64_t dim = s.dim;
-        const int64_t num_leaves = tree.levels[T_count - 1].count();
-        d_prefix.assign(num_leaves * dim, Acc(0));
+        const Level& leaves = tree.levels[T_count - 1];
+        d_prefix.assign(leaves.count() * dim, Acc(0));
         for (int64_t j = 0; j < n; ++j) {
-          Acc* dst = d_prefix.data() + tree.leaf[j] * dim;
+          Acc* dst = d_prefix.data() + leaves.slot[tree.leaf[j]] * dim;
           const T* src = grad + (begin + j) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] += static_cast<Acc>(src[d]);
         }
 
         for (int k = T_count - 1; k >= 1; --k) {
           const Level& level = tree.levels[k];
+          const Level& up = tree.levels[k - 1];
           const int64_t rows = s.cols[k - 1];
           const int64_t inner = s.r[k];
           const int64_t out_cols = s.q[k] * s.r[k + 1];
           const int64_t in_size = rows * inner;
           const int64_t out_size = rows * out_cols;
           const std::vector<Acc>& parents = prefix[k - 1];
-          contrib.assign(level.count() * in_size, Acc(0));
+          contrib.resize(level.count() * in_size);
           ForGroups(pool, level, 4 * in_size * out_cols, [&](int64_t g) {
             const int64_t first = level.groups[g];
             const int64_t count = level.groups[g + 1] - first;
             const int64_t core_row = level.core_row[level.order[first]];
-            std::vector<Acc> a_buf(count * in_size), d_buf(count * out_size);
+            std::vector<Acc> a_buf(count * in_size);
             for (int64_t i = 0; i < count; ++i) {
-              const int64_t node = level.order[first + i];
-              std::copy_n(parents.data() + level.parent[node] * in_size,
-                          in_size, a_buf.data() + i * in_size);
-              std::copy_n(d_prefix.data() + node * out_size, out_size,
-                          d_buf.data() + i * out_size);
+              const int64_t parent =
+                  up.slot[level.parent[level.order[first + i]]];
+              std::copy_n(parents.data() + parent * in_size, in_size,
+                          a_buf.data() + i * in_size);
             }
             const ConstMatrixMap<Acc> a(a_buf.data(), count * rows, inner);
-            const ConstMatrixMap<Acc> d(d_buf.data(), count * rows, out_cols);
+            const ConstMatrixMap<Acc> d(d_prefix.data() + first * out_size,
+                                        count * rows, out_cols);
             MatrixMap<Acc> g_core(grad_block(k, core_row), inner, out_cols);
             g_core.noalias() += a.transpose() * d;
             const ConstMatrixMap<Acc> core(cores.Row(k, core_row), inner,
                                            out_cols);
-            std::vector<Acc> c_buf(count * in_size);
-            MatrixMap<Acc> c(c_buf.data(), count * rows, inner);
+            MatrixMap<Acc> c(contrib.data() + first * in_size, count * rows,
+                             inner);
             c.noalias() = d * core.transpose();
-            for (int64_t i = 0; i < count; ++i) {
-              const int64_t node = level.order[first + i];
-              std::copy_n(c_buf.data() + i * in_size, in_size,
-                          contrib.data() + node * in_size);
-            }
           });
           // dP_{k-1} of each parent: its children's contributions in node
           // order (children of a parent are consecutive nodes).
-          const int64_t num_parents = tree.levels[k - 1].count();
-          d_parent.assign(num_parents * in_size, Acc(0));
+          d_parent.assign(up.count() * in_size, Acc(0));
           for (int64_t node = 0; node < level.count(); ++node) {
-            Acc* dst = d_parent.data() + level.parent[node] * in_size;
-            const Acc* src = contrib.data() + node * in_size;
+            Acc* dst = d_parent.data() + up.slot[level.parent[node]] * in_size;
+            const Acc* src = contrib.data() + level.slot[node] * in_size;
             for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
           }
           d_prefix.swap(d_parent);
@@ -623,9 +621,10 @@ class TTRowsGradOp : public OpKernel {
         const Level& level0 = tree.levels[0];
         const int64_t width0 = s.width[0];
         for (int64_t g = 0; g < level0.num_groups(); ++g) {
-          Acc* dst = grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
+          Acc* dst =
+              grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
           for (int64_t i = level0.groups[g]; i < level0.groups[g + 1]; ++i) {
-            const Acc* src = d_prefix.data() + level0.order[i] * width0;
+            const Acc* src = d_prefix.data() + i * width0;
             for (int64_t w = 0; w < width0; ++w) dst[w] += src[w];
           }
         }
