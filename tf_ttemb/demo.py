@@ -733,9 +733,11 @@ def _resource(variable: Any) -> tf.Variable:
 class TrainConfig:
     """How every model of the comparison is trained (the same for all of them)."""
 
-    steps: int = 1500
+    steps: int = 1000
     batch: int = 1024
-    embedding_lr: float = 0.2  # Adagrad, on tables and TT cores alike
+    embedding_lr: float = 0.05  # Adagrad, on tables and TT cores alike
+    adagrad_initial: float = 0.0  # initial accumulator (0 as in PyTorch and FBTT)
+    adagrad_epsilon: float = 1e-10
     mlp_lr: float = 0.002  # Adam, on the MLP
     eval_batch: int = 16_384
 
@@ -770,15 +772,18 @@ def train_ctr_model(
     embedding_keys = {id(v) for v in embedding_vars}
     mlp_vars = [v for v in model.trainable_variables if id(v) not in embedding_keys]
     accumulators = [
-        tf.Variable(tf.fill(v.shape, tf.constant(0.1, v.dtype)), trainable=False)
+        tf.Variable(tf.fill(v.shape, tf.constant(config.adagrad_initial, v.dtype)), trainable=False)
         for v in embedding_vars
     ]
     adam = keras.optimizers.Adam(config.mlp_lr)
     adam.build(mlp_vars)
     lr = tf.constant(config.embedding_lr, tf.float32)
-    epsilon = tf.constant(1e-7, tf.float32)
+    epsilon = tf.constant(config.adagrad_epsilon, tf.float32)
 
-    @tf.function
+    ids_spec = tf.TensorSpec([None, train["ids"].shape[1]], tf.int64)
+    dense_spec = tf.TensorSpec([None, train["dense"].shape[1]], tf.float32)
+
+    @tf.function(input_signature=[ids_spec, dense_spec, tf.TensorSpec([None], tf.float32)])
     def step(ids: tf.Tensor, dense: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
             logits = model(ids, dense, training=True)
@@ -788,6 +793,12 @@ def train_ctr_model(
         grads = tape.gradient(loss, embedding_vars + mlp_vars)
         for var, acc, grad in zip(embedding_vars, accumulators, grads[: len(embedding_vars)]):
             if isinstance(grad, tf.IndexedSlices):
+                # Rows may repeat (e.g. gathers in a composite lookup): sum them first, so
+                # each row takes one Adagrad step on its total gradient.
+                rows, position = tf.unique(grad.indices)
+                grad = tf.IndexedSlices(
+                    tf.math.unsorted_segment_sum(grad.values, position, tf.shape(rows)[0]), rows
+                )
                 tf.raw_ops.ResourceSparseApplyAdagradV2(
                     var=_resource(var).handle,
                     accum=acc.handle,
@@ -803,7 +814,7 @@ def train_ctr_model(
         adam.apply(grads[len(embedding_vars) :], mlp_vars)
         return loss
 
-    @tf.function
+    @tf.function(input_signature=[ids_spec, dense_spec])
     def predict(ids: tf.Tensor, dense: tf.Tensor) -> tf.Tensor:
         return model(ids, dense, training=False)
 
@@ -846,8 +857,13 @@ def _tt_layer_class() -> Optional[type]:
     return getattr(tf_ttemb.layers, "TTEmbeddingBag", None)
 
 
+def _tt_implementation() -> str:
+    """"custom_op" when the op library has the TT ops, else "composite" (plain TF ops)."""
+    return "custom_op" if hasattr(_loader.load_op_library(), "tf_ttemb_tt_rows") else "composite"
+
+
 def _bag_factories(
-    task: CtrTask, dim: int, ranks: Sequence[int]
+    task: CtrTask, dim: int, ranks: Sequence[int], tt_implementation: str
 ) -> Dict[str, Tuple[Optional[int], Callable[[], keras.layers.Layer]]]:
     """name -> (TT rank or None, a function making one embedding bag of `task.rows` x `dim`)."""
     factories: Dict[str, Tuple[Optional[int], Callable[[], keras.layers.Layer]]] = {
@@ -858,23 +874,9 @@ def _bag_factories(
         for rank in ranks:
             factories[f"TTEmbeddingBag rank {rank}"] = (
                 rank,
-                functools.partial(_make_tt_bag, tt_layer, task.rows, dim, rank),
+                functools.partial(tt_layer, task.rows, dim, rank, implementation=tt_implementation),
             )
     return factories
-
-
-def _make_tt_bag(tt_layer: type, rows: int, dim: int, rank: int) -> keras.layers.Layer:
-    """A TT embedding bag with the library's suggested shapes and all inner ranks = `rank`."""
-    from tf_ttemb import tt
-
-    p_shapes, q_shapes = tt.suggested_shapes(rows, dim)
-    return tt_layer(
-        rows,
-        dim,
-        tt_ranks=[rank] * (len(p_shapes) - 1),
-        tt_p_shapes=list(p_shapes),
-        tt_q_shapes=list(q_shapes),
-    )
 
 
 def _ctr_summary_rows(
@@ -1000,9 +1002,24 @@ def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:
         f"examples, {100 * train['labels'].mean():.1f}% positive."
     )
 
-    factories = _bag_factories(task, dim, args.tt_ranks)
+    tt_implementation = _tt_implementation()
+    factories = _bag_factories(task, dim, args.tt_ranks, tt_implementation)
     if _tt_layer_class() is None:
         print("tf_ttemb.layers.TTEmbeddingBag is not available yet: only the full tables run.")
+    else:
+        from tf_ttemb import tt
+
+        p, q, _ = tt.resolve_shapes(task.rows, dim, args.tt_ranks[0])
+        print(
+            f"TT tables: p = {p}, q = {q}, both inner ranks = {', '.join(map(str, args.tt_ranks))}"
+            f"; lookups through the {tt_implementation} implementation"
+            + (
+                " (this op library has no TT ops: rebuild with `bash configure.sh` for the "
+                "custom op)."
+                if tt_implementation == "composite"
+                else "."
+            )
+        )
     results: Dict[str, Dict[str, Any]] = {}
     runs = list(factories.items()) + [("dense features only (no ids)", (None, None))]
     for index, (name, (rank, make_bag)) in enumerate(runs, 1):
@@ -1044,6 +1061,7 @@ def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:
         "embedding_dim": dim,
         "tt_ranks": list(args.tt_ranks),
         "tt_available": _tt_layer_class() is not None,
+        "tt_implementation": tt_implementation,
         "train_examples": len(train["labels"]),
         "test_examples": len(test["labels"]),
         "planted_model": ceiling,

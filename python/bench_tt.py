@@ -1,0 +1,682 @@
+"""Benchmarks the Tensor-Train (TT) embedding bag on CPU, with FLOP rates done right.
+
+Run from the checkout after `bash configure.sh`:
+
+  .venv/bin/python python/bench_tt.py                      # all cases, ~2-4 minutes
+  .venv/bin/python python/bench_tt.py --quick              # the FBTT case only, fewer calls
+  .venv/bin/python python/bench_tt.py --cases fbtt,d128 --json out.json --threads 2
+
+Cases (`--cases`; every one with B = 512 bags x 20 ids = 10,240 lookups by default,
+`--bags`, `--bag-size`):
+
+  fbtt       FBTT-Embedding's benchmark shape: N = 11,000,000 rows, p = [200, 220, 250],
+             q = [4, 4, 4] (D = 64), ranks [32, 32]
+  rank8, rank16, rank64
+             the FBTT shape with ranks [8, 8], [16, 16], [64, 64]
+  2cores     N = 11,000,000, D = 64 as 2 cores (suggested p, q = [8, 8]), rank [32]
+  4cores     N = 11,000,000, D = 64 as 4 cores (suggested p, q = [2, 2, 4, 4]), ranks 32
+  d128       the FBTT shape with D = 128 (q = [4, 4, 8]), ranks [32, 32]
+
+Each case runs with uniform ids and with Zipf(1.1) ids (`--zipf-exponent`): rank k of
+the N ids drawn with probability proportional to k^-1.1, then mapped to an id by a fixed
+random permutation of [0, N), so hot ids are scattered over the table as hashed ids are
+(they do not share leading TT digits more than uniform ids do; what Zipf ids share is
+duplicates).
+
+What is timed (`tf.function`, no XLA; median and minimum over `--repeats` calls after
+`--warmup` calls; each call is ONE iteration over the batch):
+
+* TT fwd: `tt_embedding_bag(cores, ids, combiner="sum")` -> [B, D].
+* TT fwd+bwd: the same plus the gradients w.r.t. the cores (tf.Variables) for a random
+  upstream gradient (`tf.IndexedSlices` per core; nothing is applied).
+* TT fused SGD: one training step of `tf_ttemb.layers.TTEmbeddingBag(..., sparse=True,
+  optimizer="sgd")` (forward, backward and the in-place core update), when that layer
+  exists and supports it.
+* dense gather_reduce_sum fwd and fwd+bwd: the same lookups through
+  `tf_ttemb.gather_reduce_sum` on a dense [N_dense, D] float32 tf.Variable table, where
+  N_dense = min(N, --dense-cap-mib MiB / (4 D)) (2,097,152 rows at D = 64 by default: a
+  full 11M x 64 table is 2.8 GB); ids are taken modulo N_dense when N > N_dense, which
+  keeps the batch's duplicate structure (almost) and its size. Gradient: IndexedSlices.
+* The machine's float32 matmul rate, measured in the same run: a 2048 x 2048 x 2048
+  `tf.linalg.matmul` (2 * 2048^3 FLOPs), median of `--repeats` calls, before the cases;
+  it is the ceiling the TT rates are compared with.
+
+FLOP counts (per lookup, T cores, q = [q_0..q_{T-1}], ranks r_0 = 1, r_1..r_{T-1},
+r_T = 1):
+
+* forward F = `tf_ttemb.tt.flops_per_lookup(q, ranks)`
+  = sum_{t=1}^{T-1} 2 (q_0 ... q_{t-1}) r_t q_t r_{t+1}: step t multiplies the partial
+  product P_{t-1} [(q_0..q_{t-1}), r_t] by the core block G_t [r_t, q_t r_{t+1}].
+  (36,864 FLOPs at the FBTT shape.)
+* backward 2 F: each forward step t is a matmul C = A B (A = P_{t-1}, B = G_t); its
+  backward needs dA = dC B^T (to carry the gradient on to P_{t-1}, and from P_0 to
+  G_0, which is P_0 itself) and dB = A^T dC (the gradient of G_t), each with the
+  forward matmul's FLOP count. Recomputing the prefixes P_t in the backward (when an
+  implementation does) is not counted: it is not work the math needs.
+* fwd+bwd = 3 F. The bag sums (D adds per lookup) and the gradient scatter are not
+  counted either.
+
+Rates: GFLOP/s = lookups x FLOPs per lookup / median time of one iteration. FBTT's
+benchmark divided the FLOPs of all its iterations by the time of one (its README's
+"2657 GFLOPS" is really about 266 GFLOP/s); here nothing is multiplied by the
+iteration count. These "per lookup" rates credit every lookup with F, including
+duplicate ids that an implementation decompresses once: with Zipf ids they measure the
+useful rate, and they can exceed the machine's matmul rate; the table also shows U, the
+distinct ids of the batch, and the rate over them (U x FLOPs / time: the math actually
+required once duplicates are shared).
+
+Targets (printed as PASS/MISS, never asserted), at the FBTT case:
+
+* TT fwd+bwd, uniform ids: >= 25% of the machine's matmul rate (per-lookup rate);
+* the Zipf(1.1) batch faster (fwd+bwd time) than the uniform one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import _bench_util as util
+
+util.add_checkout_to_path()
+
+DISTRIBUTIONS = ("uniform", "zipf")
+FBTT_ROWS = 11_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One TT table: rows, factorisation and ranks."""
+
+    name: str
+    num_embeddings: int
+    p: Tuple[int, ...]
+    q: Tuple[int, ...]
+    ranks: Tuple[int, ...]
+
+    @property
+    def dim(self) -> int:
+        return math.prod(self.q)
+
+    def describe(self) -> str:
+        return (
+            f"N={self.num_embeddings:,}, D={self.dim}, p={list(self.p)}, q={list(self.q)}, "
+            f"ranks={list(self.ranks)}"
+        )
+
+
+def make_cases() -> Dict[str, Case]:
+    """The benchmark cases (see the module docstring)."""
+    from tf_ttemb import tt
+
+    fbtt_p = (200, 220, 250)
+    return {
+        case.name: case
+        for case in (
+            Case("fbtt", FBTT_ROWS, fbtt_p, (4, 4, 4), (32, 32)),
+            Case("rank8", FBTT_ROWS, fbtt_p, (4, 4, 4), (8, 8)),
+            Case("rank16", FBTT_ROWS, fbtt_p, (4, 4, 4), (16, 16)),
+            Case("rank64", FBTT_ROWS, fbtt_p, (4, 4, 4), (64, 64)),
+            Case("2cores", FBTT_ROWS, tuple(tt.suggested_shapes(FBTT_ROWS, 2)), (8, 8), (32,)),
+            Case(
+                "4cores",
+                FBTT_ROWS,
+                tuple(tt.suggested_shapes(FBTT_ROWS, 4)),
+                tuple(tt.suggested_shapes(64, 4, exact=True)),
+                (32, 32, 32),
+            ),
+            Case("d128", FBTT_ROWS, fbtt_p, (4, 4, 8), (32, 32)),
+        )
+    }
+
+
+CASE_NAMES = ("fbtt", "rank8", "rank16", "rank64", "2cores", "4cores", "d128")
+QUICK_CASES = ("fbtt",)
+
+
+# ----------------------------------------------------------------------------------------
+# Data.
+
+
+class IdSource:
+    """Uniform and Zipf ids over [0, N), cached per N (the permutation and CDF are large)."""
+
+    def __init__(self, seed: int, zipf_exponent: float) -> None:
+        self.seed = seed
+        self.zipf_exponent = zipf_exponent
+        self._zipf: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+
+    def _zipf_tables(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
+        if n not in self._zipf:
+            rng = np.random.default_rng([self.seed, 1, n])
+            cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -self.zipf_exponent)
+            cdf /= cdf[-1]
+            self._zipf = {n: (cdf, rng.permutation(n).astype(np.int64))}  # keep one N
+        return self._zipf[n]
+
+    def ids(self, n: int, shape: Tuple[int, int], distribution: str) -> np.ndarray:
+        """[bags, bag_size] int64 ids in [0, n)."""
+        rng = np.random.default_rng([self.seed, 2, n, DISTRIBUTIONS.index(distribution)])
+        if distribution == "uniform":
+            return rng.integers(0, n, size=shape, dtype=np.int64)
+        cdf, permutation = self._zipf_tables(n)
+        ranks = np.minimum(np.searchsorted(cdf, rng.random(shape), side="right"), n - 1)
+        return permutation[ranks]
+
+
+# ----------------------------------------------------------------------------------------
+# Measuring (TensorFlow is imported by `main`, after the thread settings).
+
+
+def fwd_flops(case: Case) -> int:
+    """Forward FLOPs per lookup (see the module docstring)."""
+    from tf_ttemb import tt
+
+    return tt.flops_per_lookup(list(case.q), list(case.ranks))
+
+
+def fwd_bwd_flops(case: Case) -> int:
+    """Forward + backward FLOPs per lookup: F + 2 F (see the module docstring)."""
+    return 3 * fwd_flops(case)
+
+
+def matmul_rate(tf: Any, size: int, warmup: int, repeats: int) -> Dict[str, Any]:
+    """GFLOP/s of a float32 [size, size] x [size, size] tf.linalg.matmul (median call)."""
+    rng = np.random.default_rng(0)
+    a = tf.constant(rng.standard_normal((size, size), dtype=np.float32))
+    b = tf.constant(rng.standard_normal((size, size), dtype=np.float32))
+
+    @tf.function
+    def matmul():
+        return tf.linalg.matmul(a, b)
+
+    timing = util.time_calls(matmul, warmup, repeats)
+    flops = 2 * size**3
+    return {
+        "size": size,
+        "flops": flops,
+        "timing": timing.to_json(),
+        "gflops": flops / (timing.median_ms * 1e-3) / 1e9,
+    }
+
+
+def tt_steps(tf: Any, case: Case, impl: str, seed: int) -> Dict[str, Callable]:
+    """`fwd(ids)` and `fwd_bwd(ids, upstream)` tf.functions over fresh core variables."""
+    from tf_ttemb import tt
+    from tf_ttemb.ops.tt_embedding import tt_embedding_bag
+
+    cores = [
+        tf.Variable(c)
+        for c in tt.initial_cores(
+            case.num_embeddings, case.dim, list(case.p), list(case.q), list(case.ranks), seed=seed
+        )
+    ]
+    kwargs = dict(
+        num_embeddings=case.num_embeddings,
+        p_shapes=list(case.p),
+        q_shapes=list(case.q),
+        ranks=list(case.ranks),
+        combiner="sum",
+        implementation=impl,
+    )
+
+    @tf.function
+    def fwd(ids):
+        return tt_embedding_bag(cores, ids, **kwargs)
+
+    @tf.function
+    def fwd_bwd(ids, upstream):
+        with tf.GradientTape() as tape:
+            out = tt_embedding_bag(cores, ids, **kwargs)
+        grads = tape.gradient(out, cores, output_gradients=upstream)
+        return out, grads
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+def fused_sgd_step(tf: Any, case: Case, impl: str) -> Tuple[Optional[Callable], str]:
+    """A training step of `TTEmbeddingBag(sparse=True, optimizer="sgd")`, or (None, why)."""
+    import tf_ttemb
+
+    layer_class = getattr(tf_ttemb.layers, "TTEmbeddingBag", None)
+    if layer_class is None:
+        return None, "tf_ttemb.layers.TTEmbeddingBag does not exist yet"
+    try:
+        layer = layer_class(
+            case.num_embeddings,
+            case.dim,
+            tt_ranks=list(case.ranks),
+            tt_p_shapes=list(case.p),
+            tt_q_shapes=list(case.q),
+            combiner="sum",
+            sparse=True,
+            optimizer="sgd",
+            learning_rate=0.01,
+        )
+    except (TypeError, ValueError) as e:
+        return None, f"TTEmbeddingBag(sparse=True) rejected: {e}"
+
+    @tf.function
+    def step(ids, upstream):
+        # With sparse=True the layer applies its SGD update to the cores inside the
+        # backward pass; asking for the gradient of the output triggers it.
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            loss = tf.reduce_sum(out * upstream)
+        grads = tape.gradient(loss, layer.trainable_variables)
+        return out, grads
+
+    return step, ""
+
+
+class DenseTables:
+    """One dense [N_dense, D] float32 variable per D (the largest allowed), reused."""
+
+    def __init__(self, tf: Any, cap_bytes: int, seed: int) -> None:
+        self.tf = tf
+        self.cap_bytes = cap_bytes
+        self.seed = seed
+        self._tables: Dict[Tuple[int, int], Any] = {}
+
+    def rows(self, case: Case) -> int:
+        return max(1, min(case.num_embeddings, self.cap_bytes // (4 * case.dim)))
+
+    def table(self, case: Case) -> Any:
+        key = (self.rows(case), case.dim)
+        if key not in self._tables:
+            self._tables = {}  # keep one table alive at a time
+            self._tables[key] = self.tf.Variable(
+                self.tf.random.stateless_uniform(key, seed=[self.seed, 7], minval=-0.05, maxval=0.05)
+            )
+        return self._tables[key]
+
+
+def dense_steps(tf: Any, table: Any) -> Dict[str, Callable]:
+    import tf_ttemb
+
+    @tf.function
+    def fwd(ids):
+        return tf_ttemb.gather_reduce_sum(table, ids, implementation="custom_op")
+
+    @tf.function
+    def fwd_bwd(ids, upstream):
+        with tf.GradientTape() as tape:
+            out = tf_ttemb.gather_reduce_sum(table, ids, implementation="custom_op")
+        return out, tape.gradient(out, table, output_gradients=upstream)
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+
+
+def _timing(fn: Callable[[], Any], args: argparse.Namespace) -> Dict[str, float]:
+    return util.time_calls(fn, args.warmup, args.repeats).to_json()
+
+
+def measure_case(
+    tf: Any,
+    case: Case,
+    distribution: str,
+    source: IdSource,
+    dense: DenseTables,
+    args: argparse.Namespace,
+) -> Dict[str, Any]:
+    """All timings of one (case, distribution); failures are recorded, not raised."""
+    shape = (args.bags, args.bag_size)
+    ids_np = source.ids(case.num_embeddings, shape, distribution)
+    rng = np.random.default_rng([args.seed, 3])
+    upstream = tf.constant(rng.standard_normal((args.bags, case.dim), dtype=np.float32))
+    ids = tf.constant(ids_np)
+    result: Dict[str, Any] = {
+        "case": case.name,
+        "distribution": distribution,
+        "lookups": int(ids_np.size),
+        "distinct_ids": int(np.unique(ids_np).size),
+        "fwd_flops_per_lookup": fwd_flops(case),
+        "fwd_bwd_flops_per_lookup": fwd_bwd_flops(case),
+    }
+    try:
+        steps = tt_steps(tf, case, args.impl, args.seed)
+        result["tt_fwd"] = _timing(lambda: steps["fwd"](ids), args)
+        result["tt_fwd_bwd"] = _timing(lambda: steps["fwd_bwd"](ids, upstream), args)
+        del steps
+    except Exception as e:  # noqa: BLE001 -- reported in the table
+        result["tt_error"] = _error(e)
+    if args.fused_sgd:
+        step, why = fused_sgd_step(tf, case, args.impl)
+        if step is None:
+            result["tt_sgd_skipped"] = why
+        else:
+            try:
+                result["tt_sgd"] = _timing(lambda: step(ids, upstream), args)
+            except Exception as e:  # noqa: BLE001
+                result["tt_sgd_error"] = _error(e)
+    if args.dense:
+        rows = dense.rows(case)
+        dense_ids = tf.constant(ids_np % rows)
+        result["dense_rows"] = rows
+        try:
+            steps = dense_steps(tf, dense.table(case))
+            result["dense_fwd"] = _timing(lambda: steps["fwd"](dense_ids), args)
+            result["dense_fwd_bwd"] = _timing(lambda: steps["fwd_bwd"](dense_ids, upstream), args)
+        except Exception as e:  # noqa: BLE001
+            result["dense_error"] = _error(e)
+    _derive(result)
+    return result
+
+
+def _error(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _derive(result: Dict[str, Any]) -> None:
+    """Adds µs per lookup and GFLOP/s (per lookup and over distinct ids) to `result`."""
+    lookups, distinct = result["lookups"], result["distinct_ids"]
+    flops = {
+        "tt_fwd": result["fwd_flops_per_lookup"],
+        "tt_fwd_bwd": result["fwd_bwd_flops_per_lookup"],
+        "tt_sgd": result["fwd_bwd_flops_per_lookup"],
+    }
+    for key in ("tt_fwd", "tt_fwd_bwd", "tt_sgd", "dense_fwd", "dense_fwd_bwd"):
+        timing = result.get(key)
+        if not timing:
+            continue
+        seconds = timing["median_ms"] * 1e-3
+        timing["us_per_lookup"] = seconds * 1e6 / lookups
+        if key in flops:
+            timing["gflops"] = lookups * flops[key] / seconds / 1e9
+            timing["gflops_distinct"] = distinct * flops[key] / seconds / 1e9
+
+
+# ----------------------------------------------------------------------------------------
+# Report.
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _get(result: Dict[str, Any], key: str, field: str) -> Optional[float]:
+    return (result.get(key) or {}).get(field)
+
+
+def report(
+    args: argparse.Namespace,
+    cases: Dict[str, Case],
+    results: Sequence[Dict[str, Any]],
+    matmul: Dict[str, Any],
+) -> Tuple[str, Dict[str, Any]]:
+    """The printed report and the target checks."""
+    ceiling = matmul["gflops"]
+    headers = [
+        "case / ids",
+        "U distinct",
+        "fwd us/lookup",
+        "fwd GFLOP/s",
+        "f+b us/lookup",
+        "f+b GFLOP/s",
+        "f+b % matmul",
+        "f+b GFLOP/s on U",
+        "SGD us/lookup",
+        "dense fwd us/lookup",
+        "dense f+b us/lookup",
+    ]
+    rows = []
+    notes = []
+    for r in results:
+        f_b = _get(r, "tt_fwd_bwd", "gflops")
+        rows.append(
+            [
+                f"{r['case']} / {r['distribution']}",
+                f"{r['distinct_ids']:,}",
+                _fmt(_get(r, "tt_fwd", "us_per_lookup"), ".3f"),
+                _fmt(_get(r, "tt_fwd", "gflops"), ".1f"),
+                _fmt(_get(r, "tt_fwd_bwd", "us_per_lookup"), ".3f"),
+                _fmt(f_b, ".1f"),
+                _fmt(None if f_b is None else 100 * f_b / ceiling, ".1f"),
+                _fmt(_get(r, "tt_fwd_bwd", "gflops_distinct"), ".1f"),
+                _fmt(_get(r, "tt_sgd", "us_per_lookup"), ".3f"),
+                _fmt(_get(r, "dense_fwd", "us_per_lookup"), ".3f"),
+                _fmt(_get(r, "dense_fwd_bwd", "us_per_lookup"), ".3f"),
+            ]
+        )
+        for key in ("tt_error", "tt_sgd_error", "dense_error"):
+            if key in r:
+                notes.append(f"{r['case']} / {r['distribution']}: {key[:-6]} failed: {r[key]}")
+    skipped = sorted({r["tt_sgd_skipped"] for r in results if "tt_sgd_skipped" in r})
+
+    checks = _checks(results, ceiling)
+    threads = args.threads or util.usable_cpus()
+    lines = [
+        f"TT embedding bag, CPU, {args.bags:,} bags x {args.bag_size} ids "
+        f"({args.bags * args.bag_size:,} lookups per iteration), float32, sum, "
+        f"implementation={args.impl}, {threads} threads",
+        "cases: " + "; ".join(f"{c.name}: {c.describe()}" for c in cases.values()),
+        f"ceiling: {matmul['size']}^3 float32 tf.linalg.matmul = {ceiling:,.1f} GFLOP/s "
+        f"(median {matmul['timing']['median_ms']:.1f} ms, measured in this run)",
+        "",
+        util.format_table(headers, rows),
+        "",
+        f"Times: median over {args.repeats} calls of ONE iteration after {args.warmup} "
+        "warm-up calls (tf.function, no XLA). us/lookup = median time / lookups.",
+        "GFLOP/s = lookups x FLOPs per lookup / median time of one iteration (never "
+        "multiplied by an iteration count); FLOPs per lookup: fwd F = "
+        "tt.flops_per_lookup(q, ranks), fwd+bwd 3 F (backward = 2 F: dA = dC B^T and "
+        "dB = A^T dC per chain step; recomputation not counted). 'on U' counts only the "
+        "batch's distinct ids. f+b % matmul = f+b GFLOP/s / the matmul ceiling.",
+        "dense: tf_ttemb.gather_reduce_sum on a [N_dense, D] float32 table, N_dense = "
+        f"min(N, {args.dense_cap_mib} MiB / 4D) = "
+        + ", ".join(sorted({f"{r['dense_rows']:,}" for r in results if "dense_rows" in r}))
+        + " rows here; ids taken modulo N_dense.",
+    ]
+    if skipped:
+        lines.append("SGD (TTEmbeddingBag sparse=True fused update) not measured: " + "; ".join(skipped))
+    lines += notes
+    lines.append("")
+    for check in checks.values():
+        lines.append(f"{check['status']}: {check['target']} -- {check['measured']}")
+    return "\n".join(lines), checks
+
+
+def _checks(results: Sequence[Dict[str, Any]], ceiling: float) -> Dict[str, Any]:
+    by_key = {(r["case"], r["distribution"]): r for r in results}
+    checks: Dict[str, Any] = {}
+    uniform, zipf = by_key.get(("fbtt", "uniform")), by_key.get(("fbtt", "zipf"))
+    rate = None if uniform is None else _get(uniform, "tt_fwd_bwd", "gflops")
+    checks["fwd_bwd_vs_matmul"] = {
+        "target": "FBTT shape, uniform ids: TT fwd+bwd >= 25% of the matmul rate",
+        "status": "n/a" if rate is None else ("PASS" if rate >= 0.25 * ceiling else "MISS"),
+        "measured": "not measured"
+        if rate is None
+        else f"{rate:,.1f} GFLOP/s = {100 * rate / ceiling:.1f}% of {ceiling:,.1f}",
+    }
+    t_u = None if uniform is None else _get(uniform, "tt_fwd_bwd", "median_ms")
+    t_z = None if zipf is None else _get(zipf, "tt_fwd_bwd", "median_ms")
+    checks["zipf_faster"] = {
+        "target": "FBTT shape: the Zipf batch's TT fwd+bwd faster than the uniform one's",
+        "status": "n/a" if not (t_u and t_z) else ("PASS" if t_z < t_u else "MISS"),
+        "measured": "not measured"
+        if not (t_u and t_z)
+        else f"Zipf {t_z:.2f} ms vs uniform {t_u:.2f} ms ({t_u / t_z:.2f}x)",
+    }
+    return checks
+
+
+# ----------------------------------------------------------------------------------------
+# Command line.
+
+
+def _positive_int(text: str) -> int:
+    value = int(text.replace(",", "").replace("_", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _list_of(allowed: Sequence[str]) -> Callable[[str], List[str]]:
+    def parse(text: str) -> List[str]:
+        try:
+            return util.parse_list(text, list(allowed))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Time and FLOP rate of the TT embedding bag (forward, forward+backward, "
+        "fused SGD) on CPU, against a dense gather_reduce_sum and this machine's matmul rate.",
+        epilog="See the module docstring for the cases, the FLOP formula and the method.",
+    )
+    parser.add_argument(
+        "--cases",
+        type=_list_of(CASE_NAMES),
+        default=None,
+        help=f"comma-separated cases (default: all: {','.join(CASE_NAMES)}; --quick: fbtt)",
+    )
+    parser.add_argument(
+        "--distributions",
+        type=_list_of(DISTRIBUTIONS),
+        default=list(DISTRIBUTIONS),
+        help="id distributions (default: uniform,zipf)",
+    )
+    parser.add_argument("--bags", "-B", type=_positive_int, default=512, help="bags (default: 512)")
+    parser.add_argument(
+        "--bag-size", "-L", type=_positive_int, default=20, help="ids per bag (default: 20)"
+    )
+    parser.add_argument(
+        "--zipf-exponent", type=float, default=1.1, help="Zipf exponent (default: 1.1)"
+    )
+    parser.add_argument(
+        "--impl",
+        choices=("custom_op", "composite", "auto"),
+        default="custom_op",
+        help="tt_embedding_bag implementation (default: custom_op)",
+    )
+    parser.add_argument(
+        "--repeats", type=_positive_int, default=None, help="timed calls (default: 20, --quick 5)"
+    )
+    parser.add_argument(
+        "--warmup", type=_non_negative_int, default=None, help="warm-up calls (default: 3, --quick 2)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=_non_negative_int,
+        default=0,
+        help="TF intra-op threads (default: 0 = TensorFlow's default, one per usable CPU)",
+    )
+    parser.add_argument(
+        "--dense-cap-mib",
+        type=_positive_int,
+        default=512,
+        help="largest dense comparison table in MiB (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--matmul-size", type=_positive_int, default=2048, help="matmul ceiling size (default: 2048)"
+    )
+    parser.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense table")
+    parser.add_argument(
+        "--no-fused-sgd", dest="fused_sgd", action="store_false", help="skip the fused SGD step"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the fbtt case only, 5 repeats, 2 warm-up calls"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="data seed (default: %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="also write all results to PATH")
+    args = parser.parse_args(argv)
+    if args.cases is None:
+        args.cases = list(QUICK_CASES if args.quick else CASE_NAMES)
+    if args.repeats is None:
+        args.repeats = 5 if args.quick else 20
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 3
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    import tf_ttemb
+
+    all_cases = make_cases()
+    cases = {name: all_cases[name] for name in args.cases}
+    util.log(f"matmul ceiling: {args.matmul_size}^3 float32 ...")
+    matmul = matmul_rate(tf, args.matmul_size, args.warmup, max(args.repeats, 5))
+    util.log(f"  {matmul['gflops']:,.1f} GFLOP/s")
+
+    source = IdSource(args.seed, args.zipf_exponent)
+    dense = DenseTables(tf, args.dense_cap_mib << 20, args.seed)
+    results = []
+    total = len(cases) * len(args.distributions)
+    for i, (case, distribution) in enumerate(
+        ((c, d) for c in cases.values() for d in args.distributions), 1
+    ):
+        util.log(f"[{i}/{total}] {case.name} / {distribution}: {case.describe()} ...")
+        results.append(measure_case(tf, case, distribution, source, dense, args))
+        r = results[-1]
+        util.log(
+            "  "
+            + ", ".join(
+                f"{key} {r[key]['median_ms']:.2f} ms"
+                for key in ("tt_fwd", "tt_fwd_bwd", "tt_sgd", "dense_fwd", "dense_fwd_bwd")
+                if key in r
+            )
+            + "".join(f"; {r[k]}" for k in ("tt_error", "tt_sgd_error", "dense_error") if k in r)
+        )
+
+    text, checks = report(args, cases, results, matmul)
+    print(text)
+    if args.json:
+        document = {
+            "benchmark": "tt_embedding_bag",
+            "machine": util.machine_info(),
+            "versions": {"tensorflow": tf.__version__, "numpy": np.__version__, "tf_ttemb": tf_ttemb.__version__},
+            "settings": {
+                key: getattr(args, key)
+                for key in (
+                    "bags",
+                    "bag_size",
+                    "zipf_exponent",
+                    "impl",
+                    "repeats",
+                    "warmup",
+                    "threads",
+                    "dense_cap_mib",
+                    "matmul_size",
+                    "seed",
+                )
+            },
+            "flop_formula": "fwd = tt.flops_per_lookup(q, ranks); fwd+bwd = 3 x fwd; "
+            "GFLOP/s = lookups x flops / median seconds of one iteration",
+            "cases": {name: dataclasses.asdict(case) for name, case in cases.items()},
+            "matmul": matmul,
+            "results": results,
+            "checks": checks,
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=2)
+        util.log(f"wrote {args.json}")
+    failed = any(k in r for r in results for k in ("tt_error", "tt_sgd_error", "dense_error"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
