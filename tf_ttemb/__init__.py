@@ -9,9 +9,10 @@ or stale library is reported on the first use of the custom op.
 __version__ = "0.1.0"
 
 from tf_ttemb import layers
+from tf_ttemb import tt
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
 
 _loader.try_load_op_library()
 
-__all__ = ["__version__", "gather_reduce_sum", "layers"]
+__all__ = ["__version__", "gather_reduce_sum", "layers", "tt"]

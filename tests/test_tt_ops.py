@@ -1,0 +1,335 @@
+"""The raw TT ops (TTUniqueIds, TTRows, TTRowsGrad, TTCacheCount) against float64 references.
+
+The layers and the `tt_embedding_bag` wrapper are tested in test_tt_embedding.py and
+test_tt_layers.py; this file pins down the ops' own contract (docs/tt_embedding_contract.md):
+core layout, global ids of table-batched cores, any id order, dtypes, determinism and errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_ttemb.ops import _loader
+
+SHAPES = [
+    # (p_shapes, q_shapes, ranks, num_tables)
+    ([3, 5], [2, 3], [4], 1),
+    ([7, 2], [1, 1], [3], 1),  # D = 1
+    ([4, 3, 5], [3, 1, 11], [3, 2], 2),  # D = 33, two tables
+    ([2, 3, 2, 3], [1, 3, 1, 1], [2, 3, 2], 1),  # four cores, D = 3
+    ([5, 4, 3], [4, 4, 4], [6, 5], 3),
+]
+TOLERANCE = {tf.float64: 1e-10, tf.float32: 1e-5, tf.float16: 2e-2, tf.bfloat16: 2e-2}
+
+
+def lib():
+    return _loader.load_op_library()
+
+
+def full_ranks(ranks):
+    return [1, *ranks, 1]
+
+
+def random_cores(rng, p, q, ranks, num_tables):
+    r = full_ranks(ranks)
+    return [
+        rng.standard_normal((num_tables * p[k], r[k] * q[k] * r[k + 1]))
+        for k in range(len(p))
+    ]
+
+
+def reference_rows(cores, p, q, ranks, ids):
+    """Row g of the table, straight from the definition: a sum over rank paths."""
+    r = full_ranks(ranks)
+    rows_per_table = int(np.prod(p))
+    out = []
+    for g in ids:
+        table, i = divmod(int(g), rows_per_table)
+        digits = [(i // int(np.prod(p[k + 1 :]))) % p[k] for k in range(len(p))]
+        blocks = [
+            cores[k][table * p[k] + digits[k]].reshape(r[k], q[k], r[k + 1]).astype(np.float64)
+            for k in range(len(p))
+        ]
+        # Contract ranks left to right; the column index (j_0, ..., j_{T-1}) is row-major.
+        acc = blocks[0].reshape(q[0], r[1])
+        for block in blocks[1:]:
+            acc = np.einsum("ja,akb->jkb", acc, block).reshape(-1, block.shape[2])
+        out.append(acc.reshape(-1))
+    return np.array(out).reshape(len(ids), int(np.prod(q)))
+
+
+def reference_core_grads(cores, p, q, ranks, ids, grad):
+    """d/d cores of sum(rows * grad) by forward-mode perturbation of a float64 reference."""
+    r = full_ranks(ranks)
+    rows_per_table = int(np.prod(p))
+    grads = [np.zeros_like(c, dtype=np.float64) for c in cores]
+    for u, g in enumerate(ids):
+        table, i = divmod(int(g), rows_per_table)
+        digits = [(i // int(np.prod(p[k + 1 :]))) % p[k] for k in range(len(p))]
+        blocks = [
+            cores[k][table * p[k] + digits[k]].reshape(r[k], q[k], r[k + 1]).astype(np.float64)
+            for k in range(len(p))
+        ]
+        dy = grad[u].reshape(q)
+        for k in range(len(p)):
+            # Row entry = left[j_<k] (1 x r_k) . block_k[:, j_k, :] . right[j_>k] (r_{k+1} x 1).
+            left = np.ones((1, 1))
+            for m in range(k):
+                left = np.einsum("ja,akb->jkb", left, blocks[m]).reshape(-1, r[m + 1])
+            right = np.ones((1, 1))
+            for m in range(len(p) - 1, k, -1):
+                right = np.einsum("akb,bj->akj", blocks[m], right).reshape(r[m], -1)
+            # d entry / d block[a, j_k, b] = left[j_<k, a] * right[b, j_>k]
+            d_block = np.einsum(
+                "xa,xkz,bz->akb",
+                left,
+                dy.reshape(left.shape[0], q[k], right.shape[1]),
+                right,
+            )
+            grads[k][table * p[k] + digits[k]] += d_block.reshape(-1)
+    return grads
+
+
+def attrs_of(p, q, ranks, num_tables):
+    return {"p_shapes": p, "q_shapes": q, "ranks": ranks, "num_tables": num_tables}
+
+
+def pick_ids(rng, p, num_tables, count, order):
+    total = num_tables * int(np.prod(p))
+    ids = rng.integers(0, total, size=count)
+    if order == "sorted_unique":
+        ids = np.unique(ids)
+    elif order == "sorted":
+        ids = np.sort(ids)
+    return ids.astype(np.int64)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"p{s[0]}q{s[1]}r{s[2]}t{s[3]}")
+@pytest.mark.parametrize("order", ["sorted_unique", "sorted", "random"])
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32, tf.float16, tf.bfloat16])
+def test_rows_match_reference(rng, shape, order, dtype):
+    p, q, ranks, num_tables = shape
+    cores = random_cores(rng, p, q, ranks, num_tables)
+    cores_t = [tf.cast(c, dtype) for c in cores]
+    ids = pick_ids(rng, p, num_tables, 40, order)
+    rows = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs_of(p, q, ranks, num_tables))
+    assert rows.dtype == dtype
+    # The reference uses the cores as the op sees them (rounded to dtype).
+    seen = [c.numpy().astype(np.float64) for c in cores_t]
+    expected = reference_rows(seen, p, q, ranks, ids)
+    scale = np.abs(expected).max() + 1
+    np.testing.assert_allclose(
+        rows.numpy().astype(np.float64), expected, atol=TOLERANCE[dtype] * scale, rtol=0
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"p{s[0]}q{s[1]}r{s[2]}t{s[3]}")
+@pytest.mark.parametrize("order", ["sorted_unique", "random"])
+def test_rows_grad_matches_reference(rng, shape, order):
+    p, q, ranks, num_tables = shape
+    cores = random_cores(rng, p, q, ranks, num_tables)
+    ids = pick_ids(rng, p, num_tables, 30, order)
+    grad = rng.standard_normal((len(ids), int(np.prod(q))))
+    indices, values = lib().tf_ttemb_tt_rows_grad(
+        ids, [tf.constant(c) for c in cores], grad, **attrs_of(p, q, ranks, num_tables)
+    )
+    expected = reference_core_grads(cores, p, q, ranks, ids, grad)
+    for k in range(len(p)):
+        touched = np.unique((ids // np.prod(p)) * p[k] + (ids % np.prod(p)) // np.prod(p[k + 1 :]) % p[k])
+        np.testing.assert_array_equal(indices[k].numpy(), touched)
+        dense = np.zeros_like(cores[k])
+        dense[indices[k].numpy()] = values[k].numpy()
+        np.testing.assert_allclose(dense, expected[k], atol=1e-10, rtol=1e-10)
+
+
+def test_rows_grad_against_finite_differences(rng):
+    p, q, ranks = [3, 4, 2], [2, 1, 3], [2, 3]
+    cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks, 1)]
+    ids = tf.constant(pick_ids(rng, p, 1, 9, "random"))
+    attrs = attrs_of(p, q, ranks, 1)
+
+    upstream = tf.constant(rng.standard_normal((9, 6)))
+
+    def loss(*cores):
+        return tf.reduce_sum(lib().tf_ttemb_tt_rows(ids, list(cores), **attrs) * upstream)
+
+    indices, values = lib().tf_ttemb_tt_rows_grad(ids, cores, upstream, **attrs)
+    eps = 1e-6
+    for k, core in enumerate(cores):
+        dense = np.zeros(core.shape)
+        dense[indices[k].numpy()] = values[k].numpy()
+        flat = core.numpy().reshape(-1)
+        for pos in rng.choice(flat.size, size=min(12, flat.size), replace=False):
+            plus, minus = flat.copy(), flat.copy()
+            plus[pos] += eps
+            minus[pos] -= eps
+            args_p = list(cores)
+            args_m = list(cores)
+            args_p[k] = tf.constant(plus.reshape(core.shape))
+            args_m[k] = tf.constant(minus.reshape(core.shape))
+            numeric = (loss(*args_p) - loss(*args_m)).numpy() / (2 * eps)
+            assert abs(numeric - dense.reshape(-1)[pos]) < 1e-6 * (1 + abs(numeric))
+
+
+def test_rows_grad_is_bitwise_deterministic(rng):
+    p, q, ranks = [20, 30, 25], [4, 2, 4], [16, 16]
+    cores = [tf.constant(c.astype(np.float32)) for c in random_cores(rng, p, q, ranks, 1)]
+    # Zipf-like ids: hot rows and shared prefixes, in random order with duplicates.
+    ids = (rng.zipf(1.2, size=5000) - 1) % int(np.prod(p))
+    grad = tf.constant(rng.standard_normal((len(ids), 32)).astype(np.float32))
+    attrs = attrs_of(p, q, ranks, 1)
+    first = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, **attrs)
+    for _ in range(3):
+        again = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, **attrs)
+        for a, b in zip(first.core_grad_values, again.core_grad_values):
+            assert np.array_equal(a.numpy(), b.numpy())
+
+
+def test_every_core_row_gets_its_gradient_for_large_p(rng):
+    # FBTT's fused update missed core rows for p_k > ~128: here every row of a
+    # p = 1000 core is touched and must get exactly the reference gradient.
+    p, q, ranks = [1000, 3], [2, 2], [3]
+    cores = random_cores(rng, p, q, ranks, 1)
+    ids = np.arange(3000, dtype=np.int64)
+    grad = rng.standard_normal((3000, 4))
+    indices, values = lib().tf_ttemb_tt_rows_grad(
+        ids, [tf.constant(c) for c in cores], grad, **attrs_of(p, q, ranks, 1)
+    )
+    np.testing.assert_array_equal(indices[0].numpy(), np.arange(1000))
+    expected = reference_core_grads(cores, p, q, ranks, ids, grad)
+    np.testing.assert_allclose(values[0].numpy(), expected[0], atol=1e-10)
+    np.testing.assert_allclose(values[1].numpy(), expected[1], atol=1e-10)
+
+
+def test_chunked_rows_equal_unchunked_reference(rng):
+    # Enough ids and a wide row to take several of the op's internal chunks.
+    p, q, ranks = [40, 50, 60], [10, 10, 10], [24, 24]
+    cores = random_cores(rng, p, q, ranks, 1)
+    ids = np.sort(rng.choice(int(np.prod(p)), size=5000, replace=False)).astype(np.int64)
+    cores_t = [tf.constant(c.astype(np.float32)) for c in cores]
+    rows = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs_of(p, q, ranks, 1)).numpy()
+    sample = rng.choice(len(ids), size=50, replace=False)
+    expected = reference_rows(cores, p, q, ranks, ids[sample])
+    np.testing.assert_allclose(rows[sample], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_ids():
+    p, q, ranks = [3, 4], [2, 2], [2]
+    cores = [tf.zeros([3, 4]), tf.zeros([4, 4])]
+    ids = tf.zeros([0], tf.int64)
+    rows = lib().tf_ttemb_tt_rows(ids, cores, **attrs_of(p, q, ranks, 1))
+    assert rows.shape == (0, 4)
+    indices, values = lib().tf_ttemb_tt_rows_grad(
+        ids, cores, tf.zeros([0, 4]), **attrs_of(p, q, ranks, 1)
+    )
+    assert [i.shape[0] for i in indices] == [0, 0]
+    assert values[1].shape == (0, 4)
+
+
+def test_rows_rejects_bad_ids_and_cores(rng):
+    p, q, ranks = [3, 4], [2, 2], [2]
+    cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks, 2)]
+    attrs = attrs_of(p, q, ranks, 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"ids\[1\] = 24 is not in \[0, 24\)"):
+        lib().tf_ttemb_tt_rows(tf.constant([0, 24], tf.int64), cores, **attrs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"ids\[0\] = -1 is not in \[0, 24\)"):
+        lib().tf_ttemb_tt_rows(tf.constant([-1], tf.int64), cores, **attrs)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"cores\[1\] must be \[num_tables \* p_shapes\[1\]"
+    ):
+        lib().tf_ttemb_tt_rows(tf.constant([0], tf.int64), [cores[0], cores[1][:7]], **attrs)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="grad must be|Dimension"):
+        lib().tf_ttemb_tt_rows_grad(tf.constant([0], tf.int64), cores, tf.zeros([1, 5], tf.float64), **attrs)
+
+
+def test_unique_ids_and_slots(rng):
+    ids = rng.integers(0, 50, size=200).astype(np.int32)
+    ids[rng.choice(200, size=20, replace=False)] = 77  # padding
+    splits = np.array([0, 60, 60, 200], np.int64)  # three tables, the second empty
+    unique, slots = lib().tf_ttemb_tt_unique_ids(
+        ids, splits, num_embeddings=50, stride=64, padding_id=77, has_padding_id=True
+    )
+    table = np.searchsorted(splits[1:], np.arange(200), side="right")
+    global_ids = table * 64 + ids.astype(np.int64)
+    real = ids != 77
+    np.testing.assert_array_equal(unique.numpy(), np.unique(global_ids[real]))
+    assert slots.dtype == tf.int32
+    np.testing.assert_array_equal(slots.numpy()[~real], -1)
+    np.testing.assert_array_equal(unique.numpy()[slots.numpy()[real]], global_ids[real])
+
+
+def test_unique_ids_errors():
+    op = lib().tf_ttemb_tt_unique_ids
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[2\] = 9 is not in \[0, 8\) \[Op"):
+        op(tf.constant([1, 2, 9], tf.int64), tf.constant([0, 3], tf.int64), num_embeddings=8, stride=8)
+    # ids in [N, prod(p)) are rejected too: the stride is only the global-id spacing.
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"indices\[0\] = 8 is not in \[0, 8\) and is not padding_id \(-3\)",
+    ):
+        op(
+            tf.constant([8], tf.int64),
+            tf.constant([0, 1], tf.int64),
+            num_embeddings=8,
+            stride=10,
+            padding_id=-3,
+            has_padding_id=True,
+        )
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"table_splits\[0\] = 1 must be 0"):
+        op(tf.constant([1], tf.int64), tf.constant([1, 1], tf.int64), num_embeddings=8, stride=8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"table_splits\[2\] = 1 must be >="):
+        op(tf.constant([1, 2], tf.int64), tf.constant([0, 2, 1], tf.int64), num_embeddings=8, stride=8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must equal the number of ids"):
+        op(tf.constant([1, 2], tf.int64), tf.constant([0, 1], tf.int64), num_embeddings=8, stride=8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"stride \(4\) must be >= num_embeddings"):
+        op(tf.constant([1], tf.int64), tf.constant([0, 1], tf.int64), num_embeddings=8, stride=4)
+
+
+def _count(keys, counts, ids):
+    lib().tf_ttemb_tt_cache_count(keys.handle, counts.handle, tf.constant(ids, tf.int64))
+
+
+def _table(keys, counts):
+    k, c = keys.numpy(), counts.numpy()
+    return {int(a): int(b) for a, b in zip(k, c) if a >= 0}
+
+
+def test_cache_count_counts_exactly_while_there_is_room(rng):
+    keys = tf.Variable(tf.fill([256], tf.constant(-1, tf.int64)))
+    counts = tf.Variable(tf.zeros([256], tf.int64))
+    ids = rng.integers(0, 40, size=500)
+    ids[::7] = -1  # skipped
+    _count(keys, counts, ids[:250])
+    _count(keys, counts, ids[250:])
+    real = ids[ids >= 0]
+    values, freq = np.unique(real, return_counts=True)
+    assert _table(keys, counts) == dict(zip(values.tolist(), freq.tolist()))
+
+
+def test_cache_count_replaces_the_least_frequent_way():
+    # Four slots: one set of four ways.
+    keys = tf.Variable(tf.fill([4], tf.constant(-1, tf.int64)))
+    counts = tf.Variable(tf.zeros([4], tf.int64))
+    _count(keys, counts, [10] * 5 + [11] * 3 + [12] * 2 + [13] * 4)
+    assert _table(keys, counts) == {10: 5, 11: 3, 12: 2, 13: 4}
+    # 14 is new and the set is full: it replaces 12 (the smallest count) with 2 + 1.
+    _count(keys, counts, [14])
+    assert _table(keys, counts) == {10: 5, 11: 3, 14: 3, 13: 4}
+    # A heavy newcomer keeps its weight: 15 x 6 replaces 11 (3, the lowest way of the tie).
+    _count(keys, counts, [15] * 6)
+    assert _table(keys, counts) == {10: 5, 15: 9, 14: 3, 13: 4}
+
+
+def test_cache_count_errors():
+    keys = tf.Variable(tf.fill([4], tf.constant(-1, tf.int64)))
+    small = tf.Variable(tf.zeros([3], tf.int64))
+    floats = tf.Variable(tf.zeros([4], tf.float32))
+    op = lib().tf_ttemb_tt_cache_count
+    with pytest.raises(tf.errors.InvalidArgumentError, match="same size, got 4 and 3"):
+        op(keys.handle, small.handle, tf.constant([1], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="counts must be an int64 vector"):
+        op(keys.handle, floats.handle, tf.constant([1], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="different variables"):
+        op(keys.handle, keys.handle, tf.constant([1], tf.int64))
