@@ -259,6 +259,7 @@ def fused_sgd_step(tf: Any, case: Case, impl: str) -> Tuple[Optional[Callable], 
             sparse=True,
             optimizer="sgd",
             learning_rate=0.01,
+            implementation=impl,
         )
     except (TypeError, ValueError) as e:
         return None, f"TTEmbeddingBag(sparse=True) rejected: {e}"

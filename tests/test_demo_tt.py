@@ -158,6 +158,29 @@ def test_training_a_tiny_model_beats_the_dense_only_one():
         assert result["step_ms"] > 0 and np.isfinite(result["train_logloss"])
 
 
+def test_training_a_tiny_tt_model():
+    layer_class = getattr(demo.tf_ttemb.layers, "TTEmbeddingBag", None)
+    if layer_class is None:
+        pytest.skip("tf_ttemb.layers.TTEmbeddingBag does not exist yet")
+    from tf_ttemb import tt
+
+    task = _task(rows=300, embedding_scale=1.5)
+    model = demo.planted_model(task)
+    config = demo.TrainConfig(steps=100, batch=128)
+    train = demo.ctr_data(task, model, config.steps * config.batch, stream=0)
+    test = demo.ctr_data(task, model, 5_000, stream=1)
+    factories = demo._bag_factories(task, 8, [2], "composite")
+    rank, make_bag = factories["TTEmbeddingBag rank 2"]
+    assert rank == 2
+    bags = [make_bag() for _ in range(task.num_features)]
+    before = [np.array(c) for c in bags[0].cores]
+    result = demo.train_ctr_model(demo.CtrModel(bags, hidden=(8,)), train, test, config)
+    p, q, ranks = tt.resolve_shapes(task.rows, 8, 2)
+    assert result["embedding_params"] == task.num_features * tt.num_parameters(p, q, ranks)
+    assert all(not np.array_equal(b, np.array(c)) for b, c in zip(before, bags[0].cores))
+    assert 0.5 < result["auc"] <= demo.auc(test["labels"], test["logits"]) + 0.01
+
+
 def test_ctr_model_trains_with_too_few_examples_raises():
     task = _task(rows=50)
     model = demo.planted_model(task)
