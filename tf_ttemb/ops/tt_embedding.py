@@ -515,6 +515,9 @@ def _composite_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
             tf.searchsorted(unique_ids, global_ids, side="left", out_type=tf.int64),
             tf.constant(-1, tf.int64),
         )
+    # One extra row (of id 0) that no slot uses: the reducer gathers a row for padding
+    # entries too (then drops it), so the rows must not be empty.
+    unique_ids = tf.concat([unique_ids, tf.zeros([1], tf.int64)], 0)
     rows = _rows_with_cache(
         unique_ids, lambda ids: _composite_rows(cores, ids, shape), *cache, xla=xla
     )
