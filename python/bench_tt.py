@@ -38,8 +38,11 @@ What is timed (`tf.function`, no XLA; median and minimum over `--repeats` calls 
   full 11M x 64 table is 2.8 GB); ids are taken modulo N_dense when N > N_dense, which
   keeps the batch's duplicate structure (almost) and its size. Gradient: IndexedSlices.
 * The machine's float32 matmul rate, measured in the same run: a 2048 x 2048 x 2048
-  `tf.linalg.matmul` (2 * 2048^3 FLOPs), median of `--repeats` calls, before the cases;
-  it is the ceiling the TT rates are compared with.
+  `tf.linalg.matmul` (2 * 2048^3 FLOPs), median of 5-10 calls, before and after the
+  cases; the better of the two is the ceiling the TT rates are compared with (a higher
+  ceiling only makes the target harder).
+* A check that the TT forward agrees with the float64 numpy reference `tf_ttemb.tt.rows`
+  (summed per bag) on the benchmark's own batch.
 
 FLOP counts (per lookup, T cores, q = [q_0..q_{T-1}], ranks r_0 = 1, r_1..r_{T-1},
 r_T = 1):
@@ -88,6 +91,8 @@ import _bench_util as util
 util.add_checkout_to_path()
 
 DISTRIBUTIONS = ("uniform", "zipf")
+# Largest accepted max |TT fwd - float64 reference| relative to the reference's max |value|.
+AGREEMENT_TOLERANCE = 1e-5
 FBTT_ROWS = 11_000_000
 
 
@@ -208,7 +213,8 @@ def matmul_rate(tf: Any, size: int, warmup: int, repeats: int) -> Dict[str, Any]
 
 
 def tt_steps(tf: Any, case: Case, impl: str, seed: int) -> Dict[str, Callable]:
-    """`fwd(ids)` and `fwd_bwd(ids, upstream)` tf.functions over fresh core variables."""
+    """`fwd(ids)` and `fwd_bwd(ids, upstream)` tf.functions over fresh core variables, and
+    `reference(ids)`, the forward in float64 numpy."""
     from tf_ttemb import tt
     from tf_ttemb.ops.tt_embedding import tt_embedding_bag
 
@@ -231,6 +237,12 @@ def tt_steps(tf: Any, case: Case, impl: str, seed: int) -> Dict[str, Callable]:
     def fwd(ids):
         return tt_embedding_bag(cores, ids, **kwargs)
 
+    def reference(ids: np.ndarray) -> np.ndarray:
+        """The bag sums in float64 from the numpy reference `tt.rows`."""
+        values = [c.numpy() for c in cores]
+        flat = tt.rows(values, list(case.p), list(case.q), list(case.ranks), ids.reshape(-1))
+        return flat.reshape(ids.shape + (case.dim,)).sum(axis=-2)
+
     @tf.function
     def fwd_bwd(ids, upstream):
         with tf.GradientTape() as tape:
@@ -238,7 +250,7 @@ def tt_steps(tf: Any, case: Case, impl: str, seed: int) -> Dict[str, Callable]:
         grads = tape.gradient(out, cores, output_gradients=upstream)
         return out, grads
 
-    return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd, "reference": reference}
 
 
 def fused_sgd_step(tf: Any, case: Case, impl: str) -> Tuple[Optional[Callable], str]:
@@ -343,6 +355,9 @@ def measure_case(
     }
     try:
         steps = tt_steps(tf, case, args.impl, args.seed)
+        expected = steps["reference"](ids_np)
+        error = np.abs(steps["fwd"](ids).numpy() - expected).max()
+        result["tt_fwd_max_rel_error"] = float(error / max(np.abs(expected).max(), 1e-300))
         result["tt_fwd"] = _timing(lambda: steps["fwd"](ids), args)
         result["tt_fwd_bwd"] = _timing(lambda: steps["fwd_bwd"](ids, upstream), args)
         del steps
@@ -427,6 +442,7 @@ def report(
         "SGD us/lookup",
         "dense fwd us/lookup",
         "dense f+b us/lookup",
+        "agrees",
     ]
     rows = []
     notes = []
@@ -445,6 +461,7 @@ def report(
                 _fmt(_get(r, "tt_sgd", "us_per_lookup"), ".3f"),
                 _fmt(_get(r, "dense_fwd", "us_per_lookup"), ".3f"),
                 _fmt(_get(r, "dense_fwd_bwd", "us_per_lookup"), ".3f"),
+                _agrees(r.get("tt_fwd_max_rel_error")),
             ]
         )
         for key in ("tt_error", "tt_sgd_error", "dense_error"):
@@ -458,9 +475,12 @@ def report(
         f"TT embedding bag, CPU, {args.bags:,} bags x {args.bag_size} ids "
         f"({args.bags * args.bag_size:,} lookups per iteration), float32, sum, "
         f"implementation={args.impl}, {threads} threads",
-        "cases: " + "; ".join(f"{c.name}: {c.describe()}" for c in cases.values()),
-        f"ceiling: {matmul['size']}^3 float32 tf.linalg.matmul = {ceiling:,.1f} GFLOP/s "
-        f"(median {matmul['timing']['median_ms']:.1f} ms, measured in this run)",
+        "cases:",
+        *(f"  {c.name:<7} {c.describe()}" for c in cases.values()),
+        f"ceiling: {matmul['size']}^3 float32 tf.linalg.matmul = {ceiling:,.1f} GFLOP/s, the "
+        "better of two measurements in this run (before the cases: "
+        f"{matmul['before']['gflops']:,.1f}, after: {matmul['after']['gflops']:,.1f} GFLOP/s; "
+        "medians)",
         "",
         util.format_table(headers, rows),
         "",
@@ -472,9 +492,19 @@ def report(
         "dB = A^T dC per chain step; recomputation not counted). 'on U' counts only the "
         "batch's distinct ids. f+b % matmul = f+b GFLOP/s / the matmul ceiling.",
         "dense: tf_ttemb.gather_reduce_sum on a [N_dense, D] float32 table, N_dense = "
-        f"min(N, {args.dense_cap_mib} MiB / 4D) = "
-        + ", ".join(sorted({f"{r['dense_rows']:,}" for r in results if "dense_rows" in r}))
-        + " rows here; ids taken modulo N_dense.",
+        f"min(N, {args.dense_cap_mib} MiB / 4D) ("
+        + ", ".join(
+            sorted(
+                {
+                    f"D={cases[r['case']].dim}: {r['dense_rows']:,} rows"
+                    for r in results
+                    if "dense_rows" in r
+                }
+            )
+        )
+        + "); ids taken modulo N_dense.",
+        f"agrees: TT fwd within {AGREEMENT_TOLERANCE:g} (max error relative to the max value) "
+        "of the float64 numpy reference tf_ttemb.tt.rows.",
     ]
     if skipped:
         lines.append("SGD (TTEmbeddingBag sparse=True fused update) not measured: " + "; ".join(skipped))
@@ -483,6 +513,12 @@ def report(
     for check in checks.values():
         lines.append(f"{check['status']}: {check['target']} -- {check['measured']}")
     return "\n".join(lines), checks
+
+
+def _agrees(error: Optional[float]) -> str:
+    if error is None:
+        return "-"
+    return "yes" if error <= AGREEMENT_TOLERANCE else f"NO ({error:.1e})"
 
 
 def _checks(results: Sequence[Dict[str, Any]], ceiling: float) -> Dict[str, Any]:
@@ -620,8 +656,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     all_cases = make_cases()
     cases = {name: all_cases[name] for name in args.cases}
     util.log(f"matmul ceiling: {args.matmul_size}^3 float32 ...")
-    matmul = matmul_rate(tf, args.matmul_size, args.warmup, max(args.repeats, 5))
-    util.log(f"  {matmul['gflops']:,.1f} GFLOP/s")
+    matmul_repeats = max(5, min(args.repeats, 10))
+    before = matmul_rate(tf, args.matmul_size, args.warmup, matmul_repeats)
+    util.log(f"  {before['gflops']:,.1f} GFLOP/s")
 
     source = IdSource(args.seed, args.zipf_exponent)
     dense = DenseTables(tf, args.dense_cap_mib << 20, args.seed)
@@ -642,6 +679,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
             + "".join(f"; {r[k]}" for k in ("tt_error", "tt_sgd_error", "dense_error") if k in r)
         )
+
+    util.log(f"matmul ceiling again: {args.matmul_size}^3 float32 ...")
+    after = matmul_rate(tf, args.matmul_size, args.warmup, matmul_repeats)
+    util.log(f"  {after['gflops']:,.1f} GFLOP/s")
+    # The better of the two: the machine's rate is what it can do when least disturbed,
+    # and a higher ceiling makes the target harder, not easier, to meet.
+    matmul = dict(max(before, after, key=lambda m: m["gflops"]), before=before, after=after)
 
     text, checks = report(args, cases, results, matmul)
     print(text)

@@ -1011,7 +1011,8 @@ def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:
 
         p, q, _ = tt.resolve_shapes(task.rows, dim, args.tt_ranks[0])
         print(
-            f"TT tables: p = {p}, q = {q}, both inner ranks = {', '.join(map(str, args.tt_ranks))}"
+            f"TT tables: p = {p}, q = {q}, inner ranks [r, r] for r = "
+            f"{', '.join(map(str, args.tt_ranks))}"
             f"; lookups through the {tt_implementation} implementation"
             + (
                 " (this op library has no TT ops: rebuild with `bash configure.sh` for the "
