@@ -24,11 +24,16 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "Eigen/Core"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -204,6 +209,8 @@ struct Level {
   std::vector<int64_t> order;     // [count] nodes sorted by (core_row, node)
   std::vector<int64_t> slot;      // [count] position of each node in order
   std::vector<int64_t> groups;    // offsets into order of each core row's run
+  std::vector<int64_t> children;  // [count + 1] offsets of each node's children
+                                  // among the next level's nodes
   int64_t count() const { return static_cast<int64_t>(parent.size()); }
   int64_t num_groups() const {
     return static_cast<int64_t>(groups.size()) - 1;
@@ -215,6 +222,7 @@ struct Level {
 struct PrefixTree {
   std::vector<Level> levels;
   std::vector<int64_t> leaf;
+  std::vector<int64_t> leaf_ids;  // [num_leaves + 1] offsets of each leaf's ids
 
   void Build(const int64_t* ids, int64_t n, const TTShape& s) {
     const int T = s.num_cores;
@@ -257,8 +265,222 @@ struct PrefixTree {
       }
       level.groups.push_back(count);
     }
+    // Parents are non-decreasing along a level's nodes: children are runs.
+    for (int k = 0; k + 1 < T; ++k) {
+      Offsets(levels[k + 1].parent, levels[k].count(), &levels[k].children);
+    }
+    Offsets(leaf, levels[T - 1].count(), &leaf_ids);
+  }
+
+  // offsets[v] = first position of value v in the non-decreasing `values`.
+  static void Offsets(const std::vector<int64_t>& values, int64_t num_values,
+                      std::vector<int64_t>* offsets) {
+    offsets->assign(num_values + 1, 0);
+    int64_t v = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(values.size()); ++i) {
+      while (v <= values[i]) (*offsets)[v++] = i;
+    }
+    while (v <= num_values) (*offsets)[v++] = static_cast<int64_t>(values.size());
   }
 };
+
+// Products with few output columns: the last core has r_T = 1, so its block
+// is r_{T-1} x q_{T-1}, often only 4 columns wide, and a blocked GEMM spends
+// more time packing its operands than multiplying. For float32 with AVX2+FMA
+// (configure.sh compiles for the build machine's CPU) and a contracted
+// dimension that is a multiple of 8 (every power-of-two rank >= 8), these
+// run as register-blocked loops; everything else goes to Eigen's GEMM.
+constexpr int64_t kSkinny = 8;
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TF_TTEMB_TT_AVX2 1
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// c [m, N] = a [m, k] * b [k, N]: N dot products of length k per row of a.
+template <int N>
+void SkinnyProduct(const float* __restrict a, const float* __restrict b,
+                   float* __restrict c, int64_t m, int64_t k) {
+  std::vector<float> bt(N * k);  // b transposed: [N, k]
+  for (int j = 0; j < N; ++j) {
+    for (int64_t x = 0; x < k; ++x) bt[j * k + x] = b[x * N + j];
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    const float* ai = a + i * k;
+    __m256 acc[N];
+    for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t x = 0; x < k; x += 8) {
+      const __m256 av = _mm256_loadu_ps(ai + x);
+      for (int j = 0; j < N; ++j) {
+        acc[j] = _mm256_fmadd_ps(av, _mm256_loadu_ps(&bt[j * k + x]), acc[j]);
+      }
+    }
+    if constexpr (N == 4) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
+                                      _mm256_hadd_ps(acc[2], acc[3]));
+      _mm_storeu_ps(c + i * N, _mm_add_ps(_mm256_castps256_ps128(s),
+                                          _mm256_extractf128_ps(s, 1)));
+    } else {
+      for (int j = 0; j < N; ++j) c[i * N + j] = HorizontalSum(acc[j]);
+    }
+  }
+}
+
+// g [k, N] += a [m, k]^T * d [m, N], summed over the rows of a in order.
+template <int N>
+void SkinnyTransposedProduct(const float* __restrict a,
+                             const float* __restrict d, float* __restrict g,
+                             int64_t m, int64_t k) {
+  for (int64_t x = 0; x < k; x += 8) {
+    __m256 acc[N];
+    for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < m; ++i) {
+      const __m256 av = _mm256_loadu_ps(a + i * k + x);
+      for (int j = 0; j < N; ++j) {
+        acc[j] = _mm256_fmadd_ps(av, _mm256_broadcast_ss(d + i * N + j), acc[j]);
+      }
+    }
+    alignas(32) float lanes[8];
+    for (int j = 0; j < N; ++j) {
+      _mm256_store_ps(lanes, acc[j]);
+      for (int l = 0; l < 8; ++l) g[(x + l) * N + j] += lanes[l];
+    }
+  }
+}
+
+// c [m, k] = d [m, N] * b [k, N]^T.
+template <int N>
+void SkinnyProductTransposed(const float* __restrict d,
+                             const float* __restrict b, float* __restrict c,
+                             int64_t m, int64_t k) {
+  std::vector<float> bt(N * k);  // b transposed: [N, k]
+  for (int j = 0; j < N; ++j) {
+    for (int64_t x = 0; x < k; ++x) bt[j * k + x] = b[x * N + j];
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t x = 0; x < k; x += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int j = 0; j < N; ++j) {
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + i * N + j),
+                              _mm256_loadu_ps(&bt[j * k + x]), acc);
+      }
+      _mm256_storeu_ps(c + i * k + x, acc);
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, N>()) for n in [1, kSkinny].
+template <typename Fn>
+void WithSkinnyWidth(int64_t n, Fn fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 7: fn(std::integral_constant<int, 7>()); break;
+    default: fn(std::integral_constant<int, 8>()); break;
+  }
+}
+#endif  // __AVX2__ && __FMA__
+
+template <typename Acc>
+bool UseSkinny(int64_t k, int64_t n) {
+#ifdef TF_TTEMB_TT_AVX2
+  return std::is_same<Acc, float>::value && n <= kSkinny && k % 8 == 0;
+#else
+  return false;
+#endif
+}
+
+// c [m, n] = a [m, k] * b [k, n].
+template <typename Acc>
+void Product(const Acc* a, const Acc* b, Acc* c, int64_t m, int64_t k,
+             int64_t n) {
+#ifdef TF_TTEMB_TT_AVX2
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (UseSkinny<Acc>(k, n)) {
+      WithSkinnyWidth(n, [&](auto width) {
+        SkinnyProduct<decltype(width)::value>(a, b, c, m, k);
+      });
+      return;
+    }
+  }
+#endif
+  MatrixMap<Acc>(c, m, n).noalias() =
+      ConstMatrixMap<Acc>(a, m, k) * ConstMatrixMap<Acc>(b, k, n);
+}
+
+// g [k, n] += a [m, k]^T * d [m, n].
+template <typename Acc>
+void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m,
+                          int64_t k, int64_t n) {
+#ifdef TF_TTEMB_TT_AVX2
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (UseSkinny<Acc>(k, n)) {
+      WithSkinnyWidth(n, [&](auto width) {
+        SkinnyTransposedProduct<decltype(width)::value>(a, d, g, m, k);
+      });
+      return;
+    }
+  }
+#endif
+  MatrixMap<Acc>(g, k, n).noalias() +=
+      ConstMatrixMap<Acc>(a, m, k).transpose() * ConstMatrixMap<Acc>(d, m, n);
+}
+
+// c [m, k] = d [m, n] * b [k, n]^T.
+template <typename Acc>
+void ProductTransposed(const Acc* d, const Acc* b, Acc* c, int64_t m,
+                       int64_t k, int64_t n) {
+#ifdef TF_TTEMB_TT_AVX2
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (UseSkinny<Acc>(k, n)) {
+      WithSkinnyWidth(n, [&](auto width) {
+        SkinnyProductTransposed<decltype(width)::value>(d, b, c, m, k);
+      });
+      return;
+    }
+  }
+#endif
+  MatrixMap<Acc>(c, m, k).noalias() =
+      ConstMatrixMap<Acc>(d, m, n) * ConstMatrixMap<Acc>(b, k, n).transpose();
+}
+
+// A growable array that is written before it is read: resizing keeps no
+// contents and never zero-fills (a std::vector would memset every chunk).
+template <typename Acc>
+class Buffer {
+ public:
+  void Resize(int64_t size) {
+    if (size > capacity_) {
+      data_.reset(new Acc[size]);
+      capacity_ = size;
+    }
+  }
+  Acc* data() { return data_.get(); }
+  const Acc* data() const { return data_.get(); }
+  void swap(Buffer& other) {
+    data_.swap(other.data_);
+    std::swap(capacity_, other.capacity_);
+  }
+
+ private:
+  std::unique_ptr<Acc[]> data_;
+  int64_t capacity_ = 0;
+};
+
+// Scratch that is written before it is read: no zero-initialisation.
+template <typename Acc>
+std::unique_ptr<Acc[]> Scratch(int64_t size) {
+  return std::unique_ptr<Acc[]>(new Acc[size]);
+}
 
 // Ids per chunk so that `bytes_per_id` of temporaries per id fit kChunkBytes.
 int64_t ChunkSize(int64_t bytes_per_id) {
@@ -283,13 +505,13 @@ void ForGroups(thread::ThreadPool* pool, const Level& level,
 template <typename T, typename Acc>
 void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
                    const Cores<T, Acc>& cores, const PrefixTree& tree,
-                   int last_level, std::vector<std::vector<Acc>>* prefix) {
+                   int last_level, std::vector<Buffer<Acc>>* prefix) {
   prefix->resize(last_level + 1);
   {
     const Level& level = tree.levels[0];
-    std::vector<Acc>& out = (*prefix)[0];
+    Buffer<Acc>& out = (*prefix)[0];
     const int64_t width = s.width[0];
-    out.resize(level.count() * width);
+    out.Resize(level.count() * width);
     for (int64_t i = 0; i < level.count(); ++i) {
       std::copy_n(cores.Row(0, level.core_row[level.order[i]]), width,
                   out.data() + i * width);
@@ -303,29 +525,26 @@ void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
     const int64_t out_cols = s.q[k] * s.r[k + 1];
     const int64_t in_size = rows * inner;
     const int64_t out_size = rows * out_cols;
-    const std::vector<Acc>& in = (*prefix)[k - 1];
-    std::vector<Acc>& out = (*prefix)[k];
-    out.resize(level.count() * out_size);
+    const Buffer<Acc>& in = (*prefix)[k - 1];
+    Buffer<Acc>& out = (*prefix)[k];
+    out.Resize(level.count() * out_size);
     ForGroups(pool, level, 2 * in_size * out_cols, [&](int64_t g) {
       const int64_t first = level.groups[g];
       const int64_t n = level.groups[g + 1] - first;
-      const ConstMatrixMap<Acc> core(
-          cores.Row(k, level.core_row[level.order[first]]), inner, out_cols);
-      MatrixMap<Acc> c(out.data() + first * out_size, n * rows, out_cols);
+      const Acc* core = cores.Row(k, level.core_row[level.order[first]]);
+      Acc* c = out.data() + first * out_size;
       if (n == 1) {
         const int64_t parent = up.slot[level.parent[level.order[first]]];
-        const ConstMatrixMap<Acc> a(in.data() + parent * in_size, rows, inner);
-        c.noalias() = a * core;
+        Product(in.data() + parent * in_size, core, c, rows, inner, out_cols);
         return;
       }
-      std::vector<Acc> a_buf(n * in_size);
+      auto a_buf = Scratch<Acc>(n * in_size);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t parent = up.slot[level.parent[level.order[first + i]]];
         std::copy_n(in.data() + parent * in_size, in_size,
-                    a_buf.data() + i * in_size);
+                    a_buf.get() + i * in_size);
       }
-      const ConstMatrixMap<Acc> a(a_buf.data(), n * rows, inner);
-      c.noalias() = a * core;
+      Product(a_buf.get(), core, c, n * rows, inner, out_cols);
     });
   }
 }
@@ -476,12 +695,12 @@ class TTRowsOp : public OpKernel {
     const int T_last = s.num_cores - 1;
     const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), false));
     PrefixTree tree;
-    std::vector<std::vector<Acc>> prefix;
+    std::vector<Buffer<Acc>> prefix;
     for (int64_t begin = 0; begin < num_ids; begin += chunk) {
       const int64_t n = std::min(chunk, num_ids - begin);
       tree.Build(ids + begin, n, s);
       ForwardLevels(pool, s, cores, tree, T_last, &prefix);
-      const std::vector<Acc>& last = prefix[T_last];
+      const Buffer<Acc>& last = prefix[T_last];
       const int64_t dim = s.dim;
       pool->ParallelFor(n, dim, [&](int64_t first, int64_t end) {
         for (int64_t j = first; j < end; ++j) {
@@ -558,8 +777,8 @@ class TTRowsGradOp : public OpKernel {
       const Cores<T, Acc> cores(cores_in, s);
       const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
       PrefixTree tree;
-      std::vector<std::vector<Acc>> prefix;
-      std::vector<Acc> d_prefix, d_parent, contrib;
+      std::vector<Buffer<Acc>> prefix;
+      Buffer<Acc> d_prefix, d_parent, contrib;
       for (int64_t begin = 0; begin < num_ids; begin += chunk) {
         const int64_t n = std::min(chunk, num_ids - begin);
         tree.Build(ids + begin, n, s);
@@ -568,12 +787,20 @@ class TTRowsGradOp : public OpKernel {
         // dP_{T-1} per leaf: the grad rows of its ids, in id order.
         const int64_t dim = s.dim;
         const Level& leaves = tree.levels[T_count - 1];
-        d_prefix.assign(leaves.count() * dim, Acc(0));
-        for (int64_t j = 0; j < n; ++j) {
-          Acc* dst = d_prefix.data() + leaves.slot[tree.leaf[j]] * dim;
-          const T* src = grad + (begin + j) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] += static_cast<Acc>(src[d]);
-        }
+        d_prefix.Resize(leaves.count() * dim);
+        pool->ParallelFor(leaves.count(), 2 * dim, [&](int64_t lo, int64_t hi) {
+          for (int64_t leaf = lo; leaf < hi; ++leaf) {
+            Acc* dst = d_prefix.data() + leaves.slot[leaf] * dim;
+            std::fill_n(dst, dim, Acc(0));
+            for (int64_t j = tree.leaf_ids[leaf]; j < tree.leaf_ids[leaf + 1];
+                 ++j) {
+              const T* src = grad + (begin + j) * dim;
+              for (int64_t d = 0; d < dim; ++d) {
+                dst[d] += static_cast<Acc>(src[d]);
+              }
+            }
+          }
+        });
 
         for (int k = T_count - 1; k >= 1; --k) {
           const Level& level = tree.levels[k];
@@ -583,51 +810,56 @@ class TTRowsGradOp : public OpKernel {
           const int64_t out_cols = s.q[k] * s.r[k + 1];
           const int64_t in_size = rows * inner;
           const int64_t out_size = rows * out_cols;
-          const std::vector<Acc>& parents = prefix[k - 1];
-          contrib.resize(level.count() * in_size);
+          const Buffer<Acc>& parents = prefix[k - 1];
+          contrib.Resize(level.count() * in_size);
           ForGroups(pool, level, 4 * in_size * out_cols, [&](int64_t g) {
             const int64_t first = level.groups[g];
             const int64_t count = level.groups[g + 1] - first;
             const int64_t core_row = level.core_row[level.order[first]];
-            std::vector<Acc> a_buf(count * in_size);
+            auto a_buf = Scratch<Acc>(count * in_size);
             for (int64_t i = 0; i < count; ++i) {
               const int64_t parent =
                   up.slot[level.parent[level.order[first + i]]];
               std::copy_n(parents.data() + parent * in_size, in_size,
-                          a_buf.data() + i * in_size);
+                          a_buf.get() + i * in_size);
             }
-            const ConstMatrixMap<Acc> a(a_buf.data(), count * rows, inner);
-            const ConstMatrixMap<Acc> d(d_prefix.data() + first * out_size,
-                                        count * rows, out_cols);
-            MatrixMap<Acc> g_core(grad_block(k, core_row), inner, out_cols);
-            g_core.noalias() += a.transpose() * d;
-            const ConstMatrixMap<Acc> core(cores.Row(k, core_row), inner,
-                                           out_cols);
-            MatrixMap<Acc> c(contrib.data() + first * in_size, count * rows,
-                             inner);
-            c.noalias() = d * core.transpose();
+            const Acc* d = d_prefix.data() + first * out_size;
+            AddTransposedProduct(a_buf.get(), d, grad_block(k, core_row),
+                                 count * rows, inner, out_cols);
+            ProductTransposed(d, cores.Row(k, core_row),
+                              contrib.data() + first * in_size, count * rows,
+                              inner, out_cols);
           });
           // dP_{k-1} of each parent: its children's contributions in node
           // order (children of a parent are consecutive nodes).
-          d_parent.assign(up.count() * in_size, Acc(0));
-          for (int64_t node = 0; node < level.count(); ++node) {
-            Acc* dst = d_parent.data() + up.slot[level.parent[node]] * in_size;
-            const Acc* src = contrib.data() + level.slot[node] * in_size;
-            for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
-          }
+          d_parent.Resize(up.count() * in_size);
+          pool->ParallelFor(
+              up.count(), 2 * in_size, [&](int64_t lo, int64_t hi) {
+                for (int64_t v = lo; v < hi; ++v) {
+                  Acc* dst = d_parent.data() + up.slot[v] * in_size;
+                  const int64_t first = up.children[v];
+                  std::copy_n(contrib.data() + level.slot[first] * in_size,
+                              in_size, dst);
+                  for (int64_t node = first + 1; node < up.children[v + 1];
+                       ++node) {
+                    const Acc* src = contrib.data() + level.slot[node] * in_size;
+                    for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
+                  }
+                }
+              });
           d_prefix.swap(d_parent);
         }
         // Level 0: dG_0[row] = sum of dP_0 over its nodes, in node order.
         const Level& level0 = tree.levels[0];
         const int64_t width0 = s.width[0];
-        for (int64_t g = 0; g < level0.num_groups(); ++g) {
+        ForGroups(pool, level0, width0, [&](int64_t g) {
           Acc* dst =
               grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
           for (int64_t i = level0.groups[g]; i < level0.groups[g + 1]; ++i) {
             const Acc* src = d_prefix.data() + i * width0;
             for (int64_t w = 0; w < width0; ++w) dst[w] += src[w];
           }
-        }
+        });
       }
     }
 
