@@ -12,7 +12,8 @@ from tf_ttemb import layers
 from tf_ttemb import tt
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
+from tf_ttemb.ops.tt_embedding import tt_embedding_bag, tt_rows
 
 _loader.try_load_op_library()
 
-__all__ = ["__version__", "gather_reduce_sum", "layers", "tt"]
+__all__ = ["__version__", "gather_reduce_sum", "layers", "tt", "tt_embedding_bag", "tt_rows"]

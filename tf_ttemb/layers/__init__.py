@@ -1,5 +1,6 @@
 """Keras 3 layers of tf_ttemb."""
 
 from tf_ttemb.layers.embedding_bag import EmbeddingBag
+from tf_ttemb.layers.tt_embedding_bag import TableBatchedTTEmbeddingBag, TTEmbeddingBag
 
-__all__ = ["EmbeddingBag"]
+__all__ = ["EmbeddingBag", "TTEmbeddingBag", "TableBatchedTTEmbeddingBag"]

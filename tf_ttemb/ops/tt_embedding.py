@@ -87,8 +87,8 @@ def _int_list(name: str, values: Any, minimum: int = 1) -> tuple:
                 raise TypeError
             out.append(operator.index(v))
     except TypeError:
-        raise ValueError(f"{name} must be a list of integers >= {minimum}, got {values!r}") from None
-    if any(v < minimum for v in out):
+        out = None
+    if out is None or any(v < minimum for v in out):
         raise ValueError(f"{name} must be a list of integers >= {minimum}, got {values!r}")
     return tuple(out)
 
