@@ -388,6 +388,34 @@ def test_fused_update_of_cache_rows_and_table_batched_cores(rng, optimizer):
                                    atol=1e-12, err_msg=f"core {k}")
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_fused_update_under_jit_compile(rng, optimizer):
+    """The composite under XLA (no tf.unique there) updates like the eager step."""
+    n, p, q, ranks = CASES["4cores-d8"]
+    cores = random_cores(rng, p, q, ranks)
+    layers = [
+        TTEmbeddingBag.from_cores(cores, n, p, q, ranks, sparse=True, optimizer=optimizer,
+                                  learning_rate=LR, dtype="float64", combiner="mean",
+                                  implementation="composite")
+        for _ in range(2)
+    ]
+    ids = tf.constant(rng.integers(0, n, size=(6, 4)))
+    up = tf.constant(rng.normal(size=(6, 8)))
+
+    def step(layer):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True) * up)
+        return tape.gradient(loss, layer.trainable_variables)
+
+    for _ in range(2):
+        step(layers[0])
+        tf.function(lambda: step(layers[1]), jit_compile=True)()
+    for eager, jitted in zip(*(layer.cores for layer in layers)):
+        np.testing.assert_allclose(jitted.numpy(), eager.numpy(), rtol=1e-10, atol=1e-12)
+    changed = [np.any(c.numpy() != c0) for c, c0 in zip(layers[1].cores, cores)]
+    assert all(changed)
+
+
 def test_fused_update_needs_training_and_a_gradient(rng):
     layer = make_layer(rng, sparse=True, learning_rate=0.5)
     before = [c.numpy().copy() for c in layer.cores]

@@ -654,7 +654,7 @@ class TTEmbeddingBag(_TTEmbeddingBagBase):
         return self._lookup(indices, weights, training)
 
     def full_weight(self) -> tf.Tensor:
-        """The decompressed table [num_embeddings, embedding_dim] (float32).
+        """The decompressed table [num_embeddings, embedding_dim] (variable dtype).
 
         Computed a chunk of rows at a time from the cores; rows held in the cache take
         their cached value (the one lookups use).
@@ -758,7 +758,7 @@ class TableBatchedTTEmbeddingBag(_TTEmbeddingBagBase):
         return self._lookup(indices, weights, training)
 
     def full_weight(self) -> tf.Tensor:
-        """The decompressed tables [num_tables, num_embeddings, embedding_dim] (float32).
+        """The decompressed tables [num_tables, num_embeddings, embedding_dim] (variable dtype).
 
         Computed a chunk of rows at a time; cached rows take their cached value.
         """
