@@ -118,7 +118,7 @@ def test_rows_match_reference(rng, shape, order, dtype):
     cores = random_cores(rng, p, q, ranks, num_tables)
     cores_t = [tf.cast(c, dtype) for c in cores]
     ids = pick_ids(rng, p, num_tables, 40, order)
-    rows = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs_of(p, q, ranks, num_tables))
+    rows = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs_of(p, q, ranks, num_tables)).rows
     assert rows.dtype == dtype
     # The reference uses the cores as the op sees them (rounded to dtype).
     seen = [c.numpy().astype(np.float64) for c in cores_t]
@@ -145,6 +145,7 @@ def test_rows_grad_matches_reference(rng, shape, order, dtype):
         ids,
         [tf.constant(c, dtype) for c in cores],
         tf.constant(grad, dtype),
+        tf.zeros([0], dtype),
         **attrs_of(p, q, ranks, num_tables),
     )
     tolerance = 1e-10 if dtype == tf.float64 else 1e-4
@@ -167,9 +168,9 @@ def test_rows_grad_against_finite_differences(rng):
     upstream = tf.constant(rng.standard_normal((9, 6)))
 
     def loss(*cores):
-        return tf.reduce_sum(lib().tf_ttemb_tt_rows(ids, list(cores), **attrs) * upstream)
+        return tf.reduce_sum(lib().tf_ttemb_tt_rows(ids, list(cores), **attrs).rows * upstream)
 
-    indices, values = lib().tf_ttemb_tt_rows_grad(ids, cores, upstream, **attrs)
+    indices, values = lib().tf_ttemb_tt_rows_grad(ids, cores, upstream, tf.zeros([0], tf.float64), **attrs)
     eps = 1e-6
     for k, core in enumerate(cores):
         dense = np.zeros(core.shape)
@@ -194,11 +195,18 @@ def test_rows_grad_is_bitwise_deterministic(rng):
     ids = (rng.zipf(1.2, size=5000) - 1) % int(np.prod(p))
     grad = tf.constant(rng.standard_normal((len(ids), 32)).astype(np.float32))
     attrs = attrs_of(p, q, ranks, 1)
-    first = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, **attrs)
+    saved = lib().tf_ttemb_tt_rows(ids, cores, **attrs).saved
+    assert saved.shape[0] > 0
+    first = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, saved, **attrs)
+    # Recomputed partial products give the same bits as the saved ones.
+    recomputed = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, tf.zeros([0]), **attrs)
     for _ in range(3):
-        again = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, **attrs)
-        for a, b in zip(first.core_grad_values, again.core_grad_values):
+        again = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, saved, **attrs)
+        for a, b, c in zip(
+            first.core_grad_values, again.core_grad_values, recomputed.core_grad_values
+        ):
             assert np.array_equal(a.numpy(), b.numpy())
+            assert np.array_equal(a.numpy(), c.numpy())
 
 
 def test_every_core_row_gets_its_gradient_for_large_p(rng):
@@ -209,7 +217,7 @@ def test_every_core_row_gets_its_gradient_for_large_p(rng):
     ids = np.arange(3000, dtype=np.int64)
     grad = rng.standard_normal((3000, 4))
     indices, values = lib().tf_ttemb_tt_rows_grad(
-        ids, [tf.constant(c) for c in cores], grad, **attrs_of(p, q, ranks, 1)
+        ids, [tf.constant(c) for c in cores], grad, tf.zeros([0], tf.float64), **attrs_of(p, q, ranks, 1)
     )
     np.testing.assert_array_equal(indices[0].numpy(), np.arange(1000))
     expected = reference_core_grads(cores, p, q, ranks, ids, grad)
@@ -223,7 +231,7 @@ def test_chunked_rows_equal_unchunked_reference(rng):
     cores = random_cores(rng, p, q, ranks, 1)
     ids = np.sort(rng.choice(int(np.prod(p)), size=5000, replace=False)).astype(np.int64)
     cores_t = [tf.constant(c.astype(np.float32)) for c in cores]
-    rows = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs_of(p, q, ranks, 1)).numpy()
+    rows = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs_of(p, q, ranks, 1)).rows.numpy()
     sample = rng.choice(len(ids), size=50, replace=False)
     expected = reference_rows(cores, p, q, ranks, ids[sample])
     np.testing.assert_allclose(rows[sample], expected, rtol=1e-4, atol=1e-4)
@@ -233,10 +241,10 @@ def test_empty_ids():
     p, q, ranks = [3, 4], [2, 2], [2]
     cores = [tf.zeros([3, 4]), tf.zeros([4, 4])]
     ids = tf.zeros([0], tf.int64)
-    rows = lib().tf_ttemb_tt_rows(ids, cores, **attrs_of(p, q, ranks, 1))
+    rows = lib().tf_ttemb_tt_rows(ids, cores, **attrs_of(p, q, ranks, 1)).rows
     assert rows.shape == (0, 4)
     indices, values = lib().tf_ttemb_tt_rows_grad(
-        ids, cores, tf.zeros([0, 4]), **attrs_of(p, q, ranks, 1)
+        ids, cores, tf.zeros([0, 4]), tf.zeros([0]), **attrs_of(p, q, ranks, 1)
     )
     assert [i.shape[0] for i in indices] == [0, 0]
     assert values[1].shape == (0, 4)
@@ -255,7 +263,42 @@ def test_rows_rejects_bad_ids_and_cores(rng):
     ):
         lib().tf_ttemb_tt_rows(tf.constant([0], tf.int64), [cores[0], cores[1][:7]], **attrs)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="grad must be|Dimension"):
-        lib().tf_ttemb_tt_rows_grad(tf.constant([0], tf.int64), cores, tf.zeros([1, 5], tf.float64), **attrs)
+        lib().tf_ttemb_tt_rows_grad(
+            tf.constant([0], tf.int64), cores, tf.zeros([1, 5], tf.float64), tf.zeros([0], tf.float64), **attrs
+        )
+
+
+@pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"p{s[0]}q{s[1]}r{s[2]}t{s[3]}")
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
+def test_saved_products_give_the_recomputed_gradient(rng, shape, dtype):
+    p, q, ranks, num_tables = shape
+    cores = [tf.constant(c, dtype) for c in random_cores(rng, p, q, ranks, num_tables)]
+    ids = tf.constant(pick_ids(rng, p, num_tables, 60, "sorted_unique"))
+    grad = tf.constant(rng.standard_normal((ids.shape[0], int(np.prod(q)))), dtype)
+    attrs = attrs_of(p, q, ranks, num_tables)
+    rows, saved = lib().tf_ttemb_tt_rows(ids, cores, **attrs)
+    assert saved.shape[0] > 0  # three or more cores in float32/float64
+    with_saved = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, saved, **attrs)
+    recomputed = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, tf.zeros([0], dtype), **attrs)
+    for a, b in zip(with_saved.core_grad_values, recomputed.core_grad_values):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="pass the saved output of the TTRows op"):
+        lib().tf_ttemb_tt_rows_grad(ids[:-1], cores, grad[:-1], saved, **attrs)
+    # Same size, other ids: refused by the ids' fingerprint, never used silently.
+    other = tf.sort(tf.concat([ids[:-1], [ids[-1] - 1 if ids[-1] - 1 not in ids else ids[-1]]], 0))
+    if not np.array_equal(other.numpy(), ids.numpy()):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="saved .* computed for other ids|does not have the size"):
+            lib().tf_ttemb_tt_rows_grad(other, cores, grad, saved, **attrs)
+
+
+def test_nothing_saved_for_two_cores_and_half_types(rng):
+    p, q, ranks = [4, 5], [2, 3], [3]
+    cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks, 1)]
+    ids = tf.constant([0, 7, 19], tf.int64)
+    assert lib().tf_ttemb_tt_rows(ids, cores, **attrs_of(p, q, ranks, 1)).saved.shape == (0,)
+    p, q, ranks = [4, 5, 2], [2, 3, 1], [3, 2]
+    cores = [tf.constant(c, tf.float16) for c in random_cores(rng, p, q, ranks, 1)]
+    assert lib().tf_ttemb_tt_rows(ids, cores, **attrs_of(p, q, ranks, 1)).saved.shape == (0,)
 
 
 def test_unique_ids_and_slots(rng):
@@ -334,6 +377,13 @@ def test_cache_count_replaces_the_least_frequent_way():
     # A heavy newcomer keeps its weight: 15 x 6 replaces 11 (3, the lowest way of the tie).
     _count(keys, counts, [15] * 6)
     assert _table(keys, counts) == {10: 5, 15: 9, 14: 3, 13: 4}
+
+
+def test_cache_count_uses_every_slot_when_size_is_not_a_multiple_of_32():
+    keys = tf.Variable(tf.fill([45], tf.constant(-1, tf.int64)))
+    counts = tf.Variable(tf.zeros([45], tf.int64))
+    _count(keys, counts, np.arange(10_000))
+    assert (keys.numpy() >= 0).all()
 
 
 def test_cache_count_errors():

@@ -500,22 +500,32 @@ void ForGroups(thread::ThreadPool* pool, const Level& level,
   });
 }
 
-// Fills prefix[k] ([count_k, cols_k * r_{k+1}], node blocks at their slots)
-// for k = 0..last_level.
+// Computes the partial products P_0..P_last_level of a chunk's tree (node
+// blocks at their slots, [count_k, cols_k * r_{k+1}]) into `buffers`, or, for
+// level `external_level`, into `external`; data[k] points at level k's.
 template <typename T, typename Acc>
 void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
                    const Cores<T, Acc>& cores, const PrefixTree& tree,
-                   int last_level, std::vector<Buffer<Acc>>* prefix) {
-  prefix->resize(last_level + 1);
+                   int last_level, int external_level, Acc* external,
+                   std::vector<Buffer<Acc>>* buffers,
+                   std::vector<const Acc*>* data) {
+  buffers->resize(s.num_cores);
+  data->assign(s.num_cores, nullptr);
+  auto storage = [&](int k, int64_t size) {
+    if (k == external_level) return external;
+    (*buffers)[k].Resize(size);
+    return (*buffers)[k].data();
+  };
+  if (last_level < 0) return;
   {
     const Level& level = tree.levels[0];
-    Buffer<Acc>& out = (*prefix)[0];
     const int64_t width = s.width[0];
-    out.Resize(level.count() * width);
+    Acc* out = storage(0, level.count() * width);
     for (int64_t i = 0; i < level.count(); ++i) {
       std::copy_n(cores.Row(0, level.core_row[level.order[i]]), width,
-                  out.data() + i * width);
+                  out + i * width);
     }
+    (*data)[0] = out;
   }
   for (int k = 1; k <= last_level; ++k) {
     const Level& level = tree.levels[k];
@@ -525,28 +535,69 @@ void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
     const int64_t out_cols = s.q[k] * s.r[k + 1];
     const int64_t in_size = rows * inner;
     const int64_t out_size = rows * out_cols;
-    const Buffer<Acc>& in = (*prefix)[k - 1];
-    Buffer<Acc>& out = (*prefix)[k];
-    out.Resize(level.count() * out_size);
+    const Acc* in = (*data)[k - 1];
+    Acc* out = storage(k, level.count() * out_size);
+    (*data)[k] = out;
     ForGroups(pool, level, 2 * in_size * out_cols, [&](int64_t g) {
       const int64_t first = level.groups[g];
       const int64_t n = level.groups[g + 1] - first;
       const Acc* core = cores.Row(k, level.core_row[level.order[first]]);
-      Acc* c = out.data() + first * out_size;
+      Acc* c = out + first * out_size;
       if (n == 1) {
         const int64_t parent = up.slot[level.parent[level.order[first]]];
-        Product(in.data() + parent * in_size, core, c, rows, inner, out_cols);
+        Product(in + parent * in_size, core, c, rows, inner, out_cols);
         return;
       }
       auto a_buf = Scratch<Acc>(n * in_size);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t parent = up.slot[level.parent[level.order[first + i]]];
-        std::copy_n(in.data() + parent * in_size, in_size,
-                    a_buf.get() + i * in_size);
+        std::copy_n(in + parent * in_size, in_size, a_buf.get() + i * in_size);
       }
       Product(a_buf.get(), core, c, n * rows, inner, out_cols);
     });
   }
+}
+
+// The products TTRows saves for TTRowsGrad: level T-2's, when the table is
+// float32/float64 (no rounding to a half type), has >= 3 cores (for 2 cores
+// they are rows of the first core) and they fit kSavedBytes.
+constexpr int64_t kSavedBytes = int64_t{64} << 20;
+
+// Number of level-`level` nodes of each chunk: runs of equal prefix keys.
+std::vector<int64_t> NodesPerChunk(const int64_t* ids, int64_t num_ids,
+                                   int64_t chunk, int level, const TTShape& s) {
+  std::vector<int64_t> counts;
+  for (int64_t begin = 0; begin < num_ids; begin += chunk) {
+    const int64_t end = std::min(num_ids, begin + chunk);
+    int64_t count = 1;
+    for (int64_t j = begin + 1; j < end; ++j) {
+      count += s.PrefixKey(ids[j], level) != s.PrefixKey(ids[j - 1], level);
+    }
+    counts.push_back(count);
+  }
+  return counts;
+}
+
+// Elements of the saved products per level-(T-2) node.
+int64_t SavedNodeSize(const TTShape& s) {
+  return s.cols[s.num_cores - 2] * s.r[s.num_cores - 1];
+}
+
+// `saved` starts with a 64-bit fingerprint of the ids it was computed for, so
+// that TTRowsGrad refuses products saved for other ids instead of silently
+// using them; this many elements of Acc hold it.
+template <typename Acc>
+constexpr int64_t SavedHeader() {
+  return static_cast<int64_t>(sizeof(uint64_t) / sizeof(Acc));
+}
+
+uint64_t IdsFingerprint(const int64_t* ids, int64_t num_ids) {
+  uint64_t h = 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(num_ids);
+  for (int64_t j = 0; j < num_ids; ++j) {
+    h ^= static_cast<uint64_t>(ids[j]) + 0x9e3779b97f4a7c15ULL + (h << 6) +
+         (h >> 2);
+  }
+  return h;
 }
 
 // Bytes of temporaries per id of a chunk: prefix products (and, for the
@@ -686,26 +737,56 @@ class TTRowsOp : public OpKernel {
     Tensor* rows_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_ids, s.dim}),
                                              &rows_t));
-    if (num_ids == 0) return;
+    if (num_ids == 0) {
+      Tensor* saved_t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved_t));
+      return;
+    }
     const int64_t* ids = ids_t.flat<int64_t>().data();
     T* rows = rows_t->flat<T>().data();
     thread::ThreadPool* pool =
         ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const Cores<T, Acc> cores(cores_in, s);
     const int T_last = s.num_cores - 1;
-    const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), false));
+    // The same chunks as TTRowsGrad, so that it can use the saved products.
+    const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
+    const int save_level = s.num_cores - 2;
+    std::vector<int64_t> saved_counts;
+    int64_t saved_size = 0;
+    if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
+      saved_counts = NodesPerChunk(ids, num_ids, chunk, save_level, s);
+      const int64_t nodes =
+          std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
+      if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <=
+          kSavedBytes) {
+        saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
+      }
+    }
+    Tensor* saved_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({saved_size}),
+                                             &saved_t));
+    Acc* saved = nullptr;
+    if (saved_size > 0) {
+      saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
+      const uint64_t fingerprint = IdsFingerprint(ids, num_ids);
+      std::memcpy(saved, &fingerprint, sizeof(fingerprint));
+      saved += SavedHeader<Acc>();
+    }
     PrefixTree tree;
-    std::vector<Buffer<Acc>> prefix;
-    for (int64_t begin = 0; begin < num_ids; begin += chunk) {
+    std::vector<Buffer<Acc>> buffers;
+    std::vector<const Acc*> data;
+    int64_t chunk_index = 0;
+    for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
       const int64_t n = std::min(chunk, num_ids - begin);
       tree.Build(ids + begin, n, s);
-      ForwardLevels(pool, s, cores, tree, T_last, &prefix);
-      const Buffer<Acc>& last = prefix[T_last];
+      ForwardLevels(pool, s, cores, tree, T_last, saved ? save_level : -1,
+                    saved, &buffers, &data);
+      if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
+      const Acc* last = data[T_last];
       const int64_t dim = s.dim;
       pool->ParallelFor(n, dim, [&](int64_t first, int64_t end) {
         for (int64_t j = first; j < end; ++j) {
-          const Acc* src =
-              last.data() + tree.levels[T_last].slot[tree.leaf[j]] * dim;
+          const Acc* src = last + tree.levels[T_last].slot[tree.leaf[j]] * dim;
           T* dst = rows + (begin + j) * dim;
           for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
         }
@@ -773,16 +854,55 @@ class TTRowsGradOp : public OpKernel {
       return core_grad[k].data() + slot * s.width[k];
     };
 
+    // TTRows' saved products of level T-2, when it saved them.
+    const Tensor& saved_t = ctx->input(2 + T_count);
+    const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
+    std::vector<int64_t> saved_counts;
+    const Acc* saved = nullptr;
+    if (saved_t.NumElements() > 0) {
+      int64_t expected = 0;
+      if (std::is_same<T, Acc>::value && T_count >= 3) {
+        saved_counts = NodesPerChunk(ids, num_ids, chunk, T_count - 2, s);
+        expected = SavedHeader<Acc>() +
+                   std::accumulate(saved_counts.begin(), saved_counts.end(),
+                                   int64_t{0}) *
+                       SavedNodeSize(s);
+      }
+      const auto mismatch = [&](const char* what) {
+        return errors::InvalidArgument(
+            "saved (shape ", saved_t.shape().DebugString(), ") ", what,
+            ": pass the saved output of the TTRows op for the same ids and "
+            "cores, or an empty tensor");
+      };
+      OP_REQUIRES(ctx, saved_t.dims() == 1 && saved_t.NumElements() == expected,
+                  mismatch("does not have the size these ids need"));
+      saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
+      uint64_t fingerprint;
+      std::memcpy(&fingerprint, saved, sizeof(fingerprint));
+      OP_REQUIRES(ctx, fingerprint == IdsFingerprint(ids, num_ids),
+                  mismatch("was computed for other ids"));
+      saved += SavedHeader<Acc>();
+    }
+
     if (num_ids > 0) {
       const Cores<T, Acc> cores(cores_in, s);
-      const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
       PrefixTree tree;
-      std::vector<Buffer<Acc>> prefix;
+      std::vector<Buffer<Acc>> buffers;
+      std::vector<const Acc*> prefix;
       Buffer<Acc> d_prefix, d_parent, contrib;
-      for (int64_t begin = 0; begin < num_ids; begin += chunk) {
+      int64_t chunk_index = 0;
+      for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
         const int64_t n = std::min(chunk, num_ids - begin);
         tree.Build(ids + begin, n, s);
-        ForwardLevels(pool, s, cores, tree, T_count - 2, &prefix);
+        if (saved) {
+          ForwardLevels(pool, s, cores, tree, T_count - 3, -1, static_cast<Acc*>(nullptr),
+                        &buffers, &prefix);
+          prefix[T_count - 2] = saved;
+          saved += saved_counts[chunk_index] * SavedNodeSize(s);
+        } else {
+          ForwardLevels(pool, s, cores, tree, T_count - 2, -1, static_cast<Acc*>(nullptr),
+                        &buffers, &prefix);
+        }
 
         // dP_{T-1} per leaf: the grad rows of its ids, in id order.
         const int64_t dim = s.dim;
@@ -810,7 +930,7 @@ class TTRowsGradOp : public OpKernel {
           const int64_t out_cols = s.q[k] * s.r[k + 1];
           const int64_t in_size = rows * inner;
           const int64_t out_size = rows * out_cols;
-          const Buffer<Acc>& parents = prefix[k - 1];
+          const Acc* parents = prefix[k - 1];
           contrib.Resize(level.count() * in_size);
           ForGroups(pool, level, 4 * in_size * out_cols, [&](int64_t g) {
             const int64_t first = level.groups[g];
@@ -820,7 +940,7 @@ class TTRowsGradOp : public OpKernel {
             for (int64_t i = 0; i < count; ++i) {
               const int64_t parent =
                   up.slot[level.parent[level.order[first + i]]];
-              std::copy_n(parents.data() + parent * in_size, in_size,
+              std::copy_n(parents + parent * in_size, in_size,
                           a_buf.get() + i * in_size);
             }
             const Acc* d = d_prefix.data() + first * out_size;
@@ -962,8 +1082,9 @@ class TTCacheCountOp : public OpKernel {
     }
     std::sort(sorted.begin(), sorted.end());
 
+    // Sets of `ways` consecutive slots; the last one holds the remainder.
     const int64_t ways = std::min<int64_t>(32, size);
-    const int64_t num_sets = size / ways;
+    const int64_t num_sets = (size + ways - 1) / ways;
     for (size_t i = 0; i < sorted.size();) {
       size_t end = i;
       while (end < sorted.size() && sorted[end] == sorted[i]) ++end;
@@ -974,8 +1095,9 @@ class TTCacheCountOp : public OpKernel {
           static_cast<int64_t>(MixId(static_cast<uint64_t>(id)) %
                                static_cast<uint64_t>(num_sets)) *
           ways;
+      const int64_t set_end = std::min(size, base + ways);
       int64_t found = -1, empty = -1, smallest = base;
-      for (int64_t w = base; w < base + ways; ++w) {
+      for (int64_t w = base; w < set_end; ++w) {
         if (keys[w] == id) {
           found = w;
           break;

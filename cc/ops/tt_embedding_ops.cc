@@ -8,7 +8,8 @@
 //
 //   TTUniqueIds  flat ids [nnz] + table_splits -> sorted distinct global ids [U]
 //                and the slot of each entry in them (-1 for padding)
-//   TTRows       ids [U] -> rows [U, D], decompressing only those rows
+//   TTRows       ids [U] -> rows [U, D], decompressing only those rows (and
+//                the partial products the gradient needs, when they fit)
 //   TTRowsGrad   ids [U], grad [U, D] -> per core, IndexedSlices of its gradient
 //   TTCacheCount counts ids in a bounded set-associative frequency table
 
@@ -104,6 +105,7 @@ REGISTER_OP("TfTtemb>TTRows")
     .Input("ids: int64")              // [U] global ids
     .Input("cores: num_cores * T")    // core k: [num_tables * p_k, r_k q_k r_{k+1}]
     .Output("rows: T")                // [U, prod(q_shapes)]
+    .Output("saved: T")               // [S] partial products for TTRowsGrad
     .Attr("p_shapes: list(int) >= 2")
     .Attr("q_shapes: list(int) >= 2")
     .Attr("ranks: list(int) >= 1")
@@ -115,6 +117,7 @@ REGISTER_OP("TfTtemb>TTRows")
       ShapeHandle ids;
       TF_RETURN_IF_ERROR(TTRowsInputShapes(c, &dim, &ids));
       c->set_output(0, c->Matrix(c->Dim(ids, 0), dim));
+      c->set_output(1, c->Vector(c->UnknownDim()));
       return OkStatus();
     })
     .Doc(R"doc(
@@ -123,12 +126,17 @@ Rows of a TT-compressed table, decompressing only the requested ones.
 ids: Global ids in [0, num_tables * prod(p_shapes)), any order; sorted distinct
   ids share the partial products of their leading digits.
 rows: rows[u] = the table row of ids[u].
+saved: The partial products of the second-to-last level, which TTRowsGrad
+  would otherwise recompute (float32/float64 tables with >= 3 cores, when they
+  fit a 64 MiB budget), else empty. Pass it to TTRowsGrad with the same ids
+  and cores.
 )doc");
 
 REGISTER_OP("TfTtemb>TTRowsGrad")
     .Input("ids: int64")              // [U]
     .Input("cores: num_cores * T")
     .Input("grad: T")                 // [U, D]
+    .Input("saved: T")                // TTRows' saved output, or empty
     .Output("core_grad_indices: num_cores * int64")  // core k: [n_k]
     .Output("core_grad_values: num_cores * T")       // core k: [n_k, width_k]
     .Attr("p_shapes: list(int) >= 2")
@@ -147,6 +155,8 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
       DimensionHandle unused;
       TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), c->Dim(ids, 0), &unused));
       TF_RETURN_IF_ERROR(c->WithValue(c->Dim(grad, 1), dim, &unused));
+      ShapeHandle saved;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2 + num_cores), 1, &saved));
       for (int64_t k = 0; k < num_cores; ++k) {
         DimensionHandle count = c->UnknownDim();
         c->set_output(k, c->Vector(count));
@@ -159,6 +169,8 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
 Gradients of TTRows w.r.t. every core, as IndexedSlices per core.
 
 grad: Gradient w.r.t. rows.
+saved: The saved output of the TTRows op for these ids and cores (empty: the
+  partial products are recomputed).
 core_grad_indices: For core k, the sorted distinct core rows touched by ids.
 core_grad_values: For core k, their gradients. Summed in a fixed order: the
   result is bitwise identical from run to run.

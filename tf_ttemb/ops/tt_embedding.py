@@ -233,18 +233,25 @@ def _composite_rows(cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
 
 
 def _custom_rows(lib, cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
-    return lib.tf_ttemb_tt_rows(ids, [tf.convert_to_tensor(c) for c in cores], **shape.op_attrs())
+    return lib.tf_ttemb_tt_rows(
+        ids, [tf.convert_to_tensor(c) for c in cores], **shape.op_attrs()
+    ).rows
 
 
 @tf.RegisterGradient("TfTtemb>TTRows")
-def _tt_rows_grad(op, grad):
+def _tt_rows_grad(op, grad, unused_saved_grad):
     """Gradient of TTRows: none for the ids, one IndexedSlices per core (from TTRowsGrad)."""
     lib = _loader.load_op_library()
     num_cores = op.get_attr("num_cores")
     ids = op.inputs[0]
     cores = list(op.inputs[1 : 1 + num_cores])
     attrs = {k: op.get_attr(k) for k in ("p_shapes", "q_shapes", "ranks", "num_tables")}
-    indices, values = lib.tf_ttemb_tt_rows_grad(ids, cores, tf.convert_to_tensor(grad), **attrs)
+    # The op's second output holds the partial products it saved for this gradient (or
+    # nothing, and they are recomputed).
+    saved = op.outputs[1]
+    indices, values = lib.tf_ttemb_tt_rows_grad(
+        ids, cores, tf.convert_to_tensor(grad), saved, **attrs
+    )
     core_grads = [
         tf.IndexedSlices(v, i, dense_shape=tf.shape(c, out_type=tf.int64))
         for i, v, c in zip(indices, values, cores)
