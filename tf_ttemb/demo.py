@@ -15,6 +15,13 @@ measurements, prints a summary and saves a plot and a JSON file under `--out`.
   parameters, compression, held-out logloss and AUC, and the time of a training step,
   against the dense-features-only model and the planted model itself (the best possible).
   `--sections tt_quality` runs only this section; `--tt-*` options set its sizes.
+* `pkm_lm`: a small byte-level transformer language model trained on the Python standard
+  library's own source files (those of the interpreter running the demo), once as is and
+  once with the feed-forward block of its middle layer replaced by a
+  `tf_ttemb.layers.ProductKeyMemory`, at equal steps and batches: validation bits per
+  byte (learning curves), training steps/s, parameter counts and the memory's slot usage.
+  The corpus, split and models are described in `tf_ttemb/_demo_lm.py`; `--lm-*` options
+  set its length (`--lm-long` for a longer run).
 
 How the `gather_reduce_sum` section measures:
 
@@ -1093,6 +1100,17 @@ def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------
+# Section `pkm_lm`: a byte-level language model without and with a Product-Key Memory.
+
+
+def section_pkm_lm(args: argparse.Namespace) -> Dict[str, Any]:
+    """Byte-level LM on the stdlib's source without vs with a ProductKeyMemory layer."""
+    from tf_ttemb import _demo_lm  # imports this module: loaded only when the section runs
+
+    return _demo_lm.section(args)
+
+
+# ----------------------------------------------------------------------------------------
 # The command.
 
 
@@ -1111,6 +1129,11 @@ SECTIONS: Dict[str, Section] = {
     "tt_quality": Section(
         "full vs Tensor-Train compressed tables in a small CTR model: size, quality, speed",
         section_tt_quality,
+    ),
+    "pkm_lm": Section(
+        "byte-level language model on Python's stdlib source, without vs with a "
+        "ProductKeyMemory layer",
+        section_pkm_lm,
     ),
 }
 
@@ -1207,8 +1230,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="a short smoke test: tokens 128,256,512, headline 256, 2 repeats; tt_quality "
-        "with 100,000-row tables, ranks 4,16, 100 steps, 20,000 held-out examples (overrides "
-        "those options)",
+        "with 100,000-row tables, ranks 4,16, 100 steps, 20,000 held-out examples; pkm_lm "
+        "with 30 steps per model and 32 validation windows (overrides those options, except "
+        "an explicit --lm-steps)",
     )
     parser.add_argument(
         "--tt-rows",
@@ -1245,6 +1269,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=100_000,
         help="tt_quality: held-out examples (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lm-steps",
+        type=_positive_int,
+        default=None,
+        help="pkm_lm: training steps per model (default: 300; 3000 with --lm-long)",
+    )
+    parser.add_argument(
+        "--lm-long",
+        action="store_true",
+        help="pkm_lm: a longer run, 3000 steps per model and 1024 validation windows "
+        "(about 10x the default's time)",
+    )
+    parser.add_argument(
+        "--lm-batch",
+        type=_positive_int,
+        default=16,
+        help="pkm_lm: windows of 128 bytes per training step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lm-lr",
+        type=float,
+        default=2e-3,
+        help="pkm_lm: peak Adam learning rate of everything but the memory values "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lm-values-lr",
+        type=float,
+        default=1e-3,
+        help="pkm_lm: peak learning rate of the memory values' sparse Adam (default: "
+        "%(default)s, as in the paper)",
     )
     parser.add_argument("--no-plot", action="store_true", help="do not draw the PNG plots")
     parser.add_argument("--seed", type=int, default=0, help="data seed (default: %(default)s)")
