@@ -648,9 +648,9 @@ class ProductKeyMemory(keras.layers.Layer):
         """
         if steps is not None:
             steps = _positive_int("steps", steps)
-        if isinstance(data, (tf.Tensor, np.ndarray)) or (
-            isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], (tf.Tensor, np.ndarray))
-        ):
+        arrays = (tf.Tensor, np.ndarray)
+        one_pair = isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], arrays)
+        if isinstance(data, arrays) or one_pair:
             batches: Iterable = [data]
         elif isinstance(data, Iterable):
             batches = data
