@@ -401,16 +401,17 @@ class LazyAdam:
         else:
             rows = tf.range(tf.shape(self.variable)[0])
             grad = tf.convert_to_tensor(gradient)
-        grad = tf.cast(grad, self.variable.dtype)
-        t = tf.cast(self.iterations + 1, tf.float32)
-        lr = tf.cast(self.learning_rate(self.iterations), tf.float32)
+        dtype = self.variable.dtype
+        grad = tf.cast(grad, dtype)
+        t = tf.cast(self.iterations + 1, dtype)
+        lr = tf.cast(self.learning_rate(self.iterations), dtype)
         alpha = lr * tf.sqrt(1.0 - self.beta_2**t) / (1.0 - self.beta_1**t)
         m = self.beta_1 * tf.gather(self.m, rows) + (1.0 - self.beta_1) * grad
         v = self.beta_2 * tf.gather(self.v, rows) + (1.0 - self.beta_2) * tf.square(grad)
         self.m.scatter_update(tf.IndexedSlices(m, rows))
         self.v.scatter_update(tf.IndexedSlices(v, rows))
         self.variable.scatter_sub(
-            tf.IndexedSlices(tf.cast(alpha, m.dtype) * m / (tf.sqrt(v) + self.epsilon), rows)
+            tf.IndexedSlices(alpha * m / (tf.sqrt(v) + self.epsilon), rows)
         )
         self.iterations.assign_add(1)
 
@@ -419,7 +420,7 @@ class LazyAdam:
 class LMTrainConfig:
     """How both models are trained and evaluated (the same for both)."""
 
-    steps: int = 300
+    steps: int = 250
     batch: int = 16
     lr: float = 2e-3  # Adam, peak of the schedule, everything but the memory values
     values_lr: float = 1e-3  # lazy Adam on the memory values (the paper's 1e-3)
@@ -471,7 +472,10 @@ def evaluator(model: ByteLM) -> Callable[[np.ndarray, int], np.ndarray]:
 
     def evaluate(windows: np.ndarray, batch: int) -> np.ndarray:
         return np.concatenate(
-            [score(tf.constant(windows[i : i + batch])).numpy() for i in range(0, len(windows), batch)]
+            [
+                score(tf.constant(windows[i : i + batch])).numpy()
+                for i in range(0, len(windows), batch)
+            ]
         )
 
     return evaluate
@@ -540,15 +544,22 @@ def train_lm(
 # Memory statistics.
 
 
-def memory_statistics(model: ByteLM, windows: np.ndarray, batch: int) -> Optional[Dict[str, float]]:
-    """Slot usage (%) and KL from uniform of the memory over the inputs of `windows`.
+def memory_statistics(model: ByteLM, windows: np.ndarray, batch: int) -> Optional[Dict[str, Any]]:
+    """The memory's slot usage and KL from uniform over the tokens of `windows`.
 
-    None when `model` has no memory.
+    `ProductKeyMemory.memory_stats` (inference mode) on the hidden states the memory
+    reads for the inputs of `windows` ([n, T + 1] bytes; the last byte of each is only a
+    target). Returns its `MemoryStats.as_dict()` (`usage_percent`, `kl_from_uniform` in
+    nats, ...), or None when `model` has no memory.
     """
     layer = model.memory()
     if layer is None:
         return None
-    raise NotImplementedError("waiting for the ProductKeyMemory statistics helper")
+    hidden = tf.function(
+        model.memory_inputs, input_signature=[tf.TensorSpec([None, None], tf.uint8)]
+    )
+    batches = [windows[i : i + batch, :-1] for i in range(0, len(windows), batch)]
+    return layer.memory_stats(batches, inputs_fn=lambda b: hidden(tf.constant(b))).as_dict()
 
 
 # ----------------------------------------------------------------------------------------
@@ -611,7 +622,9 @@ def _plot(path: str, results: Dict[str, Dict[str, Any]], title: str) -> bool:
         right.plot(steps, r["train_bpb"], color=color, alpha=0.25, linewidth=0.8)
         width = max(1, len(steps) // 20)
         smooth = _moving_average(r["train_bpb"], width)
-        right.plot(steps[width - 1 :], smooth, color=color, label=f"{name} (moving mean of {width})")
+        right.plot(
+            steps[width - 1 :], smooth, color=color, label=f"{name} (moving mean of {width})"
+        )
     left.set_ylabel("validation bits per byte, lower is better")
     right.set_ylabel("training loss (bits per byte)")
     for axes in (left, right):
@@ -640,7 +653,8 @@ def run_options(args: argparse.Namespace) -> LMRunOptions:
     elif args.lm_long:
         steps, eval_every, windows = 3000, 250, 1024
     else:
-        steps, eval_every, windows = LMTrainConfig.steps, LMTrainConfig.eval_every, LMTrainConfig.eval_windows
+        defaults = LMTrainConfig()
+        steps, eval_every, windows = defaults.steps, defaults.eval_every, defaults.eval_windows
     if args.lm_steps is not None:
         steps = args.lm_steps
         eval_every = max(1, min(eval_every, steps // 4 or 1))
@@ -686,13 +700,18 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
         print(f"[{index}/{len(configs)}] {name}")
         keras.utils.set_random_seed(train.seed)
         model = ByteLM(config)
-        bar = keras.utils.Progbar(train.steps, unit_name="step", stateful_metrics=["loss_bpb", "val_bpb"])
+        bar = keras.utils.Progbar(
+            train.steps, unit_name="step", stateful_metrics=["loss_bpb", "val_bpb"]
+        )
         result = train_lm(model, corpus, train, lambda i, logs: bar.update(i, list(logs.items())))
         result["memory_stats"] = memory_statistics(model, windows, train.eval_batch)
         results[name] = result
         del model
 
-    print(f"\nAfter {train.steps} steps (validation: {train.eval_windows} windows of Python {corpus.python_version}'s stdlib):")
+    print(
+        f"\nAfter {train.steps} steps (validation: {train.eval_windows} windows of Python "
+        f"{corpus.python_version}'s stdlib):"
+    )
     headers = ["model", "params", "memory values", "other params", "val bpb", "steps/s", "train s"]
     rows = [
         [
@@ -710,8 +729,10 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
     stats = results.get(MEMORY, {}).get("memory_stats")
     if stats:
         print(
-            f"Memory on the validation windows: {stats['usage']:.1f}% of the "
-            f"{memory_config.n_keys**2:,} slots used, KL from uniform {stats['kl']:.3f} nats."
+            f"Memory on the validation windows ({stats['tokens']:,} tokens): "
+            f"{stats['usage_percent']:.1f}% of the {stats['num_slots']:,} slots read, KL "
+            f"from uniform {stats['kl_from_uniform']:.3f} nats (log {stats['num_slots']:,} = "
+            f"{math.log(stats['num_slots']):.2f} if one slot took all the weight)."
         )
     if MEMORY in results:
         print(verdict(results))
@@ -742,7 +763,10 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(document, f, indent=2)
     png_path = os.path.join(args.out, "pkm_lm.png")
-    title = f"Byte-level LM on Python {corpus.python_version}'s stdlib source: {options.model.layers} layers, d_model {options.model.d_model}"
+    title = (
+        f"Byte-level LM on Python {corpus.python_version}'s stdlib source: "
+        f"{options.model.layers} layers, d_model {options.model.d_model}"
+    )
     if args.no_plot:
         print(f"Saved {json_path}.")
     elif _plot(png_path, results, title):

@@ -1274,7 +1274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lm-steps",
         type=_positive_int,
         default=None,
-        help="pkm_lm: training steps per model (default: 300; 3000 with --lm-long)",
+        help="pkm_lm: training steps per model (default: 250; 3000 with --lm-long)",
     )
     parser.add_argument(
         "--lm-long",
