@@ -1,0 +1,512 @@
+"""Peak memory and time of a Product-Key Memory layer: fused memory read vs materialised.
+
+Run from the checkout after `bash configure.sh`:
+
+  .venv/bin/python python/bench_pkm_memory.py --json bench_results/pkm_memory.json
+  .venv/bin/python python/bench_pkm_memory.py --batch 1 --seq 256 --repeats 2   # quicker
+  .venv/bin/python python/bench_pkm_memory.py --help
+
+The case is the request that motivated the layer (batch 32 x seq 512 tokens, 4 heads x 32
+knn, dim 1024, 512**2 slots) scaled to a 2-core, 24 GiB machine: 4 x 512 tokens by
+default; the same arithmetic at the full request shape is printed, not run.
+
+Variants (`--variants`, all by default), the same `tf_ttemb.layers.ProductKeyMemory`
+layer (query network with batch norm, product-key top-k, softmax) with its memory read done
+three ways:
+
+  fused         `tf_ttemb.gather_reduce_sum` (the layer as shipped, implementation="auto":
+                the custom op): the [tokens, heads * knn, dim] gathered values are never
+                built, the values gradient is a deduplicated `tf.IndexedSlices`
+  materialised  `tf.reduce_sum(tf.gather(values, ids) * weights[..., None], axis=-2)`,
+                what a user writes without the op: the baseline
+  composite     `gather_reduce_sum(..., implementation="composite")`, tf_ttemb's chunked
+                plain-TensorFlow fallback (what runs under XLA)
+
+One step = forward in training mode (batch statistics) + gradients w.r.t. the input and
+every trainable weight (query kernel/bias, batch-norm scale/offset, keys, values) for a
+random upstream gradient, as a `tf.function` (no XLA).
+
+What is measured, per variant, each in fresh worker processes:
+
+* Peak extra memory of one step: how far the resident set size rises above its level
+  with the layer built (the 1 GiB values table, the inputs) and a warm-up step done,
+  while the step runs and its outputs and gradients are held: VmHWM, reset through
+  /proc/self/clear_refs before the step, in a worker started with
+  `MALLOC_MMAP_THRESHOLD_=65536` so that every buffer of 64 KiB or more is returned to
+  the OS when freed (the peak is that of live memory). The max over `--memory-steps`
+  steps. The same for a forward pass alone (inference mode).
+* Time: median (and min) wall-clock time of the step and of the forward pass over
+  `--repeats` calls after one warm-up call, in a worker with the default allocator
+  settings.
+* Held bytes: the step's outputs and gradients (the least any implementation must hold
+  when it returns them), and the number U of distinct slots in the values gradient.
+* A check that the variants compute the same output and values gradient (inner
+  products with fixed random probes, relative to the norms involved).
+
+Targets (from the issue): peak extra memory of the step at least 20x lower with the
+fused read than materialised, and the fused step faster. Printed as PASS / MISS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+import _bench_util as util
+
+VARIANTS: Dict[str, str] = {
+    "fused": "PKM + gather_reduce_sum (custom op)",
+    "materialised": "PKM + tf.gather * w, reduce_sum",
+    "composite": "PKM + gather_reduce_sum composite",
+}
+BASELINE = "materialised"
+MEMORY_TARGET = 20.0  # materialised peak / fused peak
+AGREEMENT_TOLERANCE = 1e-4
+GIB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A PKM layer and a batch of tokens."""
+
+    batch: int
+    seq: int
+    dim: int
+    n_keys: int
+    k_dim: int
+    heads: int
+    knn: int
+    seed: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def slots(self) -> int:
+        return self.n_keys**2
+
+    @property
+    def bag(self) -> int:
+        return self.heads * self.knn
+
+    def describe(self) -> str:
+        return (
+            f"{self.batch} x {self.seq} tokens, d_in = output dim = {self.dim}, "
+            f"{self.heads} heads x {self.knn} knn, k_dim {self.k_dim}, "
+            f"{self.n_keys}^2 = {self.slots:,} slots (values table "
+            f"{self.slots * self.dim * 4 / GIB:.2f} GiB float32)"
+        )
+
+
+def arithmetic(shape: Shape) -> Dict[str, int]:
+    """Bytes of the tensors that decide the memory of the two ways to read the memory."""
+    f32 = 4
+    gathered = shape.tokens * shape.bag * shape.dim * f32
+    return {
+        "tokens": shape.tokens,
+        "gathered_bytes": gathered,  # [tokens, heads * knn, dim], forward
+        "gathered_grad_bytes": gathered,  # tf.gather's IndexedSlices values, backward
+        "output_bytes": shape.tokens * shape.dim * f32,
+        "values_table_bytes": shape.slots * shape.dim * f32,
+        # Deduplicated values gradient: at most one row per slot, at most one per read.
+        "fused_values_grad_max_bytes": min(shape.slots, shape.tokens * shape.bag)
+        * shape.dim
+        * f32,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Worker.
+
+
+def _layer(shape: Shape, variant: str) -> Any:
+    import keras
+    import tensorflow as tf
+
+    util.add_checkout_to_path()
+    from tf_ttemb.layers import ProductKeyMemory
+
+    class MaterialisedProductKeyMemory(ProductKeyMemory):
+        """The same layer with the memory read users write without a fused op."""
+
+        def _read_memory(self, ids, weights, padding_id):
+            gathered = tf.gather(self.values, ids)  # [tokens, heads * knn, dim]
+            return tf.reduce_sum(gathered * tf.cast(weights, gathered.dtype)[..., None], axis=-2)
+
+    keras.utils.set_random_seed(shape.seed)
+    kwargs = dict(n_keys=shape.n_keys, k_dim=shape.k_dim, heads=shape.heads, knn=shape.knn)
+    if variant == "fused":
+        layer = ProductKeyMemory(**kwargs)
+    elif variant == "composite":
+        layer = ProductKeyMemory(implementation="composite", **kwargs)
+    elif variant == "materialised":
+        layer = MaterialisedProductKeyMemory(**kwargs)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    layer.build((None, shape.dim))
+    return layer
+
+
+def _held_bytes(tf: Any, tensors: Sequence[Any]) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            total += t.values.shape.num_elements() * t.values.dtype.size
+            total += t.indices.shape.num_elements() * t.indices.dtype.size
+        else:
+            total += t.shape.num_elements() * t.dtype.size
+    return total
+
+
+def worker_main(spec: Dict[str, Any]) -> None:
+    result: Dict[str, Any]
+    try:
+        result = _worker(spec)
+    except Exception as e:  # reported to the driver, which prints it
+        import traceback
+
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    util.write_worker_result(spec, result)
+
+
+def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    import tensorflow as tf
+
+    shape = Shape(**spec["shape"])
+    layer = _layer(shape, spec["variant"])
+    rng = np.random.default_rng([shape.seed, 1])
+    x = tf.constant(rng.standard_normal((shape.batch, shape.seq, shape.dim), np.float32))
+    upstream = tf.constant(rng.standard_normal((shape.batch, shape.seq, shape.dim), np.float32))
+    variables = layer.trainable_variables
+
+    @tf.function
+    def step(x, upstream):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            output = layer(x, training=True)
+        grads = tape.gradient(output, [x] + variables, output_gradients=upstream)
+        return [output] + grads
+
+    @tf.function
+    def forward(x):
+        return layer(x, training=False)
+
+    names = ["output", "inputs"] + [v.name for v in variables]
+    if spec["mode"] == "time":
+        repeats = spec["repeats"]
+        return {
+            "ok": True,
+            "step": util.time_calls(lambda: step(x, upstream), 1, repeats).to_json(),
+            "forward": util.time_calls(lambda: forward(x), 1, repeats).to_json(),
+        }
+
+    # Memory: warm up (tracing, thread pools, first-run allocations), then measure.
+    step(x, upstream)
+    forward(x)
+    meter = util.PeakRss()
+    step_growth = []
+    held = values_rows = checks = None
+    for _ in range(spec["memory_steps"]):
+        meter.start()
+        outputs = step(x, upstream)
+        step_growth.append(meter.growth_bytes())
+        held = {name: _held_bytes(tf, [t]) for name, t in zip(names, outputs)}
+        values_grad = outputs[names.index("values")]
+        values_rows = (
+            int(values_grad.values.shape[0])
+            if isinstance(values_grad, tf.IndexedSlices)
+            else int(values_grad.shape[0])
+        )
+        checks = _fingerprints(tf, shape, outputs[0], values_grad)
+        del outputs, values_grad
+    meter.start()
+    output = forward(x)
+    forward_growth = meter.growth_bytes()
+    del output
+    return {
+        "ok": True,
+        "rss_method": meter.method,
+        "step_growth_bytes": max(step_growth),
+        "step_growth_all_bytes": step_growth,
+        "forward_growth_bytes": forward_growth,
+        "held_bytes": held,
+        "held_total_bytes": sum(held.values()),
+        "values_grad_rows": values_rows,
+        "fingerprints": checks,
+        "versions": {"tensorflow": tf.__version__, "numpy": np.__version__},
+    }
+
+
+def _fingerprints(tf: Any, shape: Shape, output: Any, values_grad: Any) -> Dict[str, list]:
+    """Inner products of the output and the (densified) values gradient with probes.
+
+    Returns `{name: [value, norm bound]}`; probes are fixed random vectors, so equal
+    tensors give equal values whatever their form (an IndexedSlices with duplicate rows
+    included).
+    """
+    rng = np.random.default_rng([shape.seed, 2])
+    out_probe = tf.constant(rng.standard_normal((shape.tokens, shape.dim)))
+    row_probe = tf.constant(rng.standard_normal(shape.slots))
+    col_probe = tf.constant(rng.standard_normal(shape.dim))
+    out = tf.reshape(tf.cast(output, tf.float64), [shape.tokens, shape.dim])
+    result = {"output": [float(tf.reduce_sum(out * out_probe)),
+                         float(tf.norm(out) * tf.norm(out_probe))]}
+    if isinstance(values_grad, tf.IndexedSlices):
+        rows = tf.cast(values_grad.values, tf.float64)
+        rows = tf.math.unsorted_segment_sum(rows, values_grad.indices, shape.slots)
+    else:
+        rows = tf.cast(values_grad, tf.float64)
+    projected = tf.linalg.matvec(rows, col_probe)  # [slots]
+    result["values_grad"] = [
+        float(tf.reduce_sum(projected * row_probe)),
+        float(tf.norm(rows) * tf.norm(col_probe) * tf.norm(row_probe)),
+    ]
+    return result
+
+
+# ----------------------------------------------------------------------------------------
+# Driver.
+
+
+def measure(args: argparse.Namespace, shape: Shape) -> Dict[str, Dict[str, Any]]:
+    script = os.path.abspath(__file__)
+    results: Dict[str, Dict[str, Any]] = {}
+    base = {"shape": dataclasses.asdict(shape), "repeats": args.repeats,
+            "memory_steps": args.memory_steps}
+    for i, variant in enumerate(args.variants, 1):
+        label = f"[{i}/{len(args.variants)}] {VARIANTS[variant]}"
+        util.log(f"{label}: peak memory ...")
+        memory = util.run_worker(
+            script,
+            dict(base, variant=variant, mode="memory"),
+            {"MALLOC_MMAP_THRESHOLD_": "65536", "TF_CPU_ALLOCATOR_USE_BFC": None},
+        )
+        if not memory.get("ok"):
+            results[variant] = memory
+            util.log(f"{label}: failed\n{memory.get('error')}")
+            continue
+        util.log(f"{label}: time ...")
+        timing = util.run_worker(
+            script,
+            dict(base, variant=variant, mode="time"),
+            {"MALLOC_MMAP_THRESHOLD_": None, "TF_CPU_ALLOCATOR_USE_BFC": None},
+        )
+        if not timing.get("ok"):
+            results[variant] = timing
+            util.log(f"{label}: failed\n{timing.get('error')}")
+            continue
+        results[variant] = dict(memory, time=timing)
+    return results
+
+
+def _agreement(results: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    """Worst relative probe difference of each variant from the baseline."""
+    base = results.get(BASELINE, {}).get("fingerprints")
+    worst: Dict[str, Optional[float]] = {}
+    for variant, result in results.items():
+        prints = result.get("fingerprints")
+        if not base or not prints:
+            worst[variant] = None
+            continue
+        worst[variant] = max(
+            abs(prints[k][0] - base[k][0]) / max(base[k][1], 1e-300) for k in base
+        )
+    return worst
+
+
+def _mib(num_bytes: Optional[float]) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / util.MIB:,.1f}"
+
+
+def _ms(timing: Optional[Dict[str, Any]]) -> str:
+    return "-" if not timing else f"{timing['median_ms']:,.0f} ({timing['min_ms']:,.0f})"
+
+
+def _loadavg() -> Optional[List[float]]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def report(
+    shape: Shape,
+    full: Shape,
+    results: Dict[str, Dict[str, Any]],
+    load: Dict[str, Any],
+) -> tuple[str, Dict[str, Any]]:
+    lines = [f"PKM memory benchmark: {shape.describe()}", ""]
+    agreement = _agreement(results)
+    base = results.get(BASELINE, {})
+    headers = ["variant", "step peak MiB", "fwd peak MiB", "held MiB", "U",
+               "step ms (min)", "fwd ms (min)", "vs materialised", "agreement"]
+    rows = []
+    for variant, result in results.items():
+        if not result.get("ok"):
+            rows.append([VARIANTS[variant], "failed"] + ["-"] * (len(headers) - 2))
+            continue
+        ratio = "-"
+        if base.get("ok") and result["step_growth_bytes"]:
+            ratio = (
+                f"{base['step_growth_bytes'] / result['step_growth_bytes']:.1f}x mem, "
+                f"{base['time']['step']['median_ms'] / result['time']['step']['median_ms']:.1f}x"
+                " time"
+            )
+        rows.append([
+            VARIANTS[variant],
+            _mib(result["step_growth_bytes"]),
+            _mib(result["forward_growth_bytes"]),
+            _mib(result["held_total_bytes"]),
+            f"{result['values_grad_rows']:,}",
+            _ms(result["time"]["step"]),
+            _ms(result["time"]["forward"]),
+            ratio,
+            "-" if agreement[variant] is None else f"{agreement[variant]:.1e}",
+        ])
+    lines.append(util.format_table(headers, rows))
+    method = next((r["rss_method"] for r in results.values() if r.get("ok")), "-")
+    lines += [
+        "",
+        f"peak = growth of the resident set size over one step above the level with the layer "
+        f"built ({method}); held = the step's outputs and gradients; U = rows of the values "
+        f"gradient; times are medians (min) of the step as a tf.function; load average "
+        f"{load['before']} before, {load['after']} after ({util.usable_cpus()} usable CPUs).",
+    ]
+
+    verdicts: Dict[str, Any] = {}
+    fused = results.get("fused", {})
+    if fused.get("ok") and base.get("ok"):
+        mem_ratio = base["step_growth_bytes"] / max(fused["step_growth_bytes"], 1)
+        fwd_ratio = base["forward_growth_bytes"] / max(fused["forward_growth_bytes"], 1)
+        work_fused = max(fused["step_growth_bytes"] - fused["held_total_bytes"], 0)
+        work_base = max(base["step_growth_bytes"] - base["held_total_bytes"], 0)
+        speed = base["time"]["step"]["median_ms"] / fused["time"]["step"]["median_ms"]
+        fused_grad = fused["held_bytes"]["values"]
+        verdicts = {
+            "memory_ratio": mem_ratio,
+            "memory_target": MEMORY_TARGET,
+            "memory_pass": mem_ratio >= MEMORY_TARGET,
+            "speedup": speed,
+            "speed_pass": speed > 1.0,
+            "forward_memory_ratio": fwd_ratio,
+            "working_memory_bytes": {"fused": work_fused, "materialised": work_base},
+            "working_memory_ratio": work_base / max(work_fused, 1),
+            "ratio_bound_if_only_held": base["step_growth_bytes"] / fused["held_total_bytes"],
+            "fused_values_grad_bytes": fused_grad,
+        }
+        lines += [
+            "",
+            f"{'PASS' if verdicts['memory_pass'] else 'MISS'}: step peak extra memory "
+            f"{_mib(fused['step_growth_bytes'])} MiB fused vs {_mib(base['step_growth_bytes'])} "
+            f"MiB materialised = {mem_ratio:.1f}x lower (target >= {MEMORY_TARGET:.0f}x)",
+            f"{'PASS' if verdicts['speed_pass'] else 'MISS'}: step time "
+            f"{fused['time']['step']['median_ms']:,.0f} ms fused vs "
+            f"{base['time']['step']['median_ms']:,.0f} ms materialised = {speed:.1f}x faster",
+            f"  forward alone (inference): {_mib(fused['forward_growth_bytes'])} vs "
+            f"{_mib(base['forward_growth_bytes'])} MiB = {fwd_ratio:.1f}x lower",
+            f"  the fused step holds its deduplicated values gradient, {_mib(fused_grad)} MiB "
+            f"({fused['values_grad_rows']:,} distinct slots x {shape.dim} x 4 B) of its "
+            f"{_mib(fused['step_growth_bytes'])} MiB; beyond what it returns it needs "
+            f"{_mib(work_fused)} MiB (materialised: {_mib(work_base)} MiB): "
+            f"{work_base / max(work_fused, 1):.1f}x lower",
+            f"  bound: a step that needed nothing beyond the {_mib(fused['held_total_bytes'])} "
+            f"MiB it returns would be {base['step_growth_bytes'] / fused['held_total_bytes']:.1f}x "
+            f"lower than materialised",
+        ]
+
+    scaled_math, full_math = arithmetic(shape), arithmetic(full)
+    lines += ["", "Arithmetic (float32 bytes, not measured):"]
+    for label, s, a in (("scaled (run)", shape, scaled_math), ("full request", full, full_math)):
+        lines.append(
+            f"  {label}: {s.batch} x {s.seq} = {a['tokens']:,} tokens: gathered "
+            f"[{a['tokens']:,}, {s.bag}, {s.dim}] = {a['gathered_bytes'] / GIB:,.2f} GiB "
+            f"(+ the same again for its gradient) vs output [{a['tokens']:,}, {s.dim}] = "
+            f"{_mib(a['output_bytes'])} MiB; fused values gradient <= "
+            f"{_mib(a['fused_values_grad_max_bytes'])} MiB (values table "
+            f"{_mib(a['values_table_bytes'])} MiB)"
+        )
+    document = {
+        "benchmark": "pkm_memory",
+        "machine": util.machine_info(),
+        "load_average": load,
+        "shape": dataclasses.asdict(shape),
+        "full_request_shape": dataclasses.asdict(full),
+        "arithmetic": {"scaled": scaled_math, "full_request": full_math},
+        "results": results,
+        "agreement": agreement,
+        "verdicts": verdicts,
+    }
+    return "\n".join(lines), document
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--batch", type=_positive, default=4, help="sequences (default: 4)")
+    parser.add_argument("--seq", type=_positive, default=512, help="tokens each (default: 512)")
+    parser.add_argument("--full-batch", type=_positive, default=32,
+                        help="batch of the request's shape, arithmetic only (default: 32)")
+    parser.add_argument("--dim", type=_positive, default=1024,
+                        help="input and value size (default: 1024)")
+    parser.add_argument("--n-keys", type=_positive, default=512, help="default: 512")
+    parser.add_argument("--k-dim", type=_positive, default=256, help="default: 256")
+    parser.add_argument("--heads", type=_positive, default=4, help="default: 4")
+    parser.add_argument("--knn", type=_positive, default=32, help="default: 32")
+    parser.add_argument("--repeats", type=_positive, default=5,
+                        help="timed calls per variant (default: 5)")
+    parser.add_argument("--memory-steps", type=_positive, default=2,
+                        help="measured steps per variant, max reported (default: 2)")
+    parser.add_argument(
+        "--variants",
+        type=lambda text: util.parse_list(text, list(VARIANTS)),
+        default=list(VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="default: 0")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        worker_main(json.loads(args._worker))
+        return 0
+    common = dict(dim=args.dim, n_keys=args.n_keys, k_dim=args.k_dim, heads=args.heads,
+                  knn=args.knn, seed=args.seed)
+    shape = Shape(batch=args.batch, seq=args.seq, **common)
+    full = Shape(batch=args.full_batch, seq=args.seq, **common)
+    util.log(f"PKM memory benchmark: {shape.describe()}")
+    load = {"before": _loadavg()}
+    results = measure(args, shape)
+    load["after"] = _loadavg()
+    text, document = report(shape, full, results, load)
+    print(text)
+    if args.json:
+        document["settings"] = {"repeats": args.repeats, "memory_steps": args.memory_steps,
+                                "variants": args.variants}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=2)
+        util.log(f"wrote {args.json}")
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
