@@ -182,7 +182,7 @@ def test_lazy_adam_changes_only_the_rows_it_is_given(rng):
 # Models and training.
 
 TINY = lm.LMConfig(
-    layers=2, d_model=16, heads=2, context=8, ffn_mult=2, n_keys=8, k_dim=8, memory_heads=2, knn=4
+    layers=1, d_model=16, heads=2, context=8, ffn_mult=2, n_keys=8, k_dim=8, memory_heads=2, knn=4
 )
 
 
@@ -201,6 +201,7 @@ def test_baseline_model_builds_and_trains_one_step(rng):
     logits = model(tf.constant(rng.integers(0, 256, (3, 8))))
     assert logits.shape == (3, 8, lm.VOCAB)
     assert model.memory() is None and lm.memory_values(model) is None
+    assert lm.memory_statistics(model, np.zeros((2, 9), np.uint8), batch=2) is None
     counts = lm.parameter_counts(model)
     assert counts["memory_values"] == 0 and counts["other"] == counts["total"] > 0
     config = lm.LMTrainConfig(steps=5, batch=4, warmup=1)
@@ -231,24 +232,35 @@ def test_memory_model_builds_and_trains_one_step(rng):
     assert 0 < changed.sum() <= 4 * 8 * config.memory_heads * config.knn  # rows read only
     assert int(sparse.iterations) == 1
     assert model.memory_inputs(window[:, :-1]).shape == (4, 8, config.d_model)
+    windows = rng.integers(0, 256, (5, 9)).astype(np.uint8)
+    stats = lm.memory_statistics(model, windows, batch=2)
+    assert stats["tokens"] == 5 * 8 and stats["num_slots"] == config.n_keys**2
+    assert 0 < stats["usage_percent"] <= 100 and stats["kl_from_uniform"] >= 0
 
 
-def test_train_lm_records_curves(rng):
+def test_train_models_runs_in_lockstep_on_the_same_batches(rng):
     corpus = _tiny_corpus(rng)
     config = lm.LMTrainConfig(
-        steps=6, batch=4, warmup=2, eval_every=4, eval_windows=5, eval_batch=2
+        steps=5, batch=3, warmup=1, eval_every=2, eval_windows=5, eval_batch=2
     )
     seen = []
-    result = lm.train_lm(
-        lm.ByteLM(TINY), corpus, config, lambda i, logs: seen.append((i, dict(logs)))
-    )
-    assert result["eval_steps"] == [4, 6]
-    assert len(result["val_bpb"]) == 2 and len(result["train_bpb"]) == 6
+    models = {name: lm.build_model(TINY, seed=5) for name in ("a", "b")}
+    results = lm.train_models(models, corpus, config, lambda i, logs: seen.append((i, logs)))
+    # Same seed, same architecture, same batches: the same numbers.
+    np.testing.assert_allclose(results["a"]["train_bpb"], results["b"]["train_bpb"], rtol=1e-5)
+    np.testing.assert_allclose(results["a"]["val_bpb"], results["b"]["val_bpb"], rtol=1e-5)
+    result = results["a"]
+    assert result["eval_steps"] == [2, 4, 5]
+    assert len(result["val_bpb"]) == 3 and len(result["train_bpb"]) == 5
     assert len(result["window_bpb"]) == 5
     assert result["final_val_bpb"] == pytest.approx(np.mean(result["window_bpb"]), rel=1e-6)
     assert result["steps_per_s"] > 0 and result["params"]["memory_values"] == 0
-    assert [i for i, _ in seen] == list(range(1, 7))
-    assert "val_bpb" in seen[3][1] and "val_bpb" not in seen[2][1]
+    assert [i for i, _ in seen] == [1, 2, 3, 4, 5]
+    assert all(sorted(logs) == ["a", "b"] for _, logs in seen)
+    assert "val_bpb" in seen[1][1]["b"] and "val_bpb" not in seen[0][1]["b"]
+    other = lm.dataclasses.replace(TINY, context=6)
+    with pytest.raises(ValueError, match=r"share one context, got \[6, 8\]"):
+        lm.train_models({"a": models["a"], "b": lm.build_model(other, 5)}, corpus, config)
 
 
 # ----------------------------------------------------------------------------------------
@@ -300,19 +312,8 @@ def test_run_options_default_quick_long_and_steps():
     quick = lm.run_options(_args("--quick")).train
     assert quick.steps < default.steps and quick.eval_windows < default.eval_windows
     long = lm.run_options(_args("--lm-long")).train
-    assert long.steps == 3000 and long.eval_windows == 1024
+    assert long.steps == 2000 and long.eval_windows == 1024
     explicit = lm.run_options(_args("--quick", "--lm-steps", "12", "--lm-batch", "3")).train
     assert (explicit.steps, explicit.batch, explicit.eval_every) == (12, 3, 3)
     assert "pkm_lm" in _args().sections
 
-
-@needs_memory
-def test_memory_statistics_over_windows(rng):
-    config = lm.dataclasses.replace(TINY, memory=True)
-    model = lm.ByteLM(config)
-    windows = rng.integers(0, 256, (5, 9)).astype(np.uint8)
-    model(tf.constant(windows[:, :-1]))
-    stats = lm.memory_statistics(model, windows, batch=2)
-    assert stats["tokens"] == 5 * 8 and stats["num_slots"] == config.n_keys**2
-    assert 0 < stats["usage_percent"] <= 100 and stats["kl_from_uniform"] >= 0
-    assert lm.memory_statistics(lm.ByteLM(TINY), windows, batch=2) is None

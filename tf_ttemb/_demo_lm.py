@@ -18,8 +18,10 @@ version, which the section prints).
 * Models: a pre-LayerNorm causal transformer over bytes (learned position embeddings,
   GELU feed-forward blocks, untied output layer). The memory model is the same network
   with the feed-forward block of its middle layer replaced by
-  `tf_ttemb.layers.ProductKeyMemory`, as in Lample et al. (2019). Both train the same
-  number of steps on the same batches with Adam and one warm-up + cosine schedule; the
+  `tf_ttemb.layers.ProductKeyMemory`, as in Lample et al. (2019). Both start from the
+  same seed and train in lockstep (each step, the same batch for one, then the other, so
+  on a shared machine both are timed under the same load), the same number of steps,
+  with Adam and one warm-up + cosine schedule; the
   memory's value table (its gradient is a `tf.IndexedSlices` over the slots a batch
   read) gets its own learning rate and a lazy (row-sparse) Adam, like the paper's sparse
   Adam: only the rows a step read, and their moments, change.
@@ -315,6 +317,14 @@ class ByteLM(keras.Model):
         return None if index is None else self.blocks[index].feed_forward
 
 
+def build_model(config: LMConfig, seed: int) -> ByteLM:
+    """A `ByteLM` of `config`, initialised from `seed` (the same seed, the same weights)."""
+    keras.utils.set_random_seed(seed)  # Keras draws initializer seeds at construction
+    model = ByteLM(config)
+    model(tf.zeros([1, config.context], tf.int32))  # builds the variables
+    return model
+
+
 def memory_values(model: ByteLM) -> Optional[keras.Variable]:
     """The memory's value table (the variable trained with its own sparse Adam), or None."""
     layer = model.memory()
@@ -420,12 +430,12 @@ class LazyAdam:
 class LMTrainConfig:
     """How both models are trained and evaluated (the same for both)."""
 
-    steps: int = 250
+    steps: int = 200
     batch: int = 16
     lr: float = 2e-3  # Adam, peak of the schedule, everything but the memory values
     values_lr: float = 1e-3  # lazy Adam on the memory values (the paper's 1e-3)
     warmup: int = 40
-    eval_every: int = 50
+    eval_every: int = 40
     eval_windows: int = 256
     eval_batch: int = 64
     seed: int = 0
@@ -481,63 +491,85 @@ def evaluator(model: ByteLM) -> Callable[[np.ndarray, int], np.ndarray]:
     return evaluate
 
 
-def train_lm(
-    model: ByteLM,
+def train_models(
+    models: Dict[str, ByteLM],
     corpus: Corpus,
     config: LMTrainConfig,
-    progress: Optional[Callable[[int, Dict[str, float]], None]] = None,
-) -> Dict[str, Any]:
-    """Trains `model` for `config.steps` steps on `corpus.train`, evaluating on the fixed
-    validation subset every `config.eval_every` steps and at the end.
+    progress: Optional[Callable[[int, Dict[str, Dict[str, float]]], None]] = None,
+) -> Dict[str, Dict[str, Any]]:
+    """Trains `models` in lockstep for `config.steps` steps on `corpus.train`.
+
+    Step i draws one batch (`train_windows(..., seed, i)`) and gives it to each model in
+    turn, so the models see the same data and, on a shared machine, the same load while
+    they are timed. Every `config.eval_every` steps and at the end, each model is scored
+    on the fixed validation subset (not timed as training).
+
+    Args:
+      models: name -> a built `ByteLM` (see `build_model`); all with the same context.
+      corpus: The text.
+      config: The training and evaluation settings.
+      progress: Called after each step with (steps done, {name: logs}); logs hold
+        `loss_bpb`, and `val_bpb` after an evaluation.
 
     Returns:
-      `eval_steps` and `val_bpb` (the learning curve), `train_bpb` (the loss of every
-      step), `window_bpb` (per validation window at the end), `final_val_bpb`,
-      `steps_per_s` (training steps only, after 3 warm-up steps), `train_s`, `eval_s`
-      and `params` (see `parameter_counts`).
+      name -> `eval_steps` and `val_bpb` (the learning curve), `train_bpb` (the loss of
+      every step), `window_bpb` (per validation window at the end), `final_val_bpb`,
+      `steps_per_s` (training steps after 3 warm-up steps), `train_s` (all its training
+      steps, tracing included), `eval_s` and `params` (see `parameter_counts`).
     """
-    context = model.config.context
+    contexts = {model.config.context for model in models.values()}
+    if len(contexts) != 1:
+        raise ValueError(f"the models must share one context, got {sorted(contexts)}")
+    context = contexts.pop()
     windows = eval_windows(corpus.validation, config.eval_windows, context)
-    model(tf.zeros([1, context], tf.int32))  # builds the variables
-    step, _, _ = make_step(model, config)
-    evaluate = evaluator(model)
-
-    train_bpb: List[float] = []
-    eval_steps: List[int] = []
-    val_bpb: List[float] = []
-    step_times: List[float] = []
-    window_bpb = np.zeros(0)
-    eval_s = 0.0
-    start_all = time.perf_counter()
+    runs = {}
+    for name, model in models.items():
+        step, _, _ = make_step(model, config)
+        runs[name] = {
+            "step": step,
+            "evaluate": evaluator(model),
+            "train_bpb": [],
+            "step_s": [],
+            "eval_steps": [],
+            "val_bpb": [],
+            "window_bpb": np.zeros(0),
+            "eval_s": 0.0,
+        }
     for i in range(config.steps):
-        batch = train_windows(corpus.train, config.batch, context, config.seed, i)
-        start = time.perf_counter()
-        loss = float(step(tf.constant(batch)))
-        step_times.append(time.perf_counter() - start)
-        train_bpb.append(loss)
-        logs = {"loss_bpb": loss}
-        if (i + 1) % config.eval_every == 0 or i + 1 == config.steps:
+        batch = tf.constant(train_windows(corpus.train, config.batch, context, config.seed, i))
+        evaluate_now = (i + 1) % config.eval_every == 0 or i + 1 == config.steps
+        logs: Dict[str, Dict[str, float]] = {}
+        for name, run in runs.items():
             start = time.perf_counter()
-            window_bpb = evaluate(windows, config.eval_batch)
-            eval_s += time.perf_counter() - start
-            eval_steps.append(i + 1)
-            val_bpb.append(float(window_bpb.mean()))
-            logs["val_bpb"] = val_bpb[-1]
+            loss = float(run["step"](batch))
+            run["step_s"].append(time.perf_counter() - start)
+            run["train_bpb"].append(loss)
+            logs[name] = {"loss_bpb": loss}
+        if evaluate_now:
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run["window_bpb"] = run["evaluate"](windows, config.eval_batch)
+                run["eval_s"] += time.perf_counter() - start
+                run["eval_steps"].append(i + 1)
+                run["val_bpb"].append(float(run["window_bpb"].mean()))
+                logs[name]["val_bpb"] = run["val_bpb"][-1]
         if progress is not None:
             progress(i + 1, logs)
-    train_s = time.perf_counter() - start_all - eval_s
-    timed = step_times[3:] if len(step_times) > 3 else step_times
-    return {
-        "eval_steps": eval_steps,
-        "val_bpb": val_bpb,
-        "train_bpb": train_bpb,
-        "window_bpb": window_bpb.tolist(),
-        "final_val_bpb": val_bpb[-1],
-        "steps_per_s": len(timed) / sum(timed),
-        "train_s": train_s,
-        "eval_s": eval_s,
-        "params": parameter_counts(model),
-    }
+    results = {}
+    for name, run in runs.items():
+        timed = run["step_s"][3:] if len(run["step_s"]) > 3 else run["step_s"]
+        results[name] = {
+            "eval_steps": run["eval_steps"],
+            "val_bpb": run["val_bpb"],
+            "train_bpb": run["train_bpb"],
+            "window_bpb": run["window_bpb"].tolist(),
+            "final_val_bpb": run["val_bpb"][-1],
+            "steps_per_s": len(timed) / sum(timed),
+            "train_s": float(sum(run["step_s"])),
+            "eval_s": run["eval_s"],
+            "params": parameter_counts(models[name]),
+        }
+    return results
 
 
 # ----------------------------------------------------------------------------------------
@@ -651,7 +683,7 @@ def run_options(args: argparse.Namespace) -> LMRunOptions:
     if args.quick:
         steps, eval_every, windows = 30, 10, 32
     elif args.lm_long:
-        steps, eval_every, windows = 3000, 250, 1024
+        steps, eval_every, windows = 2000, 200, 1024
     else:
         defaults = LMTrainConfig()
         steps, eval_every, windows = defaults.steps, defaults.eval_every, defaults.eval_windows
@@ -695,18 +727,27 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
         configs[MEMORY] = memory_config
 
     windows = eval_windows(corpus.validation, train.eval_windows, options.model.context)
-    results: Dict[str, Dict[str, Any]] = {}
-    for index, (name, config) in enumerate(configs.items(), 1):
-        print(f"[{index}/{len(configs)}] {name}")
-        keras.utils.set_random_seed(train.seed)
-        model = ByteLM(config)
-        bar = keras.utils.Progbar(
-            train.steps, unit_name="step", stateful_metrics=["loss_bpb", "val_bpb"]
-        )
-        result = train_lm(model, corpus, train, lambda i, logs: bar.update(i, list(logs.items())))
-        result["memory_stats"] = memory_statistics(model, windows, train.eval_batch)
-        results[name] = result
-        del model
+    models = {name: build_model(config, train.seed) for name, config in configs.items()}
+    short = {BASELINE: "base", MEMORY: "pkm"}
+    metrics = [f"{short[name]}_{key}" for name in models for key in ("loss", "val")]
+    print(
+        f"Training {' and '.join(models)} in lockstep (each step, one batch for each model in "
+        "turn); losses and validation in bits per byte:"
+    )
+    bar = keras.utils.Progbar(train.steps, unit_name="step", stateful_metrics=metrics)
+
+    def report(step: int, logs: Dict[str, Dict[str, float]]) -> None:
+        values = []
+        for name, model_logs in logs.items():
+            values.append((f"{short[name]}_loss", model_logs["loss_bpb"]))
+            if "val_bpb" in model_logs:
+                values.append((f"{short[name]}_val", model_logs["val_bpb"]))
+        bar.update(step, values)
+
+    results = train_models(models, corpus, train, report)
+    for name, model in models.items():
+        results[name]["memory_stats"] = memory_statistics(model, windows, train.eval_batch)
+    del models
 
     print(
         f"\nAfter {train.steps} steps (validation: {train.eval_windows} windows of Python "
@@ -740,7 +781,8 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
     print(
         "bpb: bits per byte, mean cross-entropy over every predicted byte of the windows. "
         f"steps/s: training steps only (forward, gradients, updates; tf.function, {threads} "
-        "threads), after 3 warm-up steps; train s includes tracing, not evaluation."
+        "threads), after 3 warm-up steps, both models timed in the same interleaved run; "
+        "train s: all training steps, tracing included, evaluation not."
     )
 
     document = {

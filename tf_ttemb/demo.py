@@ -1274,12 +1274,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lm-steps",
         type=_positive_int,
         default=None,
-        help="pkm_lm: training steps per model (default: 250; 3000 with --lm-long)",
+        help="pkm_lm: training steps per model (default: 200; 2000 with --lm-long)",
     )
     parser.add_argument(
         "--lm-long",
         action="store_true",
-        help="pkm_lm: a longer run, 3000 steps per model and 1024 validation windows "
+        help="pkm_lm: a longer run, 2000 steps per model and 1024 validation windows "
         "(about 10x the default's time)",
     )
     parser.add_argument(
