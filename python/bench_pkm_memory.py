@@ -36,8 +36,9 @@ What is measured, per variant, each in fresh worker processes:
   the OS when freed (the peak is that of live memory). The max over `--memory-steps`
   steps. The same for a forward pass alone (inference mode).
 * Time: median (and min) wall-clock time of the step and of the forward pass over
-  `--repeats` calls after one warm-up call, in a worker with the default allocator
-  settings.
+  `--repeats` calls after one warm-up call, in one worker with the default allocator
+  settings that holds all the variants' layers and calls them round-robin, so that load
+  from other processes (the timings are of a shared machine) affects them alike.
 * Held bytes: the step's outputs and gradients (the least any implementation must hold
   when it returns them), and the number U of distinct slots in the values gradient.
 * A check that the variants compute the same output and values gradient (inner
@@ -176,14 +177,8 @@ def worker_main(spec: Dict[str, Any]) -> None:
     util.write_worker_result(spec, result)
 
 
-def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    import tensorflow as tf
-
-    shape = Shape(**spec["shape"])
-    layer = _layer(shape, spec["variant"])
-    rng = np.random.default_rng([shape.seed, 1])
-    x = tf.constant(rng.standard_normal((shape.batch, shape.seq, shape.dim), np.float32))
-    upstream = tf.constant(rng.standard_normal((shape.batch, shape.seq, shape.dim), np.float32))
+def _step_functions(tf: Any, layer: Any) -> tuple:
+    """`step(x, upstream)` (training forward + all gradients) and `forward(x)`, traced."""
     variables = layer.trainable_variables
 
     @tf.function
@@ -199,13 +194,58 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         return layer(x, training=False)
 
     names = ["output", "inputs"] + [v.name for v in variables]
-    if spec["mode"] == "time":
-        repeats = spec["repeats"]
-        return {
-            "ok": True,
-            "step": util.time_calls(lambda: step(x, upstream), 1, repeats).to_json(),
-            "forward": util.time_calls(lambda: forward(x), 1, repeats).to_json(),
+    return step, forward, names
+
+
+def _inputs(tf: Any, shape: Shape) -> tuple:
+    rng = np.random.default_rng([shape.seed, 1])
+    size = (shape.batch, shape.seq, shape.dim)
+    x = tf.constant(rng.standard_normal(size, np.float32))
+    upstream = tf.constant(rng.standard_normal(size, np.float32))
+    return x, upstream
+
+
+def _time_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Times every variant in one process, round-robin, so load changes hit all alike."""
+    import time
+
+    import tensorflow as tf
+
+    shape = Shape(**spec["shape"])
+    x, upstream = _inputs(tf, shape)
+    calls = {}
+    for variant in spec["variants"]:
+        step, forward, _ = _step_functions(tf, _layer(shape, variant))
+        step(x, upstream)  # warm-up: tracing, first-run allocations
+        forward(x)
+        calls[variant] = {"step": lambda s=step: s(x, upstream), "forward": lambda f=forward: f(x)}
+    samples = {v: {"step": [], "forward": []} for v in calls}
+    for _ in range(spec["repeats"]):
+        for kind in ("step", "forward"):
+            for variant, fns in calls.items():
+                start = time.perf_counter()
+                fns[kind]()
+                samples[variant][kind].append((time.perf_counter() - start) * 1e3)
+    timings = {
+        variant: {
+            kind: {"median_ms": float(np.median(values)), "min_ms": float(np.min(values)),
+                   "repeats": len(values)}
+            for kind, values in kinds.items()
         }
+        for variant, kinds in samples.items()
+    }
+    return {"ok": True, "timings": timings}
+
+
+def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    if spec["mode"] == "time":
+        return _time_worker(spec)
+    import tensorflow as tf
+
+    shape = Shape(**spec["shape"])
+    layer = _layer(shape, spec["variant"])
+    x, upstream = _inputs(tf, shape)
+    step, forward, names = _step_functions(tf, layer)
 
     # Memory: warm up (tracing, thread pools, first-run allocations), then measure.
     step(x, upstream)
@@ -288,21 +328,23 @@ def measure(args: argparse.Namespace, shape: Shape) -> Dict[str, Dict[str, Any]]
             dict(base, variant=variant, mode="memory"),
             {"MALLOC_MMAP_THRESHOLD_": "65536", "TF_CPU_ALLOCATOR_USE_BFC": None},
         )
+        results[variant] = memory
         if not memory.get("ok"):
-            results[variant] = memory
             util.log(f"{label}: failed\n{memory.get('error')}")
-            continue
-        util.log(f"{label}: time ...")
-        timing = util.run_worker(
-            script,
-            dict(base, variant=variant, mode="time"),
-            {"MALLOC_MMAP_THRESHOLD_": None, "TF_CPU_ALLOCATOR_USE_BFC": None},
-        )
-        if not timing.get("ok"):
-            results[variant] = timing
-            util.log(f"{label}: failed\n{timing.get('error')}")
-            continue
-        results[variant] = dict(memory, time=timing)
+    timed = [v for v in args.variants if results[v].get("ok")]
+    util.log(f"time: {', '.join(timed)}, round-robin in one process ...")
+    timing = util.run_worker(
+        script,
+        dict(base, variants=timed, mode="time"),
+        {"MALLOC_MMAP_THRESHOLD_": None, "TF_CPU_ALLOCATOR_USE_BFC": None},
+    )
+    for variant in timed:
+        if timing.get("ok"):
+            results[variant]["time"] = timing["timings"][variant]
+        else:
+            results[variant] = dict(results[variant], ok=False, error=timing.get("error"))
+    if not timing.get("ok"):
+        util.log(f"timing failed\n{timing.get('error')}")
     return results
 
 
