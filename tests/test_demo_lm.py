@@ -216,9 +216,10 @@ def test_baseline_model_builds_and_trains_one_step(rng):
 
 @needs_memory
 def test_memory_model_builds_and_trains_one_step(rng):
-    config = lm.dataclasses.replace(TINY, memory=True)
+    config = lm.dataclasses.replace(TINY, memory=True, n_keys=32)  # 1,024 slots
     model = lm.ByteLM(config)
     assert model(tf.constant(rng.integers(0, 256, (3, 8)))).shape == (3, 8, lm.VOCAB)
+    assert isinstance(model.memory(), lm.tf_ttemb.layers.ProductKeyMemory)
     values = lm.memory_values(model)
     assert tuple(values.shape) == (config.n_keys**2, config.d_model)
     counts = lm.parameter_counts(model)
@@ -227,9 +228,16 @@ def test_memory_model_builds_and_trains_one_step(rng):
     step, _, sparse = lm.make_step(model, lm.LMTrainConfig(steps=5, batch=4, warmup=1))
     table = values.numpy().copy()
     window = tf.constant(rng.integers(0, 256, (4, 9)), tf.uint8)
-    assert np.isfinite(float(step(window)))
-    changed = np.any(values.numpy() != table, axis=1)
-    assert 0 < changed.sum() <= 4 * 8 * config.memory_heads * config.knn  # rows read only
+    with tf.GradientTape() as tape:
+        logits = model(tf.cast(window[:, :-1], tf.int32), training=True)
+        loss = tf.reduce_mean(lm.window_bits_per_byte(logits, window[:, 1:]))
+    grad = tape.gradient(loss, values)
+    assert isinstance(grad, tf.IndexedSlices)  # the slots this batch read
+    read = set(grad.indices.numpy().tolist())
+    assert 0 < len(read) < config.n_keys**2
+    assert np.isfinite(float(step(window)))  # same batch, same weights: same slots read
+    changed = set(np.flatnonzero(np.any(values.numpy() != table, axis=1)).tolist())
+    assert changed == read  # the lazy Adam moved exactly the rows read
     assert int(sparse.iterations) == 1
     assert model.memory_inputs(window[:, :-1]).shape == (4, 8, config.d_model)
     windows = rng.integers(0, 256, (5, 9)).astype(np.uint8)
@@ -287,6 +295,7 @@ def test_verdict_is_computed_from_the_numbers(rng):
     base = 2.0 + 0.1 * rng.standard_normal(200)
     lower = lm.verdict(_fake_results(base - 0.05, base))
     assert "lower by 0.050" in lower and "0.50x the baseline's steps/s" in lower
+    assert "-0.050 ± 0.000 bpb" in lower
     assert "10.0x its parameters" in lower and "At 10 equal steps" in lower
     assert "higher by 0.050" in lm.verdict(_fake_results(base + 0.05, base))
     noisy = base + 0.2 * rng.standard_normal(200) * np.sign(rng.standard_normal(200))
@@ -317,3 +326,13 @@ def test_run_options_default_quick_long_and_steps():
     assert (explicit.steps, explicit.batch, explicit.eval_every) == (12, 3, 3)
     assert "pkm_lm" in _args().sections
 
+
+
+def test_plot_writes_a_png(tmp_path, rng):
+    pytest.importorskip("matplotlib")
+    results = _fake_results(2.0 + rng.random(8), 2.1 + rng.random(8))
+    for r in results.values():
+        r.update(eval_steps=[5, 10], val_bpb=[3.0, 2.5], train_bpb=list(8.0 - 0.5 * np.arange(10)))
+    path = tmp_path / "pkm_lm.png"
+    assert lm._plot(str(path), results, "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -615,7 +615,10 @@ def verdict(results: Dict[str, Dict[str, Any]]) -> str:
     mean, se = paired_difference(mem["window_bpb"], base["window_bpb"])
     speed = mem["steps_per_s"] / base["steps_per_s"]
     relative = 100.0 * mean / base["final_val_bpb"]
-    noise = f"{mean:+.3f} ± {2 * se:.3f} bpb (2 standard errors over the validation windows)"
+    noise = (
+        f"{mean:+.3f} ± {2 * se:.3f} bpb (2 standard errors over the validation windows, "
+        "one training seed)"
+    )
     if mean + 2 * se < 0:
         quality = f"the memory model's validation bpb is lower by {-mean:.3f} ({-relative:.1f}%)"
     elif mean - 2 * se > 0:
@@ -659,6 +662,10 @@ def _plot(path: str, results: Dict[str, Dict[str, Any]], title: str) -> bool:
         )
     left.set_ylabel("validation bits per byte, lower is better")
     right.set_ylabel("training loss (bits per byte)")
+    # Leave out the first steps' ~8 bits, which would flatten the rest of the curves.
+    later = [v for r in results.values() for v in r["train_bpb"][len(r["train_bpb"]) // 20 :]]
+    if later:
+        right.set_ylim(min(later) - 0.1, max(later) + 0.1)
     for axes in (left, right):
         axes.set_xlabel("training step")
         axes.grid(True, alpha=0.3)
