@@ -1,6 +1,7 @@
 """tf_ttemb: a fused EmbeddingBag op and Keras 3 layer for TensorFlow.
 
-`tf_ttemb.gather_reduce_sum` is the op, `tf_ttemb.layers.EmbeddingBag` the Keras 3 layer.
+`tf_ttemb.gather_reduce_sum` is the op, `tf_ttemb.layers.EmbeddingBag` the Keras 3 layer,
+`tf_ttemb.optimizers` the row-sparse optimizers (`LazyAdam`, `RowWiseAdagrad`) for them.
 Importing the package registers the custom ops when the op library loads (so a
 SavedModel that uses them can be loaded next), but never fails because of it: a missing
 or stale library is reported on the first use of the custom op.
@@ -9,6 +10,7 @@ or stale library is reported on the first use of the custom op.
 __version__ = "0.1.0"
 
 from tf_ttemb import layers
+from tf_ttemb import optimizers
 from tf_ttemb import tt
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
@@ -16,4 +18,12 @@ from tf_ttemb.ops.tt_embedding import tt_embedding_bag, tt_rows
 
 _loader.try_load_op_library()
 
-__all__ = ["__version__", "gather_reduce_sum", "layers", "tt", "tt_embedding_bag", "tt_rows"]
+__all__ = [
+    "__version__",
+    "gather_reduce_sum",
+    "layers",
+    "optimizers",
+    "tt",
+    "tt_embedding_bag",
+    "tt_rows",
+]
