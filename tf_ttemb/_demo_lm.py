@@ -23,8 +23,10 @@ version, which the section prints).
   on a shared machine both are timed under the same load), the same number of steps,
   with Adam and one warm-up + cosine schedule; the
   memory's value table (its gradient is a `tf.IndexedSlices` over the slots a batch
-  read) gets its own learning rate and a lazy (row-sparse) Adam, like the paper's sparse
-  Adam: only the rows a step read, and their moments, change.
+  read) gets its own learning rate and `tf_ttemb.optimizers.LazyAdam`, a row-sparse Adam
+  like the paper's sparse Adam: only the rows a step read, and their moments, change
+  (Keras' Adam would densify the gradient and move every row every step). Unlike
+  PyTorch's SparseAdam, its bias correction counts each row's own updates.
 """
 
 from __future__ import annotations
@@ -373,59 +375,6 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         return {"peak": self.peak, "warmup": self.warmup, "total": self.total, "final": self.final}
 
 
-def _resource(variable: Any) -> tf.Variable:
-    """The tf.Variable behind a Keras variable (or the variable itself)."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-class LazyAdam:
-    """Adam that changes only the rows a gradient touches (like PyTorch's SparseAdam).
-
-    For an `IndexedSlices` gradient, each listed row's moments and value take one Adam
-    step (repeated rows are summed first); other rows and their moments stay as they are.
-    Bias correction uses the number of steps taken, as in Adam. Keras' Adam would densify
-    such a gradient and move every row of the table every step.
-    """
-
-    def __init__(
-        self,
-        variable: Any,
-        learning_rate: Callable[[tf.Tensor], tf.Tensor],
-        beta_1: float = 0.9,
-        beta_2: float = 0.999,
-        epsilon: float = 1e-8,
-    ):
-        self.variable = _resource(variable)
-        self.learning_rate = learning_rate
-        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        zeros = tf.zeros(self.variable.shape, self.variable.dtype)
-        self.m = tf.Variable(zeros, trainable=False, name="lazy_adam_m")
-        self.v = tf.Variable(zeros, trainable=False, name="lazy_adam_v")
-        self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name="lazy_adam_t")
-
-    def apply(self, gradient: Any) -> None:
-        """One step with `gradient` (`tf.IndexedSlices`, or a dense tensor for all rows)."""
-        if isinstance(gradient, tf.IndexedSlices):
-            rows, position = tf.unique(gradient.indices)
-            grad = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
-        else:
-            rows = tf.range(tf.shape(self.variable)[0])
-            grad = tf.convert_to_tensor(gradient)
-        dtype = self.variable.dtype
-        grad = tf.cast(grad, dtype)
-        t = tf.cast(self.iterations + 1, dtype)
-        lr = tf.cast(self.learning_rate(self.iterations), dtype)
-        alpha = lr * tf.sqrt(1.0 - self.beta_2**t) / (1.0 - self.beta_1**t)
-        m = self.beta_1 * tf.gather(self.m, rows) + (1.0 - self.beta_1) * grad
-        v = self.beta_2 * tf.gather(self.v, rows) + (1.0 - self.beta_2) * tf.square(grad)
-        self.m.scatter_update(tf.IndexedSlices(m, rows))
-        self.v.scatter_update(tf.IndexedSlices(v, rows))
-        self.variable.scatter_sub(
-            tf.IndexedSlices(alpha * m / (tf.sqrt(v) + self.epsilon), rows)
-        )
-        self.iterations.assign_add(1)
-
-
 @dataclasses.dataclass(frozen=True)
 class LMTrainConfig:
     """How both models are trained and evaluated (the same for both)."""
@@ -433,7 +382,7 @@ class LMTrainConfig:
     steps: int = 200
     batch: int = 16
     lr: float = 2e-3  # Adam, peak of the schedule, everything but the memory values
-    values_lr: float = 1e-3  # lazy Adam on the memory values (the paper's 1e-3)
+    values_lr: float = 1e-3  # LazyAdam on the memory values (the paper's 1e-3)
     warmup: int = 40
     eval_every: int = 40
     eval_windows: int = 256
@@ -443,17 +392,22 @@ class LMTrainConfig:
 
 def make_step(
     model: ByteLM, config: LMTrainConfig
-) -> Tuple[Callable[[tf.Tensor], tf.Tensor], keras.optimizers.Optimizer, Optional[LazyAdam]]:
-    """The training step (a `tf.function`: forward, gradients, updates; returns the loss
-    in bits per byte) and its optimizers. `model` must be built."""
+) -> Tuple[Callable[[tf.Tensor], tf.Tensor], keras.Optimizer, Optional[keras.Optimizer]]:
+    """The training step and its optimizers: Adam, and LazyAdam for the memory values.
+
+    The step is a `tf.function` (forward, gradients, updates) that returns the loss in
+    bits per byte. `model` must be built. The second optimizer is None without memory.
+    """
     values = memory_values(model)
-    values_key = None if values is None else id(_resource(values))
-    dense_vars = [v for v in model.trainable_variables if id(_resource(v)) != values_key]
+    dense_vars = [v for v in model.trainable_variables if v is not values]
     adam = keras.optimizers.Adam(WarmupCosine(config.lr, config.warmup, config.steps))
     adam.build(dense_vars)
     sparse = None
     if values is not None:
-        sparse = LazyAdam(values, WarmupCosine(config.values_lr, config.warmup, config.steps))
+        sparse = tf_ttemb.optimizers.LazyAdam(
+            WarmupCosine(config.values_lr, config.warmup, config.steps)
+        )
+        sparse.build([values])
     train_vars = dense_vars + ([values] if values is not None else [])
 
     @tf.function(input_signature=[tf.TensorSpec([None, None], tf.uint8)])
@@ -466,7 +420,7 @@ def make_step(
         grads = tape.gradient(loss, train_vars)
         adam.apply(grads[: len(dense_vars)], dense_vars)
         if sparse is not None:
-            sparse.apply(grads[-1])
+            sparse.apply(grads[-1:], [values])
         return loss
 
     return step, adam, sparse
@@ -722,7 +676,7 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
     print(
         f"Training: {train.steps} steps x {train.batch} windows of {options.model.context} "
         f"bytes (same batches for both), Adam lr {train.lr:g} with {train.warmup} warm-up "
-        f"steps and cosine decay to 10%; memory values: lazy (row-sparse) Adam, lr "
+        f"steps and cosine decay to 10%; memory values: tf_ttemb.optimizers.LazyAdam, lr "
         f"{train.values_lr:g}, same schedule. Validation: {train.eval_windows} fixed windows "
         f"({train.eval_windows * options.model.context:,} predicted bytes), every "
         f"{train.eval_every} steps and at the end."
