@@ -31,7 +31,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
 
 _DESCRIPTION = "tf_ttemb: a fused EmbeddingBag op (and more) for TensorFlow and Keras 3."
 _EPILOG = """examples:
-  python -m tf_ttemb demo                    # about 2 minutes on 2 CPU cores
+  python -m tf_ttemb demo                    # about 6-8 minutes on 2 CPU cores
   python -m tf_ttemb demo --quick --out /tmp/demo
   python -m tf_ttemb demo --help"""
 
