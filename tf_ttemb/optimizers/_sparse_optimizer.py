@@ -23,7 +23,8 @@ such a gradient or cannot take one at all. This base keeps the gradient sparse f
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -37,7 +38,14 @@ def compute_dtype(variable: Any) -> tf.DType:
     return tf.float32 if dtype in _HALF_DTYPES else dtype
 
 
-def deduplicate(gradient: tf.IndexedSlices, dtype: tf.DType) -> Tuple[tf.Tensor, tf.Tensor]:
+def as_dtype(value: Any, dtype: tf.DType) -> tf.Tensor:
+    """`value` in `dtype`: a Python number directly (`tf.cast` would round it to float32 first)."""
+    if isinstance(value, numbers.Number):
+        return tf.constant(value, dtype)
+    return tf.cast(value, dtype)
+
+
+def deduplicate(gradient: tf.IndexedSlices, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
     """Sums the rows of `gradient` that share an index.
 
     Returns:
@@ -67,7 +75,7 @@ class _DivisibleSlices:
     def __truediv__(self, scale: Any) -> tf.IndexedSlices:
         values = self.slices.values
         return tf.IndexedSlices(
-            values / tf.cast(scale, values.dtype), self.slices.indices, self.slices.dense_shape
+            values / as_dtype(scale, values.dtype), self.slices.indices, self.slices.dense_shape
         )
 
 
@@ -125,7 +133,7 @@ class SparseOptimizer(keras.optimizers.Optimizer):
     # ----------------------------------------------------------------------------------
     # Keras hooks.
 
-    def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None):
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None):
         """Applies `grads` like `keras.optimizers.Optimizer.apply`, keeping sparse ones sparse."""
         grads = list(grads)
         if any(isinstance(g, tf.IndexedSlices) for g in grads):
@@ -149,10 +157,12 @@ class SparseOptimizer(keras.optimizers.Optimizer):
                     "gradients (EmbeddingBag(dense_grad=True))."
                 )
             if self.loss_scale_factor is not None:
-                grads = [_DivisibleSlices(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+                grads = [
+                    _DivisibleSlices(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+                ]
         return super().apply(grads, trainable_variables)
 
-    def _clip_gradients(self, grads: List[Any]) -> List[Any]:
+    def _clip_gradients(self, grads: list[Any]) -> list[Any]:
         clipping = any(
             value is not None and value > 0
             for value in (self.clipnorm, self.clipvalue, self.global_clipnorm)
@@ -167,7 +177,9 @@ class SparseOptimizer(keras.optimizers.Optimizer):
             return [None if g is None else _map_values(g, self._clip_value) for g in grads]
         present = [_values(g) for g in grads if g is not None]
         norm_dtype = tf.float64 if any(x.dtype == tf.float64 for x in present) else tf.float32
-        norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(x, norm_dtype))) for x in present]))
+        norm = tf.sqrt(
+            tf.add_n([tf.reduce_sum(tf.square(tf.cast(x, norm_dtype))) for x in present])
+        )
         clip = tf.constant(self.global_clipnorm, norm_dtype)
         # clip / max(norm, clip); a non-finite norm gives NaN, as in Keras.
         scale = clip * tf.minimum(1.0 / norm, 1.0 / clip) + (norm - norm)
@@ -194,7 +206,7 @@ class SparseOptimizer(keras.optimizers.Optimizer):
         lr = tf.cast(learning_rate, dtype)
         decay = None
         if self.weight_decay is not None and self._use_weight_decay(variable):
-            decay = tf.cast(self.weight_decay, dtype)
+            decay = as_dtype(self.weight_decay, dtype)
         if isinstance(gradient, tf.IndexedSlices):
             rows, values = deduplicate(gradient, dtype)
             self._sparse_update(rows, values, variable, lr, decay)
@@ -207,12 +219,12 @@ class SparseOptimizer(keras.optimizers.Optimizer):
         values: tf.Tensor,
         variable: Any,
         lr: tf.Tensor,
-        decay: Optional[tf.Tensor],
+        decay: tf.Tensor | None,
     ) -> None:
         raise NotImplementedError
 
     def _dense_update(
-        self, gradient: tf.Tensor, variable: Any, lr: tf.Tensor, decay: Optional[tf.Tensor]
+        self, gradient: tf.Tensor, variable: Any, lr: tf.Tensor, decay: tf.Tensor | None
     ) -> None:
         raise NotImplementedError
 
@@ -221,9 +233,16 @@ class SparseOptimizer(keras.optimizers.Optimizer):
 
     @staticmethod
     def _read_rows(state: Any, rows: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-        """Rows of a variable (Keras or TF), read in place (no copy of the whole variable)."""
+        """Rows of a variable (Keras or TF), read in place (no copy of the whole variable).
+
+        Through the handle: inside `tf.distribute` updates it is the local copy's, where
+        `tf.gather` on a distributed variable would first read the whole of it.
+        """
         variable = state.value if isinstance(state, keras.Variable) else state
-        return tf.cast(tf.gather(variable, rows), dtype)
+        values = tf.raw_ops.ResourceGather(
+            resource=variable.handle, indices=rows, dtype=variable.dtype
+        )
+        return tf.cast(values, dtype)
 
     def _write_rows(self, state: Any, rows: tf.Tensor, values: tf.Tensor) -> None:
         self.assign(state, tf.IndexedSlices(values, rows))

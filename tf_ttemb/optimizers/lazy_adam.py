@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -104,7 +104,7 @@ class LazyAdam(_base.SparseOptimizer):
         self.beta_2 = beta_2
         self.epsilon = epsilon
 
-    def build(self, var_list: List[Any]) -> None:
+    def build(self, var_list: list[Any]) -> None:
         """Creates the moments and the per-row step counts of each variable.
 
         For a variable of shape [N, ...]: `momentum` and `velocity` [N, ...] (float32 for
@@ -114,9 +114,9 @@ class LazyAdam(_base.SparseOptimizer):
         if self.built:
             return
         super().build(var_list)
-        self._momentums: List[Optional[keras.Variable]] = []
-        self._velocities: List[Optional[keras.Variable]] = []
-        self._row_steps: List[Optional[keras.Variable]] = []
+        self._momentums: list[keras.Variable | None] = []
+        self._velocities: list[keras.Variable | None] = []
+        self._row_steps: list[keras.Variable | None] = []
         for variable in var_list:
             if getattr(variable, "overwrite_with_gradient", False):
                 for state in (self._momentums, self._velocities, self._row_steps):
@@ -135,8 +135,8 @@ class LazyAdam(_base.SparseOptimizer):
     def _step_sizes(self, steps: tf.Tensor, lr: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
         """lr · sqrt(1 - beta_2^k) / (1 - beta_1^k) for per-row step counts k (>= 1)."""
         k = tf.cast(steps, dtype)
-        beta_1_power = tf.pow(tf.cast(self.beta_1, dtype), k)
-        beta_2_power = tf.pow(tf.cast(self.beta_2, dtype), k)
+        beta_1_power = tf.pow(_base.as_dtype(self.beta_1, dtype), k)
+        beta_2_power = tf.pow(_base.as_dtype(self.beta_2, dtype), k)
         return lr * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
     def _sparse_update(self, rows, values, variable, lr, decay) -> None:

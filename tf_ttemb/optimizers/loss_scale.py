@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -40,9 +41,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def check_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Whether every gradient is finite; `IndexedSlices` are checked by their values."""
         checks = [
-            tf.reduce_all(
-                tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
-            )
+            tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
             for g in grads
             if g is not None
         ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -98,13 +98,18 @@ class RowWiseAdagrad(_base.SparseOptimizer):
         self.initial_accumulator_value = initial_accumulator_value
         self.epsilon = epsilon
 
-    def build(self, var_list: List[Any]) -> None:
+    def build(self, var_list: list[Any]) -> None:
         """Creates one `accumulator` of shape [N] per variable of shape [N, ...] ([] for a scalar)."""
         if self.built:
             return
         super().build(var_list)
-        self._accumulators: List[Optional[keras.Variable]] = []
-        initializer = keras.initializers.Constant(self.initial_accumulator_value)
+        self._accumulators: list[keras.Variable | None] = []
+        value = self.initial_accumulator_value
+
+        def initializer(shape: Any, dtype: Any = None) -> tf.Tensor:
+            # The value in the accumulator's dtype (Keras' Constant rounds it to float32).
+            return tf.fill(shape, tf.constant(value, dtype))
+
         for variable in var_list:
             if getattr(variable, "overwrite_with_gradient", False):
                 self._accumulators.append(None)
