@@ -165,11 +165,15 @@ def assert_rows_unchanged(before, after, touched):
         np.testing.assert_array_equal(after[key][keep], old[keep], err_msg=key)
 
 
-def random_slices(rng, num_rows, row_shape, dtype, max_entries=12):
-    """A random IndexedSlices gradient with repeated rows (possibly none)."""
+def random_slices(rng, num_rows, row_shape, dtype, max_entries=12, sorted_unique=False):
+    """A random IndexedSlices gradient with a repeated row, or with strictly increasing
+    rows (as `gather_reduce_sum` gives, which skips deduplication)."""
     count = int(rng.integers(1, max_entries + 1))
-    indices = rng.integers(0, num_rows, size=count)
-    indices[-1] = indices[0]  # at least one duplicate
+    if sorted_unique:
+        indices = np.sort(rng.choice(num_rows, size=count, replace=False))
+    else:
+        indices = rng.integers(0, num_rows, size=count)
+        indices[-1] = indices[0]
     values = rng.normal(size=(count,) + tuple(row_shape))
     slices = tf.IndexedSlices(
         tf.constant(values, dtype),
@@ -233,8 +237,10 @@ def test_sparse_steps_match_reference(rng, kind, dtype, row_shape, in_function):
 
     if in_function:
         apply = tf.function(apply)
-    for _ in range(5):
-        slices, indices, values = random_slices(rng, num_rows, row_shape, dtype)
+    for step in range(5):
+        slices, indices, values = random_slices(
+            rng, num_rows, row_shape, dtype, sorted_unique=step % 2 == 1
+        )
         before = raw_state(optimizer, variable)
         apply(slices)
         reference.sparse(LR, indices, values)

@@ -48,15 +48,22 @@ def as_dtype(value: Any, dtype: tf.DType) -> tf.Tensor:
 def deduplicate(gradient: tf.IndexedSlices, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
     """Sums the rows of `gradient` that share an index.
 
+    Indices that are already strictly increasing (as in the gradients of
+    `tf_ttemb.gather_reduce_sum`) are used as they are, after an O(U) check.
+
     Returns:
-      `(rows, values)`: the distinct indices [U] (in order of first occurrence) and their
-      summed values [U, ...] in `dtype`.
+      `(rows, values)`: the distinct indices [U] and their summed values [U, ...] in
+      `dtype`.
     """
-    rows, position = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(
-        tf.cast(gradient.values, dtype), position, tf.shape(rows)[0]
-    )
-    return rows, values
+    indices = gradient.indices
+    values = tf.cast(gradient.values, dtype)
+
+    def summed() -> tuple[tf.Tensor, tf.Tensor]:
+        rows, position = tf.unique(indices)
+        return rows, tf.math.unsorted_segment_sum(values, position, tf.shape(rows)[0])
+
+    strictly_increasing = tf.reduce_all(indices[1:] > indices[:-1])
+    return tf.cond(strictly_increasing, lambda: (indices, values), summed)
 
 
 def row_shaped(per_row: tf.Tensor, rank: int) -> tf.Tensor:
@@ -247,8 +254,22 @@ class SparseOptimizer(keras.optimizers.Optimizer):
     def _write_rows(self, state: Any, rows: tf.Tensor, values: tf.Tensor) -> None:
         self.assign(state, tf.IndexedSlices(values, rows))
 
-    def _subtract_rows(self, state: Any, rows: tf.Tensor, values: tf.Tensor) -> None:
-        self.assign_sub(state, tf.IndexedSlices(values, rows))
+    def _step_rows(
+        self,
+        variable: Any,
+        rows: tf.Tensor,
+        delta: tf.Tensor,
+        lr: tf.Tensor,
+        decay: tf.Tensor | None,
+    ) -> None:
+        """w[rows] = w[rows] - w[rows] * decay * lr - delta (Keras' order: decay first).
+
+        Read, computed and written back: faster on CPU than a ResourceScatterSub.
+        """
+        w = self._read_rows(variable, rows, delta.dtype)
+        if decay is not None:
+            w = w - w * decay * lr
+        self._write_rows(variable, rows, w - delta)
 
 
 def _values(gradient: Any) -> tf.Tensor:

@@ -149,13 +149,12 @@ class LazyAdam(_base.SparseOptimizer):
         m_rows = m_rows + (values - m_rows) * (1 - self.beta_1)
         v_rows = v_rows + (tf.square(values) - v_rows) * (1 - self.beta_2)
         alpha = _base.row_shaped(self._step_sizes(steps, lr, dtype), rank)
-        delta = m_rows * alpha / (tf.sqrt(v_rows) + self.epsilon)
-        if decay is not None:
-            delta = delta + self._read_rows(variable, rows, dtype) * decay * lr
         self._write_rows(row_steps, rows, steps)
         self._write_rows(m, rows, m_rows)
         self._write_rows(v, rows, v_rows)
-        self._subtract_rows(variable, rows, delta)
+        self._step_rows(
+            variable, rows, m_rows * alpha / (tf.sqrt(v_rows) + self.epsilon), lr, decay
+        )
 
     def _dense_update(self, gradient, variable, lr, decay) -> None:
         m, v, row_steps = self._state(variable)

@@ -129,11 +129,8 @@ class RowWiseAdagrad(_base.SparseOptimizer):
         rank = len(variable.shape)
         sums = self._read_rows(accumulator, rows, values.dtype) + _row_mean_square(values, rank)
         scale = _base.row_shaped(lr / (tf.sqrt(sums) + self.epsilon), rank)
-        delta = values * scale
-        if decay is not None:
-            delta = delta + self._read_rows(variable, rows, values.dtype) * decay * lr
         self._write_rows(accumulator, rows, sums)
-        self._subtract_rows(variable, rows, delta)
+        self._step_rows(variable, rows, values * scale, lr, decay)
 
     def _dense_update(self, gradient, variable, lr, decay) -> None:
         accumulator = self._accumulators[self._get_variable_index(variable)]
