@@ -18,6 +18,11 @@ such a gradient or cannot take one at all. This base keeps the gradient sparse f
   sparse gradient into an update of every row, so a sparse gradient raises a
   `ValueError`; dense gradients accumulate as in Keras.
 * `use_ema`: as in Keras (a dense moving average of every variable, updated every step).
+
+Under `tf.distribute` (e.g. `MirroredStrategy`), Keras sums the replicas' gradients before
+`update_step`: sparse ones are concatenated, so rows that several replicas touched repeat
+and are summed here like any repeated row; clipping applies to each replica's gradients
+before they are summed, as in Keras.
 """
 
 from __future__ import annotations

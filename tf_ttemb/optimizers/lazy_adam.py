@@ -58,6 +58,9 @@ class LazyAdam(_base.SparseOptimizer):
     * `gradient_accumulation_steps` works for dense gradients; a sparse gradient raises a
       `ValueError` (Keras accumulates into a dense buffer, which would update every row).
 
+    Under `tf.distribute.MirroredStrategy` the replicas' sparse gradients are summed (rows
+    touched by several replicas once) and every replica applies the same sparse update.
+
     Variables of any rank: rows are slices along the first axis (an element of a rank-1
     variable; a scalar variable is one row). Optimizer state (both moments) is kept in
     the variable's dtype, and float32 for float16 and bfloat16 variables, in which the
