@@ -39,6 +39,26 @@ constexpr int64_t kMinSliceEntries = 64;
 constexpr int64_t kMaxSlices = 1024;
 // Weights gradient: consecutive entries per group.
 constexpr int64_t kWeightsGradEntries = 8;
+// Params-gradient run kernel (ReduceRunsKernel): segments per work item (one
+// per lane), 16-byte row vectors per lane in one step, steps in flight (each
+// warp has a ring of kRunStages steps of dy vectors in shared memory: 8 KB a
+// warp, 64 KB a block) and blocks per SM it is built for. Run 4 measured on
+// the PKM f32 backward (ms): 2 stages, 3 blocks/SM 1.55; 3 stages, 2 blocks/SM
+// (96 KB) 1.84; 3 stages with 4 vectors per lane (kReduceWideNV) 1.62; the
+// same walk with the steps in registers (no ring, 120 registers) 2.34.
+constexpr int kRunSegments = 32;
+#ifndef TTEMB_RUN_VECTORS
+#define TTEMB_RUN_VECTORS 8
+#endif
+constexpr int kRunVectors = TTEMB_RUN_VECTORS;
+#ifndef TTEMB_RUN_STAGES
+#define TTEMB_RUN_STAGES 2
+#endif
+constexpr int kRunStages = TTEMB_RUN_STAGES;
+#ifndef TTEMB_RUN_MIN_BLOCKS
+#define TTEMB_RUN_MIN_BLOCKS 3
+#endif
+constexpr int kRunSmemBytes = (kBlock / 32) * kRunStages * kRunVectors * 32 * 16;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 
 template <typename T>
@@ -152,6 +172,46 @@ __device__ __forceinline__ void FmaRawHalf(float w, const uint4& r, float (&acc)
     acc[2 * k + 1] = fma(w, f.y, acc[2 * k + 1]);
   }
 }
+// The V elements held in the raw 16 bytes of a row vector, as AccT<T>.
+template <typename T>
+__device__ __forceinline__ void RawToAcc(const uint4& r, AccT<T> (&f)[VecOf<T>()]) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(words[k] << 16);
+      f[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+    }
+  } else if constexpr (std::is_same<T, __half>::value) {
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      __half2 h;
+      memcpy(&h, &words[k], sizeof(h));
+      const float2 x = __half22float2(h);
+      f[2 * k] = x.x;
+      f[2 * k + 1] = x.y;
+    }
+  } else if constexpr (std::is_same<T, double>::value) {
+    f[0] = __hiloint2double(static_cast<int>(r.y), static_cast<int>(r.x));
+    f[1] = __hiloint2double(static_cast<int>(r.w), static_cast<int>(r.z));
+  } else {
+    f[0] = __uint_as_float(r.x);
+    f[1] = __uint_as_float(r.y);
+    f[2] = __uint_as_float(r.z);
+    f[3] = __uint_as_float(r.w);
+  }
+}
+
+// The raw 16 bytes of V accumulators rounded to T.
+template <typename T>
+__device__ __forceinline__ uint4 AccToRaw(const AccT<T> (&f)[VecOf<T>()]) {
+  Packet<T> o;
+#pragma unroll
+  for (int e = 0; e < VecOf<T>(); ++e) o.v[e] = FromAcc<T>(f[e]);
+  return *reinterpret_cast<const uint4*>(o.v);
+}
+
 template <typename T>
 __device__ __forceinline__ void FmaRawOf(AccT<T> w, const uint4& r,
                                          AccT<T> (&acc)[VecOf<T>()]) {
@@ -632,14 +692,18 @@ __global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [
 // Params gradient: preparation.
 
 // One thread per entry: key = id for valid entries, N (sorts last) for
-// padding and bad ids; value = the entry's position.
+// padding and bad ids; value = the entry's position. With bags (B >= 1), also
+// entry_bag[j] = the entry's bag (FindBag; the threads of a warp search for
+// neighbouring entries, so their loads of splits mostly coincide).
 template <typename Tindex, typename Key>
 __global__ void BuildSortKeysKernel(const Tindex* __restrict__ ids, int64_t nnz,
                                     int64_t num_rows, bool has_padding, int64_t padding_id,
+                                    const int64_t* __restrict__ splits, int64_t num_bags,
                                     Key* __restrict__ keys, int32_t* __restrict__ positions,
-                                    DeviceReport* report) {
+                                    int32_t* __restrict__ entry_bag, DeviceReport* report) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < nnz;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (num_bags > 0) entry_bag[j] = static_cast<int32_t>(FindBag(splits, num_bags, j));
     const int64_t id = static_cast<int64_t>(ids[j]);
     const bool pad = has_padding && id == padding_id;
     const bool valid = !pad && id >= 0 && id < num_rows;
@@ -758,6 +822,7 @@ __global__ void BagScalesKernel(const Tindex* __restrict__ ids,      // [nnz] or
 // scale[b] * w (sum, mean, sqrtn) or its position inside the bag (max).
 template <typename T>
 __global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  // [nnz] sorted
+                                      const int32_t* __restrict__ entry_bag,  // [nnz]
                                       const int64_t* __restrict__ splits,     // [B + 1]
                                       const T* __restrict__ weights,          // [nnz] or null
                                       const AccT<T>* __restrict__ scale,      // [B] or null
@@ -771,7 +836,7 @@ __global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  //
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < valid;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t pos = positions[k];
-    const int64_t b = FindBag(splits, num_bags, pos);
+    const int64_t b = entry_bag[pos];  // in [0, B)
     sorted_bag[k] = static_cast<int32_t>(b);
     if (is_max) {
       sorted_inbag[k] = static_cast<int32_t>(pos - splits[b]);
@@ -801,8 +866,9 @@ struct ReduceArgs {
   T* values;                     // [U, D] or null
   T* dense;                      // [N, D] or null
   const T* params;               // [N, D] (fusion) or null
-  AccT<T>* pdot;                 // [m, chunks] (fusion) or null
+  AccT<T>* pdot;                 // [chunks, nnz] (fusion) or null
   int64_t dim, dim_vecs, chunks, nnz, num_items;
+  int64_t seg_blocks;            // run kernel: blocks of kRunSegments segments
   int group;
   bool is_max;
 };
@@ -890,7 +956,7 @@ __device__ __forceinline__ void ReduceEntries(const ReduceArgs<T>& a, int64_t k0
           for (int e = 0; e < V; ++e) dot = fma(ToAcc(dy[u][i].v[e]), prow[i][e], dot);
         }
         dot = GroupSum(dot, mask, a.group);
-        if (lane == 0) a.pdot[(k + u) * a.chunks + chunk] = dot;
+        if (lane == 0) a.pdot[chunk * a.nnz + k + u] = dot;
       }
     }
   }
@@ -961,6 +1027,280 @@ __global__ void __launch_bounds__(kBlock, 2) ReduceSegmentsKernel(const ReduceAr
   }
 }
 
+// Sum over the 32 lanes of U values per lane (one per entry) at once: returns
+// in each lane the total of value e = lane >> (5 - log2 U), in every lane of
+// that lane's group of 32 / U. Each value gets GroupSum's additions (partners
+// at offsets 16, 8, ..., 1, own value first), so the totals are bitwise
+// GroupSum's; but each halving stage only sends the half of the values that
+// the partner keeps: U - 1 + 5 - log2 U shuffles for U values instead of 5 U.
+template <int U>
+__host__ __device__ constexpr int Log2Of() {
+  return U <= 1 ? 0 : 1 + Log2Of<U / 2>();
+}
+template <int U, typename A>
+__device__ __forceinline__ A WarpSumTransposed(A (&p)[U], int lane) {
+  constexpr int kStages = Log2Of<U>();
+#pragma unroll
+  for (int st = 0; st < kStages; ++st) {
+    const int half = U >> (st + 1);
+    const int offset = 16 >> st;
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < U / 2; ++i) {
+      if (i < half) {
+        const A send = upper ? p[i] : p[i + half];
+        const A keep = upper ? p[i + half] : p[i];
+        p[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+      }
+    }
+  }
+  A x = p[0];
+#pragma unroll
+  for (int offset = 16 >> kStages; offset > 0; offset >>= 1) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+// One 16-byte vector of a row, read once (params rows of the fused weights
+// gradient are used by one segment and chunk only), and one of the dense or
+// deduplicated gradient, written once: evict-first, so that they pass through
+// L2 without pushing out the dy rows (run 4, the walk with its steps in
+// registers: 2.34 -> 2.22 ms PKM f32 bwd).
+#ifndef TTEMB_RUN_HINTS
+#define TTEMB_RUN_HINTS 1
+#endif
+__device__ __forceinline__ uint4 LoadOnce(const uint4* p) {
+#if TTEMB_RUN_HINTS
+  return __ldcs(p);
+#else
+  return __ldg(p);
+#endif
+}
+__device__ __forceinline__ void StoreOnce(uint4* p, const uint4& x) {
+#if TTEMB_RUN_HINTS
+  __stcs(p, x);
+#else
+  *p = x;
+#endif
+}
+
+// 16 bytes from global to shared memory without going through registers
+// (cp.async, sm_80+; cached in L2 only). A thread sees its own copies once it
+// has waited for their group.
+__device__ __forceinline__ void CopyAsync16(uint4* smem, const uint4* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Work item = (column chunk, block of kRunSegments consecutive segments),
+// chunk-major: the warps running at a time read one column chunk of dy (a
+// 1 / chunks slice of it, which L2 holds). Lane l holds segment u0 + l's
+// bounds, row and whether it is hot (split into pieces, done by
+// ReducePiecesKernel). The warp walks each run of consecutive segments that
+// are not hot as one stream of entries, in steps of U = kRunVectors / NV
+// entries: lane l holds the sorted bag and coefficient of entries ib + l and
+// ib + 32 + l (refilled as the walk passes them) and hands them out by
+// shuffles. The dy vectors of a step go straight from global to the warp's
+// ring of kRunStages steps in shared memory (cp.async, each lane its own
+// vectors, so no barrier), issued kRunStages - 1 steps ahead of the step being
+// summed: kRunStages * kRunVectors 16-byte loads in flight per lane without
+// registers to hold them. A step adds its entries to the current segment's
+// sums in entry order, writing the segment's row and starting the next one
+// where a segment ends; the params row of the fused weights gradient is loaded
+// one segment ahead. So no step waits on anything but loads issued steps
+// earlier. The additions are ReduceSegmentsKernel's for the same column
+// layout, in its order (one fma per entry in sorted order; partial dots summed
+// over lanes in GroupSum's order): a fixed order per output row, whatever the
+// timing. Needs 16-byte aligned rows, a full warp per item (group == 32), no
+// max, and kRunSmemBytes of dynamic shared memory (LaunchRuns; where a device
+// cannot give it, ReduceSegmentsKernel does the segments instead).
+template <typename T, int NV, bool kFused>
+__global__ void __launch_bounds__(kBlock, TTEMB_RUN_MIN_BLOCKS)
+    ReduceRunsKernel(const ReduceArgs<T> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  constexpr int U = kRunVectors / NV;
+  constexpr int G = kRunStages;
+  static_assert(U >= 1 && U <= 32 && (U & (U - 1)) == 0, "U must be a power of two");
+  static_assert(G >= 2 && G * U <= 32, "the steps in flight must lie in two info batches");
+  constexpr unsigned kAll = 0xffffffffu;
+  extern __shared__ uint4 run_smem[];
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  // This warp's ring: [stage][u][i][lane].
+  uint4* const ring = run_smem + (threadIdx.x / 32) * (G * U * NV * 32) + lane;
+  const int64_t num_unique = a.meta[0];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (kBlock / 32);
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * (kBlock / 32) + threadIdx.x / 32;
+       item < a.num_items; item += stride) {
+    const int64_t chunk = item / a.seg_blocks;
+    const int64_t u0 = (item - chunk * a.seg_blocks) * kRunSegments;
+    if (u0 >= num_unique) continue;  // uniform across the warp
+    const int64_t base = chunk * (32 * NV) + lane;  // the lane's first vector
+    bool vec_ok[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) vec_ok[i] = base + i * 32 < a.dim_vecs;
+    // Lane l: segment u0 + l; stop: hot, or past the last segment. Entry
+    // indices fit in int32 (GradSizesOk).
+    int32_t s_start = 0, s_end = 0;
+    int64_t s_row = 0;
+    bool stop = true;
+    if (u0 + lane < num_unique) {
+      s_start = a.seg_start[u0 + lane];
+      s_end = a.seg_start[u0 + lane + 1];
+      s_row = a.seg_id[u0 + lane];
+      stop = a.hot[u0 + lane] > 0;
+    }
+    const unsigned stops = __ballot_sync(kAll, stop);
+
+    auto load_row = [&](int64_t row, uint4 (&r)[NV]) {
+      const uint4* src = reinterpret_cast<const uint4*>(a.params + row * a.dim) + base;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        r[i] = vec_ok[i] ? LoadOnce(src + i * 32) : make_uint4(0, 0, 0, 0);
+      }
+    };
+
+    int sa = 0;
+    while (sa < 32) {
+      const unsigned avail = ~stops & (kAll << sa);
+      if (avail == 0) break;
+      sa = __ffs(avail) - 1;                          // first segment of the run
+      const unsigned after = stops & (kAll << sa);    // sa is not in stops
+      const int sb = after != 0 ? __ffs(after) - 1 : 32;  // one past its last
+      const int ka = __shfl_sync(kAll, s_start, sa);
+      const int kb = __shfl_sync(kAll, s_end, sb - 1);
+      int cur = sa;
+      int cur_end = __shfl_sync(kAll, s_end, cur);
+      int64_t cur_row = __shfl_sync(kAll, s_row, cur);
+      uint4 prow[NV], prow_next[NV];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) prow[i] = prow_next[i] = make_uint4(0, 0, 0, 0);
+      if constexpr (kFused) {
+        load_row(cur_row, prow);
+        const int64_t next_row = __shfl_sync(kAll, s_row, (cur + 1) & 31);
+        if (cur + 1 < sb) load_row(next_row, prow_next);
+      }
+      A acc[NV][V];
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[i][e] = A(0);
+      }
+      // Writes the current segment's sums and clears them.
+      auto flush = [&]() {
+        T* dst = a.values != nullptr ? a.values + (u0 + cur) * a.dim : a.dense + cur_row * a.dim;
+        uint4* out = reinterpret_cast<uint4*>(dst) + base;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          if (vec_ok[i]) StoreOnce(out + i * 32, AccToRaw<T>(acc[i]));
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[i][e] = A(0);
+        }
+      };
+      // Entry info: lane l holds entries ib + l (bag0, coef0) and ib + 32 + l
+      // (bag1, coef1). Every entry the walk asks for lies in [ib, ib + 64):
+      // the summed one in [ib, ib + 32), the issued ones at most G * U - 1 +
+      // U - 1 < 32 further.
+      int ib = ka;
+      int32_t bag0 = 0, bag1 = 0;
+      A coef0 = A(0), coef1 = A(0);
+      auto fetch = [&](int k, int32_t* bag, A* coef) {
+        if (k < kb) {
+          *bag = a.sorted_bag[k];
+          *coef = a.sorted_coef[k];
+        }
+      };
+      fetch(ka + lane, &bag0, &coef0);
+      fetch(ka + 32 + lane, &bag1, &coef1);
+      // Issues the copies of step st (entries ka + st * U + u) into ring slot
+      // st % G and commits them as one group (empty past the run).
+      auto issue = [&](int st) {
+        uint4* slot = ring + (st % G) * (U * NV * 32);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = ka + st * U + u;
+          const int idx = k - ib;  // uniform, in [0, 64) while k < kb
+          const int32_t bag = __shfl_sync(kAll, idx < 32 ? bag0 : bag1, idx & 31);
+          if (k < kb) {
+            const uint4* src = reinterpret_cast<const uint4*>(a.grad + bag * a.dim) + base;
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+              if (vec_ok[i]) CopyAsync16(slot + (u * NV + i) * 32, src + i * 32);
+            }
+          }
+        }
+        CopyAsyncCommit();
+      };
+      const int steps = (kb - ka + U - 1) / U;
+#pragma unroll
+      for (int st = 0; st < G; ++st) issue(st);
+#pragma unroll 1
+      for (int st = 0; st < steps; ++st) {
+        CopyAsyncWait<G - 1>();  // step st has landed (this lane's copies)
+        const uint4* slot = ring + (st % G) * (U * NV * 32);
+        A p[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          p[u] = A(0);
+          const int k = ka + st * U + u;
+          if (k >= kb) continue;  // uniform across the warp
+          if (k == ib + 32) {     // uniform: the walk enters the second batch
+            ib += 32;
+            bag0 = bag1;
+            coef0 = coef1;
+            fetch(ib + 32 + lane, &bag1, &coef1);
+          }
+          if (k == cur_end) {  // uniform: segment cur ended, k starts cur + 1
+            flush();
+            ++cur;
+            cur_end = __shfl_sync(kAll, s_end, cur);
+            cur_row = __shfl_sync(kAll, s_row, cur);
+            if constexpr (kFused) {
+#pragma unroll
+              for (int i = 0; i < NV; ++i) prow[i] = prow_next[i];
+              const int64_t next_row = __shfl_sync(kAll, s_row, (cur + 1) & 31);
+              if (cur + 1 < sb) load_row(next_row, prow_next);
+            }
+          }
+          const A c = __shfl_sync(kAll, coef0, k - ib);
+#pragma unroll
+          for (int i = 0; i < NV; ++i) {
+            const uint4 x = vec_ok[i] ? slot[(u * NV + i) * 32] : make_uint4(0, 0, 0, 0);
+            A f[V];
+            RawToAcc<T>(x, f);
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[i][e] = fma(c, f[e], acc[i][e]);
+            if constexpr (kFused) {
+              A pf[V];
+              RawToAcc<T>(prow[i], pf);
+#pragma unroll
+              for (int e = 0; e < V; ++e) p[u] = fma(f[e], pf[e], p[u]);
+            }
+          }
+        }
+        if constexpr (kFused) {
+          const A d = WarpSumTransposed<U>(p, lane);
+          const int k = ka + st * U + (lane >> (5 - Log2Of<U>()));
+          if ((lane & (32 / U - 1)) == 0 && k < kb) {
+            a.pdot[chunk * a.nnz + k] = d;
+          }
+        }
+        issue(st + G);  // into the slot just summed
+      }
+      flush();
+      sa = sb;
+    }
+  }
+}
+
 // Work item = (piece q of a long segment, column chunk): the group reduces
 // kPieceEntries entries into part[q].
 template <typename T, bool kAligned, int NV>
@@ -1010,21 +1350,34 @@ __global__ void __launch_bounds__(kBlock, 2) ReducePiecesKernel(const ReduceArgs
   }
 }
 
-// Work item = (long segment u, column chunk): sums its pieces in piece order
-// and writes the gradient row.
+// Work item = (piece q, column chunk), as in ReducePiecesKernel: the group
+// of the first piece of a long segment sums the segment's pieces in piece
+// order and writes the gradient row.
 template <typename T, bool kAligned, int NV>
 __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
   const GroupWalk walk(a.group);
   const int64_t num_unique = a.meta[0];
+  const int64_t num_pieces = a.hot_off[a.nnz];
   for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
-    int64_t u, chunk;
-    DivMod(item, a.chunks, &u, &chunk);
-    if (u >= num_unique || a.hot[u] == 0) continue;
+    int64_t q, chunk;
+    DivMod(item, a.chunks, &q, &chunk);
+    if (q >= num_pieces) continue;  // uniform across the group
+    int64_t lo = 0, hi = num_unique;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      if (a.hot_off[mid] <= q) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const int64_t u = lo - 1;
+    if (q != a.hot_off[u]) continue;  // not the segment's first piece
     const int64_t base = chunk * a.group * NV + walk.lane;
     A acc[NV][V];
-    const int64_t q0 = a.hot_off[u], q1 = q0 + a.hot[u];
+    const int64_t q0 = q, q1 = q0 + a.hot[u];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t col = (base + i * a.group) * V;
@@ -1032,7 +1385,7 @@ __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T
       for (int e = 0; e < V; ++e) {
         acc[i][e] = A(0);
         if (base + i * a.group >= a.dim_vecs || col + e >= a.dim) continue;
-        for (int64_t q = q0; q < q1; ++q) acc[i][e] += a.part[q * a.dim + col + e];
+        for (int64_t r = q0; r < q1; ++r) acc[i][e] += a.part[r * a.dim + col + e];
       }
     }
     WriteGradRow<T, kAligned, NV>(a, u, a.seg_id[u], base, acc);
@@ -1050,24 +1403,23 @@ __global__ void MarkRowsKernel(const int64_t* __restrict__ seg_id,
   }
 }
 
-// Work item = (row, column chunk): zeros the rows of the dense gradient that
-// no segment writes.
+// Work item = row: its group zeros the row of the dense gradient when no
+// segment writes it (the group's lanes stride over the row's vectors).
 template <typename T, bool kAligned>
 __global__ void ZeroUntouchedRowsKernel(T* __restrict__ dense,  // [N, D]
                                         const uint8_t* __restrict__ touched,  // [N]
-                                        int64_t dim, int64_t dim_vecs, int64_t chunks,
-                                        int64_t num_items, int group) {
+                                        int64_t dim, int64_t dim_vecs, int64_t num_rows,
+                                        int group) {
   constexpr int V = VecOf<T>();
   const GroupWalk walk(group);
   Packet<T> zero;
 #pragma unroll
   for (int e = 0; e < V; ++e) zero.v[e] = FromAcc<T>(AccT<T>(0));
-  for (int64_t item = walk.first; item < num_items; item += walk.stride) {
-    int64_t row, chunk;
-    DivMod(item, chunks, &row, &chunk);
-    const int64_t cv = chunk * group + walk.lane;
-    if (cv >= dim_vecs || touched[row]) continue;
-    StoreVec<T, kAligned>(dense + row * dim + cv * V, zero, cv * V, dim);
+  for (int64_t row = walk.first; row < num_rows; row += walk.stride) {
+    if (touched[row]) continue;
+    for (int64_t cv = walk.lane; cv < dim_vecs; cv += group) {
+      StoreVec<T, kAligned>(dense + row * dim + cv * V, zero, cv * V, dim);
+    }
   }
 }
 
@@ -1100,7 +1452,7 @@ __device__ __forceinline__ A WeightGradFromDot(Combiner combiner, A dot, A dyout
 template <typename T>
 __global__ void FusedWeightsGradKernel(const int32_t* __restrict__ positions,  // [nnz] sorted
                                        const int32_t* __restrict__ sorted_bag,
-                                       const AccT<T>* __restrict__ pdot,  // [m, chunks]
+                                       const AccT<T>* __restrict__ pdot,  // [chunks, nnz]
                                        const AccT<T>* __restrict__ scale,  // [B] or null
                                        const AccT<T>* __restrict__ dyout,  // [B] or null
                                        const T* __restrict__ weights,      // [nnz]
@@ -1118,7 +1470,7 @@ __global__ void FusedWeightsGradKernel(const int32_t* __restrict__ positions,  /
       const A s = scale != nullptr ? scale[b] : A(1);
       if (s != A(0)) {
         A dot = A(0);
-        for (int64_t c = 0; c < chunks; ++c) dot += pdot[k * chunks + c];
+        for (int64_t c = 0; c < chunks; ++c) dot += pdot[c * nnz + k];
         g = WeightGradFromDot(combiner, dot, dyout != nullptr ? dyout[b] : A(0), s,
                               ToAcc(weights[pos]));
       }
@@ -1206,6 +1558,12 @@ int Pow2AtLeast(int64_t x) {
 int GridFor(int64_t threads) {
   return static_cast<int>(std::min(std::max<int64_t>(CeilDiv(threads, kBlock), 1), kMaxBlocks));
 }
+
+// For grid-stride kernels whose items mostly exit at once (pieces when few
+// segments are long, rows that a segment writes): enough warps to fill any GPU
+// several times, without launching a block per item (run 4: 41 + 21 + 13 us
+// for such launches in the PKM backward).
+int GridCapped(int64_t threads) { return std::min(GridFor(threads), 2048); }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -1327,10 +1685,15 @@ bool ValidProblem(const BagProblem& p) {
          !(p.has_weights && p.combiner == Combiner::kMax);
 }
 
-// Vectors per lane in the params-gradient reduction of wide rows: as many as
-// keep its registers (sums, params row, rows in flight) without spills.
+// Vectors per lane in the params-gradient reduction of wide rows (one column
+// chunk = 32 * NV vectors): 2 for every type since run 4 (with kRunVectors =
+// 8, 4 entries per step in ReduceRunsKernel; 1 KB of dy per entry and chunk
+// for f32, so the chunk of dy in use, 16 MB for PKM, stays in L2).
+#ifndef TTEMB_REDUCE_NV_F32
+#define TTEMB_REDUCE_NV_F32 2
+#endif
 template <typename T>
-constexpr int kReduceWideNV = sizeof(T) == 4 ? 4 : 2;
+constexpr int kReduceWideNV = sizeof(T) == 4 ? TTEMB_REDUCE_NV_F32 : 2;
 
 // Params-gradient plan and scratch, shared by Prepare and Reduce.
 template <typename T>
@@ -1370,6 +1733,7 @@ struct GradScratch {
   int64_t* meta = nullptr;
   AccT<T>* scale = nullptr;
   AccT<T>* dyout = nullptr;
+  int32_t* entry_bag = nullptr;
   int32_t* sorted_bag = nullptr;
   AccT<T>* sorted_coef = nullptr;
   int32_t* sorted_inbag = nullptr;
@@ -1416,6 +1780,7 @@ size_t CarveGrad(const BagProblem& p, const GradPlan<T>& g, bool dense, bool fus
   const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
   if (scaled) s->scale = carver.Take<AccT<T>>(p.num_bags);
   if (scaled && fused) s->dyout = carver.Take<AccT<T>>(p.num_bags);
+  s->entry_bag = carver.Take<int32_t>(n);
   s->sorted_bag = carver.Take<int32_t>(n);
   if (p.combiner == Combiner::kMax) {
     s->sorted_inbag = carver.Take<int32_t>(n);
@@ -1439,13 +1804,15 @@ bool GradSizesOk(const BagProblem& p) {
 
 template <typename T, typename Tindex, typename Key>
 cudaError_t SortAndSegmentImpl(const BagProblem& p, const GradPlan<T>& g, const Tindex* ids,
-                               GradScratch<T>& s, DeviceReport* report, cudaStream_t stream) {
+                               const int64_t* splits, GradScratch<T>& s, DeviceReport* report,
+                               cudaStream_t stream) {
   const int64_t n = p.nnz;
   Key* keys_in = static_cast<Key*>(s.keys_in);
   Key* keys_out = static_cast<Key*>(s.keys_out);
   const Key sentinel = static_cast<Key>(p.num_rows);
   BuildSortKeysKernel<Tindex, Key><<<GridFor(n), kBlock, 0, stream>>>(
-      ids, n, p.num_rows, p.has_padding_id, p.padding_id, keys_in, s.pos_in, report);
+      ids, n, p.num_rows, p.has_padding_id, p.padding_id, splits, p.num_bags, keys_in, s.pos_in,
+      s.entry_bag, report);
   TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   size_t bytes = s.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
@@ -1489,30 +1856,58 @@ ReduceArgs<T> MakeReduceArgs(const BagProblem& p, const GradPlan<T>& g, const Gr
   a.chunks = g.cols.chunks;
   a.nnz = p.nnz;
   a.num_items = 0;
+  a.seg_blocks = 0;
   a.group = g.cols.group;
   a.is_max = p.combiner == Combiner::kMax;
   return a;
 }
 
+// Launches ReduceRunsKernel<T, NV, kFused> with its shared memory; false
+// (and nothing launched) if the device cannot give that much to a block.
+template <typename T, int NV, bool kFused>
+bool LaunchRuns(const ReduceArgs<T>& a, cudaStream_t stream) {
+  auto* kernel = ReduceRunsKernel<T, NV, kFused>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kRunSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  kernel<<<GridFor(a.num_items * 32), kBlock, kRunSmemBytes, stream>>>(a);
+  return true;
+}
+
 template <typename T, bool kAligned, int NV>
 cudaError_t LaunchReduceKernels(ReduceArgs<T> a, const GradPlan<T>& g, cudaStream_t stream) {
   const int64_t group = g.cols.group;
-  a.num_items = g.unique_bound * g.cols.chunks;
-  if (a.num_items > 0) {
-    ReduceSegmentsKernel<T, kAligned, NV>
-        <<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
-    TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+  bool runs = false;
+  if constexpr (kAligned) {
+    if (group == 32 && !a.is_max) {
+      // Segments not split into pieces: ReduceRunsKernel, chunk-major items.
+      ReduceArgs<T> r = a;
+      r.seg_blocks = CeilDiv(g.unique_bound, kRunSegments);
+      r.num_items = r.seg_blocks * g.cols.chunks;
+      runs = r.num_items == 0 || (r.pdot != nullptr ? LaunchRuns<T, NV, true>(r, stream)
+                                                    : LaunchRuns<T, NV, false>(r, stream));
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
   }
+  if (!runs) {
+    a.num_items = g.unique_bound * g.cols.chunks;
+    if (a.num_items > 0) {
+      ReduceSegmentsKernel<T, kAligned, NV>
+          <<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
+      TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
+    }
+  }
+  // Long segments: pieces, then their combination (both over pieces).
   ReduceArgs<T> pieces = a;
   pieces.num_items = g.piece_bound * g.cols.chunks;
   if (pieces.num_items > 0) {
     ReducePiecesKernel<T, kAligned, NV>
-        <<<GridFor(pieces.num_items * group), kBlock, 0, stream>>>(pieces);
+        <<<GridCapped(pieces.num_items * group), kBlock, 0, stream>>>(pieces);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
-  }
-  if (a.num_items > 0) {
     CombinePiecesKernel<T, kAligned, NV>
-        <<<GridFor(a.num_items * group), kBlock, 0, stream>>>(a);
+        <<<GridCapped(pieces.num_items * group), kBlock, 0, stream>>>(pieces);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   return cudaSuccess;
@@ -1664,10 +2059,10 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
   } else {
     if (g.wide_keys) {
       TTEMB_RETURN_IF_CUDA_ERROR(
-          (SortAndSegmentImpl<T, Tindex, uint64_t>(p, g, ids, s, report, stream)));
+          (SortAndSegmentImpl<T, Tindex, uint64_t>(p, g, ids, splits, s, report, stream)));
     } else {
       TTEMB_RETURN_IF_CUDA_ERROR(
-          (SortAndSegmentImpl<T, Tindex, uint32_t>(p, g, ids, s, report, stream)));
+          (SortAndSegmentImpl<T, Tindex, uint32_t>(p, g, ids, splits, s, report, stream)));
     }
     if (p.num_bags > 0) {
       if (s.scale != nullptr) {
@@ -1680,8 +2075,9 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
         TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
       }
       SortedEntryInfoKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
-          s.pos_out, splits, p.has_weights ? weights : nullptr, s.scale, s.meta, p.num_bags,
-          p.nnz, p.combiner == Combiner::kMax, s.sorted_bag, s.sorted_coef, s.sorted_inbag);
+          s.pos_out, s.entry_bag, splits, p.has_weights ? weights : nullptr, s.scale, s.meta,
+          p.num_bags, p.nnz, p.combiner == Combiner::kMax, s.sorted_bag, s.sorted_coef,
+          s.sorted_inbag);
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
     }
   }
@@ -1721,14 +2117,13 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
     }
     const Columns zc = ColumnsFor<T>(p.dim);
-    const int64_t items = p.num_rows * zc.chunks;
-    const int grid = GridFor(items * zc.group);
+    const int grid = GridCapped(p.num_rows * zc.group);
     if (p.dim % VecOf<T>() == 0 && Aligned16(dense)) {
       ZeroUntouchedRowsKernel<T, true><<<grid, kBlock, 0, stream>>>(
-          dense, s.touched, p.dim, zc.dim_vecs, zc.chunks, items, zc.group);
+          dense, s.touched, p.dim, zc.dim_vecs, p.num_rows, zc.group);
     } else {
       ZeroUntouchedRowsKernel<T, false><<<grid, kBlock, 0, stream>>>(
-          dense, s.touched, p.dim, zc.dim_vecs, zc.chunks, items, zc.group);
+          dense, s.touched, p.dim, zc.dim_vecs, p.num_rows, zc.group);
     }
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }

@@ -43,7 +43,7 @@ timeout "${RACECHECK_TIMEOUT:-60}" compute-sanitizer --tool racecheck --print-li
 echo "racecheck rc=$?" >> "$OUT/racecheck.log"
 if [ "${NCU:-1}" = 1 ]; then
   timeout "${NCU_TIMEOUT:-90}" ncu --clock-control none \
-    -k regex:"ForwardKernel|ReduceSegmentsKernel|SortedEntryInfo|FusedWeightsGrad|DeviceRadixSort" \
+    -k regex:"ForwardKernel|ReduceRunsKernel|ReduceSegmentsKernel|SortedEntryInfo|FusedWeightsGrad|DeviceRadixSort" \
     --launch-count 14 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 python/gpu_check.py --profile "${LIB_ARG[@]}" > "$OUT/ncu.txt" 2>&1
