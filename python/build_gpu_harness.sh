@@ -16,10 +16,16 @@ mkdir -p "$OUT_DIR"
 FLAGS=(-arch=sm_90 -O3 -std=c++17 -Xcompiler -fPIC -I. ${NVCC_FLAGS:-})
 
 # The two translation units build in parallel.
-"$NVCC" "${FLAGS[@]}" -c cuda/gather_reduce_sum_kernels.cu -o "$OUT_DIR/kernels.o" &
-KERNELS=$!
-"$NVCC" "${FLAGS[@]}" -c cuda/harness/gpu_harness_capi.cu -o "$OUT_DIR/capi.o"
-wait "$KERNELS"
-"$NVCC" -arch=sm_90 -shared "$OUT_DIR/kernels.o" "$OUT_DIR/capi.o" \
-  -o "$OUT_DIR/libtf_ttemb_gpu_harness.so"
+# Every kernel family in cuda/ and every C-ABI file in cuda/harness/, compiled
+# in parallel (one object each), then linked into one library.
+OBJS=()
+PIDS=()
+for src in cuda/*.cu cuda/harness/*.cu; do
+  obj="$OUT_DIR/$(echo "${src%.cu}" | tr '/' '_').o"
+  "$NVCC" "${FLAGS[@]}" -c "$src" -o "$obj" &
+  PIDS+=($!)
+  OBJS+=("$obj")
+done
+for pid in "${PIDS[@]}"; do wait "$pid"; done
+"$NVCC" -arch=sm_90 -shared "${OBJS[@]}" -o "$OUT_DIR/libtf_ttemb_gpu_harness.so"
 echo "built $OUT_DIR/libtf_ttemb_gpu_harness.so"
