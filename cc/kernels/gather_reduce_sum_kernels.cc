@@ -17,8 +17,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
@@ -1043,6 +1046,303 @@ class GatherReduceSumFusedGradOp : public OpKernel {
   bool dense_grad_ = false;
 };
 
+// ---------------------------------------------------------------------------
+// Backward with the optimizer fused in (GatherReduceSumSparseApply).
+//
+// The entries are sorted by id as for the params gradient; the distinct rows
+// are split into blocks of about equal entry count, one block per work item
+// on TF's CPU pool. A thread owns every row of its block: it reduces the
+// row's gradient in its [D] scratch (entries in position order), computes the
+// weights gradient of the row's entries from the row as it was, then updates
+// the row (and its accumulator) in place. No row is touched by two threads
+// and every sum has a fixed order, so the result is deterministic and no
+// [U, D] buffer exists.
+
+enum class SparseOptimizer { kSgd, kRowwiseAdagrad, kAdagrad };
+
+Status ParseSparseOptimizer(const std::string& name, SparseOptimizer* out) {
+  if (name == "sgd") {
+    *out = SparseOptimizer::kSgd;
+  } else if (name == "rowwise_adagrad") {
+    *out = SparseOptimizer::kRowwiseAdagrad;
+  } else if (name == "adagrad") {
+    *out = SparseOptimizer::kAdagrad;
+  } else {
+    return errors::InvalidArgument(
+        "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '",
+        name, "'");
+  }
+  return OkStatus();
+}
+
+// Makes the variable's buffer exclusively owned before an in-place update: a
+// tensor read from it earlier (a dense read outside copy-on-read mode) may
+// still share it, and must keep the old values.
+Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
+  Tensor* tensor = var->tensor();
+  if (tensor->RefCountIsOne()) return OkStatus();
+  Tensor copy;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
+  std::memcpy(copy.data(), tensor->data(), tensor->TotalBytes());
+  *tensor = copy;
+  return OkStatus();
+}
+
+template <typename T, typename Tindex>
+class GatherReduceSumSparseApplyOp : public OpKernel {
+ public:
+  using Acc = typename AccumulatorType<T>::type;
+
+  explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+    std::string optimizer;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
+    OP_REQUIRES_OK(ctx, ParseSparseOptimizer(optimizer, &optimizer_));
+    int num_accumulators = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_accumulators", &num_accumulators));
+    const int expected = optimizer_ == SparseOptimizer::kSgd ? 0 : 1;
+    OP_REQUIRES(ctx, num_accumulators == expected,
+                errors::InvalidArgument("optimizer '", optimizer, "' takes ",
+                                        expected, " accumulator variable(s), got ",
+                                        num_accumulators));
+    DataType acc_type;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tacc", &acc_type));
+    OP_REQUIRES(ctx, acc_type == DataTypeToEnum<Acc>::value,
+                errors::InvalidArgument(
+                    "learning_rate, epsilon and the accumulator must be ",
+                    DataTypeString(DataTypeToEnum<Acc>::value),
+                    " for params of type ",
+                    DataTypeString(DataTypeToEnum<T>::value), ", got ",
+                    DataTypeString(acc_type)));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<Var> params_var;
+    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
+    core::RefCountPtr<Var> acc_var;
+    if (optimizer_ != SparseOptimizer::kSgd) {
+      OP_REQUIRES_OK(ctx, LookupAccumulator(ctx, &acc_var));
+      OP_REQUIRES(ctx, acc_var.get() != params_var.get(),
+                  errors::InvalidArgument(
+                      "the accumulator must be another variable than params"));
+    }
+    // Exclusive locks, in address order so that ops locking the same pair of
+    // variables cannot deadlock.
+    mutex* first = params_var->mu();
+    mutex* second = acc_var ? acc_var->mu() : nullptr;
+    if (second != nullptr && second < first) std::swap(first, second);
+    mutex_lock first_lock(*first);
+    std::optional<mutex_lock> second_lock;
+    if (second != nullptr) second_lock.emplace(*second);
+    ComputeLocked(ctx, params_var.get(), acc_var.get());
+  }
+
+ private:
+  Status LookupAccumulator(OpKernelContext* ctx, core::RefCountPtr<Var>* var) {
+    TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 9), var));
+    const DataType expected = DataTypeToEnum<Acc>::value;
+    if ((*var)->tensor()->dtype() != expected) {
+      return errors::InvalidArgument(
+          "accumulator variable has dtype ",
+          DataTypeString((*var)->tensor()->dtype()), " but the op expects ",
+          DataTypeString(expected));
+    }
+    if (!(*var)->is_initialized) {
+      return errors::FailedPrecondition("accumulator variable is not initialized");
+    }
+    return OkStatus();
+  }
+
+  void ComputeLocked(OpKernelContext* ctx, Var* params_var, Var* acc_var) {
+    const Tensor& params = *params_var->tensor();
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    const Tensor& argmax = ctx->input(6);
+    const Tensor& learning_rate = ctx->input(7);
+    const Tensor& epsilon = ctx->input(8);
+    BagShapes shapes;
+    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
+    const int64_t num_bags = shapes.num_bags;
+    const int64_t nnz = shapes.nnz;
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    const bool is_max = attrs_.combiner == Combiner::kMax;
+    const int64_t argmax_rows = is_max ? num_bags : 0;
+    OP_REQUIRES(ctx,
+                argmax.dims() == 2 && argmax.dim_size(0) == argmax_rows &&
+                    (argmax_rows == 0 || argmax.dim_size(1) == dim),
+                errors::InvalidArgument("argmax must have shape [", argmax_rows,
+                                        ", ", dim, "], got ",
+                                        argmax.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(learning_rate.shape()),
+                errors::InvalidArgument("learning_rate must be a scalar, got shape ",
+                                        learning_rate.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(epsilon.shape()),
+                errors::InvalidArgument("epsilon must be a scalar, got shape ",
+                                        epsilon.shape().DebugString()));
+    const Acc lr = learning_rate.scalar<Acc>()();
+    const Acc eps = epsilon.scalar<Acc>()();
+    OP_REQUIRES(ctx, std::isfinite(lr),
+                errors::InvalidArgument("learning_rate = ", lr,
+                                        " must be finite"));
+    OP_REQUIRES(ctx, std::isfinite(eps) && eps >= Acc(0),
+                errors::InvalidArgument("epsilon = ", eps,
+                                        " must be finite and >= 0"));
+    if (acc_var != nullptr) {
+      const TensorShape expected =
+          optimizer_ == SparseOptimizer::kRowwiseAdagrad
+              ? TensorShape({num_rows})
+              : TensorShape({num_rows, dim});
+      OP_REQUIRES(
+          ctx, acc_var->tensor()->shape() == expected,
+          errors::InvalidArgument(
+              "accumulator must have shape ", expected.DebugString(),
+              " for optimizer '",
+              optimizer_ == SparseOptimizer::kRowwiseAdagrad ? "rowwise_adagrad"
+                                                              : "adagrad",
+              "' and params of shape ", params.shape().DebugString(), ", got ",
+              acc_var->tensor()->shape().DebugString()));
+    }
+    const int64_t* splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_bags, nnz));
+    const Tindex* ids = indices.flat<Tindex>().data();
+    thread::ThreadPool* pool = CpuPool(ctx);
+    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, nnz, num_rows, attrs_));
+
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({attrs_.has_weights ? nnz : 0}),
+                            &weights_grad));
+    T* dw = weights_grad->flat<T>().data();
+    if (attrs_.has_weights) std::fill(dw, dw + nnz, T(0));
+    if (nnz == 0 || dim == 0) return;
+
+    OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, params_var));
+    if (acc_var != nullptr) {
+      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, acc_var));
+    }
+    T* table = params_var->tensor()->flat<T>().data();
+    Acc* state =
+        acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
+
+    SortedEntries s;
+    SortEntries(pool, ids, splits, num_bags, nnz, num_rows, attrs_, &s);
+    const T* w = attrs_.has_weights ? weights.flat<T>().data() : nullptr;
+    std::vector<Acc> scales;
+    if (!is_max) {
+      ComputeBagScales(pool, ids, w, splits, num_bags, attrs_, &scales);
+    }
+    const T* dy_data = ctx->input(0).flat<T>().data();
+    // <dy_b, out_b> per bag, for the weights gradient of mean and sqrtn.
+    std::vector<Acc> dy_dot_out;
+    if (attrs_.has_weights && attrs_.combiner != Combiner::kSum) {
+      dy_dot_out.assign(num_bags, Acc(0));
+      const T* out_data = output.flat<T>().data();
+      ForBalancedBlocks(pool, splits, num_bags, dim,
+                        [&](int64_t begin, int64_t end) {
+                          for (int64_t b = begin; b < end; ++b) {
+                            dy_dot_out[b] = Dot<Acc>(dy_data + b * dim,
+                                                     out_data + b * dim, dim);
+                          }
+                        });
+    }
+    const int32* argmax_data = is_max ? argmax.flat<int32>().data() : nullptr;
+    const int64_t num_unique = s.num_unique();
+    const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
+    const BagAttrs attrs = attrs_;
+    const SparseOptimizer optimizer = optimizer_;
+    ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim,
+                      [&](int64_t begin, int64_t end) {
+      std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
+        T* row = table + id * dim;
+        std::fill(g.begin(), g.end(), Acc(0));
+        for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
+          const int64_t j = s.positions[k];
+          const int64_t b = s.bags[k];
+          if (k + kPrefetchDistance < num_sorted) {
+            PrefetchRow(dy_data + s.bags[k + kPrefetchDistance] * dim, dim);
+          }
+          const T* dy = dy_data + b * dim;
+          if (argmax_data != nullptr) {
+            const int32* pos = argmax_data + b * dim;
+            const int32 p = static_cast<int32>(j - splits[b]);
+            for (int64_t d = 0; d < dim; ++d) {
+              g[d] += pos[d] == p ? static_cast<Acc>(dy[d]) : Acc(0);
+            }
+            continue;
+          }
+          const Acc scale = scales[b];
+          const Acc wj = w != nullptr ? static_cast<Acc>(w[j]) : Acc(1);
+          Axpy(g.data(), scale * wj, dy, dim);
+          if (w == nullptr) continue;
+          if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
+          const Acc dot = Dot<Acc>(dy, row, dim);
+          Acc grad_w;
+          switch (attrs.combiner) {
+            case Combiner::kMean:
+              grad_w = (dot - dy_dot_out[b]) * scale;
+              break;
+            case Combiner::kSqrtn:
+              grad_w = dot * scale - wj * dy_dot_out[b] * scale * scale;
+              break;
+            default:
+              grad_w = dot;
+          }
+          dw[j] = static_cast<T>(grad_w);
+        }
+        ApplyRow(optimizer, lr, eps, g.data(), dim, row,
+                 state == nullptr ? nullptr
+                 : optimizer == SparseOptimizer::kRowwiseAdagrad
+                     ? state + id
+                     : state + id * dim);
+      }
+    });
+  }
+
+  // Applies the optimizer to one row `row` [D] with its summed gradient
+  // `g` [D] and its accumulator (`a` [1] row-wise, [D] element-wise).
+  static void ApplyRow(SparseOptimizer optimizer, Acc lr, Acc eps,
+                       const Acc* g, int64_t dim, T* row, Acc* a) {
+    switch (optimizer) {
+      case SparseOptimizer::kSgd:
+        for (int64_t d = 0; d < dim; ++d) {
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d]);
+        }
+        return;
+      case SparseOptimizer::kRowwiseAdagrad: {
+        Acc square_sum = 0;
+        for (int64_t d = 0; d < dim; ++d) square_sum += g[d] * g[d];
+        a[0] += square_sum / static_cast<Acc>(dim);
+        const Acc denominator = std::sqrt(a[0]) + eps;
+        if (denominator == Acc(0)) return;  // then g is 0
+        const Acc step = lr / denominator;
+        for (int64_t d = 0; d < dim; ++d) {
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - step * g[d]);
+        }
+        return;
+      }
+      case SparseOptimizer::kAdagrad:
+        for (int64_t d = 0; d < dim; ++d) {
+          a[d] += g[d] * g[d];
+          const Acc denominator = std::sqrt(a[d]) + eps;
+          if (denominator == Acc(0)) continue;  // then g[d] is 0
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) -
+                                  lr * g[d] / denominator);
+        }
+        return;
+    }
+  }
+
+  BagAttrs attrs_;
+  SparseOptimizer optimizer_ = SparseOptimizer::kSgd;
+};
+
 #define TF_TTEMB_REGISTER_CPU(T, Tindex)                             \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")            \
                               .Device(DEVICE_CPU)                    \
@@ -1085,7 +1385,12 @@ class GatherReduceSumFusedGradOp : public OpKernel {
           .Device(DEVICE_CPU)                                        \
           .TypeConstraint<T>("T")                                    \
           .TypeConstraint<Tindex>("Tindices"),                       \
-      GatherReduceSumFusedGradOp<T, Tindex, true>);
+      GatherReduceSumFusedGradOp<T, Tindex, true>);               \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply") \
+                              .Device(DEVICE_CPU)                    \
+                              .TypeConstraint<T>("T")                \
+                              .TypeConstraint<Tindex>("Tindices"),   \
+                          GatherReduceSumSparseApplyOp<T, Tindex>);
 
 #define TF_TTEMB_REGISTER_CPU_ALL_INDICES(T) \
   TF_TTEMB_REGISTER_CPU(T, int32)            \

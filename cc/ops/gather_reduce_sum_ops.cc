@@ -284,6 +284,51 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumFusedGrad")
     })
     .Doc("GatherReduceSumFusedGrad reading params from a resource variable.");
 
+// Backward with the optimizer fused in (CPU): the params gradient of each
+// distinct row is reduced in one thread's [D] scratch and applied to the row
+// of the `params` variable at once, so the [U, D] gradient is never built.
+// `optimizer` (with lr = learning_rate, eps = epsilon, g = the row's summed
+// gradient):
+//   sgd:             w -= lr * g
+//   rowwise_adagrad: a += mean(g^2) (accumulator [N]);     w -= lr * g / (sqrt(a) + eps)
+//   adagrad:         a += g^2 (accumulator [N, D]);        w -= lr * g / (sqrt(a) + eps)
+// A row whose denominator is 0 has a zero gradient and is left unchanged.
+// Accumulators hold Tacc (float32 for half types and float32, float64 for
+// float64), like learning_rate and epsilon. The weights gradient (has_weights)
+// is computed from the rows as they were before the update; without weights
+// it is an empty [0] vector. `output` is the forward result (used by weighted
+// mean and sqrtn), `argmax` the forward's second output (used by max).
+REGISTER_OP("TfTtemb>GatherReduceSumSparseApply")
+    .Input("grad: T")             // [B, D]
+    .Input("params: resource")    // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")   // [nnz]
+    .Input("row_splits: int64")   // [B + 1]
+    .Input("weights: T")          // [nnz] or [0]
+    .Input("output: T")           // [B, D]
+    .Input("argmax: int32")       // [B, D] for 'max', else [0, D]
+    .Input("learning_rate: Tacc") // scalar
+    .Input("epsilon: Tacc")       // scalar, >= 0
+    .Input("accumulators: num_accumulators * resource")  // 0 (sgd) or 1
+    .Output("weights_grad: T")    // [nnz], or [0] without weights
+    .Attr("optimizer: {'sgd', 'rowwise_adagrad', 'adagrad'} = 'sgd'")
+    .Attr("num_accumulators: int >= 0 = 0")
+    .Attr("Tacc: {float, double} = DT_FLOAT")
+    .TF_TTEMB_BAG_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle indices, argmax, scalar;
+      DimensionHandle dim = c->UnknownDim();
+      TF_RETURN_IF_ERROR(WeightsGradInputShapes(c, &dim, &indices));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(6), 2, &argmax));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 0, &scalar));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 0, &scalar));
+      bool has_weights;
+      TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
+      c->set_output(0, has_weights ? indices : c->Vector(0));
+      return OkStatus();
+    })
+    .Doc("GatherReduceSum backward that applies an optimizer to the touched rows.");
+
 #undef TF_TTEMB_BAG_ATTRS
 
 }  // namespace tf_ttemb
