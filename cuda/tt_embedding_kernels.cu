@@ -1,0 +1,1137 @@
+// CUDA kernels and launchers of the TT embedding family. See the header for
+// the contract; this file holds how threads map to data.
+//
+// Levels. For a run of ids j = 0 .. n-1 (a chunk), the key of id g at level t
+// is g / L_t (the table and the leading digits i_0..i_t). An *item* of level t
+// is a maximal run of consecutive ids with equal keys: with sorted ids every
+// distinct prefix is one item. flags -> inclusive scan gives each id's item
+// (incl_t[j] - 1) and each item's first id (heads_t). The items of level t
+// nest in those of level t-1 (equal keys at t imply equal keys at t-1), so
+// the children of an item are a contiguous run of items of the next level.
+// Level 0's partial product is core 0's row itself (no buffer); levels
+// 1 .. T-2 keep one partial product P_t [prod q_0..q_t, r_{t+1}] per item;
+// level T-1 is one item per id (its row).
+//
+// Forward of level t: P_t[i] = A @ B with A = P_{t-1}[parent] [M, K] and
+// B = G_t[row] [K, Nc] (M = q_0..q_{t-1}, K = r_t, Nc = q_t r_{t+1}). One thread
+// per (item, MM consecutive rows of A, column c): B[k, c] is loaded once per
+// k (coalesced across the warp's columns) and used for the MM rows.
+//
+// Backward of level t (dC = dL/dP_t, or the rows' gradient at the last level):
+//   * parent gradient dP_{t-1}[m] = sum over m's children n (in item order) of
+//     dC_n @ B_n^T: one thread per (parent item, MM rows, k);
+//   * core gradient of core row c = sum over the items n using c (in item
+//     order) of A_n^T @ dC_n. The items are sorted by core row (stable radix
+//     sort), the sorted list is cut into pieces of at most kPieceItems items
+//     that never cross a row, one block per piece sums its items into a piece
+//     buffer, and a combine kernel adds each row's pieces in piece order.
+// Everything runs in a fixed order: bitwise deterministic, no float atomics.
+
+#include "cuda/tt_embedding_kernels.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace tf_ttemb {
+namespace gpu {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxGridBlocks = 65536;
+// Core gradient: items per piece.
+constexpr int64_t kPieceItems = 64;
+// TTRows processes the ids in chunks whose scratch fits this budget.
+constexpr size_t kRowsScratchBudget = size_t{512} << 20;
+constexpr int64_t kMinRowsChunk = 4096;
+constexpr int64_t kNoBad = std::numeric_limits<int64_t>::max();
+
+#define TT_RETURN_IF_ERROR(expr)            \
+  do {                                      \
+    const cudaError_t err_ = (expr);        \
+    if (err_ != cudaSuccess) return err_;   \
+  } while (0)
+
+template <typename T>
+struct ComputeOf {
+  using type = float;
+};
+template <>
+struct ComputeOf<double> {
+  using type = double;
+};
+template <typename T>
+using CT = typename ComputeOf<T>::type;
+
+__device__ __forceinline__ float ToC(float x) { return x; }
+__device__ __forceinline__ double ToC(double x) { return x; }
+__device__ __forceinline__ float ToC(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToC(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromC(CT<T> x);
+template <>
+__device__ __forceinline__ float FromC<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ double FromC<double>(double x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromC<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromC<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int GridFor(int64_t work, int threads = kThreads) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(work, threads), kMaxGridBlocks)));
+}
+
+int BitsFor(uint64_t max_value) {
+  int bits = 1;
+  while (bits < 64 && (max_value >> bits) != 0) ++bits;
+  return bits;
+}
+
+// Carves sub-buffers out of the caller's scratch; with a null base it only
+// counts the bytes (so the size query and the launch share one layout).
+class Carver {
+ public:
+  explicit Carver(void* base)
+      : base_(base == nullptr ? nullptr
+                              : reinterpret_cast<char*>(
+                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
+  template <typename U>
+  U* Take(int64_t count) {
+    offset_ = (offset_ + 255) & ~size_t{255};
+    U* p = base_ == nullptr ? nullptr : reinterpret_cast<U*>(base_ + offset_);
+    offset_ += sizeof(U) * static_cast<size_t>(std::max<int64_t>(count, 0));
+    return p;
+  }
+  void* TakeBytes(size_t bytes) { return Take<char>(static_cast<int64_t>(bytes)); }
+  size_t bytes() const { return offset_ + 256; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Geometry of the factorisation, passed to kernels by value.
+struct Geo {
+  int T = 0;
+  int64_t tables = 1;
+  int64_t P = 1;      // rows per table
+  int64_t total = 1;  // tables * P: global ids are [0, total)
+  int64_t D = 1;
+  int64_t p[kMaxTTCores] = {};
+  int64_t L[kMaxTTCores] = {};      // prod_{j > k} p_j
+  int64_t width[kMaxTTCores] = {};  // r_k q_k r_{k+1}
+  int64_t M[kMaxTTCores] = {};      // q_0 ... q_{t-1}
+  int64_t K[kMaxTTCores] = {};      // r_t
+  int64_t Nc[kMaxTTCores] = {};     // q_t r_{t+1}
+  int64_t S[kMaxTTCores] = {};      // M[t] * Nc[t]: size of P_t
+};
+
+bool MakeGeo(const TTProblem& pr, Geo* g) {
+  if (pr.num_cores < 2 || pr.num_cores > kMaxTTCores || pr.num_tables < 1) return false;
+  const int T = pr.num_cores;
+  if (pr.r[0] != 1 || pr.r[T] != 1) return false;
+  const int64_t kLimit = int64_t{1} << 62;
+  g->T = T;
+  g->tables = pr.num_tables;
+  int64_t P = 1, D = 1;
+  for (int k = 0; k < T; ++k) {
+    if (pr.p[k] < 1 || pr.q[k] < 1 || pr.r[k] < 1 || pr.r[k + 1] < 1) return false;
+    if (P > kLimit / pr.p[k] || D > kLimit / pr.q[k]) return false;
+    P *= pr.p[k];
+    D *= pr.q[k];
+  }
+  if (P > kLimit / pr.num_tables || D > (int64_t{1} << 31)) return false;
+  g->P = P;
+  g->total = P * pr.num_tables;
+  g->D = D;
+  int64_t L = 1;
+  for (int k = T - 1; k >= 0; --k) {
+    g->L[k] = L;
+    L *= pr.p[k];
+  }
+  int64_t M = 1;
+  for (int k = 0; k < T; ++k) {
+    g->p[k] = pr.p[k];
+    g->width[k] = pr.r[k] * pr.q[k] * pr.r[k + 1];
+    if (g->width[k] > (int64_t{1} << 31)) return false;
+    g->M[k] = M;
+    g->K[k] = pr.r[k];
+    g->Nc[k] = pr.q[k] * pr.r[k + 1];
+    g->S[k] = M * g->Nc[k];
+    if (g->S[k] > (int64_t{1} << 31)) return false;
+    M *= pr.q[k];
+  }
+  return true;
+}
+
+__host__ __device__ __forceinline__ int64_t CoreRow(const Geo& g, int64_t id, int k) {
+  return (id / g.P) * g.p[k] + (id / g.L[k]) % g.p[k];
+}
+
+// ids[j], or 0 (a harmless row) for an id outside [0, total).
+__device__ __forceinline__ int64_t SafeId(const Geo& g, const int64_t* ids, int64_t j,
+                                          bool* valid) {
+  const int64_t v = ids[j];
+  const bool ok = v >= 0 && v < g.total;
+  *valid = ok;
+  return ok ? v : 0;
+}
+
+// ---------------------------------------------------------------------------
+// Small kernels: counts and the report.
+
+__global__ void InitReportKernel(TTReport* report) {
+  report->first_bad_index = kNoBad;
+  report->bad_index_value = -1;
+}
+
+// counts[0] = number of ids of the chunk starting at `begin`.
+__global__ void ChunkCountKernel(const int64_t* num_ids, int64_t max_ids, int64_t begin,
+                                 int64_t chunk, int64_t* counts) {
+  int64_t n = num_ids == nullptr ? max_ids : min(*num_ids, max_ids);
+  n = max(int64_t{0}, min(n - begin, chunk));
+  counts[0] = n;
+}
+
+// Smallest j < counts[0] (offset by `begin`) with a bad id.
+__global__ void CheckIdsKernel(Geo g, const int64_t* ids, const int64_t* counts, int64_t begin,
+                               TTReport* report) {
+  const int64_t n = counts[0];
+  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < n;
+       j += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t v = ids[j];
+    if (v < 0 || v >= g.total) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&report->first_bad_index),
+                static_cast<unsigned long long>(begin + j));
+    }
+  }
+}
+
+// ids is the full (not offset) array here.
+__global__ void FinishReportKernel(const int64_t* ids, const int64_t* num_ids, int64_t max_ids,
+                                   TTReport* report) {
+  const int64_t first = report->first_bad_index;
+  if (first == kNoBad) {
+    report->first_bad_index = -1;
+    report->bad_index_value = -1;
+  } else {
+    report->bad_index_value = ids[first];
+  }
+  report->num_ids = num_ids == nullptr ? max_ids : min(*num_ids, max_ids);
+}
+
+// ---------------------------------------------------------------------------
+// Levels.
+
+// flags[j] = 1 where item of level t starts (j < n), else 0.
+__global__ void LevelFlagsKernel(Geo g, int t, const int64_t* ids, const int64_t* counts,
+                                 int64_t nmax, int32_t* flags) {
+  const int64_t n = counts[0];
+  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < nmax;
+       j += int64_t{gridDim.x} * blockDim.x) {
+    int32_t f = 0;
+    if (j < n) {
+      bool v;
+      const int64_t key = SafeId(g, ids, j, &v) / g.L[t];
+      if (j == 0) {
+        f = 1;
+      } else {
+        const int64_t prev = SafeId(g, ids, j - 1, &v) / g.L[t];
+        f = key != prev;
+      }
+    }
+    flags[j] = f;
+  }
+}
+
+// heads[item] = first id of the item; counts[1 + t] = number of items.
+__global__ void LevelHeadsKernel(int t, const int64_t* counts, int64_t nmax,
+                                 const int32_t* flags, const int32_t* incl, int32_t* heads,
+                                 int64_t* counts_out) {
+  const int64_t n = counts[0];
+  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < n;
+       j += int64_t{gridDim.x} * blockDim.x) {
+    if (flags[j]) heads[incl[j] - 1] = static_cast<int32_t>(j);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) counts_out[1 + t] = n > 0 ? incl[n - 1] : 0;
+}
+
+// Forward of level t >= 1. Thread = (item i, rows m0 .. m0+MM-1 of A, column c).
+template <int MM, typename TA, typename T, typename TO>
+__global__ void __launch_bounds__(kThreads)
+    LevelForwardKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                       const int64_t* __restrict__ counts,
+                       const int32_t* __restrict__ heads,        // level t, null at the last
+                       const int32_t* __restrict__ parent_incl,  // level t-1, null for t == 1
+                       const TA* __restrict__ prev,              // t == 1: core 0; else P_{t-1}
+                       const T* __restrict__ core,               // core t
+                       TO* __restrict__ out) {                   // P_t [n_t, S_t] or rows [n, D]
+  using C = CT<T>;
+  const bool last = t == g.T - 1;
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t];
+  const int64_t mchunks = (M + MM - 1) / MM;
+  const int64_t per_item = mchunks * Nc;
+  const int64_t n_items = last ? counts[0] : counts[1 + t];
+  const int64_t total = n_items * per_item;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = e / per_item;
+    const int64_t rem = e - i * per_item;
+    const int64_t m0 = (rem / Nc) * MM;
+    const int64_t c = rem % Nc;
+    const int64_t j = last ? i : heads[i];
+    bool valid;
+    const int64_t id = SafeId(g, ids, j, &valid);
+    const TA* a = t == 1 ? prev + CoreRow(g, id, 0) * g.width[0]
+                         : prev + static_cast<int64_t>(parent_incl[j] - 1) * g.S[t - 1];
+    const T* b = core + CoreRow(g, id, t) * g.width[t];
+    C acc[MM];
+#pragma unroll
+    for (int mm = 0; mm < MM; ++mm) acc[mm] = C(0);
+    for (int64_t k = 0; k < K; ++k) {
+      const C bv = ToC(b[k * Nc + c]);
+#pragma unroll
+      for (int mm = 0; mm < MM; ++mm) {
+        if (m0 + mm < M) acc[mm] = fma(ToC(a[(m0 + mm) * K + k]), bv, acc[mm]);
+      }
+    }
+    TO* o = out + (last ? j : i) * S;
+#pragma unroll
+    for (int mm = 0; mm < MM; ++mm) {
+      if (m0 + mm < M) {
+        if constexpr (std::is_same<TO, T>::value) {
+          o[(m0 + mm) * Nc + c] = FromC<T>(valid || !last ? acc[mm] : C(0));
+        } else {
+          o[(m0 + mm) * Nc + c] = acc[mm];
+        }
+      }
+    }
+  }
+}
+
+// Parent gradient of level t >= 1: dprev[m] = sum over children n of
+// dC_n @ B_n^T. Thread = (parent item m, rows m0 .. m0+MM-1, k).
+template <int MM, typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    LevelBackwardAKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                         const int64_t* __restrict__ counts,
+                         const int32_t* __restrict__ heads_prev,  // level t-1
+                         const int32_t* __restrict__ heads_t,     // level t, null at the last
+                         const int32_t* __restrict__ incl_t,      // level t, null at the last
+                         const TG* __restrict__ dC,               // [n_t, S_t]
+                         const T* __restrict__ core,              // core t
+                         CT<T>* __restrict__ dprev) {             // [n_{t-1}, S_{t-1}]
+  using C = CT<T>;
+  const bool last = t == g.T - 1;
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
+  const int64_t mchunks = (M + MM - 1) / MM;
+  const int64_t per_item = mchunks * K;
+  const int64_t n_prev = counts[t];  // counts[1 + (t - 1)]
+  const int64_t n_items = last ? counts[0] : counts[1 + t];
+  const int64_t total = n_prev * per_item;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t m = e / per_item;
+    const int64_t rem = e - m * per_item;
+    const int64_t m0 = (rem / K) * MM;
+    const int64_t k = rem % K;
+    const int64_t first = last ? heads_prev[m] : incl_t[heads_prev[m]] - 1;
+    const int64_t end = m + 1 < n_prev
+                            ? (last ? heads_prev[m + 1] : incl_t[heads_prev[m + 1]] - 1)
+                            : n_items;
+    C acc[MM];
+#pragma unroll
+    for (int mm = 0; mm < MM; ++mm) acc[mm] = C(0);
+    for (int64_t n = first; n < end; ++n) {
+      const int64_t j = last ? n : heads_t[n];
+      bool valid;
+      const int64_t id = SafeId(g, ids, j, &valid);
+      if (!valid) continue;
+      const T* b = core + CoreRow(g, id, t) * g.width[t] + k * Nc;
+      const TG* d = dC + n * S;
+      for (int64_t c = 0; c < Nc; ++c) {
+        const C bv = ToC(b[c]);
+#pragma unroll
+        for (int mm = 0; mm < MM; ++mm) {
+          if (m0 + mm < M) acc[mm] = fma(ToC(d[(m0 + mm) * Nc + c]), bv, acc[mm]);
+        }
+      }
+    }
+    C* o = dprev + m * Sp;
+#pragma unroll
+    for (int mm = 0; mm < MM; ++mm) {
+      if (m0 + mm < M) o[(m0 + mm) * K + k] = acc[mm];
+    }
+  }
+}
+
+// Core-gradient pieces of core t >= 1: one block per piece, threads over the
+// width (k, c); piece_out[p] = sum over the piece's items of A_n^T @ dC_n.
+template <typename TA, typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    CorePieceKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                    const int64_t* __restrict__ piece_count,  // [1]
+                    const int32_t* __restrict__ piece_pos,    // [pieces + 1]
+                    const int32_t* __restrict__ sorted_items,
+                    const int32_t* __restrict__ heads_t,      // level t, null at the last
+                    const int32_t* __restrict__ parent_incl,  // level t-1, null for t == 1
+                    const TA* __restrict__ prev,              // t == 1: core 0; else P_{t-1}
+                    const TG* __restrict__ dC,                // [n_t, S_t]
+                    CT<T>* __restrict__ piece_out) {          // [pieces, width_t]
+  using C = CT<T>;
+  const bool last = t == g.T - 1;
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], W = g.width[t];
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int64_t e = threadIdx.x; e < W; e += blockDim.x) {
+      const int64_t k = e / Nc, c = e % Nc;
+      C acc = C(0);
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t n = sorted_items[s];
+        const int64_t j = last ? n : heads_t[n];
+        bool valid;
+        const int64_t id = SafeId(g, ids, j, &valid);
+        if (!valid) continue;
+        const TA* a = t == 1 ? prev + CoreRow(g, id, 0) * g.width[0]
+                             : prev + static_cast<int64_t>(parent_incl[j] - 1) * g.S[t - 1];
+        const TG* d = dC + n * S;
+        for (int64_t m = 0; m < M; ++m) acc = fma(ToC(a[m * K + k]), ToC(d[m * Nc + c]), acc);
+      }
+      piece_out[pc * W + e] = acc;
+    }
+  }
+}
+
+// Core-0 gradient pieces: piece_out[p] = sum over the piece's level-0 items of dP_0.
+template <typename C>
+__global__ void __launch_bounds__(kThreads)
+    Core0PieceKernel(int64_t W, const int64_t* __restrict__ piece_count,
+                     const int32_t* __restrict__ piece_pos,
+                     const int32_t* __restrict__ sorted_items,
+                     const C* __restrict__ dP0,     // [n_0, W]
+                     C* __restrict__ piece_out) {   // [pieces, W]
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int64_t e = threadIdx.x; e < W; e += blockDim.x) {
+      C acc = C(0);
+      for (int64_t s = begin; s < end; ++s) acc += dP0[int64_t{sorted_items[s]} * W + e];
+      piece_out[pc * W + e] = acc;
+    }
+  }
+}
+
+// Adds each row's pieces in order; writes (indices, values) or the dense row.
+template <typename T>
+__global__ void CombinePiecesKernel(int64_t W, const int64_t* __restrict__ row_count,
+                                    const int32_t* __restrict__ seg_first_piece,  // [rows + 1]
+                                    const int64_t* __restrict__ seg_row,          // [rows]
+                                    const CT<T>* __restrict__ piece_out,
+                                    int64_t* __restrict__ indices, T* __restrict__ values,
+                                    T* __restrict__ dense) {
+  using C = CT<T>;
+  const int64_t rows = *row_count;
+  const int64_t total = rows * W;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t s = e / W, w = e % W;
+    C acc = C(0);
+    for (int64_t pc = seg_first_piece[s]; pc < seg_first_piece[s + 1]; ++pc) {
+      acc += piece_out[pc * W + w];
+    }
+    const int64_t row = seg_row[s];
+    if (dense != nullptr) {
+      dense[row * W + w] = FromC<T>(acc);
+    } else {
+      values[e] = FromC<T>(acc);
+      if (w == 0) indices[s] = row;
+    }
+  }
+}
+
+// Sort keys of core k: the core row of each item of level k (ids at the last
+// level); items past the count get `sentinel` (sorted last).
+__global__ void RowKeysKernel(Geo g, int k, const int64_t* ids, const int64_t* counts,
+                              int64_t nmax, const int32_t* heads, int64_t sentinel,
+                              int64_t* keys, int32_t* vals) {
+  const bool last = k == g.T - 1;
+  const int64_t n_items = last ? counts[0] : counts[1 + k];
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    int64_t key = sentinel;
+    if (i < n_items) {
+      bool v;
+      const int64_t id = SafeId(g, ids, last ? i : heads[i], &v);
+      key = CoreRow(g, id, k);
+    }
+    keys[i] = key;
+    vals[i] = static_cast<int32_t>(i);
+  }
+}
+
+// Piece starts (a new row, or every kPieceItems items) and segment starts.
+__global__ void PieceFlagsKernel(const int64_t* keys, int64_t nmax, int64_t sentinel,
+                                 int32_t* piece_flags, int32_t* seg_flags) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t key = keys[i];
+    const bool valid = key != sentinel;
+    const bool seg = valid && (i == 0 || keys[i - 1] != key);
+    seg_flags[i] = seg;
+    piece_flags[i] = valid && (seg || i % kPieceItems == 0);
+  }
+}
+
+// piece_pos[piece] = first sorted position; seg_first_piece[seg] = first piece;
+// seg_row[seg] = the row; counts of pieces and rows; the end markers.
+__global__ void PieceListKernel(const int64_t* keys, int64_t nmax, const int32_t* piece_flags,
+                                const int32_t* seg_flags, const int32_t* piece_incl,
+                                const int32_t* seg_incl, int32_t* piece_pos,
+                                int32_t* seg_first_piece, int64_t* seg_row, int64_t* piece_count,
+                                int64_t* row_count, int64_t* report_rows) {
+  const int64_t pieces = nmax > 0 ? piece_incl[nmax - 1] : 0;
+  const int64_t rows = nmax > 0 ? seg_incl[nmax - 1] : 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    if (piece_flags[i]) piece_pos[piece_incl[i] - 1] = static_cast<int32_t>(i);
+    if (seg_flags[i]) {
+      seg_first_piece[seg_incl[i] - 1] = piece_incl[i] - 1;
+      seg_row[seg_incl[i] - 1] = keys[i];
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *piece_count = pieces;
+    *row_count = rows;
+    *report_rows = rows;
+    seg_first_piece[rows] = static_cast<int32_t>(pieces);
+  }
+}
+
+// piece_pos[pieces] = number of items (the first sentinel position).
+__global__ void PieceEndKernel(Geo g, int k, const int64_t* counts, const int64_t* piece_count,
+                               int32_t* piece_pos) {
+  const bool last = k == g.T - 1;
+  piece_pos[*piece_count] = static_cast<int32_t>(last ? counts[0] : counts[1 + k]);
+}
+
+// ---------------------------------------------------------------------------
+// Launch helpers.
+
+template <typename TA, typename T, typename TO>
+cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, const int64_t* counts,
+                               int64_t nmax, const int32_t* heads, const int32_t* parent_incl,
+                               const TA* prev, const T* core, TO* out, cudaStream_t stream) {
+  const int64_t M = g.M[t];
+  const int64_t work_items = nmax;  // upper bound of the items
+  auto go = [&](auto mm_tag) {
+    constexpr int MM = decltype(mm_tag)::value;
+    const int64_t work = work_items * CeilDiv(M, MM) * g.Nc[t];
+    LevelForwardKernel<MM, TA, T, TO><<<GridFor(work), kThreads, 0, stream>>>(
+        g, t, ids, counts, heads, parent_incl, prev, core, out);
+  };
+  if (M >= 8) {
+    go(std::integral_constant<int, 8>{});
+  } else if (M >= 4) {
+    go(std::integral_constant<int, 4>{});
+  } else if (M >= 2) {
+    go(std::integral_constant<int, 2>{});
+  } else {
+    go(std::integral_constant<int, 1>{});
+  }
+  return cudaGetLastError();
+}
+
+template <typename TG, typename T>
+cudaError_t LaunchLevelBackwardA(const Geo& g, int t, const int64_t* ids, const int64_t* counts,
+                                 int64_t nmax, const int32_t* heads_prev, const int32_t* heads_t,
+                                 const int32_t* incl_t, const TG* dC, const T* core, CT<T>* dprev,
+                                 cudaStream_t stream) {
+  const int64_t M = g.M[t];
+  auto go = [&](auto mm_tag) {
+    constexpr int MM = decltype(mm_tag)::value;
+    const int64_t work = nmax * CeilDiv(M, MM) * g.K[t];
+    LevelBackwardAKernel<MM, TG, T><<<GridFor(work), kThreads, 0, stream>>>(
+        g, t, ids, counts, heads_prev, heads_t, incl_t, dC, core, dprev);
+  };
+  if (M >= 8) {
+    go(std::integral_constant<int, 8>{});
+  } else if (M >= 4) {
+    go(std::integral_constant<int, 4>{});
+  } else if (M >= 2) {
+    go(std::integral_constant<int, 2>{});
+  } else {
+    go(std::integral_constant<int, 1>{});
+  }
+  return cudaGetLastError();
+}
+
+// Buffers of the levels of one chunk of at most nmax ids.
+struct LevelBuffers {
+  int64_t* counts = nullptr;             // [kMaxTTCores + 1]
+  int32_t* flags = nullptr;              // [nmax]
+  int32_t* incl[kMaxTTCores] = {};       // levels 0 .. T-2, [nmax]
+  int32_t* heads[kMaxTTCores] = {};      // levels 0 .. T-2, [nmax]
+  void* cub_temp = nullptr;
+  size_t cub_bytes = 0;
+};
+
+size_t ScanTempBytes(int64_t n) {
+  size_t bytes = 0;
+  cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                static_cast<int32_t*>(nullptr), static_cast<int>(std::max<int64_t>(n, 1)));
+  return bytes;
+}
+
+size_t SortTempBytes(int64_t n) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int64_t*>(nullptr),
+                                  static_cast<int64_t*>(nullptr),
+                                  static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr),
+                                  static_cast<int>(std::max<int64_t>(n, 1)));
+  return bytes;
+}
+
+void CarveLevels(const Geo& g, int64_t nmax, size_t cub_bytes, Carver* c, LevelBuffers* b) {
+  b->counts = c->Take<int64_t>(kMaxTTCores + 1);
+  b->flags = c->Take<int32_t>(nmax);
+  for (int t = 0; t + 1 < g.T; ++t) {
+    b->incl[t] = c->Take<int32_t>(nmax);
+    b->heads[t] = c->Take<int32_t>(nmax);
+  }
+  b->cub_bytes = cub_bytes;
+  b->cub_temp = c->TakeBytes(cub_bytes);
+}
+
+// Builds levels 0 .. T-2 of the chunk ids[0 .. counts[0]).
+cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuffers* b,
+                        cudaStream_t stream) {
+  for (int t = 0; t + 1 < g.T; ++t) {
+    LevelFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, ids, b->counts, nmax,
+                                                             b->flags);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    size_t bytes = b->cub_bytes;
+    TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b->cub_temp, bytes, b->flags, b->incl[t],
+                                                     static_cast<int>(nmax), stream));
+    LevelHeadsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(t, b->counts, nmax, b->flags,
+                                                             b->incl[t], b->heads[t], b->counts);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+// ---------------------------------------------------------------------------
+// TTRows.
+
+template <typename T>
+size_t CarveRows(const Geo& g, int64_t chunk, void* base, LevelBuffers* b,
+                 CT<T>* partial[kMaxTTCores]) {
+  Carver c(base);
+  CarveLevels(g, chunk, ScanTempBytes(chunk), &c, b);
+  for (int t = 1; t + 1 < g.T; ++t) partial[t] = c.Take<CT<T>>(chunk * g.S[t]);
+  return c.bytes();
+}
+
+template <typename T>
+int64_t RowsChunk(const Geo& g, int64_t max_ids) {
+  LevelBuffers b;
+  CT<T>* partial[kMaxTTCores] = {};
+  int64_t chunk = std::max<int64_t>(max_ids, 1);
+  while (chunk > kMinRowsChunk && CarveRows<T>(g, chunk, nullptr, &b, partial) > kRowsScratchBudget) {
+    chunk = CeilDiv(chunk, 2);
+  }
+  return chunk;
+}
+
+// ---------------------------------------------------------------------------
+// TTRowsGrad.
+
+struct CoreSort {
+  int32_t* sorted_items = nullptr;     // [nmax]
+  int32_t* piece_pos = nullptr;        // [max_pieces + 1]
+  int32_t* seg_first_piece = nullptr;  // [max_rows + 1]
+  int64_t* seg_row = nullptr;          // [max_rows]
+  int64_t* piece_count = nullptr;      // [1]
+  int64_t* row_count = nullptr;        // [1]
+  int64_t max_pieces = 0;
+  int64_t max_rows = 0;
+};
+
+template <typename T>
+struct GradScratch {
+  LevelBuffers levels;
+  CoreSort core[kMaxTTCores];
+  int64_t* keys_in = nullptr;
+  int64_t* keys_out = nullptr;
+  int32_t* vals_in = nullptr;
+  int32_t* piece_flags = nullptr;
+  int32_t* piece_incl = nullptr;
+  int32_t* seg_incl = nullptr;
+  CT<T>* partial[kMaxTTCores] = {};   // P_t, t = 1 .. T-2
+  CT<T>* dpartial[kMaxTTCores] = {};  // dP_t, t = 0 .. T-2
+  CT<T>* pieces = nullptr;            // [max over cores of max_pieces * width]
+};
+
+template <typename T>
+size_t CarveGrad(const Geo& g, int64_t nmax, void* base, GradScratch<T>* s) {
+  Carver c(base);
+  const size_t cub_bytes = std::max(ScanTempBytes(nmax), SortTempBytes(nmax));
+  CarveLevels(g, nmax, cub_bytes, &c, &s->levels);
+  int64_t max_piece_values = 0;
+  for (int k = 0; k < g.T; ++k) {
+    CoreSort& cs = s->core[k];
+    cs.max_rows = std::min<int64_t>(nmax, g.tables * g.p[k]);
+    cs.max_pieces = CeilDiv(nmax, kPieceItems) + cs.max_rows;
+    cs.sorted_items = c.Take<int32_t>(nmax);
+    cs.piece_pos = c.Take<int32_t>(cs.max_pieces + 1);
+    cs.seg_first_piece = c.Take<int32_t>(cs.max_rows + 1);
+    cs.seg_row = c.Take<int64_t>(cs.max_rows);
+    cs.piece_count = c.Take<int64_t>(1);
+    cs.row_count = c.Take<int64_t>(1);
+    max_piece_values = std::max(max_piece_values, cs.max_pieces * g.width[k]);
+  }
+  s->keys_in = c.Take<int64_t>(nmax);
+  s->keys_out = c.Take<int64_t>(nmax);
+  s->vals_in = c.Take<int32_t>(nmax);
+  s->piece_flags = c.Take<int32_t>(nmax);
+  s->piece_incl = c.Take<int32_t>(nmax);
+  s->seg_incl = c.Take<int32_t>(nmax);
+  for (int t = 1; t + 1 < g.T; ++t) s->partial[t] = c.Take<CT<T>>(nmax * g.S[t]);
+  for (int t = 0; t + 1 < g.T; ++t) s->dpartial[t] = c.Take<CT<T>>(nmax * g.S[t]);
+  s->pieces = c.Take<CT<T>>(max_piece_values);
+  return c.bytes();
+}
+
+bool ValidIdsCount(int64_t max_ids) {
+  return max_ids >= 0 && max_ids < (int64_t{1} << 31) - 2;
+}
+
+// ---------------------------------------------------------------------------
+// TTUniqueIds kernels.
+
+template <typename Tindex>
+__global__ void UniqueKeysKernel(UniqueIdsProblem p, const Tindex* ids,
+                                 const int64_t* table_splits, int64_t sentinel, int64_t* keys,
+                                 int32_t* vals, TTReport* report) {
+  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < p.nnz;
+       j += int64_t{gridDim.x} * blockDim.x) {
+    // Table of entry j: the last t with table_splits[t] <= j (splits clamped).
+    int64_t lo = 0, hi = p.num_tables;  // answer in [0, num_tables)
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (table_splits[mid] <= j) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const int64_t v = static_cast<int64_t>(ids[j]);
+    int64_t key = sentinel;
+    if (p.has_padding_id && v == p.padding_id) {
+      key = sentinel;
+    } else if (v < 0 || v >= p.num_embeddings) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&report->first_bad_index),
+                static_cast<unsigned long long>(j));
+    } else {
+      key = lo * p.stride + v;
+    }
+    keys[j] = key;
+    vals[j] = static_cast<int32_t>(j);
+  }
+}
+
+template <typename Tindex>
+__global__ void UniqueFlagsKernel(int64_t nnz, const int64_t* keys, int64_t sentinel,
+                                  int32_t* flags) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nnz;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t key = keys[i];
+    flags[i] = key != sentinel && (i == 0 || keys[i - 1] != key);
+  }
+}
+
+template <typename Tindex>
+__global__ void UniqueScatterKernel(int64_t nnz, const int64_t* keys, const int32_t* vals,
+                                    const int32_t* flags, const int32_t* incl, int64_t sentinel,
+                                    int64_t* unique_ids, Tindex* slots) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nnz;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t key = keys[i];
+    if (flags[i]) unique_ids[incl[i] - 1] = key;
+    slots[vals[i]] = static_cast<Tindex>(key == sentinel ? -1 : incl[i] - 1);
+  }
+}
+
+template <typename Tindex>
+__global__ void UniqueFinishKernel(const Tindex* ids, int64_t nnz, const int32_t* incl,
+                                   TTReport* report) {
+  const int64_t first = report->first_bad_index;
+  if (first == kNoBad) {
+    report->first_bad_index = -1;
+    report->bad_index_value = -1;
+  } else {
+    report->bad_index_value = static_cast<int64_t>(ids[first]);
+  }
+  report->num_unique = nnz > 0 ? incl[nnz - 1] : 0;
+  report->num_ids = nnz;
+}
+
+struct UniqueScratch {
+  int64_t* keys_in = nullptr;
+  int64_t* keys_out = nullptr;
+  int32_t* vals_in = nullptr;
+  int32_t* vals_out = nullptr;
+  int32_t* flags = nullptr;
+  int32_t* incl = nullptr;
+  void* cub_temp = nullptr;
+  size_t cub_bytes = 0;
+};
+
+size_t CarveUnique(int64_t nnz, void* base, UniqueScratch* s) {
+  Carver c(base);
+  s->keys_in = c.Take<int64_t>(nnz);
+  s->keys_out = c.Take<int64_t>(nnz);
+  s->vals_in = c.Take<int32_t>(nnz);
+  s->vals_out = c.Take<int32_t>(nnz);
+  s->flags = c.Take<int32_t>(nnz);
+  s->incl = c.Take<int32_t>(nnz);
+  s->cub_bytes = std::max(ScanTempBytes(nnz), SortTempBytes(nnz));
+  s->cub_temp = c.TakeBytes(s->cub_bytes);
+  return c.bytes();
+}
+
+bool UniqueProblemOk(const UniqueIdsProblem& p) {
+  if (p.nnz < 0 || p.nnz >= (int64_t{1} << 31) - 2 || p.num_tables < 1 ||
+      p.num_embeddings < 1 || p.stride < p.num_embeddings) {
+    return false;
+  }
+  return p.stride <= ((int64_t{1} << 62) - 1) / p.num_tables;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Launchers.
+
+template <typename Tindex>
+size_t UniqueIdsScratchBytes(const UniqueIdsProblem& p) {
+  UniqueScratch s;
+  return CarveUnique(std::max<int64_t>(p.nnz, 0), nullptr, &s);
+}
+
+template <typename Tindex>
+cudaError_t LaunchUniqueIds(const UniqueIdsProblem& p, const Tindex* ids,
+                            const int64_t* table_splits, int64_t* unique_ids, Tindex* slots,
+                            TTReport* report, void* scratch, size_t scratch_bytes,
+                            cudaStream_t stream) {
+  if (!UniqueProblemOk(p) || report == nullptr) return cudaErrorInvalidValue;
+  UniqueScratch s;
+  if (CarveUnique(p.nnz, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
+  CarveUnique(p.nnz, scratch, &s);
+  InitReportKernel<<<1, 1, 0, stream>>>(report);
+  TT_RETURN_IF_ERROR(cudaGetLastError());
+  if (p.nnz > 0) {
+    const int64_t sentinel = p.num_tables * p.stride;
+    UniqueKeysKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
+        p, ids, table_splits, sentinel, s.keys_in, s.vals_in, report);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    size_t bytes = s.cub_bytes;
+    TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+        s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
+        static_cast<int>(p.nnz), 0, BitsFor(static_cast<uint64_t>(sentinel)), stream));
+    UniqueFlagsKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(p.nnz, s.keys_out,
+                                                                      sentinel, s.flags);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    bytes = s.cub_bytes;
+    TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(s.cub_temp, bytes, s.flags, s.incl,
+                                                     static_cast<int>(p.nnz), stream));
+    UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
+        p.nnz, s.keys_out, s.vals_out, s.flags, s.incl, sentinel, unique_ids, slots);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  UniqueFinishKernel<Tindex><<<1, 1, 0, stream>>>(ids, p.nnz, s.incl, report);
+  return cudaGetLastError();
+}
+
+template <typename T>
+size_t RowsScratchBytes(const TTProblem& p, int64_t max_ids) {
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
+  LevelBuffers b;
+  CT<T>* partial[kMaxTTCores] = {};
+  return CarveRows<T>(g, RowsChunk<T>(g, max_ids), nullptr, &b, partial);
+}
+
+template <typename T>
+cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
+                       const int64_t* num_ids, const T* const* cores, T* rows,
+                       TTReport* report, void* scratch, size_t scratch_bytes,
+                       cudaStream_t stream) {
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids) || report == nullptr || cores == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  for (int k = 0; k < g.T; ++k) {
+    if (cores[k] == nullptr) return cudaErrorInvalidValue;
+  }
+  const int64_t chunk = RowsChunk<T>(g, max_ids);
+  LevelBuffers b;
+  CT<T>* partial[kMaxTTCores] = {};
+  if (CarveRows<T>(g, chunk, nullptr, &b, partial) > scratch_bytes) return cudaErrorInvalidValue;
+  CarveRows<T>(g, chunk, scratch, &b, partial);
+  InitReportKernel<<<1, 1, 0, stream>>>(report);
+  TT_RETURN_IF_ERROR(cudaGetLastError());
+  for (int64_t begin = 0; begin < max_ids; begin += chunk) {
+    const int64_t nmax = std::min(chunk, max_ids - begin);
+    const int64_t* cids = ids + begin;
+    ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, begin, chunk, b.counts);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, cids, b.counts, begin, report);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TT_RETURN_IF_ERROR(BuildLevels(g, cids, nmax, &b, stream));
+    T* out = rows + begin * g.D;
+    for (int t = 1; t < g.T; ++t) {
+      const bool last = t == g.T - 1;
+      const int32_t* heads = last ? nullptr : b.heads[t];
+      const int32_t* parent_incl = t == 1 ? nullptr : b.incl[t - 1];
+      cudaError_t err;
+      if (t == 1) {
+        err = last ? LaunchLevelForward<T, T, T>(g, t, cids, b.counts, nmax, heads, parent_incl,
+                                                 cores[0], cores[t], out, stream)
+                   : LaunchLevelForward<T, T, CT<T>>(g, t, cids, b.counts, nmax, heads,
+                                                     parent_incl, cores[0], cores[t],
+                                                     partial[t], stream);
+      } else {
+        err = last ? LaunchLevelForward<CT<T>, T, T>(g, t, cids, b.counts, nmax, heads,
+                                                     parent_incl, partial[t - 1], cores[t], out,
+                                                     stream)
+                   : LaunchLevelForward<CT<T>, T, CT<T>>(g, t, cids, b.counts, nmax, heads,
+                                                         parent_incl, partial[t - 1], cores[t],
+                                                         partial[t], stream);
+      }
+      TT_RETURN_IF_ERROR(err);
+    }
+  }
+  FinishReportKernel<<<1, 1, 0, stream>>>(ids, num_ids, max_ids, report);
+  return cudaGetLastError();
+}
+
+template <typename T>
+size_t RowsGradScratchBytes(const TTProblem& p, int64_t max_ids) {
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
+  GradScratch<T> s;
+  return CarveGrad<T>(g, max_ids, nullptr, &s);
+}
+
+template <typename T>
+cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_t max_ids,
+                                  const int64_t* num_ids, TTReport* report, void* scratch,
+                                  size_t scratch_bytes, cudaStream_t stream) {
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids) || report == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  GradScratch<T> s;
+  if (CarveGrad<T>(g, max_ids, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
+  CarveGrad<T>(g, max_ids, scratch, &s);
+  const int64_t nmax = max_ids;
+  LevelBuffers& b = s.levels;
+  InitReportKernel<<<1, 1, 0, stream>>>(report);
+  TT_RETURN_IF_ERROR(cudaGetLastError());
+  ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, 0, std::max<int64_t>(max_ids, 1),
+                                        b.counts);
+  TT_RETURN_IF_ERROR(cudaGetLastError());
+  TT_RETURN_IF_ERROR(cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
+  if (nmax > 0) {
+    CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, ids, b.counts, 0, report);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TT_RETURN_IF_ERROR(BuildLevels(g, ids, nmax, &b, stream));
+    for (int k = 0; k < g.T; ++k) {
+      CoreSort& cs = s.core[k];
+      const int64_t sentinel = g.tables * g.p[k];
+      RowKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+          g, k, ids, b.counts, nmax, k + 1 < g.T ? b.heads[k] : nullptr, sentinel, s.keys_in,
+          s.vals_in);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      size_t bytes = b.cub_bytes;
+      TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+          b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.sorted_items,
+          static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel)), stream));
+      PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel,
+                                                               s.piece_flags, b.flags);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      bytes = b.cub_bytes;
+      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
+                                                       s.piece_incl, static_cast<int>(nmax),
+                                                       stream));
+      bytes = b.cub_bytes;
+      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
+                                                       static_cast<int>(nmax), stream));
+      PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+          s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
+          cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, &report->core_rows[k]);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      PieceEndKernel<<<1, 1, 0, stream>>>(g, k, b.counts, cs.piece_count, cs.piece_pos);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+    }
+  } else {
+    for (int k = 0; k < g.T; ++k) {
+      TT_RETURN_IF_ERROR(cudaMemsetAsync(s.core[k].piece_count, 0, sizeof(int64_t), stream));
+      TT_RETURN_IF_ERROR(cudaMemsetAsync(s.core[k].row_count, 0, sizeof(int64_t), stream));
+    }
+  }
+  FinishReportKernel<<<1, 1, 0, stream>>>(ids, num_ids, max_ids, report);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_t max_ids,
+                                  const int64_t* num_ids, const T* const* cores, const T* grad,
+                                  int64_t* const* core_indices, T* const* core_values,
+                                  T* const* core_dense, void* scratch, size_t scratch_bytes,
+                                  cudaStream_t stream) {
+  using C = CT<T>;
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids) || cores == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const bool dense = core_dense != nullptr;
+  if (dense == (core_indices != nullptr || core_values != nullptr)) return cudaErrorInvalidValue;
+  if (!dense && (core_indices == nullptr || core_values == nullptr)) return cudaErrorInvalidValue;
+  for (int k = 0; k < g.T; ++k) {
+    if (cores[k] == nullptr) return cudaErrorInvalidValue;
+  }
+  GradScratch<T> s;
+  if (CarveGrad<T>(g, max_ids, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
+  CarveGrad<T>(g, max_ids, scratch, &s);
+  const int64_t nmax = max_ids;
+  LevelBuffers& b = s.levels;
+  if (dense) {
+    for (int k = 0; k < g.T; ++k) {
+      if (core_dense[k] == nullptr) return cudaErrorInvalidValue;
+      TT_RETURN_IF_ERROR(cudaMemsetAsync(
+          core_dense[k], 0, sizeof(T) * static_cast<size_t>(g.tables * g.p[k] * g.width[k]),
+          stream));
+    }
+  }
+  if (nmax == 0) return cudaSuccess;
+  // Forward partial products of levels 1 .. T-2.
+  for (int t = 1; t + 1 < g.T; ++t) {
+    cudaError_t err =
+        t == 1 ? LaunchLevelForward<T, T, C>(g, t, ids, b.counts, nmax, b.heads[t], nullptr,
+                                             cores[0], cores[t], s.partial[t], stream)
+               : LaunchLevelForward<C, T, C>(g, t, ids, b.counts, nmax, b.heads[t],
+                                             b.incl[t - 1], s.partial[t - 1], cores[t],
+                                             s.partial[t], stream);
+    TT_RETURN_IF_ERROR(err);
+  }
+  auto combine = [&](int k) -> cudaError_t {
+    const CoreSort& cs = s.core[k];
+    const int64_t W = g.width[k];
+    CombinePiecesKernel<T><<<GridFor(cs.max_rows * W), kThreads, 0, stream>>>(
+        W, cs.row_count, cs.seg_first_piece, cs.seg_row, s.pieces,
+        dense ? nullptr : core_indices[k], dense ? nullptr : core_values[k],
+        dense ? core_dense[k] : nullptr);
+    return cudaGetLastError();
+  };
+  // Levels T-1 .. 1: parent gradient and core gradient.
+  for (int t = g.T - 1; t >= 1; --t) {
+    const bool last = t == g.T - 1;
+    const int32_t* heads_t = last ? nullptr : b.heads[t];
+    const int32_t* incl_t = last ? nullptr : b.incl[t];
+    const int32_t* parent_incl = t == 1 ? nullptr : b.incl[t - 1];
+    cudaError_t err;
+    if (last) {
+      err = LaunchLevelBackwardA<T, T>(g, t, ids, b.counts, nmax, b.heads[t - 1], heads_t,
+                                       incl_t, grad, cores[t], s.dpartial[t - 1], stream);
+    } else {
+      err = LaunchLevelBackwardA<C, T>(g, t, ids, b.counts, nmax, b.heads[t - 1], heads_t,
+                                       incl_t, s.dpartial[t], cores[t], s.dpartial[t - 1],
+                                       stream);
+    }
+    TT_RETURN_IF_ERROR(err);
+    const CoreSort& cs = s.core[t];
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
+    const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
+    if (t == 1 && last) {
+      CorePieceKernel<T, T, T><<<grid, threads, 0, stream>>>(
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          cores[0], grad, s.pieces);
+    } else if (t == 1) {
+      CorePieceKernel<T, C, T><<<grid, threads, 0, stream>>>(
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          cores[0], s.dpartial[t], s.pieces);
+    } else if (last) {
+      CorePieceKernel<C, T, T><<<grid, threads, 0, stream>>>(
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          s.partial[t - 1], grad, s.pieces);
+    } else {
+      CorePieceKernel<C, C, T><<<grid, threads, 0, stream>>>(
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          s.partial[t - 1], s.dpartial[t], s.pieces);
+    }
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TT_RETURN_IF_ERROR(combine(t));
+  }
+  // Core 0: sum of dP_0 over the level-0 items of each row.
+  {
+    const CoreSort& cs = s.core[0];
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
+    const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[0] + 31) / 32) * 32));
+    Core0PieceKernel<C><<<grid, threads, 0, stream>>>(g.width[0], cs.piece_count, cs.piece_pos,
+                                                      cs.sorted_items, s.dpartial[0], s.pieces);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TT_RETURN_IF_ERROR(combine(0));
+  }
+  return cudaSuccess;
+}
+
+#define TT_INSTANTIATE_VALUE(T)                                                                 \
+  template size_t RowsScratchBytes<T>(const TTProblem&, int64_t);                               \
+  template cudaError_t LaunchRows<T>(const TTProblem&, const int64_t*, int64_t, const int64_t*, \
+                                     const T* const*, T*, TTReport*, void*, size_t,             \
+                                     cudaStream_t);                                             \
+  template size_t RowsGradScratchBytes<T>(const TTProblem&, int64_t);                           \
+  template cudaError_t LaunchRowsGradPrepare<T>(const TTProblem&, const int64_t*, int64_t,      \
+                                                const int64_t*, TTReport*, void*, size_t,       \
+                                                cudaStream_t);                                  \
+  template cudaError_t LaunchRowsGradCompute<T>(                                                \
+      const TTProblem&, const int64_t*, int64_t, const int64_t*, const T* const*, const T*,     \
+      int64_t* const*, T* const*, T* const*, void*, size_t, cudaStream_t);
+
+TT_INSTANTIATE_VALUE(__half)
+TT_INSTANTIATE_VALUE(__nv_bfloat16)
+TT_INSTANTIATE_VALUE(float)
+TT_INSTANTIATE_VALUE(double)
+
+#define TT_INSTANTIATE_INDEX(I)                                                                 \
+  template size_t UniqueIdsScratchBytes<I>(const UniqueIdsProblem&);                            \
+  template cudaError_t LaunchUniqueIds<I>(const UniqueIdsProblem&, const I*, const int64_t*,    \
+                                          int64_t*, I*, TTReport*, void*, size_t, cudaStream_t);
+
+TT_INSTANTIATE_INDEX(int32_t)
+TT_INSTANTIATE_INDEX(int64_t)
+
+}  // namespace gpu
+}  // namespace tf_ttemb
