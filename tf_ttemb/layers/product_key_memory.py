@@ -41,6 +41,9 @@ BATCHNORM_EPSILON = 1e-5
 # Slot id of a padded (masked) token's entries: gather_reduce_sum skips them.
 _PADDING_SLOT = -1
 
+# Optimizers the layer can apply to the values itself, inside the backward pass.
+VALUES_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+
 
 def _positive_int(name: str, value: Any) -> int:
     try:
@@ -60,6 +63,17 @@ def _rate(name: str, value: Any) -> float:
     if not 0.0 <= float(value) < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
     return float(value)
+
+
+def _finite(name: str, value: Any, low: float, allow_low: bool = False) -> float:
+    relation = ">=" if allow_low else ">"
+    message = f"{name} must be a finite number {relation} {low:g}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(message)
+    number = float(value)
+    if not math.isfinite(number) or number < low or (number == low and not allow_low):
+        raise ValueError(message)
+    return number
 
 
 # ----------------------------------------------------------------------------------------
@@ -220,6 +234,27 @@ class ProductKeyMemory(keras.layers.Layer):
     ±1/sqrt(d_in) (kernel and bias, like a PyTorch `Linear`), sub-keys uniform in
     ±1/sqrt(k_dim / 2), values normal with standard deviation output_dim**-0.5.
 
+    Values optimizer (`values_optimizer="sgd"`, `"rowwise_adagrad"` or `"adagrad"`): the
+    layer updates the values itself, inside the backward pass of the memory read, and the
+    values gradient is never materialised (as FBGEMM's fused table-batched optimizers
+    and FBTT's `sparse=True` do). The values are then a non-trainable variable (Keras'
+    optimizer never sees them) and an empty trainable variable `values_update_trigger`
+    (shape [0]) is how `Model.fit` or a `tf.GradientTape` over
+    `model.trainable_variables` reaches the update: each gradient computation through a
+    call with `training` not False (Model.fit's steps) applies, to every slot read in the
+    batch, with `g` the slot's summed gradient, `lr = values_learning_rate` and
+    `eps = values_epsilon`: sgd `w -= lr * g`; rowwise_adagrad `a += mean(g**2)` (one
+    accumulator per slot, `values_accumulator [n_keys**2]`), `w -= lr * g / (sqrt(a) +
+    eps)`; adagrad the same per element (`values_accumulator [n_keys**2, output_dim]`).
+    Accumulators start at 0. The gradients of the keys, the query network and the inputs
+    are unchanged (computed from the values before the update). On CPU the update is the
+    fused op `GatherReduceSumSparseApply`; with `implementation="composite"`, under XLA,
+    or when TensorFlow sees a GPU (the op has no GPU kernel) the layer falls back to the
+    unfused path: the values gradient of `gather_reduce_sum`, then the same update in
+    TensorFlow ops (same numbers, the gradient materialised). Refused under the
+    `mixed_float16` policy (the update would see loss-scaled gradients) and under
+    `tf.distribute` strategies.
+
     XLA: with `implementation="composite"`, or `"auto"` inside an XLA-compiled function,
     the memory read uses the XLA-compatible composite of `gather_reduce_sum`; under XLA
     its values gradient is dense ([n_keys**2, output_dim]). The layer reports
@@ -243,6 +278,11 @@ class ProductKeyMemory(keras.layers.Layer):
         `tf.IndexedSlices`.
       implementation: "auto", "custom_op" or "composite": the implementation of
         `tf_ttemb.gather_reduce_sum` used for the memory read.
+      values_optimizer: None (the values are trainable and get a gradient), or "sgd",
+        "rowwise_adagrad" or "adagrad": the layer updates the values in the backward
+        pass; see "Values optimizer" above.
+      values_learning_rate: Learning rate of the values optimizer, > 0.
+      values_epsilon: Epsilon of the two Adagrads, added to `sqrt(a)`, >= 0.
       **kwargs: Base `keras.layers.Layer` arguments (`name`, `dtype`, `trainable`, ...).
 
     Call arguments:
@@ -288,6 +328,9 @@ class ProductKeyMemory(keras.layers.Layer):
         values_initializer: Any = None,
         dense_grad: bool = False,
         implementation: str = "auto",
+        values_optimizer: str | None = None,
+        values_learning_rate: float = 0.01,
+        values_epsilon: float = 1e-7,
         **kwargs: Any,
     ) -> None:
         if output_dim is not None:
@@ -308,6 +351,15 @@ class ProductKeyMemory(keras.layers.Layer):
         query_dropout = _rate("query_dropout", query_dropout)
         value_dropout = _rate("value_dropout", value_dropout)
         _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        if values_optimizer is not None:
+            _grs._check_choice("values_optimizer", values_optimizer, VALUES_OPTIMIZERS)
+            if dense_grad:
+                raise ValueError(
+                    "dense_grad=True has no effect with values_optimizer (the values get no "
+                    f"gradient), got values_optimizer={values_optimizer!r}"
+                )
+        values_learning_rate = _finite("values_learning_rate", values_learning_rate, low=0.0)
+        values_epsilon = _finite("values_epsilon", values_epsilon, low=0.0, allow_low=True)
         if keras.backend.backend() != "tensorflow":
             raise ValueError(
                 "ProductKeyMemory needs the TensorFlow backend of Keras, got "
@@ -327,6 +379,15 @@ class ProductKeyMemory(keras.layers.Layer):
         self.values_initializer = keras.initializers.get(values_initializer)
         self.dense_grad = dense_grad
         self.implementation = implementation
+        self.values_optimizer = values_optimizer
+        self.values_learning_rate = values_learning_rate
+        self.values_epsilon = values_epsilon
+        if values_optimizer is not None and self.dtype_policy.name == "mixed_float16":
+            raise ValueError(
+                "values_optimizer (the values update fused into the backward pass) cannot "
+                "undo the loss scaling of the mixed_float16 policy; give this layer "
+                "dtype='float32' or 'mixed_bfloat16', or use values_optimizer=None"
+            )
         self.num_slots = n_keys * n_keys
         # int32 slot ids while n_keys**2 fits.
         self._ids_dtype = tf.int32 if self.num_slots < 2**31 else tf.int64
@@ -405,13 +466,33 @@ class ProductKeyMemory(keras.layers.Layer):
         values_initializer = self.values_initializer or keras.initializers.RandomNormal(
             0.0, self.value_dim**-0.5
         )
+        fused = self.values_optimizer is not None
         self.values = self.add_weight(
             name="values",
             shape=(self.num_slots, self.value_dim),
             initializer=values_initializer,
+            # Updated by the layer itself with values_optimizer (not by Keras).
+            trainable=not fused,
             # Read in place in the variable dtype by gather_reduce_sum, never as a cast copy.
             autocast=False,
         )
+        if fused:
+            # The backward pass of the memory read runs only when a trainable variable
+            # depends on it; this empty one does, and its (empty) gradient carries the
+            # values update. See "Values optimizer" in the class docstring.
+            self.values_update_trigger = self.add_weight(
+                name="values_update_trigger", shape=(0,), initializer="zeros",
+                trainable=True, autocast=False,
+            )
+            if self.values_optimizer != "sgd":
+                rowwise = self.values_optimizer == "rowwise_adagrad"
+                self.values_accumulator = self.add_weight(
+                    name="values_accumulator",
+                    shape=(self.num_slots,) if rowwise else (self.num_slots, self.value_dim),
+                    initializer="zeros",
+                    trainable=False,
+                    autocast=False,
+                )
         for layer in (
             self._input_dropout_layer, self._query_dropout_layer, self._value_dropout_layer
         ):
@@ -520,12 +601,20 @@ class ProductKeyMemory(keras.layers.Layer):
         return ids, weights
 
     def _read_memory(
-        self, ids: tf.Tensor, weights: tf.Tensor, padding_id: Optional[int]
+        self,
+        ids: tf.Tensor,
+        weights: tf.Tensor,
+        padding_id: Optional[int],
+        update_values: bool = False,
     ) -> tf.Tensor:
         """The [T, value_dim] weighted sums of the slots' values (one gather_reduce_sum).
 
-        The values variable itself is passed, so the custom op reads it in place.
+        The values variable itself is passed, so the custom op reads it in place. With
+        `update_values` (values_optimizer, not inference) a gradient through the read
+        updates the slots read, by the fused op or by the unfused fallback.
         """
+        if update_values:
+            return self._read_and_update(ids, tf.cast(weights, self.values.dtype), padding_id)
         return _grs.gather_reduce_sum(
             self.values,
             ids,
@@ -533,6 +622,82 @@ class ProductKeyMemory(keras.layers.Layer):
             combiner="sum",
             padding_id=padding_id,
             dense_grad=self.dense_grad,
+            implementation=self.implementation,
+        )
+
+    def _fused_values_update(self) -> bool:
+        """Whether the values update runs in the fused CPU op (else the unfused fallback).
+
+        The op has no GPU or XLA kernel: the fallback serves the composite implementation,
+        XLA compilation, a visible GPU and values that are not a plain resource variable.
+        """
+        return (
+            self.implementation != "composite"
+            and not _grs._in_xla_context()
+            and not _grs._gpu_visible()
+            and _grs._resource_variable(self.values) is not None
+        )
+
+    def _read_and_update(
+        self, ids: tf.Tensor, weights: tf.Tensor, padding_id: Optional[int]
+    ) -> tf.Tensor:
+        """The memory read whose backward pass applies values_optimizer to the slots read."""
+        if tf.distribute.has_strategy():
+            # Each replica would update its own copy of the values with its own gradient.
+            raise ValueError(
+                "values_optimizer does not support tf.distribute strategies (replicas would "
+                "update their copies of the values apart); use values_optimizer=None and a "
+                "Keras optimizer"
+            )
+        trigger = tf.convert_to_tensor(_grs._resource_variable(self.values_update_trigger))
+        accumulator = getattr(self, "values_accumulator", None)
+        if self._fused_values_update():
+            return _grs.gather_reduce_sum_sparse_apply(
+                self.values,
+                ids,
+                weights,
+                trigger=trigger,
+                optimizer=self.values_optimizer,
+                learning_rate=self.values_learning_rate,
+                accumulator=accumulator,
+                epsilon=self.values_epsilon,
+                combiner="sum",
+                padding_id=padding_id,
+            )
+        # Unfused: the values gradient of gather_reduce_sum, then the same update in
+        # TensorFlow ops, applied by the gradient of an identity on the values.
+        variable = _grs._resource_variable(self.values)
+        variable = self.values if variable is None else variable
+        if accumulator is not None:
+            state = _grs._resource_variable(accumulator)
+            accumulator = accumulator if state is None else state
+        optimizer = self.values_optimizer
+        learning_rate, epsilon = self.values_learning_rate, self.values_epsilon
+
+        @tf.custom_gradient
+        def updating_identity(value, trigger):
+            def grad(upstream, variables=None):
+                updates = _apply_values_update(
+                    variable, accumulator, upstream, optimizer, learning_rate, epsilon
+                )
+                # A data dependency of the trigger's gradient on the update (see
+                # gather_reduce_sum_sparse_apply).
+                with tf.control_dependencies(updates):
+                    stamp = variable.sparse_read(tf.zeros([0], tf.int32))
+                trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(
+                    tf.cast(stamp, trigger.dtype)
+                )
+                return (None, trigger_grad), [None] * len(variables or [])
+
+            return tf.identity(value), grad
+
+        values = updating_identity(tf.convert_to_tensor(variable), trigger)
+        return _grs.gather_reduce_sum(
+            values,
+            ids,
+            weights,
+            combiner="sum",
+            padding_id=padding_id,
             implementation=self.implementation,
         )
 
@@ -568,10 +733,13 @@ class ProductKeyMemory(keras.layers.Layer):
 
     def call(self, inputs: tf.Tensor, training: Any = None, mask: Any = None) -> tf.Tensor:
         """Reads the memory for every token of `inputs`; see the class docstring."""
+        update_values = self.values_optimizer is not None and training is not False
         training = bool(training)
         live = self._flat_mask(inputs, mask)
         ids, weights = self._lookup_flat(inputs, live, training)
-        output = self._read_memory(ids, weights, None if live is None else _PADDING_SLOT)
+        output = self._read_memory(
+            ids, weights, None if live is None else _PADDING_SLOT, update_values
+        )
         if training and self._value_dropout_layer is not None:
             output = self._value_dropout_layer(output, training=True)
         output = tf.cast(output, self.compute_dtype)
@@ -704,5 +872,62 @@ class ProductKeyMemory(keras.layers.Layer):
             values_initializer=initializer(self.values_initializer),
             dense_grad=self.dense_grad,
             implementation=self.implementation,
+            values_optimizer=self.values_optimizer,
+            values_learning_rate=self.values_learning_rate,
+            values_epsilon=self.values_epsilon,
         )
         return config
+
+
+def _apply_values_update(
+    variable, accumulator, grad, optimizer: str, learning_rate: float, epsilon: float
+) -> list:
+    """The values optimizer in TensorFlow ops (the unfused path), in place.
+
+    Same rules as `gather_reduce_sum_sparse_apply`: with `g` a row's summed gradient,
+    sgd `w -= lr g`; rowwise_adagrad `a += mean(g**2)`, `w -= lr g / (sqrt(a) + eps)`;
+    adagrad the same per element; a zero denominator leaves the row unchanged. A
+    `tf.IndexedSlices` gradient updates only its rows (duplicates summed first); a dense
+    one (XLA) every row, where a zero gradient changes nothing.
+    """
+    dtype = variable.dtype
+    rate = tf.constant(learning_rate, dtype)
+    eps = tf.constant(epsilon, dtype)
+    if isinstance(grad, tf.IndexedSlices):
+        indices = tf.cast(grad.indices, tf.int64)
+        values = tf.cast(grad.values, dtype)
+        if not _grs._in_xla_context():  # tf.unique does not compile
+            indices, position = tf.unique(indices)
+            values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
+        else:  # densify: the Adagrads need each row once
+            rows = tf.shape(variable, out_type=tf.int64)[0]
+            grad = tf.math.unsorted_segment_sum(values, indices, rows)
+    if isinstance(grad, tf.IndexedSlices):
+        if optimizer == "sgd":
+            return [variable.scatter_sub(tf.IndexedSlices(rate * values, indices))]
+        if optimizer == "rowwise_adagrad":
+            squares = tf.reduce_mean(tf.square(values), axis=1)
+        else:
+            squares = tf.square(values)
+        added = accumulator.scatter_add(tf.IndexedSlices(squares, indices))
+        with tf.control_dependencies([added]):
+            state = accumulator.sparse_read(indices)
+        denominator = tf.sqrt(state) + eps
+        if optimizer == "rowwise_adagrad":
+            denominator = denominator[:, None]
+        step = tf.math.divide_no_nan(rate * values, denominator)
+        return [variable.scatter_sub(tf.IndexedSlices(step, indices))]
+    grad = tf.cast(tf.convert_to_tensor(grad), dtype)
+    if optimizer == "sgd":
+        return [variable.assign_sub(rate * grad)]
+    if optimizer == "rowwise_adagrad":
+        squares = tf.reduce_mean(tf.square(grad), axis=1)
+    else:
+        squares = tf.square(grad)
+    added = accumulator.assign_add(squares)
+    with tf.control_dependencies([added]):
+        state = accumulator.read_value()
+    denominator = tf.sqrt(state) + eps
+    if optimizer == "rowwise_adagrad":
+        denominator = denominator[:, None]
+    return [variable.assign_sub(tf.math.divide_no_nan(rate * grad, denominator))]
