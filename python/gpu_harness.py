@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import pathlib
 from typing import Optional, Tuple, Union
@@ -346,3 +347,309 @@ def gather_reduce_sum_backward(params, ids, offsets, weights, grad_out, combiner
     if dense:
         c.raise_for(report)
     return grad_params, dw
+
+
+# ---------------------------------------------------------------------------
+# TT embedding bags (cuda/tt_embedding_kernels.cuh, C ABI in
+# cuda/harness/tt_embedding_capi.cu). The composition is the TF layer's:
+#   unique_ids, slots = TTUniqueIds(ids, table_splits)
+#   rows = TTRows(unique_ids, cores)                       [U, D]
+#   out  = gather_reduce_sum(rows, slots, offsets, weights, padding_id=-1)
+# U stays on the device: unique_ids and rows are sized for nnz (U <= nnz) and the
+# rows launcher reads U from the unique-ids report, so the forward has no host
+# synchronisation unless check=True (the default), which reads the reports back
+# and raises the op's messages.
+
+_TT_REPORT_WORDS = 16
+
+
+class _TTProblem(ctypes.Structure):
+    _fields_ = [
+        ("num_cores", ctypes.c_int64),
+        ("num_tables", ctypes.c_int64),
+        ("p", ctypes.c_int64 * 8),
+        ("q", ctypes.c_int64 * 8),
+        ("r", ctypes.c_int64 * 9),
+    ]
+
+
+_tt_loaded = False
+
+
+def _load_tt() -> ctypes.CDLL:
+    global _tt_loaded
+    lib = load()
+    if _tt_loaded:
+        return lib
+    vp, sz, i32, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int64
+    prob = ctypes.POINTER(_TTProblem)
+    sigs = {
+        "ttemb_tt_report_bytes": (i32, []),
+        "ttemb_tt_unique_scratch_bytes": (sz, [i32, i64, i64, i64, i64, ctypes.c_int32, i64]),
+        "ttemb_tt_unique": (i32, [i32, i64, i64, i64, i64, ctypes.c_int32, i64, vp, vp, vp, vp,
+                                  vp, vp, sz, vp]),
+        "ttemb_tt_rows_scratch_bytes": (sz, [i32, prob, i64]),
+        "ttemb_tt_rows": (i32, [i32, prob, vp, i64, vp, vp, vp, vp, vp, sz, vp]),
+        "ttemb_tt_rows_grad_scratch_bytes": (sz, [i32, prob, i64]),
+        "ttemb_tt_rows_grad_prepare": (i32, [i32, prob, vp, i64, vp, vp, vp, sz, vp]),
+        "ttemb_tt_rows_grad_compute": (i32, [i32, prob, vp, i64, vp, vp, vp, vp, vp, vp, vp, sz,
+                                             vp]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    if lib.ttemb_tt_report_bytes() != 8 * _TT_REPORT_WORDS:
+        raise RuntimeError("harness library and gpu_harness.py disagree on the TT report layout")
+    _tt_loaded = True
+    return lib
+
+
+def _ptr_array(tensors) -> ctypes.Array:
+    arr = (ctypes.c_void_p * 8)()
+    for k, t in enumerate(tensors):
+        arr[k] = None if t is None else _out_ptr(t)
+    return arr
+
+
+class TTShape:
+    """The factorisation of a (table-batched) TT table, as in docs/tt_embedding_contract.md."""
+
+    def __init__(self, p_shapes, q_shapes, ranks, num_tables=1):
+        self.p = [int(x) for x in p_shapes]
+        self.q = [int(x) for x in q_shapes]
+        self.num_cores = len(self.p)
+        if self.num_cores < 2 or self.num_cores > 8 or len(self.q) != self.num_cores:
+            raise ValueError(f"p_shapes and q_shapes must have the same length in [2, 8], got "
+                             f"{self.p} and {self.q}")
+        if len(ranks) != self.num_cores - 1:
+            raise ValueError(f"ranks must have {self.num_cores - 1} entries, got {list(ranks)}")
+        self.r = [1] + [int(x) for x in ranks] + [1]
+        if min(self.p + self.q + self.r) < 1:
+            raise ValueError("p_shapes, q_shapes and ranks must be positive")
+        self.num_tables = int(num_tables)
+        self.rows_per_table = math.prod(self.p)
+        self.dim = math.prod(self.q)
+        self.widths = [self.r[k] * self.q[k] * self.r[k + 1] for k in range(self.num_cores)]
+        pr = _TTProblem()
+        pr.num_cores = self.num_cores
+        pr.num_tables = self.num_tables
+        for k in range(self.num_cores):
+            pr.p[k] = self.p[k]
+            pr.q[k] = self.q[k]
+        for k in range(self.num_cores + 1):
+            pr.r[k] = self.r[k]
+        self.problem = pr
+
+    def check_cores(self, cores):
+        if len(cores) != self.num_cores:
+            raise ValueError(f"expected {self.num_cores} cores, got {len(cores)}")
+        dtype = cores[0].dtype
+        for k, c in enumerate(cores):
+            want = (self.num_tables * self.p[k], self.widths[k])
+            if tuple(c.shape) != want:
+                raise ValueError(f"core {k} must have shape {list(want)}, got {list(c.shape)}")
+            if c.dtype != dtype or not c.is_cuda:
+                raise ValueError("cores must be CUDA tensors of one dtype")
+        if dtype not in _DTYPE_CODES:
+            raise TypeError(f"cores dtype {dtype} is not supported")
+        return [c.contiguous() for c in cores]
+
+
+def tt_unique_ids_async(ids, table_splits, num_embeddings, stride, padding_id=None):
+    """TTUniqueIds: (unique_ids [nnz] (first U valid), slots [nnz], report [16] int64).
+    report[2] holds U on the device; nothing is read back."""
+    lib = _load_tt()
+    if ids.dtype not in _INDEX_CODES:
+        raise TypeError(f"ids dtype {ids.dtype} is not supported")
+    ids = ids.contiguous()
+    nnz = ids.numel()
+    num_tables = table_splits.numel() - 1
+    dev = ids.device
+    unique = _poison(torch.empty(nnz, dtype=torch.int64, device=dev))
+    slots = _poison(torch.empty(nnz, dtype=ids.dtype, device=dev))
+    report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=dev)
+    args = (_INDEX_CODES[ids.dtype], nnz, num_tables, int(num_embeddings), int(stride),
+            int(padding_id is not None), -1 if padding_id is None else int(padding_id))
+    nbytes = lib.ttemb_tt_unique_scratch_bytes(*args)
+    scratch = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=dev)
+    code = lib.ttemb_tt_unique(*args, _ptr(ids), table_splits.contiguous().data_ptr(),
+                               _out_ptr(unique), _out_ptr(slots), report.data_ptr(),
+                               scratch.data_ptr(), scratch.numel(), _stream())
+    _check_cuda(code, "tt unique ids")
+    return unique, slots, report
+
+
+def tt_rows_async(shape: TTShape, cores, ids, num_ids=None):
+    """TTRows: rows [len(ids), D] of global ids (int64); num_ids: a 1-element int64 CUDA
+    tensor holding how many ids are valid (rows past it are not written). Returns
+    (rows, report)."""
+    lib = _load_tt()
+    cores = shape.check_cores(cores)
+    dtype = cores[0].dtype
+    ids = ids.contiguous()
+    n = ids.numel()
+    rows = _poison(torch.empty(n, shape.dim, dtype=dtype, device=ids.device))
+    report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=ids.device)
+    pr = ctypes.byref(shape.problem)
+    nbytes = lib.ttemb_tt_rows_scratch_bytes(_DTYPE_CODES[dtype], pr, n)
+    if nbytes == 0:
+        raise ValueError("TT shape not supported by the kernels")
+    scratch = torch.empty(int(nbytes), dtype=torch.uint8, device=ids.device)
+    code = lib.ttemb_tt_rows(_DTYPE_CODES[dtype], pr, _ptr(ids), n,
+                             None if num_ids is None else num_ids.data_ptr(), _ptr_array(cores),
+                             _out_ptr(rows), report.data_ptr(), scratch.data_ptr(),
+                             scratch.numel(), _stream())
+    _check_cuda(code, "tt rows")
+    return rows, report
+
+
+def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True):
+    """TTRowsGrad: per core, the dense gradient [num_tables * p_k, width_k] (dense=True, no
+    read-back) or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False:
+    reads the counts back). Returns (grads, report)."""
+    lib = _load_tt()
+    cores = shape.check_cores(cores)
+    dtype = cores[0].dtype
+    ids = ids.contiguous()
+    grad = grad.contiguous()
+    n = ids.numel()
+    if tuple(grad.shape) != (n, shape.dim) or grad.dtype != dtype:
+        raise ValueError(f"grad must be [{n}, {shape.dim}] of the cores' dtype")
+    dev = ids.device
+    report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=dev)
+    pr = ctypes.byref(shape.problem)
+    code_t = _DTYPE_CODES[dtype]
+    nbytes = lib.ttemb_tt_rows_grad_scratch_bytes(code_t, pr, n)
+    if nbytes == 0:
+        raise ValueError("TT shape not supported by the kernels")
+    scratch = torch.empty(int(nbytes), dtype=torch.uint8, device=dev)
+    num_ptr = None if num_ids is None else num_ids.data_ptr()
+    code = lib.ttemb_tt_rows_grad_prepare(code_t, pr, _ptr(ids), n, num_ptr, report.data_ptr(),
+                                          scratch.data_ptr(), scratch.numel(), _stream())
+    _check_cuda(code, "tt rows grad prepare")
+    if dense:
+        grads = [_poison(torch.empty(shape.num_tables * shape.p[k], shape.widths[k], dtype=dtype,
+                                     device=dev)) for k in range(shape.num_cores)]
+        code = lib.ttemb_tt_rows_grad_compute(code_t, pr, _ptr(ids), n, num_ptr,
+                                              _ptr_array(cores), _out_ptr(grad), None, None,
+                                              _ptr_array(grads), scratch.data_ptr(),
+                                              scratch.numel(), _stream())
+    else:
+        counts = report.cpu().tolist()[4:4 + shape.num_cores]
+        idx = [_poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
+        vals = [_poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
+                for k, c in enumerate(counts)]
+        code = lib.ttemb_tt_rows_grad_compute(code_t, pr, _ptr(ids), n, num_ptr,
+                                              _ptr_array(cores), _out_ptr(grad),
+                                              _ptr_array(idx), _ptr_array(vals), None,
+                                              scratch.data_ptr(), scratch.numel(), _stream())
+        grads = list(zip(idx, vals))
+    _check_cuda(code, "tt rows grad compute")
+    return grads, report
+
+
+def _tt_raise_unique(report, num_embeddings, padding_id):
+    r = report.cpu().tolist()
+    if r[0] >= 0:
+        msg = f"indices[{r[0]}] = {r[1]} is not in [0, {num_embeddings})"
+        if padding_id is not None:
+            msg += f" and is not padding_id ({padding_id})"
+        raise ValueError(msg)
+    return r
+
+
+def _tt_raise_global(report, limit):
+    r = report.cpu().tolist()
+    if r[0] >= 0:
+        raise ValueError(f"ids[{r[0]}] = {r[1]} is not in [0, {limit})")
+    return r
+
+
+class TTState:
+    """What the forward keeps for the backward."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, weights=None,
+                             combiner="sum", num_tables=1, table_splits=None, padding_id=None,
+                             num_embeddings=None, check=True):
+    """Forward of a TT embedding bag; returns (out [B, D], TTState)."""
+    shape = TTShape(p_shapes, q_shapes, ranks, num_tables)
+    n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
+    if not 1 <= n_emb <= shape.rows_per_table:
+        raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
+    dev = ids.device
+    if table_splits is None:
+        if num_tables != 1:
+            raise ValueError("table_splits is needed when num_tables > 1")
+        table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
+    if table_splits.numel() != num_tables + 1:
+        raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
+    unique, slots, urep = tt_unique_ids_async(ids, table_splits, n_emb, shape.rows_per_table,
+                                              padding_id)
+    num_unique = urep[2:3]
+    rows, rrep = tt_rows_async(shape, cores, unique, num_unique)
+    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner,
+                                            padding_id=-1)
+    if check:
+        _tt_raise_unique(urep, n_emb, padding_id)
+        call.raise_for(brep)
+    state = TTState(shape=shape, cores=cores, unique=unique, slots=slots, num_unique=num_unique,
+                    rows=rows, offsets=offsets, weights=weights, combiner=combiner, out=out,
+                    argmax=argmax, unique_report=urep, n_emb=n_emb, padding_id=padding_id)
+    return out, state
+
+
+def tt_embedding_bag_backward_from(state, grad_out, dense=True, check=True):
+    """Backward from a forward state; returns (core_grads, weights_grad)."""
+    s = state
+    fused_w = s.weights is not None and s.combiner != "max"
+    drows, dw, call, brep = backward_async(
+        s.rows, s.slots, s.offsets, s.weights, grad_out, s.combiner, padding_id=-1, dense=True,
+        output=s.out if fused_w and s.combiner in ("mean", "sqrtn") else None,
+        argmax=s.argmax if s.combiner == "max" else None)
+    grads, grep = tt_rows_grad(s.shape, s.cores, s.unique, drows, s.num_unique, dense=dense)
+    if check:
+        call.raise_for(brep)
+        _tt_raise_global(grep, s.shape.num_tables * s.shape.rows_per_table)
+    return grads, dw
+
+
+def tt_embedding_bag(cores, p_shapes, q_shapes, ranks, ids, offsets, weights=None,
+                     combiner="sum", num_tables=1, table_splits=None, padding_id=None,
+                     num_embeddings=None) -> torch.Tensor:
+    """TT embedding bag on the GPU: out [B, D].
+
+    cores: num_cores CUDA tensors, core k [num_tables * p_k, r_k q_k r_{k+1}] (the TF
+    layer's layout); ids [nnz] (int32/int64, row ids inside their table), offsets [B + 1]
+    int64 CSR, weights [nnz] or None, combiner sum/mean/sqrtn/max; table_splits [T + 1]
+    int64 (entries of table t are table_splits[t] .. table_splits[t + 1] - 1), needed when
+    num_tables > 1; padding_id: entries equal to it are skipped. Raises ValueError with the
+    TF op's messages for bad ids.
+
+    Example:
+        cores = [torch.randn(8, 1 * 2 * 3, device="cuda"), torch.randn(5, 3 * 4 * 1, device="cuda")]
+        ids = torch.tensor([0, 39, 7], device="cuda"); offsets = torch.tensor([0, 2, 3], device="cuda")
+        out = tt_embedding_bag(cores, [8, 5], [2, 4], [3], ids, offsets)   # [2, 8]
+    """
+    return tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, weights,
+                                    combiner, num_tables, table_splits, padding_id,
+                                    num_embeddings)[0]
+
+
+def tt_embedding_bag_backward(cores, p_shapes, q_shapes, ranks, ids, offsets, grad_out,
+                              weights=None, combiner="sum", num_tables=1, table_splits=None,
+                              padding_id=None, num_embeddings=None, dense=True):
+    """Gradients of tt_embedding_bag: (core_grads, weights_grad).
+
+    core_grads[k] is the dense gradient of core k [num_tables * p_k, width_k] (dense=True),
+    or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False, the TF
+    op's IndexedSlices form). weights_grad is [nnz] or None. Bitwise deterministic.
+    """
+    _, state = tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, weights,
+                                        combiner, num_tables, table_splits, padding_id,
+                                        num_embeddings)
+    return tt_embedding_bag_backward_from(state, grad_out, dense=dense)
