@@ -3,8 +3,10 @@
 `tf_ttemb.gather_reduce_sum` is the op, `tf_ttemb.layers.EmbeddingBag` the Keras 3 layer,
 `tf_ttemb.optimizers` the row-sparse optimizers (`LazyAdam`, `RowWiseAdagrad`) for them.
 Importing the package registers the custom ops when the op library loads (so a
-SavedModel that uses them can be loaded next), but never fails because of it: a missing
-or stale library is reported on the first use of the custom op.
+SavedModel that uses them can be loaded next). A library built for another TensorFlow
+version, C++ ABI or CPU makes the import fail with an ImportError that names both
+TensorFlow versions and the rebuild command; a missing library does not (the composite
+implementation needs none) and is reported on the first use of the custom op.
 """
 
 __version__ = "0.1.0"
