@@ -1,4 +1,4 @@
-"""Peak memory and time of a Product-Key Memory layer: fused memory read vs materialised.
+"""Peak memory and time of a Product-Key Memory training step: fused vs materialised.
 
 Run from the checkout after `bash configure.sh`:
 
@@ -11,20 +11,30 @@ knn, dim 1024, 512**2 slots) scaled to a 2-core, 24 GiB machine: 4 x 512 tokens 
 default; the same arithmetic at the full request shape is printed, not run.
 
 Variants (`--variants`, all by default), the same `tf_ttemb.layers.ProductKeyMemory`
-layer (query network with batch norm, product-key top-k, softmax) with its memory read done
-three ways:
+layer (query network with batch norm, product-key top-k, softmax), its memory read and
+its values update done four ways; every variant applies the same optimizer
+(`--optimizer`, row-wise Adagrad by default) to the values it read:
 
-  fused         `tf_ttemb.gather_reduce_sum` (the layer as shipped, implementation="auto":
-                the custom op): the [tokens, heads * knn, dim] gathered values are never
-                built, the values gradient is a deduplicated `tf.IndexedSlices`
+  fused         `ProductKeyMemory(values_optimizer=...)` on CPU: the memory read is the
+                `gather_reduce_sum` custom op and its backward is
+                `GatherReduceSumSparseApply`, which updates each slot read in place; the
+                gathered [tokens, heads * knn, dim] values and the [U, dim] values
+                gradient are never built
+  unfused       the custom op read with trainable values (`values_optimizer=None`): the
+                deduplicated [U, dim] values gradient is returned, then the update is
+                applied to it in TensorFlow ops (the layer before the fused update)
   materialised  `tf.reduce_sum(tf.gather(values, ids) * weights[..., None], axis=-2)`,
-                what a user writes without the op: the baseline
-  composite     `gather_reduce_sum(..., implementation="composite")`, tf_ttemb's chunked
-                plain-TensorFlow fallback (what runs under XLA)
+                what a user writes without the op, then the same update in TensorFlow
+                ops (deduplicating tf.gather's [tokens * heads * knn, dim] gradient): the
+                baseline
+  composite     `ProductKeyMemory(implementation="composite", values_optimizer=...)`:
+                tf_ttemb's chunked plain-TensorFlow read (what runs under XLA), the
+                layer's unfused update fallback
 
 One step = forward in training mode (batch statistics) + gradients w.r.t. the input and
-every trainable weight (query kernel/bias, batch-norm scale/offset, keys, values) for a
-random upstream gradient, as a `tf.function` (no XLA).
+every trainable weight (query kernel/bias, batch-norm scale/offset, keys) for a random
+upstream gradient + the values update, as a `tf.function` (no XLA). The step returns the
+output and those gradients; the values are updated in place.
 
 What is measured, per variant, each in fresh worker processes:
 
@@ -40,12 +50,14 @@ What is measured, per variant, each in fresh worker processes:
   settings that holds all the variants' layers and calls them round-robin, so that load
   from other processes (the timings are of a shared machine) affects them alike.
 * Held bytes: the step's outputs and gradients (the least any implementation must hold
-  when it returns them), and the number U of distinct slots in the values gradient.
-* A check that the variants compute the same output and values gradient (inner
-  products with fixed random probes, relative to the norms involved).
+  when it returns them), and the number U of distinct slots read by the step (the rows
+  of the values gradient, where one is built).
+* A check that the variants compute the same output and the same change of the values
+  table over the steps (inner products with fixed random probes, relative).
 
-Targets (from the issue): peak extra memory of the step at least 20x lower with the
-fused read than materialised, and the fused step faster. Printed as PASS / MISS.
+Targets (from the issue): peak extra memory of the training step at least 20x lower
+with the fused read and update than materialised, and the fused step faster. Printed as
+PASS / MISS.
 """
 
 from __future__ import annotations
@@ -62,10 +74,13 @@ import numpy as np
 import _bench_util as util
 
 VARIANTS: Dict[str, str] = {
-    "fused": "PKM + gather_reduce_sum (custom op)",
-    "materialised": "PKM + tf.gather * w, reduce_sum",
-    "composite": "PKM + gather_reduce_sum composite",
+    "fused": "PKM, values update fused in the op",
+    "unfused": "PKM op, values gradient, then update",
+    "materialised": "PKM + tf.gather * w, reduce_sum, update",
+    "composite": "PKM composite (XLA fallback), update",
 }
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+LEARNING_RATE = 0.05
 BASELINE = "materialised"
 MEMORY_TARGET = 20.0  # materialised peak / fused peak
 AGREEMENT_TOLERANCE = 1e-4
@@ -127,7 +142,8 @@ def arithmetic(shape: Shape) -> Dict[str, int]:
 # Worker.
 
 
-def _layer(shape: Shape, variant: str) -> Any:
+def _layer(shape: Shape, variant: str, optimizer: str) -> tuple:
+    """The variant's layer and, where the step applies the update, (variable, state)."""
     import keras
     import tensorflow as tf
 
@@ -137,22 +153,34 @@ def _layer(shape: Shape, variant: str) -> Any:
     class MaterialisedProductKeyMemory(ProductKeyMemory):
         """The same layer with the memory read users write without a fused op."""
 
-        def _read_memory(self, ids, weights, padding_id):
+        def _read_memory(self, ids, weights, padding_id, update_values=False):
             gathered = tf.gather(self.values, ids)  # [tokens, heads * knn, dim]
             return tf.reduce_sum(gathered * tf.cast(weights, gathered.dtype)[..., None], axis=-2)
 
     keras.utils.set_random_seed(shape.seed)
     kwargs = dict(n_keys=shape.n_keys, k_dim=shape.k_dim, heads=shape.heads, knn=shape.knn)
+    fused = dict(values_optimizer=optimizer, values_learning_rate=LEARNING_RATE)
     if variant == "fused":
-        layer = ProductKeyMemory(**kwargs)
+        layer = ProductKeyMemory(**fused, **kwargs)
     elif variant == "composite":
-        layer = ProductKeyMemory(implementation="composite", **kwargs)
+        layer = ProductKeyMemory(implementation="composite", **fused, **kwargs)
+    elif variant == "unfused":
+        layer = ProductKeyMemory(**kwargs)
     elif variant == "materialised":
         layer = MaterialisedProductKeyMemory(**kwargs)
     else:
         raise ValueError(f"unknown variant {variant!r}")
     layer.build((None, shape.dim))
-    return layer
+    if variant == "fused":
+        assert layer._fused_values_update(), "the fused update is not taken (GPU visible?)"
+    update = None
+    if variant in ("unfused", "materialised"):
+        state = None
+        if optimizer != "sgd":
+            rows = (shape.slots,) if optimizer == "rowwise_adagrad" else (shape.slots, shape.dim)
+            state = tf.Variable(tf.zeros(rows))
+        update = (layer.values.value, state)
+    return layer, update
 
 
 def _held_bytes(tf: Any, tensors: Sequence[Any]) -> int:
@@ -177,8 +205,15 @@ def worker_main(spec: Dict[str, Any]) -> None:
     util.write_worker_result(spec, result)
 
 
-def _step_functions(tf: Any, layer: Any) -> tuple:
-    """`step(x, upstream)` (training forward + all gradients) and `forward(x)`, traced."""
+def _step_functions(tf: Any, layer: Any, update: Any, optimizer: str) -> tuple:
+    """`step(x, upstream)` (training forward + gradients + values update), `forward(x)`.
+
+    `update`: None when the layer updates its values itself (values_optimizer), else
+    (values variable, optimizer state) to which the step applies the same optimizer.
+    The step returns the output and every gradient but the values'.
+    """
+    from tf_ttemb.layers.product_key_memory import _apply_values_update
+
     variables = layer.trainable_variables
 
     @tf.function
@@ -187,13 +222,23 @@ def _step_functions(tf: Any, layer: Any) -> tuple:
             tape.watch(x)
             output = layer(x, training=True)
         grads = tape.gradient(output, [x] + variables, output_gradients=upstream)
-        return [output] + grads
+        kept = []
+        updates = []
+        for variable, grad in zip(variables, grads[1:]):
+            if update is not None and variable.name == "values":
+                updates += _apply_values_update(
+                    update[0], update[1], grad, optimizer, LEARNING_RATE, 1e-7
+                )
+            else:
+                kept.append(grad)
+        with tf.control_dependencies(updates):
+            return [tf.identity(output), tf.identity(grads[0])] + kept
 
     @tf.function
     def forward(x):
         return layer(x, training=False)
 
-    names = ["output", "inputs"] + [v.name for v in variables]
+    names = ["output", "inputs"] + [v.name for v in variables if v.name != "values"]
     return step, forward, names
 
 
@@ -215,7 +260,8 @@ def _time_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     x, upstream = _inputs(tf, shape)
     calls = {}
     for variant in spec["variants"]:
-        step, forward, _ = _step_functions(tf, _layer(shape, variant))
+        layer, update = _layer(shape, variant, spec["optimizer"])
+        step, forward, _ = _step_functions(tf, layer, update, spec["optimizer"])
         step(x, upstream)  # warm-up: tracing, first-run allocations
         forward(x)
         calls[variant] = {"step": lambda s=step: s(x, upstream), "forward": lambda f=forward: f(x)}
@@ -243,29 +289,30 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     import tensorflow as tf
 
     shape = Shape(**spec["shape"])
-    layer = _layer(shape, spec["variant"])
+    layer, update = _layer(shape, spec["variant"], spec["optimizer"])
     x, upstream = _inputs(tf, shape)
-    step, forward, names = _step_functions(tf, layer)
+    step, forward, names = _step_functions(tf, layer, update, spec["optimizer"])
+    before = _table_probe(tf, shape, layer.values)
 
     # Memory: warm up (tracing, thread pools, first-run allocations), then measure.
     step(x, upstream)
     forward(x)
     meter = util.PeakRss()
     step_growth = []
-    held = values_rows = checks = None
+    held = output_print = None
     for _ in range(spec["memory_steps"]):
         meter.start()
         outputs = step(x, upstream)
         step_growth.append(meter.growth_bytes())
         held = {name: _held_bytes(tf, [t]) for name, t in zip(names, outputs)}
-        values_grad = outputs[names.index("values")]
-        values_rows = (
-            int(values_grad.values.shape[0])
-            if isinstance(values_grad, tf.IndexedSlices)
-            else int(values_grad.shape[0])
-        )
-        checks = _fingerprints(tf, shape, outputs[0], values_grad)
-        del outputs, values_grad
+        output_print = _output_probe(tf, shape, outputs[0])
+        del outputs
+    # Slots read by one step: the rows of the values gradient where one is built.
+    ids, _ = layer.lookup(x, training=True)
+    values_rows = int(tf.size(tf.unique(tf.reshape(ids, [-1])).y))
+    after = _table_probe(tf, shape, layer.values)
+    checks = {"output": output_print,
+              "values_change": [after[0] - before[0], abs(after[0] - before[0])]}
     meter.start()
     output = forward(x)
     forward_growth = meter.growth_bytes()
@@ -284,31 +331,33 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def _fingerprints(tf: Any, shape: Shape, output: Any, values_grad: Any) -> Dict[str, list]:
-    """Inner products of the output and the (densified) values gradient with probes.
-
-    Returns `{name: [value, norm bound]}`; probes are fixed random vectors, so equal
-    tensors give equal values whatever their form (an IndexedSlices with duplicate rows
-    included).
-    """
+def _output_probe(tf: Any, shape: Shape, output: Any) -> list:
+    """[inner product of the output with a fixed random probe, its norm bound]."""
     rng = np.random.default_rng([shape.seed, 2])
     out_probe = tf.constant(rng.standard_normal((shape.tokens, shape.dim)))
-    row_probe = tf.constant(rng.standard_normal(shape.slots))
-    col_probe = tf.constant(rng.standard_normal(shape.dim))
     out = tf.reshape(tf.cast(output, tf.float64), [shape.tokens, shape.dim])
-    result = {"output": [float(tf.reduce_sum(out * out_probe)),
-                         float(tf.norm(out) * tf.norm(out_probe))]}
-    if isinstance(values_grad, tf.IndexedSlices):
-        rows = tf.cast(values_grad.values, tf.float64)
-        rows = tf.math.unsorted_segment_sum(rows, values_grad.indices, shape.slots)
-    else:
-        rows = tf.cast(values_grad, tf.float64)
-    projected = tf.linalg.matvec(rows, col_probe)  # [slots]
-    result["values_grad"] = [
-        float(tf.reduce_sum(projected * row_probe)),
-        float(tf.norm(rows) * tf.norm(col_probe) * tf.norm(row_probe)),
-    ]
-    return result
+    return [float(tf.reduce_sum(out * out_probe)), float(tf.norm(out) * tf.norm(out_probe))]
+
+
+def _table_probe(tf: Any, shape: Shape, values: Any) -> list:
+    """The values table's inner product with a fixed random rank-one probe, in float64.
+
+    Linear in the table, so the difference of two probes is the probe of the change;
+    computed in row chunks (no float64 copy of the whole table).
+    """
+    rng = np.random.default_rng([shape.seed, 3])
+    row_probe = rng.standard_normal(shape.slots)
+    col_probe = tf.constant(rng.standard_normal(shape.dim))
+    total = 0.0
+    chunk = 16384
+    for start in range(0, shape.slots, chunk):
+        # sparse_read: a gather in place (a slice would copy the whole table once the
+        # variable is in copy-on-read mode).
+        rows = tf.cast(values.value.sparse_read(tf.range(start, min(start + chunk, shape.slots))),
+                       tf.float64)
+        projected = tf.linalg.matvec(rows, col_probe).numpy()
+        total += float(np.dot(projected, row_probe[start : start + chunk]))
+    return [total, 0.0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -319,7 +368,7 @@ def measure(args: argparse.Namespace, shape: Shape) -> Dict[str, Dict[str, Any]]
     script = os.path.abspath(__file__)
     results: Dict[str, Dict[str, Any]] = {}
     base = {"shape": dataclasses.asdict(shape), "repeats": args.repeats,
-            "memory_steps": args.memory_steps}
+            "memory_steps": args.memory_steps, "optimizer": args.optimizer}
     for i, variant in enumerate(args.variants, 1):
         label = f"[{i}/{len(args.variants)}] {VARIANTS[variant]}"
         util.log(f"{label}: peak memory ...")
@@ -383,6 +432,7 @@ def report(
     full: Shape,
     results: Dict[str, Dict[str, Any]],
     load: Dict[str, Any],
+    optimizer: str,
 ) -> tuple[str, Dict[str, Any]]:
     lines = [f"PKM memory benchmark: {shape.describe()}", ""]
     agreement = _agreement(results)
@@ -417,8 +467,8 @@ def report(
     lines += [
         "",
         f"peak = growth of the resident set size over one step above the level with the layer "
-        f"built ({method}); held = the step's outputs and gradients; U = rows of the values "
-        f"gradient; times are medians (min) of the step as a tf.function; load average "
+        f"built ({method}); held = the step's outputs and gradients; U = distinct slots read "
+        f"(rows of the values gradient where one is built); times are medians (min) of the step as a tf.function; load average "
         f"{load['before']} before, {load['after']} after ({util.usable_cpus()} usable CPUs).",
     ]
 
@@ -430,8 +480,8 @@ def report(
         work_fused = max(fused["step_growth_bytes"] - fused["held_total_bytes"], 0)
         work_base = max(base["step_growth_bytes"] - base["held_total_bytes"], 0)
         speed = base["time"]["step"]["median_ms"] / fused["time"]["step"]["median_ms"]
-        fused_grad = fused["held_bytes"]["values"]
         verdicts = {
+            "optimizer": optimizer,
             "memory_ratio": mem_ratio,
             "memory_target": MEMORY_TARGET,
             "memory_pass": mem_ratio >= MEMORY_TARGET,
@@ -441,27 +491,35 @@ def report(
             "working_memory_bytes": {"fused": work_fused, "materialised": work_base},
             "working_memory_ratio": work_base / max(work_fused, 1),
             "ratio_bound_if_only_held": base["step_growth_bytes"] / fused["held_total_bytes"],
-            "fused_values_grad_bytes": fused_grad,
+            "values_gradient_bytes_not_built": fused["values_grad_rows"] * shape.dim * 4,
         }
+        unfused = results.get("unfused", {})
+        if unfused.get("ok"):
+            verdicts["unfused_memory_ratio"] = base["step_growth_bytes"] / max(
+                unfused["step_growth_bytes"], 1
+            )
         lines += [
             "",
-            f"{'PASS' if verdicts['memory_pass'] else 'MISS'}: step peak extra memory "
-            f"{_mib(fused['step_growth_bytes'])} MiB fused vs {_mib(base['step_growth_bytes'])} "
-            f"MiB materialised = {mem_ratio:.1f}x lower (target >= {MEMORY_TARGET:.0f}x)",
+            f"{'PASS' if verdicts['memory_pass'] else 'MISS'}: training step ({optimizer} on the "
+            f"values) peak extra memory {_mib(fused['step_growth_bytes'])} MiB fused vs "
+            f"{_mib(base['step_growth_bytes'])} MiB materialised = {mem_ratio:.1f}x lower "
+            f"(target >= {MEMORY_TARGET:.0f}x)",
             f"{'PASS' if verdicts['speed_pass'] else 'MISS'}: step time "
             f"{fused['time']['step']['median_ms']:,.0f} ms fused vs "
             f"{base['time']['step']['median_ms']:,.0f} ms materialised = {speed:.1f}x faster",
             f"  forward alone (inference): {_mib(fused['forward_growth_bytes'])} vs "
             f"{_mib(base['forward_growth_bytes'])} MiB = {fwd_ratio:.1f}x lower",
-            f"  the fused step holds its deduplicated values gradient, {_mib(fused_grad)} MiB "
-            f"({fused['values_grad_rows']:,} distinct slots x {shape.dim} x 4 B) of its "
-            f"{_mib(fused['step_growth_bytes'])} MiB; beyond what it returns it needs "
-            f"{_mib(work_fused)} MiB (materialised: {_mib(work_base)} MiB): "
-            f"{work_base / max(work_fused, 1):.1f}x lower",
-            f"  bound: a step that needed nothing beyond the {_mib(fused['held_total_bytes'])} "
-            f"MiB it returns would be {base['step_growth_bytes'] / fused['held_total_bytes']:.1f}x "
-            f"lower than materialised",
+            f"  the fused step never builds the values gradient ({fused['values_grad_rows']:,} "
+            f"distinct slots x {shape.dim} x 4 B = "
+            f"{_mib(verdicts['values_gradient_bytes_not_built'])} MiB); beyond what it returns "
+            f"it needs {_mib(work_fused)} MiB (materialised: {_mib(work_base)} MiB)",
         ]
+        if unfused.get("ok"):
+            lines.append(
+                f"  unfused (the op's values gradient, then the update): "
+                f"{_mib(unfused['step_growth_bytes'])} MiB = "
+                f"{verdicts['unfused_memory_ratio']:.1f}x lower than materialised"
+            )
 
     scaled_math, full_math = arithmetic(shape), arithmetic(full)
     lines += ["", "Arithmetic (float32 bytes, not measured):"]
@@ -470,7 +528,7 @@ def report(
             f"  {label}: {s.batch} x {s.seq} = {a['tokens']:,} tokens: gathered "
             f"[{a['tokens']:,}, {s.bag}, {s.dim}] = {a['gathered_bytes'] / GIB:,.2f} GiB "
             f"(+ the same again for its gradient) vs output [{a['tokens']:,}, {s.dim}] = "
-            f"{_mib(a['output_bytes'])} MiB; fused values gradient <= "
+            f"{_mib(a['output_bytes'])} MiB; a values gradient (not built when fused) <= "
             f"{_mib(a['fused_values_grad_max_bytes'])} MiB (values table "
             f"{_mib(a['values_table_bytes'])} MiB)"
         )
@@ -520,6 +578,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=list(VARIANTS),
         help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)",
     )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad",
+                        help="the values optimizer of every variant (default: rowwise_adagrad)")
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -539,11 +599,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load = {"before": _loadavg()}
     results = measure(args, shape)
     load["after"] = _loadavg()
-    text, document = report(shape, full, results, load)
+    text, document = report(shape, full, results, load, args.optimizer)
     print(text)
     if args.json:
         document["settings"] = {"repeats": args.repeats, "memory_steps": args.memory_steps,
-                                "variants": args.variants}
+                                "variants": args.variants, "optimizer": args.optimizer,
+                                "learning_rate": LEARNING_RATE}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(document, f, indent=2)
         util.log(f"wrote {args.json}")
