@@ -462,3 +462,14 @@ def test_wrapper_bad_accumulator_dtype_raises_in_backward(rng):
     with raises("accumulator variable has dtype float but the op expects double"):
         tape.gradient(out, trigger)
 
+
+
+def test_docstring_example_runs():
+    import doctest
+
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(gather_reduce_sum_sparse_apply, "gather_reduce_sum_sparse_apply",
+                            globs={}):
+        runner.run(test)
+    assert runner.tries > 0 and runner.failures == 0
