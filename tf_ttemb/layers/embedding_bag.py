@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_ttemb import distribute as _distribute
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 
@@ -41,6 +42,12 @@ class EmbeddingBag(keras.layers.Layer):
     only the rows used. Under mixed precision the table stays in the variable dtype
     (float32) and is read in place; rows and weights are combined in float32 and the
     result is cast to the compute dtype.
+
+    Under `tf.distribute.ParameterServerStrategy` with a `variable_partitioner`, the
+    table is a `ShardedVariable` spread over the parameter servers; each bag is then
+    combined from per-shard partial results computed where the shards live
+    (`tf_ttemb.distribute.sharded_gather_reduce_sum`), and each shard gets its own
+    `tf.IndexedSlices` gradient. See `docs/distribute.md`.
 
     Requires the TensorFlow backend of Keras. With `implementation="auto"` or
     `"custom_op"` the layer reports `supports_jit = False`, so `Model.fit` does not
@@ -156,7 +163,14 @@ class EmbeddingBag(keras.layers.Layer):
         # the rows are combined in the variable dtype (weights cast to it) and only the
         # [..., output_dim] result is cast to the compute dtype: no float16 copy of the
         # table per step, and float32 accumulation.
-        output = _grs.gather_reduce_sum(
+        # A table sharded by ParameterServerStrategy's variable_partitioner is combined
+        # shard by shard where each shard lives, never assembled.
+        lookup = (
+            _distribute.sharded_gather_reduce_sum
+            if _distribute.is_sharded(self.embeddings)
+            else _grs.gather_reduce_sum
+        )
+        output = lookup(
             self.embeddings,
             indices,
             weights,

@@ -56,6 +56,16 @@ def _is_training(training: Any) -> bool:
     return isinstance(training, (bool, np.bool_)) and bool(training)
 
 
+def _in_place(variable: Any) -> Any:
+    """The resource variable to read in place, else `variable` itself.
+
+    A distributed variable outside replica context (Keras calls a model once there under
+    a strategy's scope) has no single resource to read; the ops then read its value.
+    """
+    resource = _grs._resource_variable(variable)
+    return variable if resource is None else resource
+
+
 class _TTEmbeddingBagBase(keras.layers.Layer):
     """Shared implementation of `TTEmbeddingBag` and `TableBatchedTTEmbeddingBag`."""
 
@@ -233,11 +243,11 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         if self.combiner == "max" and weights is not None:
             raise ValueError("combiner 'max' does not take weights")
         fused = self.sparse and training is not False
-        cores = [_grs._resource_variable(c) for c in self.cores]
+        cores = [_in_place(c) for c in self.cores]
         cache_ids = cache_rows = frequency_table = None
         if self.use_cache:
             cache_ids = tf.convert_to_tensor(self.cache_ids)
-            cache_rows = _grs._resource_variable(self.cache_rows)
+            cache_rows = _in_place(self.cache_rows)
             if _is_training(training):
                 frequency_table = (self.freq_keys, self.freq_counts)
         if fused:
@@ -284,6 +294,12 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         @tf.custom_gradient
         def fused_update(value, trigger):
             def grad(upstream, variables=None):
+                # Under a multi-replica strategy each replica updates its own copy of the
+                # variable: with the gradient summed over replicas, as an optimizer's
+                # would be, every copy takes the same update.
+                replica = tf.distribute.get_replica_context()
+                if replica is not None and replica.num_replicas_in_sync > 1:
+                    upstream = replica.all_reduce("sum", upstream)
                 updates = _apply_update(variable, accumulator, upstream, learning_rate, eps)
                 # The trigger's (empty) gradient is read from the updated variable: a data
                 # dependency, so that the updates run wherever the gradient is used. A
@@ -364,7 +380,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
     def _rows(self, ids: tf.Tensor) -> tf.Tensor:
         """Rows of global ids from the cores only (ignoring the cache)."""
         return _tte.tt_rows(
-            [_grs._resource_variable(c) for c in self.cores], ids,
+            [_in_place(c) for c in self.cores], ids,
             p_shapes=self.tt_p_shapes, q_shapes=self.tt_q_shapes, ranks=self.tt_ranks,
             num_tables=self.num_tables, implementation=self.implementation,
         )

@@ -300,6 +300,8 @@ def _resource_variable(params) -> Optional[tf.Variable]:
             return None
         if not isinstance(params, tf.Variable):
             return None
+    if isinstance(params, tf.distribute.DistributedValues):
+        return _replica_local_variable(params)
     try:
         handle = params.handle
     except (AttributeError, ValueError):
@@ -307,6 +309,33 @@ def _resource_variable(params) -> Optional[tf.Variable]:
     if not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
         return None
     return params
+
+
+def _replica_local_variable(variable) -> Optional[tf.Variable]:
+    """The component of a distributed variable (MirroredVariable, ...) this replica reads.
+
+    Inside `strategy.run` a distributed variable's `handle` is the handle of the replica's
+    own copy; the copy itself is the one among `strategy.experimental_local_results` with
+    that very handle. Reading through that copy's handle lets the custom op read the
+    replica's table in place, and gradients w.r.t. the distributed variable (which tapes
+    take w.r.t. that same handle) flow to it. Elsewhere (cross-replica context, packed
+    variables) this gives None and the caller reads the variable as a tensor, which a
+    distributed variable resolves to the right copy.
+    """
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    try:
+        handle = variable.handle
+    except (AttributeError, ValueError):
+        return None
+    for component in tf.distribute.get_strategy().experimental_local_results(variable):
+        if (
+            isinstance(component, tf.Variable)
+            and not isinstance(component, tf.distribute.DistributedValues)
+            and getattr(component, "handle", None) is handle
+        ):
+            return component
+    return None
 
 
 @tf.RegisterGradient("TfTtemb>ResourceGatherReduceSum")
