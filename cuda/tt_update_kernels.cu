@@ -13,7 +13,8 @@
 //
 // Counting: one warp per set of the frequency table, lane w holding way w;
 // the batch's distinct ids reach their set in ascending order through two
-// stable radix sorts (by id, then by set).
+// stable radix sorts (by id, on the bits id_bound needs; then by set) and a
+// run-length encoding; a bounds pass finds each set's slice of the runs.
 //
 // Lookup and populate: a binary search per id, one 64-bit exclusive scan
 // whose high half ranks the hits and low half the misses, and a scatter.
@@ -290,69 +291,77 @@ __global__ void SetKeysKernel(const int64_t* unique, const int64_t* num_runs, in
   }
 }
 
-__device__ __forceinline__ int64_t LowerBound(const uint32_t* a, int64_t n, uint32_t x) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (a[mid] < x) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
+// Where each set's entries start and end in the sorted set keys (sets with no
+// entry keep the zeros the caller stored).
+__global__ void SetBoundsKernel(const uint32_t* set_key, int64_t n, int32_t* start,
+                                int32_t* end) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t key = set_key[i];
+    if (i == 0 || set_key[i - 1] != key) start[key] = static_cast<int32_t>(i);
+    if (i == n - 1 || set_key[i + 1] != key) end[key] = static_cast<int32_t>(i + 1);
   }
-  return lo;
 }
 
 // One warp per set; lane w holds way w of the set in registers. The set's
-// runs (ascending ids) are applied one at a time, as the CPU kernel does.
+// runs (ascending ids) are applied one at a time, as the CPU kernel does;
+// the warp loads 32 runs at a time (one per lane) and walks them by shuffles.
 __global__ void __launch_bounds__(kBlock)
-    CountSetsKernel(const uint32_t* set_key, const int32_t* run_index, const int64_t* unique,
-                    const int64_t* run_length, int64_t n, int64_t num_sets, int64_t ways,
-                    int64_t table_size, int64_t* keys, int64_t* counts) {
+    CountSetsKernel(const int32_t* set_start, const int32_t* set_end, const int32_t* run_index,
+                    const int64_t* unique, const int64_t* run_length, int64_t num_sets,
+                    int64_t ways, int64_t table_size, int64_t* keys, int64_t* counts) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kBlock / 32);
   for (int64_t set = blockIdx.x * static_cast<int64_t>(kBlock / 32) + threadIdx.x / 32;
        set < num_sets; set += warps) {
-    const int64_t lo = LowerBound(set_key, n, static_cast<uint32_t>(set));
-    const int64_t hi = LowerBound(set_key, n, static_cast<uint32_t>(set + 1));
-    if (lo == hi) continue;
+    const int64_t lo = set_start[set];
+    const int64_t hi = set_end[set];
+    if (lo >= hi) continue;
     const int64_t base = set * ways;
     const int64_t way = base + lane;
     const bool valid = lane < ways && way < table_size;
     int64_t key = valid ? keys[way] : 0;
     int64_t count = valid ? counts[way] : 0;
-    for (int64_t i = lo; i < hi; ++i) {
-      const int32_t run = run_index[i];
-      const int64_t id = unique[run];
-      const int64_t m = run_length[run];
-      const unsigned found = __ballot_sync(0xffffffffu, valid && key == id);
-      if (found != 0) {
-        if (lane == __ffs(found) - 1) count += m;
-        continue;
+    for (int64_t chunk = lo; chunk < hi; chunk += 32) {
+      long long my_id = 0, my_m = 0;
+      if (chunk + lane < hi) {
+        const int32_t run = run_index[chunk + lane];
+        my_id = unique[run];
+        my_m = run_length[run];
       }
-      const unsigned empty = __ballot_sync(0xffffffffu, valid && key < 0);
-      if (empty != 0) {
-        if (lane == __ffs(empty) - 1) {
-          key = id;
-          count = m;
+      const int steps = static_cast<int>(min(int64_t{32}, hi - chunk));
+      for (int k = 0; k < steps; ++k) {
+        const int64_t id = __shfl_sync(0xffffffffu, my_id, k);
+        const int64_t m = __shfl_sync(0xffffffffu, my_m, k);
+        const unsigned found = __ballot_sync(0xffffffffu, valid && key == id);
+        if (found != 0) {
+          if (lane == __ffs(found) - 1) count += m;
+          continue;
         }
-        continue;
-      }
-      // Smallest count, lowest way on ties, over the (all occupied) ways.
-      long long best = valid ? count : LLONG_MAX;
-      int best_lane = valid ? lane : 32;
+        const unsigned empty = __ballot_sync(0xffffffffu, valid && key < 0);
+        if (empty != 0) {
+          if (lane == __ffs(empty) - 1) {
+            key = id;
+            count = m;
+          }
+          continue;
+        }
+        // Smallest count, lowest way on ties, over the (all occupied) ways.
+        long long best = valid ? count : LLONG_MAX;
+        int best_lane = valid ? lane : 32;
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        const long long other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_lane = __shfl_xor_sync(0xffffffffu, best_lane, offset);
-        if (other < best || (other == best && other_lane < best_lane)) {
-          best = other;
-          best_lane = other_lane;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          const long long other = __shfl_xor_sync(0xffffffffu, best, offset);
+          const int other_lane = __shfl_xor_sync(0xffffffffu, best_lane, offset);
+          if (other < best || (other == best && other_lane < best_lane)) {
+            best = other;
+            best_lane = other_lane;
+          }
         }
-      }
-      if (lane == best_lane) {
-        key = id;
-        count += m;
+        if (lane == best_lane) {
+          key = id;
+          count += m;
+        }
       }
     }
     if (valid) {
@@ -498,12 +507,20 @@ int EndBit(uint64_t max_value) {
   return bits;
 }
 
+// Bits of the id sort: enough for every id below id_bound (0: all 64).
+int IdBits(int64_t id_bound) {
+  if (id_bound <= 0) return 64;
+  int bits = 1;
+  while (bits < 63 && ((id_bound - 1) >> bits) != 0) ++bits;
+  return bits;
+}
+
 // CUB temporary bytes of every CUB call of the counting pipeline.
-size_t CountCubBytes(int64_t n, int end_bit) {
+size_t CountCubBytes(int64_t n, int end_bit, int id_bits) {
   size_t a = 0, b = 0, c = 0;
   const int items = static_cast<int>(n);
   cub::DeviceRadixSort::SortKeys(nullptr, a, static_cast<const int64_t*>(nullptr),
-                                 static_cast<int64_t*>(nullptr), items);
+                                 static_cast<int64_t*>(nullptr), items, 0, id_bits);
   cub::DeviceRunLengthEncode::Encode(nullptr, b, static_cast<const int64_t*>(nullptr),
                                      static_cast<int64_t*>(nullptr),
                                      static_cast<int64_t*>(nullptr),
@@ -524,11 +541,13 @@ struct CountBuffers {
   uint32_t* set_key;
   int32_t* run_in;
   int32_t* run;
+  int32_t* set_start;  // [num_sets + 1]
+  int32_t* set_end;    // [num_sets + 1]
   void* cub;
   size_t cub_bytes;
 };
 
-CountBuffers CarveCount(Carver& carver, int64_t n, int64_t num_sets) {
+CountBuffers CarveCount(Carver& carver, int64_t n, int64_t num_sets, int id_bits) {
   CountBuffers b;
   b.sorted = carver.Take<int64_t>(n);
   b.unique = carver.Take<int64_t>(n);
@@ -538,7 +557,9 @@ CountBuffers CarveCount(Carver& carver, int64_t n, int64_t num_sets) {
   b.set_key = carver.Take<uint32_t>(n);
   b.run_in = carver.Take<int32_t>(n);
   b.run = carver.Take<int32_t>(n);
-  b.cub_bytes = CountCubBytes(n, EndBit(static_cast<uint64_t>(num_sets)));
+  b.set_start = carver.Take<int32_t>(2 * (num_sets + 1));
+  b.set_end = b.set_start == nullptr ? nullptr : b.set_start + (num_sets + 1);
+  b.cub_bytes = CountCubBytes(n, EndBit(static_cast<uint64_t>(num_sets)), id_bits);
   b.cub = carver.TakeBytes(b.cub_bytes);
   return b;
 }
@@ -703,18 +724,18 @@ cudaError_t LaunchSelectRows(int64_t n, int64_t width, const T* a, int64_t a_row
   return cudaGetLastError();
 }
 
-size_t CacheCountScratchBytes(int64_t n, int64_t table_size) {
+size_t CacheCountScratchBytes(int64_t n, int64_t table_size, int64_t id_bound) {
   if (!SizeOk(n) || table_size <= 0) return 256;
   int64_t ways;
   const int64_t num_sets = NumSets(table_size, &ways);
   Carver carver(nullptr);
-  CarveCount(carver, n, num_sets);
+  CarveCount(carver, n, num_sets, IdBits(id_bound));
   return carver.bytes();
 }
 
-cudaError_t LaunchCacheCount(const int64_t* ids, int64_t n, int64_t* keys, int64_t* counts,
-                             int64_t table_size, void* scratch, size_t scratch_bytes,
-                             cudaStream_t stream) {
+cudaError_t LaunchCacheCount(const int64_t* ids, int64_t n, int64_t id_bound, int64_t* keys,
+                             int64_t* counts, int64_t table_size, void* scratch,
+                             size_t scratch_bytes, cudaStream_t stream) {
   if (!SizeOk(n) || table_size < 0) return cudaErrorInvalidValue;
   if (n == 0 || table_size == 0) return cudaSuccess;
   if (ids == nullptr || keys == nullptr || counts == nullptr || scratch == nullptr) {
@@ -723,13 +744,16 @@ cudaError_t LaunchCacheCount(const int64_t* ids, int64_t n, int64_t* keys, int64
   int64_t ways;
   const int64_t num_sets = NumSets(table_size, &ways);
   if (num_sets >= static_cast<int64_t>(UINT32_MAX)) return cudaErrorInvalidValue;
-  if (scratch_bytes < CacheCountScratchBytes(n, table_size)) return cudaErrorInvalidValue;
+  if (scratch_bytes < CacheCountScratchBytes(n, table_size, id_bound)) {
+    return cudaErrorInvalidValue;
+  }
   Carver carver(scratch);
-  const CountBuffers b = CarveCount(carver, n, num_sets);
+  const int id_bits = IdBits(id_bound);
+  const CountBuffers b = CarveCount(carver, n, num_sets, id_bits);
   const int items = static_cast<int>(n);
   size_t cub_bytes = b.cub_bytes;
-  TTUPD_RETURN_IF_ERROR(
-      cub::DeviceRadixSort::SortKeys(b.cub, cub_bytes, ids, b.sorted, items, 0, 64, stream));
+  TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortKeys(b.cub, cub_bytes, ids, b.sorted, items, 0,
+                                                       id_bits, stream));
   cub_bytes = b.cub_bytes;
   TTUPD_RETURN_IF_ERROR(cub::DeviceRunLengthEncode::Encode(
       b.cub, cub_bytes, b.sorted, b.unique, b.run_length, b.num_runs, items, stream));
@@ -741,11 +765,16 @@ cudaError_t LaunchCacheCount(const int64_t* ids, int64_t n, int64_t* keys, int64
   TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
       b.cub, cub_bytes, b.set_key_in, b.set_key, b.run_in, b.run, items, 0,
       EndBit(static_cast<uint64_t>(num_sets)), stream));
+  TTUPD_RETURN_IF_ERROR(cudaMemsetAsync(
+      b.set_start, 0, sizeof(int32_t) * 2 * static_cast<size_t>(num_sets + 1), stream));
+  SetBoundsKernel<<<FlatBlocks(n), kBlock, 0, stream>>>(b.set_key, n, b.set_start, b.set_end);
+  TTUPD_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t warps_per_block = kBlock / 32;
   const unsigned blocks =
       static_cast<unsigned>(std::min(CeilDiv(num_sets, warps_per_block), int64_t{65535}));
-  CountSetsKernel<<<blocks, kBlock, 0, stream>>>(b.set_key, b.run, b.unique, b.run_length, n,
-                                                 num_sets, ways, table_size, keys, counts);
+  CountSetsKernel<<<blocks, kBlock, 0, stream>>>(b.set_start, b.set_end, b.run, b.unique,
+                                                 b.run_length, num_sets, ways, table_size, keys,
+                                                 counts);
   return cudaGetLastError();
 }
 

@@ -100,10 +100,16 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer,
 // ascending within a set), and one warp per set applies its runs in
 // ascending order with the set's 32 ways in registers: the result equals the
 // CPU kernel's bit for bit.
-size_t CacheCountScratchBytes(int64_t n, int64_t table_size);
+//
+// id_bound: a host bound on the ids (every non-negative id < id_bound; the
+// layer's num_tables * prod(p)), which cuts the radix sort to the bits it
+// needs; 0 = unknown (a full 64-bit sort). An id >= id_bound makes the counts
+// unspecified (never an out-of-bounds access).
+size_t CacheCountScratchBytes(int64_t n, int64_t table_size, int64_t id_bound);
 
 cudaError_t LaunchCacheCount(const int64_t* ids,  // [n]
                              int64_t n,
+                             int64_t id_bound,
                              int64_t* keys,    // [table_size], in place
                              int64_t* counts,  // [table_size], in place
                              int64_t table_size,

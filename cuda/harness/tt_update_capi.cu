@@ -88,14 +88,16 @@ int ttupd_select_rows(int dtype, int64_t n, int64_t width, const void* a, int64_
   });
 }
 
-size_t ttupd_cache_count_scratch_bytes(int64_t n, int64_t table_size) {
-  return g::CacheCountScratchBytes(n, table_size);
+size_t ttupd_cache_count_scratch_bytes(int64_t n, int64_t table_size, int64_t id_bound) {
+  return g::CacheCountScratchBytes(n, table_size, id_bound);
 }
 
-int ttupd_cache_count(const int64_t* ids, int64_t n, int64_t* keys, int64_t* counts,
-                      int64_t table_size, void* scratch, size_t scratch_bytes, void* stream) {
-  return static_cast<int>(g::LaunchCacheCount(ids, n, keys, counts, table_size, scratch,
-                                              scratch_bytes, static_cast<cudaStream_t>(stream)));
+int ttupd_cache_count(const int64_t* ids, int64_t n, int64_t id_bound, int64_t* keys,
+                      int64_t* counts, int64_t table_size, void* scratch, size_t scratch_bytes,
+                      void* stream) {
+  return static_cast<int>(g::LaunchCacheCount(ids, n, id_bound, keys, counts, table_size,
+                                              scratch, scratch_bytes,
+                                              static_cast<cudaStream_t>(stream)));
 }
 
 size_t ttupd_cache_lookup_scratch_bytes(int64_t n) { return g::CacheLookupScratchBytes(n); }
