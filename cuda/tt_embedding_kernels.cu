@@ -13,18 +13,25 @@
 // level T-1 is one item per id (its row).
 //
 // Forward of level t: P_t[i] = A @ B with A = P_{t-1}[parent] [M, K] and
-// B = G_t[row] [K, Nc] (M = q_0..q_{t-1}, K = r_t, Nc = q_t r_{t+1}). One thread
-// per (item, MM consecutive rows of A, column c): B[k, c] is loaded once per
-// k (coalesced across the warp's columns) and used for the MM rows.
+// B = G_t[row] [K, Nc] (M = q_0..q_{t-1}, K = r_t, Nc = q_t r_{t+1}). Wide B
+// (Nc > 8 or M < 8): one thread per (item, MM consecutive rows of A, column c),
+// B[k, c] loaded once per k (coalesced across the warp's columns) and used for
+// the MM rows. Narrow B (the last level, Nc = q_{T-1}): one thread per (item,
+// row m of A) computing the row's Nc outputs from A's contiguous row.
 //
 // Backward of level t (dC = dL/dP_t, or the rows' gradient at the last level):
 //   * parent gradient dP_{t-1}[m] = sum over m's children n (in item order) of
-//     dC_n @ B_n^T: one thread per (parent item, MM rows, k);
+//     dC_n @ B_n^T: the children (contiguous) are cut into pieces of at most
+//     kChildPieceItems that never cross a parent, one block per piece, then a
+//     combine kernel adds each parent's pieces in order (a parent with
+//     hundreds of children, e.g. a level-0 digit at a large batch, is spread
+//     over many blocks);
 //   * core gradient of core row c = sum over the items n using c (in item
 //     order) of A_n^T @ dC_n. The items are sorted by core row (stable radix
 //     sort), the sorted list is cut into pieces of at most kPieceItems items
 //     that never cross a row, one block per piece sums its items into a piece
 //     buffer, and a combine kernel adds each row's pieces in piece order.
+// The piece lists depend only on the ids: LaunchRowsGradPrepare builds them.
 // Everything runs in a fixed order: bitwise deterministic, no float atomics.
 
 #include "cuda/tt_embedding_kernels.cuh"
@@ -44,9 +51,14 @@ namespace gpu {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxGridBlocks = 65536;
+// Grid-stride kernels launch at most this many blocks: most launches are sized
+// by upper bounds (the counts live on the device), so a capped grid keeps
+// empty blocks cheap.
+constexpr int64_t kMaxGridBlocks = 4096;
 // Core gradient: items per piece.
 constexpr int64_t kPieceItems = 64;
+// Parent gradient: children per piece.
+constexpr int64_t kChildPieceItems = 16;
 // TTRows processes the ids in chunks whose scratch fits this budget.
 constexpr size_t kRowsScratchBudget = size_t{512} << 20;
 constexpr int64_t kMinRowsChunk = 4096;
@@ -328,58 +340,53 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Parent gradient of level t >= 1: dprev[m] = sum over children n of
-// dC_n @ B_n^T. Thread = (parent item m, rows m0 .. m0+MM-1, k).
-template <int MM, typename TG, typename T>
+// Forward of level t >= 1 when Nc is small (e.g. the last level, Nc = q_{T-1}):
+// thread = (item i, row m of A) computing the NC outputs of that row; A's row is
+// read contiguously, B's row k (Nc values) is shared by the item's threads.
+template <int NC, typename TA, typename T, typename TO>
 __global__ void __launch_bounds__(kThreads)
-    LevelBackwardAKernel(Geo g, int t, const int64_t* __restrict__ ids,
-                         const int64_t* __restrict__ counts,
-                         const int32_t* __restrict__ heads_prev,  // level t-1
-                         const int32_t* __restrict__ heads_t,     // level t, null at the last
-                         const int32_t* __restrict__ incl_t,      // level t, null at the last
-                         const TG* __restrict__ dC,               // [n_t, S_t]
-                         const T* __restrict__ core,              // core t
-                         CT<T>* __restrict__ dprev) {             // [n_{t-1}, S_{t-1}]
+    LevelForwardRowsKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                           const int64_t* __restrict__ counts,
+                           const int32_t* __restrict__ heads,
+                           const int32_t* __restrict__ parent_incl,
+                           const TA* __restrict__ prev, const T* __restrict__ core,
+                           TO* __restrict__ out) {
   using C = CT<T>;
   const bool last = t == g.T - 1;
-  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
-  const int64_t mchunks = (M + MM - 1) / MM;
-  const int64_t per_item = mchunks * K;
-  const int64_t n_prev = counts[t];  // counts[1 + (t - 1)]
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t];
   const int64_t n_items = last ? counts[0] : counts[1 + t];
-  const int64_t total = n_prev * per_item;
+  const int64_t total = n_items * M;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
        e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t m = e / per_item;
-    const int64_t rem = e - m * per_item;
-    const int64_t m0 = (rem / K) * MM;
-    const int64_t k = rem % K;
-    const int64_t first = last ? heads_prev[m] : incl_t[heads_prev[m]] - 1;
-    const int64_t end = m + 1 < n_prev
-                            ? (last ? heads_prev[m + 1] : incl_t[heads_prev[m + 1]] - 1)
-                            : n_items;
-    C acc[MM];
+    const int64_t i = e / M;
+    const int64_t m = e - i * M;
+    const int64_t j = last ? i : heads[i];
+    bool valid;
+    const int64_t id = SafeId(g, ids, j, &valid);
+    const TA* a = (t == 1 ? prev + CoreRow(g, id, 0) * g.width[0]
+                          : prev + static_cast<int64_t>(parent_incl[j] - 1) * g.S[t - 1]) +
+                  m * K;
+    const T* b = core + CoreRow(g, id, t) * g.width[t];
+    C acc[NC];
 #pragma unroll
-    for (int mm = 0; mm < MM; ++mm) acc[mm] = C(0);
-    for (int64_t n = first; n < end; ++n) {
-      const int64_t j = last ? n : heads_t[n];
-      bool valid;
-      const int64_t id = SafeId(g, ids, j, &valid);
-      if (!valid) continue;
-      const T* b = core + CoreRow(g, id, t) * g.width[t] + k * Nc;
-      const TG* d = dC + n * S;
-      for (int64_t c = 0; c < Nc; ++c) {
-        const C bv = ToC(b[c]);
+    for (int cc = 0; cc < NC; ++cc) acc[cc] = C(0);
+    for (int64_t k = 0; k < K; ++k) {
+      const C av = ToC(a[k]);
 #pragma unroll
-        for (int mm = 0; mm < MM; ++mm) {
-          if (m0 + mm < M) acc[mm] = fma(ToC(d[(m0 + mm) * Nc + c]), bv, acc[mm]);
-        }
+      for (int cc = 0; cc < NC; ++cc) {
+        if (cc < Nc) acc[cc] = fma(av, ToC(b[k * Nc + cc]), acc[cc]);
       }
     }
-    C* o = dprev + m * Sp;
+    TO* o = out + (last ? j : i) * S + m * Nc;
 #pragma unroll
-    for (int mm = 0; mm < MM; ++mm) {
-      if (m0 + mm < M) o[(m0 + mm) * K + k] = acc[mm];
+    for (int cc = 0; cc < NC; ++cc) {
+      if (cc < Nc) {
+        if constexpr (std::is_same<TO, T>::value) {
+          o[cc] = FromC<T>(valid || !last ? acc[cc] : C(0));
+        } else {
+          o[cc] = acc[cc];
+        }
+      }
     }
   }
 }
@@ -469,6 +476,68 @@ __global__ void CombinePiecesKernel(int64_t W, const int64_t* __restrict__ row_c
   }
 }
 
+// Parent gradient, children split into pieces: key of child i of level t = its
+// parent's item index at level t-1 (non-decreasing); `sentinel` past the count.
+__global__ void ParentKeysKernel(Geo g, int t, const int64_t* counts, int64_t nmax,
+                                 const int32_t* heads_t, const int32_t* incl_prev,
+                                 int64_t sentinel, int64_t* keys) {
+  const bool last = t == g.T - 1;
+  const int64_t n_items = last ? counts[0] : counts[1 + t];
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    keys[i] = i < n_items ? int64_t{incl_prev[last ? i : heads_t[i]]} - 1 : sentinel;
+  }
+}
+
+// One block per piece of children: piece_out[pc] = sum over the piece's children n
+// of dC_n @ B_n^T [M, K]; threads over (row m, k).
+template <typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    ParentPieceKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                      const int64_t* __restrict__ piece_count,
+                      const int32_t* __restrict__ piece_pos,
+                      const int32_t* __restrict__ heads_t,  // level t, null at the last
+                      const TG* __restrict__ dC,            // [n_t, S_t]
+                      const T* __restrict__ core,           // core t
+                      CT<T>* __restrict__ piece_out) {      // [pieces, S_{t-1}]
+  using C = CT<T>;
+  const bool last = t == g.T - 1;
+  const int64_t K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int64_t e = threadIdx.x; e < Sp; e += blockDim.x) {
+      const int64_t m = e / K, k = e % K;
+      C acc = C(0);
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t j = last ? n : heads_t[n];
+        bool valid;
+        const int64_t id = SafeId(g, ids, j, &valid);
+        if (!valid) continue;
+        const T* b = core + CoreRow(g, id, t) * g.width[t] + k * Nc;
+        const TG* d = dC + n * S + m * Nc;
+        for (int64_t c = 0; c < Nc; ++c) acc = fma(ToC(d[c]), ToC(b[c]), acc);
+      }
+      piece_out[pc * Sp + e] = acc;
+    }
+  }
+}
+
+// dprev[m] = sum of parent m's pieces, in order.
+template <typename C>
+__global__ void ParentCombineKernel(int64_t Sp, const int64_t* __restrict__ parent_count,
+                                    const int32_t* __restrict__ first_piece,  // [parents + 1]
+                                    const C* __restrict__ piece_out, C* __restrict__ dprev) {
+  const int64_t total = *parent_count * Sp;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t m = e / Sp, w = e % Sp;
+    C acc = C(0);
+    for (int64_t pc = first_piece[m]; pc < first_piece[m + 1]; ++pc) acc += piece_out[pc * Sp + w];
+    dprev[e] = acc;
+  }
+}
+
 // Sort keys of core k: the core row of each item of level k (ids at the last
 // level); items past the count get `sentinel` (sorted last).
 __global__ void RowKeysKernel(Geo g, int k, const int64_t* ids, const int64_t* counts,
@@ -491,14 +560,14 @@ __global__ void RowKeysKernel(Geo g, int k, const int64_t* ids, const int64_t* c
 
 // Piece starts (a new row, or every kPieceItems items) and segment starts.
 __global__ void PieceFlagsKernel(const int64_t* keys, int64_t nmax, int64_t sentinel,
-                                 int32_t* piece_flags, int32_t* seg_flags) {
+                                 int64_t piece_items, int32_t* piece_flags, int32_t* seg_flags) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t key = keys[i];
     const bool valid = key != sentinel;
     const bool seg = valid && (i == 0 || keys[i - 1] != key);
     seg_flags[i] = seg;
-    piece_flags[i] = valid && (seg || i % kPieceItems == 0);
+    piece_flags[i] = valid && (seg || i % piece_items == 0);
   }
 }
 
@@ -543,35 +612,28 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, const in
                                const TA* prev, const T* core, TO* out, cudaStream_t stream) {
   const int64_t M = g.M[t];
   const int64_t work_items = nmax;  // upper bound of the items
+  if (g.Nc[t] <= 8 && M >= 8) {
+    auto rows = [&](auto nc_tag) {
+      constexpr int NC = decltype(nc_tag)::value;
+      LevelForwardRowsKernel<NC, TA, T, TO><<<GridFor(work_items * M), kThreads, 0, stream>>>(
+          g, t, ids, counts, heads, parent_incl, prev, core, out);
+    };
+    if (g.Nc[t] <= 1) {
+      rows(std::integral_constant<int, 1>{});
+    } else if (g.Nc[t] <= 2) {
+      rows(std::integral_constant<int, 2>{});
+    } else if (g.Nc[t] <= 4) {
+      rows(std::integral_constant<int, 4>{});
+    } else {
+      rows(std::integral_constant<int, 8>{});
+    }
+    return cudaGetLastError();
+  }
   auto go = [&](auto mm_tag) {
     constexpr int MM = decltype(mm_tag)::value;
     const int64_t work = work_items * CeilDiv(M, MM) * g.Nc[t];
     LevelForwardKernel<MM, TA, T, TO><<<GridFor(work), kThreads, 0, stream>>>(
         g, t, ids, counts, heads, parent_incl, prev, core, out);
-  };
-  if (M >= 8) {
-    go(std::integral_constant<int, 8>{});
-  } else if (M >= 4) {
-    go(std::integral_constant<int, 4>{});
-  } else if (M >= 2) {
-    go(std::integral_constant<int, 2>{});
-  } else {
-    go(std::integral_constant<int, 1>{});
-  }
-  return cudaGetLastError();
-}
-
-template <typename TG, typename T>
-cudaError_t LaunchLevelBackwardA(const Geo& g, int t, const int64_t* ids, const int64_t* counts,
-                                 int64_t nmax, const int32_t* heads_prev, const int32_t* heads_t,
-                                 const int32_t* incl_t, const TG* dC, const T* core, CT<T>* dprev,
-                                 cudaStream_t stream) {
-  const int64_t M = g.M[t];
-  auto go = [&](auto mm_tag) {
-    constexpr int MM = decltype(mm_tag)::value;
-    const int64_t work = nmax * CeilDiv(M, MM) * g.K[t];
-    LevelBackwardAKernel<MM, TG, T><<<GridFor(work), kThreads, 0, stream>>>(
-        g, t, ids, counts, heads_prev, heads_t, incl_t, dC, core, dprev);
   };
   if (M >= 8) {
     go(std::integral_constant<int, 8>{});
@@ -681,6 +743,7 @@ template <typename T>
 struct GradScratch {
   LevelBuffers levels;
   CoreSort core[kMaxTTCores];
+  CoreSort child[kMaxTTCores];  // parent-gradient pieces of levels 1 .. T-1
   int64_t* keys_in = nullptr;
   int64_t* keys_out = nullptr;
   int32_t* vals_in = nullptr;
@@ -709,6 +772,17 @@ size_t CarveGrad(const Geo& g, int64_t nmax, void* base, GradScratch<T>* s) {
     cs.piece_count = c.Take<int64_t>(1);
     cs.row_count = c.Take<int64_t>(1);
     max_piece_values = std::max(max_piece_values, cs.max_pieces * g.width[k]);
+  }
+  for (int t = 1; t < g.T; ++t) {
+    CoreSort& cs = s->child[t];
+    cs.max_rows = nmax;
+    cs.max_pieces = CeilDiv(nmax, kChildPieceItems) + nmax;
+    cs.piece_pos = c.Take<int32_t>(cs.max_pieces + 1);
+    cs.seg_first_piece = c.Take<int32_t>(cs.max_rows + 1);
+    cs.seg_row = c.Take<int64_t>(cs.max_rows);
+    cs.piece_count = c.Take<int64_t>(1);
+    cs.row_count = c.Take<int64_t>(1);
+    max_piece_values = std::max(max_piece_values, cs.max_pieces * g.S[t - 1]);
   }
   s->keys_in = c.Take<int64_t>(nmax);
   s->keys_out = c.Take<int64_t>(nmax);
@@ -978,8 +1052,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
           b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.sorted_items,
           static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel)), stream));
-      PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel,
-                                                               s.piece_flags, b.flags);
+      PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+          s.keys_out, nmax, sentinel, kPieceItems, s.piece_flags, b.flags);
       TT_RETURN_IF_ERROR(cudaGetLastError());
       bytes = b.cub_bytes;
       TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
@@ -993,6 +1067,30 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
           cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, &report->core_rows[k]);
       TT_RETURN_IF_ERROR(cudaGetLastError());
       PieceEndKernel<<<1, 1, 0, stream>>>(g, k, b.counts, cs.piece_count, cs.piece_pos);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+    }
+    for (int t = 1; t < g.T; ++t) {
+      CoreSort& cs = s.child[t];
+      const int64_t sentinel = nmax;
+      ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+          g, t, b.counts, nmax, t + 1 < g.T ? b.heads[t] : nullptr, b.incl[t - 1], sentinel,
+          s.keys_out);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+          s.keys_out, nmax, sentinel, kChildPieceItems, s.piece_flags, b.flags);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      size_t bytes = b.cub_bytes;
+      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
+                                                       s.piece_incl, static_cast<int>(nmax),
+                                                       stream));
+      bytes = b.cub_bytes;
+      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
+                                                       static_cast<int>(nmax), stream));
+      PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+          s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
+          cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, cs.row_count);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      PieceEndKernel<<<1, 1, 0, stream>>>(g, t, b.counts, cs.piece_count, cs.piece_pos);
       TT_RETURN_IF_ERROR(cudaGetLastError());
     }
   } else {
@@ -1059,18 +1157,26 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   for (int t = g.T - 1; t >= 1; --t) {
     const bool last = t == g.T - 1;
     const int32_t* heads_t = last ? nullptr : b.heads[t];
-    const int32_t* incl_t = last ? nullptr : b.incl[t];
     const int32_t* parent_incl = t == 1 ? nullptr : b.incl[t - 1];
-    cudaError_t err;
-    if (last) {
-      err = LaunchLevelBackwardA<T, T>(g, t, ids, b.counts, nmax, b.heads[t - 1], heads_t,
-                                       incl_t, grad, cores[t], s.dpartial[t - 1], stream);
-    } else {
-      err = LaunchLevelBackwardA<C, T>(g, t, ids, b.counts, nmax, b.heads[t - 1], heads_t,
-                                       incl_t, s.dpartial[t], cores[t], s.dpartial[t - 1],
-                                       stream);
+    {
+      const CoreSort& ch = s.child[t];
+      const int grid =
+          static_cast<int>(std::max<int64_t>(1, std::min(ch.max_pieces, kMaxGridBlocks)));
+      const int threads =
+          static_cast<int>(std::min<int64_t>(kThreads, ((g.S[t - 1] + 31) / 32) * 32));
+      if (last) {
+        ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
+            g, t, ids, ch.piece_count, ch.piece_pos, heads_t, grad, cores[t], s.pieces);
+      } else {
+        ParentPieceKernel<C, T><<<grid, threads, 0, stream>>>(
+            g, t, ids, ch.piece_count, ch.piece_pos, heads_t, s.dpartial[t], cores[t],
+            s.pieces);
+      }
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
+          g.S[t - 1], &b.counts[t], ch.seg_first_piece, s.pieces, s.dpartial[t - 1]);
+      TT_RETURN_IF_ERROR(cudaGetLastError());
     }
-    TT_RETURN_IF_ERROR(err);
     const CoreSort& cs = s.core[t];
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
     const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
