@@ -2,6 +2,8 @@
 
 Commands:
   demo   measure what tf_ttemb buys on this machine (time, memory, plots)
+  bench  the op benchmarks: time of the fused ops against plain TensorFlow (table, JSON)
+  info   versions, build flags and ABI, CUDA, registered kernels per device, devices
 
 Each command is a module exposing `add_arguments(parser)` and `main(args) -> int`,
 registered in `COMMANDS`; `python -m tf_ttemb <command> --help` lists its options.
@@ -27,13 +29,26 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
         "measure what tf_ttemb buys on this machine: time and peak memory against plain "
         "TensorFlow, a correctness check, a scaling sweep and plots",
     ),
+    "bench": (
+        "tf_ttemb.bench",
+        "time the ops (gather_reduce_sum, TT rows, PKM lookup; forward and forward+backward) "
+        "against plain TensorFlow: an aligned table and JSON",
+    ),
+    "info": (
+        "tf_ttemb.info",
+        "versions (tf_ttemb, TensorFlow running and built against), compiler flags and ABI, "
+        "CUDA kernels, the registered kernels per device of every op, visible devices",
+    ),
 }
 
 _DESCRIPTION = "tf_ttemb: a fused EmbeddingBag op (and more) for TensorFlow and Keras 3."
 _EPILOG = """examples:
   python -m tf_ttemb demo                    # about 6-8 minutes on 2 CPU cores
   python -m tf_ttemb demo --quick --out /tmp/demo
-  python -m tf_ttemb demo --help"""
+  python -m tf_ttemb bench --quick           # seconds; without --quick about 1-2 minutes
+  python -m tf_ttemb bench --json bench.json
+  python -m tf_ttemb info
+  python -m tf_ttemb <command> --help"""
 
 
 def build_parser() -> Tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
