@@ -12,12 +12,16 @@
 // 1 .. T-2 keep one partial product P_t [prod q_0..q_t, r_{t+1}] per item;
 // level T-1 is one item per id (its row).
 //
+// Per-item metadata (LevelMetaKernel, once per chunk): the core row each item
+// multiplies and its parent item, so the math kernels divide nothing.
+//
 // Forward of level t: P_t[i] = A @ B with A = P_{t-1}[parent] [M, K] and
-// B = G_t[row] [K, Nc] (M = q_0..q_{t-1}, K = r_t, Nc = q_t r_{t+1}). Wide B
-// (Nc > 8 or M < 8): one thread per (item, MM consecutive rows of A, column c),
-// B[k, c] loaded once per k (coalesced across the warp's columns) and used for
-// the MM rows. Narrow B (the last level, Nc = q_{T-1}): one thread per (item,
-// row m of A) computing the row's Nc outputs from A's contiguous row.
+// B = G_t[row] [K, Nc] (M = q_0..q_{t-1}, K = r_t, Nc = q_t r_{t+1}). Narrow B
+// (Nc <= 8, the last level) with A fitting in shared memory: one block per
+// parent, A staged once in shared memory for all the parent's children
+// (contiguous), thread = (child, row of A) computing the row's Nc outputs.
+// Otherwise: one thread per (item, MM consecutive rows of A, column c), B[k, c]
+// loaded once per k (coalesced across the warp's columns) and used for MM rows.
 //
 // Backward of level t (dC = dL/dP_t, or the rows' gradient at the last level):
 //   * parent gradient dP_{t-1}[m] = sum over m's children n (in item order) of
@@ -25,7 +29,8 @@
 //     kChildPieceItems that never cross a parent, one block per piece, then a
 //     combine kernel adds each parent's pieces in order (a parent with
 //     hundreds of children, e.g. a level-0 digit at a large batch, is spread
-//     over many blocks);
+//     over many blocks). Wide B (Nc >= 32): a warp per output group, lanes
+//     across c (coalesced), a fixed shuffle tree at the end;
 //   * core gradient of core row c = sum over the items n using c (in item
 //     order) of A_n^T @ dC_n. The items are sorted by core row (stable radix
 //     sort), the sorted list is cut into pieces of at most kPieceItems items
@@ -107,6 +112,11 @@ __device__ __forceinline__ __nv_bfloat16 FromC<__nv_bfloat16>(float x) {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+template <typename U>
+struct TypeTag {
+  using type = U;
+};
+
 int GridFor(int64_t work, int threads = kThreads) {
   return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(work, threads), kMaxGridBlocks)));
 }
@@ -185,6 +195,7 @@ bool MakeGeo(const TTProblem& pr, Geo* g) {
     g->p[k] = pr.p[k];
     g->width[k] = pr.r[k] * pr.q[k] * pr.r[k + 1];
     if (g->width[k] > (int64_t{1} << 31)) return false;
+    if (pr.p[k] > ((int64_t{1} << 31) - 1) / pr.num_tables) return false;  // int32 core rows
     g->M[k] = M;
     g->K[k] = pr.r[k];
     g->Nc[k] = pr.q[k] * pr.r[k + 1];
@@ -287,16 +298,49 @@ __global__ void LevelHeadsKernel(int t, const int64_t* counts, int64_t nmax,
   if (blockIdx.x == 0 && threadIdx.x == 0) counts_out[1 + t] = n > 0 ? incl[n - 1] : 0;
 }
 
+// Per-item metadata of level t, so that kernels divide nothing: row[i] = the
+// core-t row of item i (ids at the last level), par[i] = its parent's item
+// index at level t-1 (t >= 1).
+__global__ void LevelMetaKernel(Geo g, int t, const int64_t* ids, const int64_t* counts,
+                                const int32_t* heads_t,    // level t, null at the last
+                                const int32_t* incl_prev,  // level t-1, null for t == 0
+                                int32_t* row, int32_t* par) {
+  const bool last = t == g.T - 1;
+  const int64_t n_items = last ? counts[0] : counts[1 + t];
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n_items;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t j = last ? i : heads_t[i];
+    bool valid;
+    const int64_t id = SafeId(g, ids, j, &valid);
+    row[i] = static_cast<int32_t>(CoreRow(g, id, t));
+    if (t > 0) par[i] = incl_prev[j] - 1;
+  }
+}
+
+__device__ __forceinline__ bool ValidAt(const Geo& g, const int64_t* ids, int64_t j) {
+  const int64_t v = ids[j];
+  return v >= 0 && v < g.total;
+}
+
+// A of item i at level t >= 1: core 0's row (t == 1) or the parent's partial.
+template <typename TA>
+__device__ __forceinline__ const TA* AOf(const Geo& g, int t, const TA* prev, const int32_t* par,
+                                         const int32_t* row0, int64_t i) {
+  return t == 1 ? prev + int64_t{row0[par[i]]} * g.width[0]
+                : prev + int64_t{par[i]} * g.S[t - 1];
+}
+
 // Forward of level t >= 1. Thread = (item i, rows m0 .. m0+MM-1 of A, column c).
 template <int MM, typename TA, typename T, typename TO>
 __global__ void __launch_bounds__(kThreads)
     LevelForwardKernel(Geo g, int t, const int64_t* __restrict__ ids,
                        const int64_t* __restrict__ counts,
-                       const int32_t* __restrict__ heads,        // level t, null at the last
-                       const int32_t* __restrict__ parent_incl,  // level t-1, null for t == 1
-                       const TA* __restrict__ prev,              // t == 1: core 0; else P_{t-1}
-                       const T* __restrict__ core,               // core t
-                       TO* __restrict__ out) {                   // P_t [n_t, S_t] or rows [n, D]
+                       const int32_t* __restrict__ row_t,  // level t
+                       const int32_t* __restrict__ par_t,  // level t
+                       const int32_t* __restrict__ row0,   // level 0
+                       const TA* __restrict__ prev,        // t == 1: core 0; else P_{t-1}
+                       const T* __restrict__ core,         // core t
+                       TO* __restrict__ out) {             // P_t [n_t, S_t] or rows [n, D]
   using C = CT<T>;
   const bool last = t == g.T - 1;
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t];
@@ -310,12 +354,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t rem = e - i * per_item;
     const int64_t m0 = (rem / Nc) * MM;
     const int64_t c = rem % Nc;
-    const int64_t j = last ? i : heads[i];
-    bool valid;
-    const int64_t id = SafeId(g, ids, j, &valid);
-    const TA* a = t == 1 ? prev + CoreRow(g, id, 0) * g.width[0]
-                         : prev + static_cast<int64_t>(parent_incl[j] - 1) * g.S[t - 1];
-    const T* b = core + CoreRow(g, id, t) * g.width[t];
+    const TA* a = AOf(g, t, prev, par_t, row0, i);
+    const T* b = core + int64_t{row_t[i]} * g.width[t];
     C acc[MM];
 #pragma unroll
     for (int mm = 0; mm < MM; ++mm) acc[mm] = C(0);
@@ -326,12 +366,13 @@ __global__ void __launch_bounds__(kThreads)
         if (m0 + mm < M) acc[mm] = fma(ToC(a[(m0 + mm) * K + k]), bv, acc[mm]);
       }
     }
-    TO* o = out + (last ? j : i) * S;
+    const bool zero = last && !ValidAt(g, ids, i);
+    TO* o = out + i * S;
 #pragma unroll
     for (int mm = 0; mm < MM; ++mm) {
       if (m0 + mm < M) {
         if constexpr (std::is_same<TO, T>::value) {
-          o[(m0 + mm) * Nc + c] = FromC<T>(valid || !last ? acc[mm] : C(0));
+          o[(m0 + mm) * Nc + c] = FromC<T>(zero ? C(0) : acc[mm]);
         } else {
           o[(m0 + mm) * Nc + c] = acc[mm];
         }
@@ -340,54 +381,78 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Forward of level t >= 1 when Nc is small (e.g. the last level, Nc = q_{T-1}):
-// thread = (item i, row m of A) computing the NC outputs of that row; A's row is
-// read contiguously, B's row k (Nc values) is shared by the item's threads.
+// Forward of level t >= 1 by parents: one block per parent item m (level
+// t-1), whose children (items of level t) are contiguous. A = the parent's
+// partial (or core 0's row) is staged once in shared memory (rows padded to
+// K + 1: conflict-free), then thread = (child, row m of A) computes the NC
+// outputs of that row, B's row k shared by the child's threads. Used when A
+// fits in shared memory and Nc <= 8 (the last level).
 template <int NC, typename TA, typename T, typename TO>
 __global__ void __launch_bounds__(kThreads)
-    LevelForwardRowsKernel(Geo g, int t, const int64_t* __restrict__ ids,
-                           const int64_t* __restrict__ counts,
-                           const int32_t* __restrict__ heads,
-                           const int32_t* __restrict__ parent_incl,
-                           const TA* __restrict__ prev, const T* __restrict__ core,
-                           TO* __restrict__ out) {
+    LevelForwardByParentKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                               const int64_t* __restrict__ counts,
+                               const int32_t* __restrict__ row_t,
+                               const int32_t* __restrict__ first_child,  // level t-1: [n_{t-1}]
+                               const int32_t* __restrict__ row0,
+                               const TA* __restrict__ prev, const T* __restrict__ core,
+                               TO* __restrict__ out) {
   using C = CT<T>;
+  extern __shared__ unsigned char smem_raw[];
+  C* a_s = reinterpret_cast<C*>(smem_raw);
   const bool last = t == g.T - 1;
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t];
+  const int64_t n_parents = counts[t];
   const int64_t n_items = last ? counts[0] : counts[1 + t];
-  const int64_t total = n_items * M;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
-       e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t i = e / M;
-    const int64_t m = e - i * M;
-    const int64_t j = last ? i : heads[i];
-    bool valid;
-    const int64_t id = SafeId(g, ids, j, &valid);
-    const TA* a = (t == 1 ? prev + CoreRow(g, id, 0) * g.width[0]
-                          : prev + static_cast<int64_t>(parent_incl[j] - 1) * g.S[t - 1]) +
-                  m * K;
-    const T* b = core + CoreRow(g, id, t) * g.width[t];
-    C acc[NC];
+  const int64_t per_pass = blockDim.x / M;  // children per pass
+  for (int64_t m = blockIdx.x; m < n_parents; m += gridDim.x) {
+    const TA* a = t == 1 ? prev + int64_t{row0[m]} * g.width[0] : prev + m * g.S[t - 1];
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < M * K; e += blockDim.x) {
+      a_s[(e / K) * (K + 1) + e % K] = ToC(a[e]);
+    }
+    __syncthreads();
+    const int64_t begin = first_child[m];
+    const int64_t end = m + 1 < n_parents ? first_child[m + 1] : n_items;
+    const int64_t local = threadIdx.x / M, r = threadIdx.x % M;
+    if (local >= per_pass) continue;
+    for (int64_t i = begin + local; i < end; i += per_pass) {
+      const T* b = core + int64_t{row_t[i]} * g.width[t];
+      const C* ar = a_s + r * (K + 1);
+      C acc[NC];
 #pragma unroll
-    for (int cc = 0; cc < NC; ++cc) acc[cc] = C(0);
-    for (int64_t k = 0; k < K; ++k) {
-      const C av = ToC(a[k]);
+      for (int cc = 0; cc < NC; ++cc) acc[cc] = C(0);
+      for (int64_t k = 0; k < K; ++k) {
+        const C av = ar[k];
+#pragma unroll
+        for (int cc = 0; cc < NC; ++cc) {
+          if (cc < Nc) acc[cc] = fma(av, ToC(b[k * Nc + cc]), acc[cc]);
+        }
+      }
+      const bool zero = last && !ValidAt(g, ids, i);
+      TO* o = out + i * S + r * Nc;
 #pragma unroll
       for (int cc = 0; cc < NC; ++cc) {
-        if (cc < Nc) acc[cc] = fma(av, ToC(b[k * Nc + cc]), acc[cc]);
-      }
-    }
-    TO* o = out + (last ? j : i) * S + m * Nc;
-#pragma unroll
-    for (int cc = 0; cc < NC; ++cc) {
-      if (cc < Nc) {
-        if constexpr (std::is_same<TO, T>::value) {
-          o[cc] = FromC<T>(valid || !last ? acc[cc] : C(0));
-        } else {
-          o[cc] = acc[cc];
+        if (cc < Nc) {
+          if constexpr (std::is_same<TO, T>::value) {
+            o[cc] = FromC<T>(zero ? C(0) : acc[cc]);
+          } else {
+            o[cc] = acc[cc];
+          }
         }
       }
     }
+  }
+}
+
+// first_child[m] = first item of level t whose parent is m (items are grouped by
+// parent, in order).
+__global__ void FirstChildKernel(Geo g, int t, const int64_t* counts, const int32_t* par_t,
+                                 int32_t* first_child) {
+  const bool last = t == g.T - 1;
+  const int64_t n_items = last ? counts[0] : counts[1 + t];
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n_items;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    if (i == 0 || par_t[i] != par_t[i - 1]) first_child[par_t[i]] = static_cast<int32_t>(i);
   }
 }
 
@@ -399,8 +464,8 @@ __global__ void __launch_bounds__(kThreads)
                     const int64_t* __restrict__ piece_count,  // [1]
                     const int32_t* __restrict__ piece_pos,    // [pieces + 1]
                     const int32_t* __restrict__ sorted_items,
-                    const int32_t* __restrict__ heads_t,      // level t, null at the last
-                    const int32_t* __restrict__ parent_incl,  // level t-1, null for t == 1
+                    const int32_t* __restrict__ par_t,        // level t
+                    const int32_t* __restrict__ row0,         // level 0
                     const TA* __restrict__ prev,              // t == 1: core 0; else P_{t-1}
                     const TG* __restrict__ dC,                // [n_t, S_t]
                     CT<T>* __restrict__ piece_out) {          // [pieces, width_t]
@@ -415,12 +480,8 @@ __global__ void __launch_bounds__(kThreads)
       C acc = C(0);
       for (int64_t s = begin; s < end; ++s) {
         const int64_t n = sorted_items[s];
-        const int64_t j = last ? n : heads_t[n];
-        bool valid;
-        const int64_t id = SafeId(g, ids, j, &valid);
-        if (!valid) continue;
-        const TA* a = t == 1 ? prev + CoreRow(g, id, 0) * g.width[0]
-                             : prev + static_cast<int64_t>(parent_incl[j] - 1) * g.S[t - 1];
+        if (last && !ValidAt(g, ids, n)) continue;
+        const TA* a = AOf(g, t, prev, par_t, row0, n);
         const TG* d = dC + n * S;
         for (int64_t m = 0; m < M; ++m) acc = fma(ToC(a[m * K + k]), ToC(d[m * Nc + c]), acc);
       }
@@ -479,24 +540,23 @@ __global__ void CombinePiecesKernel(int64_t W, const int64_t* __restrict__ row_c
 // Parent gradient, children split into pieces: key of child i of level t = its
 // parent's item index at level t-1 (non-decreasing); `sentinel` past the count.
 __global__ void ParentKeysKernel(Geo g, int t, const int64_t* counts, int64_t nmax,
-                                 const int32_t* heads_t, const int32_t* incl_prev,
-                                 int64_t sentinel, int64_t* keys) {
+                                 const int32_t* par_t, int64_t sentinel, int64_t* keys) {
   const bool last = t == g.T - 1;
   const int64_t n_items = last ? counts[0] : counts[1 + t];
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
        i += int64_t{gridDim.x} * blockDim.x) {
-    keys[i] = i < n_items ? int64_t{incl_prev[last ? i : heads_t[i]]} - 1 : sentinel;
+    keys[i] = i < n_items ? int64_t{par_t[i]} : sentinel;
   }
 }
 
 // One block per piece of children: piece_out[pc] = sum over the piece's children n
-// of dC_n @ B_n^T [M, K]; threads over (row m, k).
+// of dC_n @ B_n^T [M, K]; threads over (row m, k). For narrow B (Nc < 32).
 template <typename TG, typename T>
 __global__ void __launch_bounds__(kThreads)
     ParentPieceKernel(Geo g, int t, const int64_t* __restrict__ ids,
                       const int64_t* __restrict__ piece_count,
                       const int32_t* __restrict__ piece_pos,
-                      const int32_t* __restrict__ heads_t,  // level t, null at the last
+                      const int32_t* __restrict__ row_t,    // level t
                       const TG* __restrict__ dC,            // [n_t, S_t]
                       const T* __restrict__ core,           // core t
                       CT<T>* __restrict__ piece_out) {      // [pieces, S_{t-1}]
@@ -510,15 +570,59 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t m = e / K, k = e % K;
       C acc = C(0);
       for (int64_t n = begin; n < end; ++n) {
-        const int64_t j = last ? n : heads_t[n];
-        bool valid;
-        const int64_t id = SafeId(g, ids, j, &valid);
-        if (!valid) continue;
-        const T* b = core + CoreRow(g, id, t) * g.width[t] + k * Nc;
+        if (last && !ValidAt(g, ids, n)) continue;
+        const T* b = core + int64_t{row_t[n]} * g.width[t] + k * Nc;
         const TG* d = dC + n * S + m * Nc;
         for (int64_t c = 0; c < Nc; ++c) acc = fma(ToC(d[c]), ToC(b[c]), acc);
       }
       piece_out[pc * Sp + e] = acc;
+    }
+  }
+}
+
+// The same for wide B (Nc >= 32): warp w of the block owns the outputs (rows
+// m0 .. m0+MM-1, k) in turn; its lanes split the columns c (coalesced loads of
+// dC and B), accumulate over the piece's children, and reduce across lanes by
+// a fixed shuffle tree at the end (deterministic).
+template <int MM, typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    ParentPieceWideKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                          const int64_t* __restrict__ piece_count,
+                          const int32_t* __restrict__ piece_pos,
+                          const int32_t* __restrict__ row_t, const TG* __restrict__ dC,
+                          const T* __restrict__ core, CT<T>* __restrict__ piece_out) {
+  using C = CT<T>;
+  const bool last = t == g.T - 1;
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
+  const int64_t mchunks = (M + MM - 1) / MM;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int64_t o = warp; o < mchunks * K; o += warps) {
+      const int64_t m0 = (o / K) * MM, k = o % K;
+      C acc[MM];
+#pragma unroll
+      for (int mm = 0; mm < MM; ++mm) acc[mm] = C(0);
+      for (int64_t n = begin; n < end; ++n) {
+        if (last && !ValidAt(g, ids, n)) continue;
+        const T* b = core + int64_t{row_t[n]} * g.width[t] + k * Nc;
+        const TG* d = dC + n * S;
+        for (int64_t c = lane; c < Nc; c += 32) {
+          const C bv = ToC(b[c]);
+#pragma unroll
+          for (int mm = 0; mm < MM; ++mm) {
+            if (m0 + mm < M) acc[mm] = fma(ToC(d[(m0 + mm) * Nc + c]), bv, acc[mm]);
+          }
+        }
+      }
+#pragma unroll
+      for (int mm = 0; mm < MM; ++mm) {
+        C v = acc[mm];
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0 && m0 + mm < M) piece_out[pc * Sp + (m0 + mm) * K + k] = v;
+      }
     }
   }
 }
@@ -540,20 +644,14 @@ __global__ void ParentCombineKernel(int64_t Sp, const int64_t* __restrict__ pare
 
 // Sort keys of core k: the core row of each item of level k (ids at the last
 // level); items past the count get `sentinel` (sorted last).
-__global__ void RowKeysKernel(Geo g, int k, const int64_t* ids, const int64_t* counts,
-                              int64_t nmax, const int32_t* heads, int64_t sentinel,
-                              int64_t* keys, int32_t* vals) {
+__global__ void RowKeysKernel(Geo g, int k, const int64_t* counts, int64_t nmax,
+                              const int32_t* row_k, int64_t sentinel, int64_t* keys,
+                              int32_t* vals) {
   const bool last = k == g.T - 1;
   const int64_t n_items = last ? counts[0] : counts[1 + k];
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nmax;
        i += int64_t{gridDim.x} * blockDim.x) {
-    int64_t key = sentinel;
-    if (i < n_items) {
-      bool v;
-      const int64_t id = SafeId(g, ids, last ? i : heads[i], &v);
-      key = CoreRow(g, id, k);
-    }
-    keys[i] = key;
+    keys[i] = i < n_items ? int64_t{row_k[i]} : sentinel;
     vals[i] = static_cast<int32_t>(i);
   }
 }
@@ -606,26 +704,53 @@ __global__ void PieceEndKernel(Geo g, int k, const int64_t* counts, const int64_
 // ---------------------------------------------------------------------------
 // Launch helpers.
 
+// Buffers of the levels of one chunk of at most nmax ids.
+struct LevelBuffers {
+  int64_t* counts = nullptr;             // [kMaxTTCores + 1]
+  int32_t* flags = nullptr;              // [nmax]
+  int32_t* incl[kMaxTTCores] = {};       // levels 0 .. T-2, [nmax]
+  int32_t* heads[kMaxTTCores] = {};      // levels 0 .. T-2, [nmax]
+  int32_t* row[kMaxTTCores] = {};        // levels 0 .. T-1, [nmax]
+  int32_t* par[kMaxTTCores] = {};        // levels 1 .. T-1, [nmax]
+  int32_t* first_child = nullptr;        // [nmax], scratch of the by-parent forward
+  void* cub_temp = nullptr;
+  size_t cub_bytes = 0;
+};
+
+template <typename C>
+int64_t ByParentSmemBytes(const Geo& g, int t) {
+  return g.M[t] * (g.K[t] + 1) * static_cast<int64_t>(sizeof(C));
+}
+
 template <typename TA, typename T, typename TO>
-cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, const int64_t* counts,
-                               int64_t nmax, const int32_t* heads, const int32_t* parent_incl,
-                               const TA* prev, const T* core, TO* out, cudaStream_t stream) {
+cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t nmax,
+                               const LevelBuffers& b, const TA* prev, const T* core, TO* out,
+                               cudaStream_t stream) {
+  using C = CT<T>;
   const int64_t M = g.M[t];
   const int64_t work_items = nmax;  // upper bound of the items
-  if (g.Nc[t] <= 8 && M >= 8) {
-    auto rows = [&](auto nc_tag) {
+  if (g.Nc[t] <= 8 && M <= kThreads && ByParentSmemBytes<C>(g, t) <= 32 * 1024) {
+    FirstChildKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, b.par[t],
+                                                             b.first_child);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+    // Blocks of a multiple of M threads, at least 64 and at most kThreads.
+    const int threads = static_cast<int>(std::max<int64_t>(M, (std::min<int64_t>(kThreads, std::max<int64_t>(64, M * 4)) / M) * M));
+    const int smem = static_cast<int>(ByParentSmemBytes<C>(g, t));
+    auto go_rows = [&](auto nc_tag) {
       constexpr int NC = decltype(nc_tag)::value;
-      LevelForwardRowsKernel<NC, TA, T, TO><<<GridFor(work_items * M), kThreads, 0, stream>>>(
-          g, t, ids, counts, heads, parent_incl, prev, core, out);
+      LevelForwardByParentKernel<NC, TA, T, TO>
+          <<<static_cast<int>(std::max<int64_t>(1, std::min(nmax, 8 * kMaxGridBlocks))), threads,
+             smem, stream>>>(g, t, ids, b.counts, b.row[t], b.first_child, b.row[0], prev, core,
+                             out);
     };
     if (g.Nc[t] <= 1) {
-      rows(std::integral_constant<int, 1>{});
+      go_rows(std::integral_constant<int, 1>{});
     } else if (g.Nc[t] <= 2) {
-      rows(std::integral_constant<int, 2>{});
+      go_rows(std::integral_constant<int, 2>{});
     } else if (g.Nc[t] <= 4) {
-      rows(std::integral_constant<int, 4>{});
+      go_rows(std::integral_constant<int, 4>{});
     } else {
-      rows(std::integral_constant<int, 8>{});
+      go_rows(std::integral_constant<int, 8>{});
     }
     return cudaGetLastError();
   }
@@ -633,7 +758,7 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, const in
     constexpr int MM = decltype(mm_tag)::value;
     const int64_t work = work_items * CeilDiv(M, MM) * g.Nc[t];
     LevelForwardKernel<MM, TA, T, TO><<<GridFor(work), kThreads, 0, stream>>>(
-        g, t, ids, counts, heads, parent_incl, prev, core, out);
+        g, t, ids, b.counts, b.row[t], b.par[t], b.row[0], prev, core, out);
   };
   if (M >= 8) {
     go(std::integral_constant<int, 8>{});
@@ -647,15 +772,6 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, const in
   return cudaGetLastError();
 }
 
-// Buffers of the levels of one chunk of at most nmax ids.
-struct LevelBuffers {
-  int64_t* counts = nullptr;             // [kMaxTTCores + 1]
-  int32_t* flags = nullptr;              // [nmax]
-  int32_t* incl[kMaxTTCores] = {};       // levels 0 .. T-2, [nmax]
-  int32_t* heads[kMaxTTCores] = {};      // levels 0 .. T-2, [nmax]
-  void* cub_temp = nullptr;
-  size_t cub_bytes = 0;
-};
 
 size_t ScanTempBytes(int64_t n) {
   size_t bytes = 0;
@@ -681,11 +797,17 @@ void CarveLevels(const Geo& g, int64_t nmax, size_t cub_bytes, Carver* c, LevelB
     b->incl[t] = c->Take<int32_t>(nmax);
     b->heads[t] = c->Take<int32_t>(nmax);
   }
+  for (int t = 0; t < g.T; ++t) {
+    b->row[t] = c->Take<int32_t>(nmax);
+    if (t > 0) b->par[t] = c->Take<int32_t>(nmax);
+  }
+  b->first_child = c->Take<int32_t>(nmax);
   b->cub_bytes = cub_bytes;
   b->cub_temp = c->TakeBytes(cub_bytes);
 }
 
-// Builds levels 0 .. T-2 of the chunk ids[0 .. counts[0]).
+// Builds levels 0 .. T-2 of the chunk ids[0 .. counts[0]) and the metadata of
+// levels 0 .. T-1.
 cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuffers* b,
                         cudaStream_t stream) {
   for (int t = 0; t + 1 < g.T; ++t) {
@@ -697,6 +819,12 @@ cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuf
                                                      static_cast<int>(nmax), stream));
     LevelHeadsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(t, b->counts, nmax, b->flags,
                                                              b->incl[t], b->heads[t], b->counts);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  for (int t = 0; t < g.T; ++t) {
+    LevelMetaKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+        g, t, ids, b->counts, t + 1 < g.T ? b->heads[t] : nullptr,
+        t > 0 ? b->incl[t - 1] : nullptr, b->row[t], b->par[t]);
     TT_RETURN_IF_ERROR(cudaGetLastError());
   }
   return cudaSuccess;
@@ -986,22 +1114,17 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
     T* out = rows + begin * g.D;
     for (int t = 1; t < g.T; ++t) {
       const bool last = t == g.T - 1;
-      const int32_t* heads = last ? nullptr : b.heads[t];
-      const int32_t* parent_incl = t == 1 ? nullptr : b.incl[t - 1];
       cudaError_t err;
       if (t == 1) {
-        err = last ? LaunchLevelForward<T, T, T>(g, t, cids, b.counts, nmax, heads, parent_incl,
-                                                 cores[0], cores[t], out, stream)
-                   : LaunchLevelForward<T, T, CT<T>>(g, t, cids, b.counts, nmax, heads,
-                                                     parent_incl, cores[0], cores[t],
+        err = last ? LaunchLevelForward<T, T, T>(g, t, cids, nmax, b, cores[0], cores[t], out,
+                                                 stream)
+                   : LaunchLevelForward<T, T, CT<T>>(g, t, cids, nmax, b, cores[0], cores[t],
                                                      partial[t], stream);
       } else {
-        err = last ? LaunchLevelForward<CT<T>, T, T>(g, t, cids, b.counts, nmax, heads,
-                                                     parent_incl, partial[t - 1], cores[t], out,
-                                                     stream)
-                   : LaunchLevelForward<CT<T>, T, CT<T>>(g, t, cids, b.counts, nmax, heads,
-                                                         parent_incl, partial[t - 1], cores[t],
-                                                         partial[t], stream);
+        err = last ? LaunchLevelForward<CT<T>, T, T>(g, t, cids, nmax, b, partial[t - 1],
+                                                     cores[t], out, stream)
+                   : LaunchLevelForward<CT<T>, T, CT<T>>(g, t, cids, nmax, b, partial[t - 1],
+                                                         cores[t], partial[t], stream);
       }
       TT_RETURN_IF_ERROR(err);
     }
@@ -1044,9 +1167,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
     for (int k = 0; k < g.T; ++k) {
       CoreSort& cs = s.core[k];
       const int64_t sentinel = g.tables * g.p[k];
-      RowKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          g, k, ids, b.counts, nmax, k + 1 < g.T ? b.heads[k] : nullptr, sentinel, s.keys_in,
-          s.vals_in);
+      RowKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, k, b.counts, nmax, b.row[k],
+                                                            sentinel, s.keys_in, s.vals_in);
       TT_RETURN_IF_ERROR(cudaGetLastError());
       size_t bytes = b.cub_bytes;
       TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
@@ -1072,9 +1194,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
     for (int t = 1; t < g.T; ++t) {
       CoreSort& cs = s.child[t];
       const int64_t sentinel = nmax;
-      ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          g, t, b.counts, nmax, t + 1 < g.T ? b.heads[t] : nullptr, b.incl[t - 1], sentinel,
-          s.keys_out);
+      ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
+                                                               sentinel, s.keys_out);
       TT_RETURN_IF_ERROR(cudaGetLastError());
       PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
           s.keys_out, nmax, sentinel, kChildPieceItems, s.piece_flags, b.flags);
@@ -1137,10 +1258,9 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   // Forward partial products of levels 1 .. T-2.
   for (int t = 1; t + 1 < g.T; ++t) {
     cudaError_t err =
-        t == 1 ? LaunchLevelForward<T, T, C>(g, t, ids, b.counts, nmax, b.heads[t], nullptr,
-                                             cores[0], cores[t], s.partial[t], stream)
-               : LaunchLevelForward<C, T, C>(g, t, ids, b.counts, nmax, b.heads[t],
-                                             b.incl[t - 1], s.partial[t - 1], cores[t],
+        t == 1 ? LaunchLevelForward<T, T, C>(g, t, ids, nmax, b, cores[0], cores[t],
+                                             s.partial[t], stream)
+               : LaunchLevelForward<C, T, C>(g, t, ids, nmax, b, s.partial[t - 1], cores[t],
                                              s.partial[t], stream);
     TT_RETURN_IF_ERROR(err);
   }
@@ -1156,21 +1276,52 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   // Levels T-1 .. 1: parent gradient and core gradient.
   for (int t = g.T - 1; t >= 1; --t) {
     const bool last = t == g.T - 1;
-    const int32_t* heads_t = last ? nullptr : b.heads[t];
-    const int32_t* parent_incl = t == 1 ? nullptr : b.incl[t - 1];
     {
       const CoreSort& ch = s.child[t];
       const int grid =
           static_cast<int>(std::max<int64_t>(1, std::min(ch.max_pieces, kMaxGridBlocks)));
-      const int threads =
-          static_cast<int>(std::min<int64_t>(kThreads, ((g.S[t - 1] + 31) / 32) * 32));
-      if (last) {
-        ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
-            g, t, ids, ch.piece_count, ch.piece_pos, heads_t, grad, cores[t], s.pieces);
+      if (g.Nc[t] >= 32) {
+        auto wide = [&](auto mm_tag, auto tg_tag) {
+          constexpr int MM = decltype(mm_tag)::value;
+          using TG = typename decltype(tg_tag)::type;
+          // The rows' gradient at the last level, else dP_t (T may equal C).
+          const TG* dC = nullptr;
+          if constexpr (std::is_same<TG, T>::value) {
+            if (last) dC = grad;
+          }
+          if constexpr (std::is_same<TG, C>::value) {
+            if (!last) dC = s.dpartial[t];
+          }
+          const int64_t outputs = CeilDiv(g.M[t], MM) * g.K[t];
+          const int threads = static_cast<int>(std::min<int64_t>(kThreads, outputs * 32));
+          ParentPieceWideKernel<MM, TG, T><<<grid, threads, 0, stream>>>(
+              g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], dC, cores[t], s.pieces);
+        };
+        auto by_type = [&](auto mm_tag) {
+          if (last) {
+            wide(mm_tag, TypeTag<T>{});
+          } else {
+            wide(mm_tag, TypeTag<C>{});
+          }
+        };
+        if (g.M[t] >= 4) {
+          by_type(std::integral_constant<int, 4>{});
+        } else if (g.M[t] >= 2) {
+          by_type(std::integral_constant<int, 2>{});
+        } else {
+          by_type(std::integral_constant<int, 1>{});
+        }
       } else {
-        ParentPieceKernel<C, T><<<grid, threads, 0, stream>>>(
-            g, t, ids, ch.piece_count, ch.piece_pos, heads_t, s.dpartial[t], cores[t],
-            s.pieces);
+        const int threads =
+            static_cast<int>(std::min<int64_t>(kThreads, ((g.S[t - 1] + 31) / 32) * 32));
+        if (last) {
+          ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
+              g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
+        } else {
+          ParentPieceKernel<C, T><<<grid, threads, 0, stream>>>(
+              g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], s.dpartial[t], cores[t],
+              s.pieces);
+        }
       }
       TT_RETURN_IF_ERROR(cudaGetLastError());
       ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
@@ -1182,19 +1333,19 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
     const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
     if (t == 1 && last) {
       CorePieceKernel<T, T, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
           cores[0], grad, s.pieces);
     } else if (t == 1) {
       CorePieceKernel<T, C, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
           cores[0], s.dpartial[t], s.pieces);
     } else if (last) {
       CorePieceKernel<C, T, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
           s.partial[t - 1], grad, s.pieces);
     } else {
       CorePieceKernel<C, C, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, heads_t, parent_incl,
+          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
           s.partial[t - 1], s.dpartial[t], s.pieces);
     }
     TT_RETURN_IF_ERROR(cudaGetLastError());

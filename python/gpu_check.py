@@ -605,7 +605,7 @@ TT_CONFIGS = [
     ("empty-bags", [4, 5], [2, 2], [3], 1, None, 6, (0, 0), "uniform", None),
     ("hot-zipf-long", [20, 30], [4, 8], [16], 1, None, 48, (100, 300), "zipf", None),
 ]
-TT_SMALL = ["2core", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks"]
+TT_SMALL = ["2core", "3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks"]
 
 
 def tt_rows_torch(cores, p, q, r, num_tables, gids):
