@@ -16,6 +16,14 @@ out-of-range ids and bad offsets (messages of the TF op).
 Benchmarks (CUDA-event medians, inputs rotated between fresh random sets): the issue's
 PKM and DLRM shapes against torch.nn.functional.embedding_bag in the same run.
 Prints a table; writes JSON to $OUT/gpu_check.json when OUT is set.
+
+Section "tt" (python3 python/gpu_check.py --only tt; also run after the gather_reduce_sum
+section when --only is not given): TT embedding bags (cuda/tt_embedding_kernels.cu through
+gpu_harness.tt_embedding_bag / tt_embedding_bag_backward) over 2-5 cores, odd shapes, tables,
+padding, empty bags, Zipf ids, every dtype and combiner, against float64 references; error
+messages; bitwise determinism; benchmarks at FBTT's shape (B = 512 and 65,536, uniform and
+Zipf) with the TT-math and executed FLOP rates and a plain torch TT (gather core slices +
+bmm, autograd) in the same run. JSON to $OUT/gpu_check_tt.json.
 """
 
 from __future__ import annotations
