@@ -11,8 +11,9 @@ dtype of `--dtypes`:
   axis=-2)`. Gradients w.r.t. the table and the weights.
 * `tt_rows`: rows of a Tensor-Train table (`tf_ttemb.layers.TTEmbeddingBag`'s cores for
   `tt_rows x tt_dim`, ranks `tt_rank`), decompressed by `tf_ttemb.tt_rows` with the custom
-  op, against `tf.gather` from the same table stored densely (the baseline). Gradients
-  w.r.t. the cores and w.r.t. the dense table.
+  op, against `tf.gather` from the same table stored densely (the baseline; decompressed
+  by numpy in float64, `tf_ttemb.tt.to_dense`). Gradients w.r.t. the cores and w.r.t. the
+  dense table (fwd+bwd compares the outputs only).
 * `pkm`: a `tf_ttemb.layers.ProductKeyMemory` layer on `pkm_tokens` tokens (query
   network, product-key top-k, softmax, memory read) with the memory read by the custom op
   (`custom_op`) and by tf_ttemb's plain-TensorFlow composite (`composite`, the baseline);
@@ -274,9 +275,11 @@ def bench_gather_reduce_sum(dtype: str, opts, rng) -> List[Dict[str, Any]]:
 
 
 def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
+    import numpy as np
     import tensorflow as tf
 
     import tf_ttemb
+    from tf_ttemb import tt
     from tf_ttemb.layers import TTEmbeddingBag
 
     n, d, rank, count = opts.tt_rows, opts.tt_dim, opts.tt_rank, opts.tt_lookups
@@ -285,7 +288,9 @@ def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
     layer.build(None)
     p, q, ranks = layer.tt_p_shapes, layer.tt_q_shapes, [rank] * (len(layer.tt_p_shapes) - 1)
     cores = list(layer.cores)
-    table = tf.Variable(layer.full_weight(), name="dense_table")
+    # The dense table, decompressed independently of the op (numpy, float64).
+    dense = tt.to_dense([c.numpy() for c in cores], p, q, ranks, n, dtype=np.float64)
+    table = tf.Variable(tf.cast(dense, dtype), name="dense_table")
     ids = tf.constant(rng.integers(0, n, size=count), tf.int64)
     upstream = tf.constant(rng.normal(size=(count, d)), dtype)
 
