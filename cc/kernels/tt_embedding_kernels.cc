@@ -139,18 +139,146 @@ Status ValidateCore(const Tensor& core, int k, const TTShape& shape) {
   return OkStatus();
 }
 
-Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape) {
+Status ValidateGlobalIdsShape(const Tensor& ids) {
   if (ids.dims() != 1) {
     return errors::InvalidArgument("ids must be a vector [U], got shape ",
                                    ids.shape().DebugString());
   }
+  return OkStatus();
+}
+
+Status GlobalIdError(int64_t position, int64_t value, int64_t limit) {
+  return errors::InvalidArgument("ids[", position, "] = ", value,
+                                 " is not in [0, ", limit, ")");
+}
+
+Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape) {
+  TF_RETURN_IF_ERROR(ValidateGlobalIdsShape(ids));
   const auto flat = ids.flat<int64_t>();
   const int64_t limit = shape.num_ids();
   for (int64_t j = 0; j < flat.size(); ++j) {
     if (flat(j) < 0 || flat(j) >= limit) {
-      return errors::InvalidArgument("ids[", j, "] = ", flat(j),
-                                     " is not in [0, ", limit, ")");
+      return GlobalIdError(j, flat(j), limit);
     }
+  }
+  return OkStatus();
+}
+
+Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids,
+                             const TTShape& shape) {
+  if (grad.dims() != 2 || grad.dim_size(0) != num_ids ||
+      grad.dim_size(1) != shape.dim) {
+    return errors::InvalidArgument("grad must be [", num_ids, ", ", shape.dim,
+                                   "] like the rows, got shape ",
+                                   grad.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+Status SavedMismatchError(const Tensor& saved, const char* what) {
+  return errors::InvalidArgument(
+      "saved (shape ", saved.shape().DebugString(), ") ", what,
+      ": pass the saved output of the TTRows op for the same ids and "
+      "cores, or an empty tensor");
+}
+
+namespace {
+
+Status TableSplitsError(int64_t position, int64_t value, const char* rule) {
+  return errors::InvalidArgument("table_splits[", position, "] = ", value,
+                                 " ", rule);
+}
+
+}  // namespace
+
+Status GetUniqueIdsAttrs(OpKernelConstruction* ctx, UniqueIdsAttrs* attrs) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("num_embeddings", &attrs->num_embeddings));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("stride", &attrs->stride));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("padding_id", &attrs->bag.padding_id));
+  TF_RETURN_IF_ERROR(
+      ctx->GetAttr("has_padding_id", &attrs->bag.has_padding_id));
+  if (attrs->stride < attrs->num_embeddings) {
+    return errors::InvalidArgument("stride (", attrs->stride,
+                                   ") must be >= num_embeddings (",
+                                   attrs->num_embeddings, ")");
+  }
+  return OkStatus();
+}
+
+Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
+                               const UniqueIdsAttrs& attrs) {
+  if (ids.dims() != 1) {
+    return errors::InvalidArgument("ids must be a vector [nnz], got shape ",
+                                   ids.shape().DebugString());
+  }
+  if (table_splits.dims() != 1 || table_splits.NumElements() < 2) {
+    return errors::InvalidArgument(
+        "table_splits must be a vector [num_tables + 1] with at least 2 "
+        "elements, got shape ",
+        table_splits.shape().DebugString());
+  }
+  const auto splits = table_splits.flat<int64_t>();
+  const int64_t nnz = ids.NumElements();
+  const int64_t num_tables = splits.size() - 1;
+  if (splits(0) != 0) return TableSplitsError(0, splits(0), "must be 0");
+  for (int64_t t = 0; t < num_tables; ++t) {
+    if (splits(t + 1) < splits(t)) {
+      return TableSplitsError(t + 1, splits(t + 1),
+                              "must be >= the previous split");
+    }
+  }
+  if (splits(num_tables) != nnz) {
+    return TableSplitsError(num_tables, splits(num_tables),
+                            "must equal the number of ids");
+  }
+  int64_t unused;
+  return CheckedMul(num_tables, attrs.stride, "num_tables * stride", &unused);
+}
+
+Status ValidateCacheCountIds(const Tensor& ids) {
+  if (ids.dims() != 1) {
+    return errors::InvalidArgument("ids must be a vector, got shape ",
+                                   ids.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+namespace {
+
+Status LookupInt64Vector(OpKernelContext* ctx, int input, const char* name,
+                         core::RefCountPtr<Var>* var) {
+  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), var));
+  const Tensor* t = (*var)->tensor();
+  if (t->dtype() != DT_INT64 || t->dims() != 1) {
+    return errors::InvalidArgument(name, " must be an int64 vector variable, got ",
+                                   DataTypeString(t->dtype()), " ",
+                                   t->shape().DebugString());
+  }
+  if (!(*var)->is_initialized) {
+    return errors::FailedPrecondition(name, " variable is not initialized");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Status LookupCacheTables(OpKernelContext* ctx, core::RefCountPtr<Var>* keys,
+                         core::RefCountPtr<Var>* counts) {
+  TF_RETURN_IF_ERROR(LookupInt64Vector(ctx, 0, "keys", keys));
+  TF_RETURN_IF_ERROR(LookupInt64Vector(ctx, 1, "counts", counts));
+  if (keys->get() == counts->get()) {
+    return errors::InvalidArgument(
+        "keys and counts must be different variables");
+  }
+  return OkStatus();
+}
+
+Status ValidateCacheTableSizes(Var* keys, Var* counts) {
+  const int64_t size = keys->tensor()->NumElements();
+  if (counts->tensor()->NumElements() != size) {
+    return errors::InvalidArgument(
+        "keys and counts must have the same size, got ", size, " and ",
+        counts->tensor()->NumElements());
   }
   return OkStatus();
 }
@@ -613,67 +741,35 @@ int64_t BytesPerId(const TTShape& s, int64_t acc_size, bool backward) {
 // ---------------------------------------------------------------------------
 // TTUniqueIds
 
-Status TableSplitsError(int64_t position, int64_t value, const char* rule) {
-  return errors::InvalidArgument("table_splits[", position, "] = ", value,
-                                 " ", rule);
-}
-
 template <typename Tindex>
 class TTUniqueIdsOp : public OpKernel {
  public:
   explicit TTUniqueIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_embeddings", &num_embeddings_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("stride", &stride_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("padding_id", &attrs_.padding_id));
-    OP_REQUIRES_OK(ctx,
-                   ctx->GetAttr("has_padding_id", &attrs_.has_padding_id));
-    OP_REQUIRES(ctx, stride_ >= num_embeddings_,
-                errors::InvalidArgument("stride (", stride_,
-                                        ") must be >= num_embeddings (",
-                                        num_embeddings_, ")"));
+    OP_REQUIRES_OK(ctx, GetUniqueIdsAttrs(ctx, &attrs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids_t = ctx->input(0);
     const Tensor& splits_t = ctx->input(1);
-    OP_REQUIRES(ctx, ids_t.dims() == 1,
-                errors::InvalidArgument("ids must be a vector [nnz], got shape ",
-                                        ids_t.shape().DebugString()));
-    OP_REQUIRES(ctx, splits_t.dims() == 1 && splits_t.NumElements() >= 2,
-                errors::InvalidArgument(
-                    "table_splits must be a vector [num_tables + 1] with at "
-                    "least 2 elements, got shape ",
-                    splits_t.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, ValidateUniqueIdsInputs(ids_t, splits_t, attrs_));
     const auto ids = ids_t.flat<Tindex>();
     const auto splits = splits_t.flat<int64_t>();
     const int64_t nnz = ids.size();
     const int64_t num_tables = splits.size() - 1;
-    OP_REQUIRES(ctx, splits(0) == 0,
-                TableSplitsError(0, splits(0), "must be 0"));
-    for (int64_t t = 0; t < num_tables; ++t) {
-      OP_REQUIRES(ctx, splits(t + 1) >= splits(t),
-                  TableSplitsError(t + 1, splits(t + 1),
-                                   "must be >= the previous split"));
-    }
-    OP_REQUIRES(ctx, splits(num_tables) == nnz,
-                TableSplitsError(num_tables, splits(num_tables),
-                                 "must equal the number of ids"));
-    int64_t unused;
-    OP_REQUIRES_OK(ctx, CheckedMul(num_tables, stride_,
-                                   "num_tables * stride", &unused));
+    const int64_t num_embeddings = attrs_.num_embeddings;
 
     // Global id of every entry, -1 for padding; the first bad id fails.
     std::vector<int64_t> global(nnz);
     for (int64_t t = 0; t < num_tables; ++t) {
       for (int64_t j = splits(t); j < splits(t + 1); ++j) {
         const int64_t id = static_cast<int64_t>(ids(j));
-        if (IsPadding(ids(j), attrs_)) {
+        if (IsPadding(ids(j), attrs_.bag)) {
           global[j] = -1;
           continue;
         }
-        OP_REQUIRES(ctx, id >= 0 && id < num_embeddings_,
-                    BadIndexError(j, id, num_embeddings_, attrs_));
-        global[j] = t * stride_ + id;
+        OP_REQUIRES(ctx, id >= 0 && id < num_embeddings,
+                    BadIndexError(j, id, num_embeddings, attrs_.bag));
+        global[j] = t * attrs_.stride + id;
       }
     }
     std::vector<int64_t> sorted;
@@ -707,9 +803,7 @@ class TTUniqueIdsOp : public OpKernel {
   }
 
  private:
-  int64_t num_embeddings_ = 1;
-  int64_t stride_ = 1;
-  BagAttrs attrs_;
+  UniqueIdsAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
@@ -822,12 +916,7 @@ class TTRowsGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateGlobalIds(ids_t, s));
     const Tensor& grad_t = ctx->input(1 + T_count);
     const int64_t num_ids = ids_t.NumElements();
-    OP_REQUIRES(ctx,
-                grad_t.dims() == 2 && grad_t.dim_size(0) == num_ids &&
-                    grad_t.dim_size(1) == s.dim,
-                errors::InvalidArgument("grad must be [", num_ids, ", ", s.dim,
-                                        "] like the rows, got shape ",
-                                        grad_t.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad_t, num_ids, s));
     const int64_t* ids = ids_t.flat<int64_t>().data();
     const T* grad = grad_t.flat<T>().data();
     thread::ThreadPool* pool =
@@ -869,10 +958,7 @@ class TTRowsGradOp : public OpKernel {
                        SavedNodeSize(s);
       }
       const auto mismatch = [&](const char* what) {
-        return errors::InvalidArgument(
-            "saved (shape ", saved_t.shape().DebugString(), ") ", what,
-            ": pass the saved output of the TTRows op for the same ids and "
-            "cores, or an empty tensor");
+        return SavedMismatchError(saved_t, what);
       };
       OP_REQUIRES(ctx, saved_t.dims() == 1 && saved_t.NumElements() == expected,
                   mismatch("does not have the size these ids need"));
@@ -1021,21 +1107,6 @@ Status EnsureExclusive(OpKernelContext* ctx, Var* var) {
   return OkStatus();
 }
 
-Status LookupInt64Vector(OpKernelContext* ctx, int input, const char* name,
-                         core::RefCountPtr<Var>* var) {
-  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), var));
-  const Tensor* t = (*var)->tensor();
-  if (t->dtype() != DT_INT64 || t->dims() != 1) {
-    return errors::InvalidArgument(name, " must be an int64 vector variable, got ",
-                                   DataTypeString(t->dtype()), " ",
-                                   t->shape().DebugString());
-  }
-  if (!(*var)->is_initialized) {
-    return errors::FailedPrecondition(name, " variable is not initialized");
-  }
-  return OkStatus();
-}
-
 // Fixed 64-bit mixer (splitmix64's finaliser): which set an id belongs to.
 inline uint64_t MixId(uint64_t x) {
   x ^= x >> 30;
@@ -1052,22 +1123,13 @@ class TTCacheCountOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids_t = ctx->input(2);
-    OP_REQUIRES(ctx, ids_t.dims() == 1,
-                errors::InvalidArgument("ids must be a vector, got shape ",
-                                        ids_t.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, ValidateCacheCountIds(ids_t));
     core::RefCountPtr<Var> keys_var, counts_var;
-    OP_REQUIRES_OK(ctx, LookupInt64Vector(ctx, 0, "keys", &keys_var));
-    OP_REQUIRES_OK(ctx, LookupInt64Vector(ctx, 1, "counts", &counts_var));
-    OP_REQUIRES(ctx, keys_var.get() != counts_var.get(),
-                errors::InvalidArgument("keys and counts must be different "
-                                        "variables"));
+    OP_REQUIRES_OK(ctx, LookupCacheTables(ctx, &keys_var, &counts_var));
     mutex_lock keys_lock(*keys_var->mu());
     mutex_lock counts_lock(*counts_var->mu());
+    OP_REQUIRES_OK(ctx, ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
     const int64_t size = keys_var->tensor()->NumElements();
-    OP_REQUIRES(ctx, counts_var->tensor()->NumElements() == size,
-                errors::InvalidArgument(
-                    "keys and counts must have the same size, got ", size,
-                    " and ", counts_var->tensor()->NumElements()));
     if (size == 0) return;
     OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, keys_var.get()));
     OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, counts_var.get()));

@@ -1,6 +1,9 @@
 // Shared pieces of the TT embedding kernels: the factorisation parsed from the
-// op attrs and the input validation, for the CPU kernels and (later) the GPU
-// glue, so that both reject bad input with the same messages.
+// op attrs, the input validation and the error messages, for the CPU kernels
+// (tt_embedding_kernels.cc) and the GPU glue (tt_embedding_kernels_gpu.cc), so
+// that both reject bad input with the same messages. Checks of values that
+// live in device memory on GPU (ids) are split into the check itself (CPU) and
+// the message (both: the GPU glue raises it from what the device reported).
 
 #ifndef TF_TTEMB_CC_KERNELS_TT_EMBEDDING_KERNELS_H_
 #define TF_TTEMB_CC_KERNELS_TT_EMBEDDING_KERNELS_H_
@@ -8,7 +11,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/status.h"
 
@@ -47,6 +53,52 @@ Status ValidateCore(const Tensor& core, int k, const TTShape& shape);
 
 // Checks ids [U] and, if any, their values in [0, shape.num_ids()).
 Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape);
+
+// Checks that ids is a vector [U] (its values are not read).
+Status ValidateGlobalIdsShape(const Tensor& ids);
+
+// The message for ids[position] = value outside [0, limit).
+Status GlobalIdError(int64_t position, int64_t value, int64_t limit);
+
+// Checks that TTRowsGrad's grad is [num_ids, D].
+Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids,
+                             const TTShape& shape);
+
+// The message for a `saved` input of TTRowsGrad that does not belong to these
+// ids and cores; `what` says why.
+Status SavedMismatchError(const Tensor& saved, const char* what);
+
+// ---------------------------------------------------------------------------
+// TTUniqueIds
+
+struct UniqueIdsAttrs {
+  int64_t num_embeddings = 1;
+  int64_t stride = 1;  // P: global id = table * stride + id
+  BagAttrs bag;        // the padding id (combiner and weights unused)
+};
+
+// Reads and checks num_embeddings, stride, padding_id and has_padding_id.
+Status GetUniqueIdsAttrs(OpKernelConstruction* ctx, UniqueIdsAttrs* attrs);
+
+// Checks ids [nnz] (shape only: the ids' values are checked where they live)
+// and the host-resident table_splits [num_tables + 1]: 0, non-decreasing,
+// ending at nnz, with num_tables * stride representable.
+Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
+                               const UniqueIdsAttrs& attrs);
+
+// ---------------------------------------------------------------------------
+// TTCacheCount
+
+// Checks that ids is a vector [n].
+Status ValidateCacheCountIds(const Tensor& ids);
+
+// Looks up the keys and counts variables (inputs 0 and 1): initialized int64
+// vectors, two different variables.
+Status LookupCacheTables(OpKernelContext* ctx, core::RefCountPtr<Var>* keys,
+                         core::RefCountPtr<Var>* counts);
+
+// With both variables' locks held: checks that they have the same size.
+Status ValidateCacheTableSizes(Var* keys, Var* counts);
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow
