@@ -153,17 +153,22 @@ def metadata(version: str, info: dict, machine: str) -> str:
         lines.append(f"Provides-Extra: {extra}")
         lines += [f'Requires-Dist: {req}; extra == "{extra}"' for req in reqs]
     lines.append("Description-Content-Type: text/markdown")
-    cpu = [f for f in info["compile_flags"] if f.startswith("-m")]
+    cpu = [f[2:] for f in info["compile_flags"] if f.startswith("-m")]
+    build = (
+        f"This wheel was built against TensorFlow {info['tf_version']} (C++11 ABI flag "
+        f"{info['cxx11_abi']}) for linux {machine}, "
+        f"{'with' if info['cuda'] else 'without'} CUDA kernels, compiled with "
+        f"`{' '.join(info['compile_flags'])}`. "
+        + (f"It needs a CPU with {', '.join(cpu)}. " if cpu else "")
+        + "`import tf_ttemb` refuses a TensorFlow of another version or ABI with an "
+        "ImportError naming both versions."
+    )
     body = f"""
 # tf_ttemb {version}
 
 {SUMMARY}.
 
-This wheel was built against TensorFlow {info['tf_version']} (C++11 ABI flag
-{info['cxx11_abi']}) for linux {machine}, {'with' if info['cuda'] else 'without'} CUDA
-kernels, compiled with `{' '.join(info['compile_flags'])}`.
-{'It needs a CPU with ' + ', '.join(f[2:] for f in cpu) + '. ' if cpu else ''}`import tf_ttemb`
-refuses (with an ImportError naming both versions) a TensorFlow of another version or ABI.
+{build}
 
     python -m tf_ttemb info     # versions, build flags, registered kernels
     python -m tf_ttemb bench    # the op benchmarks on this machine

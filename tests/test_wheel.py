@@ -152,7 +152,9 @@ def test_wheel_name_tags_and_metadata(wheel):
     assert "Root-Is-Purelib: false" in wheel_file.splitlines()
     assert "Tag: py3-none-linux_x86_64" in wheel_file.splitlines()
     headers = [line for line in meta.split("\n\n")[0].splitlines()]
-    requires = sorted(line.split(": ", 1)[1] for line in headers if line.startswith("Requires-Dist"))
+    requires = sorted(
+        line.split(": ", 1)[1] for line in headers if line.startswith("Requires-Dist")
+    )
     assert requires == sorted([
         f"tensorflow=={BUILD_INFO['tf_version']}",
         "numpy",

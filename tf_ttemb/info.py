@@ -166,7 +166,10 @@ def format_text(info: Dict[str, Any]) -> str:
     """The human-readable report."""
     build = info["build"] or {}
     rows = [
-        ("tf_ttemb", f"{info['tf_ttemb_version']} ({info['installed_from']}: {info['package_dir']})"),
+        (
+            "tf_ttemb",
+            f"{info['tf_ttemb_version']} ({info['installed_from']}: {info['package_dir']})",
+        ),
         ("python", info["python"]),
         ("TensorFlow (running)", f"{info['tf_version']} ({info['tf_path']})"),
         (
@@ -184,7 +187,11 @@ def format_text(info: Dict[str, Any]) -> str:
         (
             "op library",
             f"{info['library_path']}"
-            + (f" ({info['library_bytes'] / 2**20:.1f} MiB)" if info["library_bytes"] else " (missing)"),
+            + (
+                f" ({info['library_bytes'] / 2**20:.1f} MiB)"
+                if info["library_bytes"]
+                else " (missing)"
+            ),
         ),
         ("  loaded", "yes" if info["library_loaded"] else f"no: {info['load_error']}"),
         (
