@@ -1,0 +1,586 @@
+// GPU OpKernels of the TT embedding family: TensorFlow glue around the CUDA
+// launchers of cuda/tt_embedding_kernels.cuh (TTUniqueIds, TTRows,
+// TTRowsGrad) and cuda/tt_update_kernels.cuh (TTCacheCount).
+//
+// Every kernel
+//   * checks shapes and host-resident inputs (table_splits) on the host with
+//     the validation shared with the CPU kernels (tt_embedding_kernels.h):
+//     same checks, same messages, in the same order;
+//   * runs the launchers on the op's CUDA stream, with scratch from
+//     allocate_temp sized by the launchers' size queries;
+//   * for the ops that read ids, copies the launchers' TTReport (16 int64
+//     words) into pinned host memory, waits for the stream, and raises the
+//     CPU kernel's InvalidArgument for the first bad id the device found.
+//
+// Data-dependent output sizes. TensorFlow allocates an output before a kernel
+// writes it, but U (TTUniqueIds) and n_k (TTRowsGrad) are only known on the
+// device. Both ops therefore make exactly one stream synchronisation, which
+// they need anyway for the id check:
+//   * TTUniqueIds: the launcher writes the sorted distinct ids into an
+//     upper-bound buffer [nnz] and U into the report; after the read-back the
+//     output is the first U entries of that buffer (a Tensor slice, no copy).
+//     slots [nnz] has a static size and is final.
+//   * TTRowsGrad: LaunchRowsGradPrepare sorts the core rows and writes n_k
+//     into the report; after the read-back the outputs [n_k] and
+//     [n_k, width_k] are allocated and LaunchRowsGradCompute (same scratch,
+//     untouched in between) is queued to fill them; nothing waits for it.
+// TTRows' output [U, D] has a static size; it still reads the report back
+// once (for the bad-id error), like gather_reduce_sum's GPU forward.
+// TTCacheCount reads nothing back: it queues the update under the variables'
+// locks, as TensorFlow's own GPU variable updates do; later readers of the
+// variables run on the same stream, after it.
+//
+// `saved` on GPU: TTRows returns an empty `saved` (the contract allows it)
+// and TTRowsGrad recomputes the partial products it needs, so it does not
+// read `saved`: a saved tensor from a CPU TTRows gives the same gradient.
+//
+// These kernels have not been run: the GPU machine of this project has no
+// TensorFlow. The launchers themselves are checked there through the ctypes
+// harness (python/gpu_check.py).
+
+#if GOOGLE_CUDA
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/tt_embedding_kernels.h"
+#include "cuda/tt_embedding_kernels.cuh"
+#include "cuda/tt_update_kernels.cuh"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "xla/stream_executor/stream.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+namespace {
+
+// The CUDA launchers (namespace ::tf_ttemb::gpu, outside `tensorflow`).
+namespace launchers = ::tf_ttemb::gpu;
+
+// TensorFlow's half types and the CUDA types the launchers take have the
+// same layout; data pointers are reinterpreted.
+template <typename T>
+struct CudaTypeOf {
+  using type = T;
+};
+template <>
+struct CudaTypeOf<Eigen::half> {
+  using type = __half;
+};
+template <>
+struct CudaTypeOf<bfloat16> {
+  using type = __nv_bfloat16;
+};
+static_assert(sizeof(Eigen::half) == sizeof(__half) &&
+                  alignof(Eigen::half) == alignof(__half),
+              "Eigen::half and __half must have the same layout");
+static_assert(sizeof(bfloat16) == sizeof(__nv_bfloat16) &&
+                  alignof(bfloat16) == alignof(__nv_bfloat16),
+              "bfloat16 and __nv_bfloat16 must have the same layout");
+
+template <typename T>
+const typename CudaTypeOf<T>::type* DevicePtr(const Tensor& t) {
+  return reinterpret_cast<const typename CudaTypeOf<T>::type*>(
+      t.flat<T>().data());
+}
+template <typename T>
+typename CudaTypeOf<T>::type* DevicePtr(Tensor* t) {
+  return reinterpret_cast<typename CudaTypeOf<T>::type*>(t->flat<T>().data());
+}
+
+Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return OkStatus();
+  return errors::Internal("tf_ttemb GPU ", what, " failed: ",
+                          cudaGetErrorName(err), " (", cudaGetErrorString(err),
+                          ")");
+}
+
+// The launchers sort and scan with int32 positions.
+constexpr int64_t kMaxGpuIds = (int64_t{1} << 31) - 3;
+
+Status GpuIdsLimit(const char* op, const char* what, int64_t count) {
+  if (count > kMaxGpuIds) {
+    return errors::InvalidArgument("the GPU kernel of ", op, " supports at most ",
+                                   kMaxGpuIds, " ", what, ", got ", count);
+  }
+  return OkStatus();
+}
+
+// The factorisation in the launchers' form, with the GPU kernels' own limits
+// (checked once, in the kernel constructor).
+Status MakeTTProblem(const TTShape& s, launchers::TTProblem* p) {
+  if (s.num_cores > launchers::kMaxTTCores) {
+    return errors::InvalidArgument("the GPU TT kernels support at most ",
+                                   launchers::kMaxTTCores,
+                                   " cores, got num_cores = ", s.num_cores);
+  }
+  if (s.dim > (int64_t{1} << 31)) {
+    return errors::InvalidArgument(
+        "the GPU TT kernels support rows of at most 2^31 columns, got "
+        "prod(q_shapes) = ",
+        s.dim);
+  }
+  p->num_cores = s.num_cores;
+  p->num_tables = s.num_tables;
+  for (int k = 0; k < s.num_cores; ++k) {
+    p->p[k] = s.p[k];
+    p->q[k] = s.q[k];
+  }
+  for (int k = 0; k <= s.num_cores; ++k) p->r[k] = s.r[k];
+  return OkStatus();
+}
+
+// The op's CUDA stream, the launchers' report in device memory and its pinned
+// host copy, and the call's scratch, for one Compute call. Temporaries live
+// until Compute returns; everything queued that reads host memory has
+// finished by then (ReadReport waits for the stream).
+class TTGpuCall {
+ public:
+  Status Init(OpKernelContext* ctx, bool with_report) {
+    ctx_ = ctx;
+    const DeviceContext* device_context = ctx->op_device_context();
+    if (device_context == nullptr || device_context->stream() == nullptr) {
+      return errors::Internal("tf_ttemb: the op has no GPU stream");
+    }
+    stream_ = static_cast<cudaStream_t>(
+        device_context->stream()->platform_specific_handle().stream);
+    if (stream_ == nullptr) {
+      return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
+    }
+    if (!with_report) return OkStatus();
+    const TensorShape report_shape({kReportWords});
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
+    return ctx->allocate_temp(DT_INT64, report_shape, &host_report_,
+                              PinnedHost());
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  launchers::TTReport* device_report() {
+    return reinterpret_cast<launchers::TTReport*>(
+        device_report_.flat<int64_t>().data());
+  }
+
+  // Device scratch of at least `bytes` bytes (the launchers align it).
+  Status AllocateScratch(size_t bytes, void** scratch) {
+    if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes,
+                                       " bytes is too large");
+    }
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
+        DT_INT8, TensorShape({std::max<int64_t>(1, bytes)}), &scratch_));
+    *scratch = scratch_.flat<int8>().data();
+    return OkStatus();
+  }
+
+  // Copies a host int64 tensor to a new device temporary, through pinned
+  // memory (the copy is asynchronous; the staging buffer lives as long as
+  // this call, which waits for the stream before Compute returns).
+  Status CopyToDevice(const Tensor& host, Tensor* device) {
+    const int64_t n = host.NumElements();
+    TF_RETURN_IF_ERROR(
+        ctx_->allocate_temp(DT_INT64, TensorShape({n}), &staging_, PinnedHost()));
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({n}), device));
+    if (n == 0) return OkStatus();
+    std::memcpy(staging_.flat<int64_t>().data(), host.flat<int64_t>().data(),
+                n * sizeof(int64_t));
+    return CudaStatus(
+        cudaMemcpyAsync(device->flat<int64_t>().data(),
+                        staging_.flat<int64_t>().data(), n * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, stream_),
+        "copy to the device");
+  }
+
+  // Copies the report to the host and waits for the stream: everything the
+  // launchers queued before has finished when this returns OK.
+  Status ReadReport(launchers::TTReport* report) {
+    int64_t* host = host_report_.flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(host, device_report(), sizeof(launchers::TTReport),
+                        cudaMemcpyDeviceToHost, stream_),
+        "copy of the device report"));
+    TF_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
+    std::memcpy(report, host, sizeof(launchers::TTReport));
+    return OkStatus();
+  }
+
+ private:
+  static AllocatorAttributes PinnedHost() {
+    AllocatorAttributes pinned;
+    pinned.set_on_host(true);
+    pinned.set_gpu_compatible(true);
+    return pinned;
+  }
+
+  static_assert(sizeof(launchers::TTReport) % sizeof(int64_t) == 0,
+                "TTReport must be a whole number of int64 words");
+  static constexpr int64_t kReportWords =
+      sizeof(launchers::TTReport) / sizeof(int64_t);
+
+  OpKernelContext* ctx_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  Tensor device_report_;
+  Tensor host_report_;
+  Tensor scratch_;
+  Tensor staging_;
+};
+
+// The CPU kernels' error for a bad global id of TTRows / TTRowsGrad.
+Status GlobalIdsReportStatus(const launchers::TTReport& r,
+                             const TTShape& shape) {
+  if (r.first_bad_index >= 0) {
+    return GlobalIdError(r.first_bad_index, r.bad_index_value,
+                         shape.num_ids());
+  }
+  return OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// TTUniqueIds
+
+template <typename Tindex>
+class TTUniqueIdsGpuOp : public OpKernel {
+ public:
+  explicit TTUniqueIdsGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetUniqueIdsAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    const Tensor& splits = ctx->input(1);  // host memory
+    OP_REQUIRES_OK(ctx, ValidateUniqueIdsInputs(ids, splits, attrs_));
+    const int64_t nnz = ids.NumElements();
+    const int64_t num_tables = splits.NumElements() - 1;
+    OP_REQUIRES_OK(ctx, GpuIdsLimit("TTUniqueIds", "ids", nnz));
+    // The launcher's bound on global ids (the CPU check allows 2^62 itself).
+    OP_REQUIRES(ctx, attrs_.stride <= ((int64_t{1} << 62) - 1) / num_tables,
+                errors::InvalidArgument(
+                    "num_tables * stride is too large for the GPU kernel: ",
+                    num_tables, " * ", attrs_.stride, " >= 2^62"));
+    Tensor* slots = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ids.shape(), &slots));
+    if (nnz == 0) {
+      Tensor* unique = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({0}), &unique));
+      return;
+    }
+
+    TTGpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
+    Tensor device_splits;
+    OP_REQUIRES_OK(ctx, call.CopyToDevice(splits, &device_splits));
+    // Upper bound of the output; its first U entries become the output.
+    Tensor unique_buffer;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({nnz}),
+                                           &unique_buffer));
+    launchers::UniqueIdsProblem p;
+    p.nnz = nnz;
+    p.num_tables = num_tables;
+    p.num_embeddings = attrs_.num_embeddings;
+    p.stride = attrs_.stride;
+    p.has_padding_id = attrs_.bag.has_padding_id;
+    p.padding_id = attrs_.bag.padding_id;
+    const size_t scratch_bytes = launchers::UniqueIdsScratchBytes<Tindex>(p);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchUniqueIds<Tindex>(
+                            p, ids.flat<Tindex>().data(),
+                            device_splits.flat<int64_t>().data(),
+                            unique_buffer.flat<int64_t>().data(),
+                            slots->flat<Tindex>().data(), call.device_report(),
+                            scratch, scratch_bytes, call.stream()),
+                        "TTUniqueIds launch"));
+    launchers::TTReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES(ctx, report.first_bad_index < 0,
+                BadIndexError(report.first_bad_index, report.bad_index_value,
+                              attrs_.num_embeddings, attrs_.bag));
+    const int64_t num_unique = report.num_unique;
+    OP_REQUIRES(ctx, num_unique >= 0 && num_unique <= nnz,
+                errors::Internal("tf_ttemb GPU TTUniqueIds: the device found ",
+                                 num_unique, " unique ids among ", nnz,
+                                 " ids"));
+    // A view of the buffer's first U ids: no copy (the buffer's tail stays
+    // allocated as long as the output lives, at most 8 bytes per id).
+    ctx->set_output(0, unique_buffer.Slice(0, num_unique));
+  }
+
+ private:
+  UniqueIdsAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// TTRows
+
+// Host checks shared by TTRows and TTRowsGrad: the cores' shapes, then the
+// ids' shape and count, in the CPU kernels' order.
+Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape,
+                          const char* op, OpInputList* cores) {
+  TF_RETURN_IF_ERROR(ctx->input_list("cores", cores));
+  for (int k = 0; k < shape.num_cores; ++k) {
+    TF_RETURN_IF_ERROR(ValidateCore((*cores)[k], k, shape));
+  }
+  const Tensor& ids = ctx->input(0);
+  TF_RETURN_IF_ERROR(ValidateGlobalIdsShape(ids));
+  return GpuIdsLimit(op, "ids", ids.NumElements());
+}
+
+template <typename T>
+class TTRowsGpuOp : public OpKernel {
+ public:
+  using CT = typename CudaTypeOf<T>::type;
+
+  explicit TTRowsGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
+    OP_REQUIRES_OK(ctx, MakeTTProblem(shape_, &problem_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList cores;
+    OP_REQUIRES_OK(ctx, ValidateRowsInputs(ctx, shape_, "TTRows", &cores));
+    const Tensor& ids = ctx->input(0);
+    const int64_t num_ids = ids.NumElements();
+    Tensor* rows = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({num_ids, shape_.dim}), &rows));
+    Tensor* saved = nullptr;  // never produced on GPU (see the top comment)
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved));
+    if (num_ids == 0) return;
+
+    TTGpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
+    const CT* core_ptrs[launchers::kMaxTTCores] = {};
+    for (int k = 0; k < shape_.num_cores; ++k) {
+      core_ptrs[k] = DevicePtr<T>(cores[k]);
+    }
+    const size_t scratch_bytes =
+        launchers::RowsScratchBytes<CT>(problem_, num_ids);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchRows<CT>(
+                            problem_, ids.flat<int64_t>().data(), num_ids,
+                            /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(rows),
+                            call.device_report(), scratch, scratch_bytes,
+                            call.stream()),
+                        "TTRows launch"));
+    launchers::TTReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, GlobalIdsReportStatus(report, shape_));
+  }
+
+ private:
+  TTShape shape_;
+  launchers::TTProblem problem_;
+};
+
+// ---------------------------------------------------------------------------
+// TTRowsGrad
+
+template <typename T>
+class TTRowsGradGpuOp : public OpKernel {
+ public:
+  using CT = typename CudaTypeOf<T>::type;
+
+  explicit TTRowsGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
+    OP_REQUIRES_OK(ctx, MakeTTProblem(shape_, &problem_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int num_cores = shape_.num_cores;
+    OpInputList cores;
+    OP_REQUIRES_OK(ctx, ValidateRowsInputs(ctx, shape_, "TTRowsGrad", &cores));
+    const Tensor& ids = ctx->input(0);
+    const Tensor& grad = ctx->input(1 + num_cores);
+    const int64_t num_ids = ids.NumElements();
+    // Input 2 + num_cores (`saved`) is not read: see the top comment.
+    OpOutputList indices_out, values_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("core_grad_indices", &indices_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("core_grad_values", &values_out));
+    if (num_ids == 0) {
+      OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad, num_ids, shape_));
+      for (int k = 0; k < num_cores; ++k) {
+        Tensor* unused = nullptr;
+        OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({0}), &unused));
+        OP_REQUIRES_OK(ctx, values_out.allocate(
+                                k, TensorShape({0, shape_.width[k]}), &unused));
+      }
+      return;
+    }
+
+    TTGpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
+    const size_t scratch_bytes =
+        launchers::RowsGradScratchBytes<CT>(problem_, num_ids);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    const int64_t* ids_ptr = ids.flat<int64_t>().data();
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchRowsGradPrepare<CT>(
+                            problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
+                            call.device_report(), scratch, scratch_bytes,
+                            call.stream()),
+                        "TTRowsGrad prepare"));
+    launchers::TTReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, GlobalIdsReportStatus(report, shape_));
+    // Checked after the ids, as the CPU kernel does (prepare does not read
+    // grad).
+    OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad, num_ids, shape_));
+
+    const CT* core_ptrs[launchers::kMaxTTCores] = {};
+    int64_t* index_ptrs[launchers::kMaxTTCores] = {};
+    CT* value_ptrs[launchers::kMaxTTCores] = {};
+    for (int k = 0; k < num_cores; ++k) {
+      const int64_t count = report.core_rows[k];
+      const int64_t core_rows = shape_.num_tables * shape_.p[k];
+      OP_REQUIRES(ctx, count >= 0 && count <= std::min(num_ids, core_rows),
+                  errors::Internal("tf_ttemb GPU TTRowsGrad: the device found ",
+                                   count, " rows of core ", k, " touched by ",
+                                   num_ids, " ids"));
+      Tensor* indices = nullptr;
+      Tensor* values = nullptr;
+      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}),
+                                               &indices));
+      OP_REQUIRES_OK(ctx, values_out.allocate(
+                              k, TensorShape({count, shape_.width[k]}),
+                              &values));
+      core_ptrs[k] = DevicePtr<T>(cores[k]);
+      // Null where n_k == 0, which the launcher allows.
+      index_ptrs[k] = count > 0 ? indices->flat<int64_t>().data() : nullptr;
+      value_ptrs[k] = values->NumElements() > 0 ? DevicePtr<T>(values) : nullptr;
+    }
+    // Queued after the outputs exist; the stream orders it before any reader.
+    // The scratch is the prepare launch's, untouched since.
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchRowsGradCompute<CT>(
+                            problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
+                            core_ptrs, DevicePtr<T>(grad), index_ptrs,
+                            value_ptrs, /*core_dense=*/nullptr, scratch,
+                            scratch_bytes, call.stream()),
+                        "TTRowsGrad compute"));
+  }
+
+ private:
+  TTShape shape_;
+  launchers::TTProblem problem_;
+};
+
+// ---------------------------------------------------------------------------
+// TTCacheCount
+
+// Makes the variable's device buffer exclusively owned before the in-place
+// update (a tensor read from it earlier may still share it): a device copy
+// queued on the op's stream.
+Status EnsureExclusiveOnGpu(OpKernelContext* ctx, cudaStream_t stream,
+                            Var* var) {
+  Tensor* tensor = var->tensor();
+  if (tensor->RefCountIsOne()) return OkStatus();
+  Tensor copy;
+  AllocatorAttributes attr;
+  attr.set_gpu_compatible(true);
+  attr.set_nic_compatible(true);
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy, attr));
+  if (tensor->TotalBytes() > 0) {
+    TF_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(copy.data(), tensor->data(), tensor->TotalBytes(),
+                        cudaMemcpyDeviceToDevice, stream),
+        "copy of a variable"));
+  }
+  *tensor = copy;
+  return OkStatus();
+}
+
+class TTCacheCountGpuOp : public OpKernel {
+ public:
+  explicit TTCacheCountGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(2);
+    OP_REQUIRES_OK(ctx, ValidateCacheCountIds(ids));
+    core::RefCountPtr<Var> keys_var, counts_var;
+    OP_REQUIRES_OK(ctx, LookupCacheTables(ctx, &keys_var, &counts_var));
+    mutex_lock keys_lock(*keys_var->mu());
+    mutex_lock counts_lock(*counts_var->mu());
+    OP_REQUIRES_OK(ctx,
+                   ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
+    const int64_t size = keys_var->tensor()->NumElements();
+    const int64_t n = ids.NumElements();
+    if (size == 0 || n == 0) return;
+    OP_REQUIRES_OK(ctx, GpuIdsLimit("TTCacheCount", "ids", n));
+
+    TTGpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/false));
+    OP_REQUIRES_OK(ctx,
+                   EnsureExclusiveOnGpu(ctx, call.stream(), keys_var.get()));
+    OP_REQUIRES_OK(ctx,
+                   EnsureExclusiveOnGpu(ctx, call.stream(), counts_var.get()));
+    // No bound on the ids is known here: the launcher sorts all 64 bits.
+    constexpr int64_t kIdBound = 0;
+    const size_t scratch_bytes =
+        launchers::CacheCountScratchBytes(n, size, kIdBound);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchCacheCount(
+                            ids.flat<int64_t>().data(), n, kIdBound,
+                            keys_var->tensor()->flat<int64_t>().data(),
+                            counts_var->tensor()->flat<int64_t>().data(), size,
+                            scratch, scratch_bytes, call.stream()),
+                        "TTCacheCount launch"));
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Registration: the dtypes of the CPU kernels. table_splits is read on the
+// host; resource handles live in host memory.
+
+#define TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(Tindex)                 \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTUniqueIds")               \
+                              .Device(DEVICE_GPU)                   \
+                              .HostMemory("table_splits")           \
+                              .TypeConstraint<Tindex>("Tindices"),  \
+                          TTUniqueIdsGpuOp<Tindex>);
+TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int32_t)
+TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int64_t)
+#undef TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU
+
+#define TF_TTEMB_REGISTER_TT_ROWS_GPU(T)                                      \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("TfTtemb>TTRows").Device(DEVICE_GPU).TypeConstraint<T>("T"),       \
+      TTRowsGpuOp<T>);                                                        \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("TfTtemb>TTRowsGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"),   \
+      TTRowsGradGpuOp<T>);
+TF_TTEMB_REGISTER_TT_ROWS_GPU(Eigen::half)
+TF_TTEMB_REGISTER_TT_ROWS_GPU(bfloat16)
+TF_TTEMB_REGISTER_TT_ROWS_GPU(float)
+TF_TTEMB_REGISTER_TT_ROWS_GPU(double)
+#undef TF_TTEMB_REGISTER_TT_ROWS_GPU
+
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount")
+                            .Device(DEVICE_GPU)
+                            .HostMemory("keys")
+                            .HostMemory("counts"),
+                        TTCacheCountGpuOp);
+
+}  // namespace
+}  // namespace tf_ttemb
+}  // namespace tensorflow
+
+#endif  // GOOGLE_CUDA
