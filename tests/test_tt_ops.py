@@ -7,10 +7,14 @@ core layout, global ids of table-batched cores, any id order, dtypes, determinis
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_ttemb
 from tf_ttemb.ops import _loader
 
 SHAPES = [
@@ -397,3 +401,268 @@ def test_cache_count_errors():
         op(keys.handle, floats.handle, tf.constant([1], tf.int64))
     with pytest.raises(tf.errors.InvalidArgumentError, match="different variables"):
         op(keys.handle, keys.handle, tf.constant([1], tf.int64))
+
+
+# --------------------------------------------------------------------------------------
+# GPU kernels (cc/kernels/tt_embedding_kernels_gpu.cc): registration, and on a machine
+# with a GPU visible to TensorFlow, the same results as the CPU kernels.
+# --------------------------------------------------------------------------------------
+
+TT_OPS = ["TfTtemb>TTUniqueIds", "TfTtemb>TTRows", "TfTtemb>TTRowsGrad", "TfTtemb>TTCacheCount"]
+
+
+def _built_with_cuda():
+    info = pathlib.Path(tf_ttemb.__file__).with_name("_build_info.json")
+    return info.exists() and bool(json.loads(info.read_text()).get("cuda"))
+
+
+def _registrations(op, device):
+    """(type constraints, host-memory args) of each kernel of `op` on `device`."""
+    from tensorflow.python.framework import kernels
+
+    lib()  # registers the kernels
+    found = []
+    for k in kernels.get_registered_kernels_for_op(op).kernel:
+        if k.device_type != device:
+            continue
+        constraints = tuple(
+            (c.name, tuple(sorted(c.allowed_values.list.type))) for c in k.constraint
+        )
+        found.append((constraints, tuple(sorted(k.host_memory_arg))))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("op", TT_OPS)
+def test_gpu_kernels_registered_for_every_cpu_dtype(op):
+    gpu = _registrations(op, "GPU")
+    if not _built_with_cuda():
+        assert gpu == [], "a library built without CUDA must not register GPU kernels"
+        return
+    cpu = _registrations(op, "CPU")
+    assert cpu, f"{op} has no CPU kernel"
+    assert [c for c, _ in gpu] == [c for c, _ in cpu]
+    host = {
+        "TfTtemb>TTUniqueIds": ("table_splits",),
+        "TfTtemb>TTCacheCount": ("counts", "keys"),
+    }.get(op, ())
+    assert all(h == host for _, h in gpu), gpu
+
+
+def _on(device, fn, *args, **kwargs):
+    with tf.device(device):
+        return fn(*args, **kwargs)
+
+
+def _assert_on_gpu(*tensors):
+    for t in tensors:
+        assert "GPU" in t.device, t.device
+
+
+def _error_message(device, fn, *args, **kwargs):
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        with tf.device(device):
+            fn(*args, **kwargs)
+    # The op name and device differ between the kernels; the message is everything before.
+    return info.value.message.split(" [Op:")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"p{s[0]}q{s[1]}r{s[2]}t{s[3]}")
+@pytest.mark.parametrize("order", ["sorted_unique", "random"])
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32, tf.float16, tf.bfloat16])
+def test_gpu_rows_match_cpu_and_reference(rng, shape, order, dtype):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks, num_tables = shape
+    cores = [tf.cast(c, dtype) for c in random_cores(rng, p, q, ranks, num_tables)]
+    ids = tf.constant(pick_ids(rng, p, num_tables, 300, order))
+    attrs = attrs_of(p, q, ranks, num_tables)
+    gpu = _on("/GPU:0", lib().tf_ttemb_tt_rows, ids, cores, **attrs)
+    cpu = _on("/CPU:0", lib().tf_ttemb_tt_rows, ids, cores, **attrs)
+    _assert_on_gpu(gpu.rows)
+    assert gpu.rows.dtype == dtype
+    assert gpu.saved.shape == (0,)  # the GPU kernel never saves; the gradient recomputes
+    seen = [c.numpy().astype(np.float64) for c in cores]
+    expected = reference_rows(seen, p, q, ranks, ids.numpy())
+    scale = np.abs(expected).max() + 1
+    for rows in (gpu.rows, cpu.rows):
+        np.testing.assert_allclose(
+            rows.numpy().astype(np.float64), expected, atol=TOLERANCE[dtype] * scale, rtol=0
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"p{s[0]}q{s[1]}r{s[2]}t{s[3]}")
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32, tf.float16, tf.bfloat16])
+def test_gpu_rows_grad_matches_cpu_and_reference(rng, shape, dtype):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks, num_tables = shape
+    cores = [tf.cast(c, dtype) for c in random_cores(rng, p, q, ranks, num_tables)]
+    # Random order with duplicates: shared prefixes and repeated core rows.
+    ids = tf.constant(pick_ids(rng, p, num_tables, 200, "random"))
+    grad = tf.cast(rng.standard_normal((ids.shape[0], int(np.prod(q)))), dtype)
+    attrs = attrs_of(p, q, ranks, num_tables)
+    empty = tf.zeros([0], dtype)
+    gpu = _on("/GPU:0", lib().tf_ttemb_tt_rows_grad, ids, cores, grad, empty, **attrs)
+    cpu = _on("/CPU:0", lib().tf_ttemb_tt_rows_grad, ids, cores, grad, empty, **attrs)
+    _assert_on_gpu(*gpu.core_grad_indices, *gpu.core_grad_values)
+    seen = [c.numpy().astype(np.float64) for c in cores]
+    expected = reference_core_grads(seen, p, q, ranks, ids.numpy(), grad.numpy().astype(np.float64))
+    tolerance = {tf.float64: 1e-10, tf.float32: 1e-4, tf.float16: 3e-2, tf.bfloat16: 3e-2}[dtype]
+    for k in range(len(p)):
+        np.testing.assert_array_equal(gpu.core_grad_indices[k].numpy(), cpu.core_grad_indices[k].numpy())
+        assert gpu.core_grad_values[k].dtype == dtype
+        dense = np.zeros_like(seen[k])
+        dense[gpu.core_grad_indices[k].numpy()] = gpu.core_grad_values[k].numpy().astype(np.float64)
+        scale = np.abs(expected[k]).max() + 1
+        np.testing.assert_allclose(dense, expected[k], atol=tolerance * scale, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_gpu_rows_grad_is_bitwise_deterministic_and_ignores_saved(rng, dtype):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks = [20, 30, 25], [4, 2, 4], [16, 16]
+    cores = [tf.constant(c, dtype) for c in random_cores(rng, p, q, ranks, 1)]
+    ids = tf.constant((rng.zipf(1.2, size=20000) - 1) % int(np.prod(p)), tf.int64)
+    grad = tf.constant(rng.standard_normal((ids.shape[0], 32)), dtype)
+    attrs = attrs_of(p, q, ranks, 1)
+    # A CPU forward's saved products may reach a GPU gradient: same result, not read.
+    saved = _on("/CPU:0", lib().tf_ttemb_tt_rows, ids, cores, **attrs).saved
+    assert saved.shape[0] > 0
+    runs = [
+        _on("/GPU:0", lib().tf_ttemb_tt_rows_grad, ids, cores, grad, s, **attrs)
+        for s in (tf.zeros([0], dtype), saved, tf.zeros([0], dtype), saved)
+    ]
+    for again in runs[1:]:
+        for a, b in zip(runs[0].core_grad_values, again.core_grad_values):
+            assert np.array_equal(a.numpy(), b.numpy())
+        for a, b in zip(runs[0].core_grad_indices, again.core_grad_indices):
+            assert np.array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.gpu
+def test_gpu_every_core_row_gets_its_gradient_for_large_p(rng):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks = [1000, 3], [2, 2], [3]
+    cores = random_cores(rng, p, q, ranks, 1)
+    ids = rng.permutation(3000).astype(np.int64)
+    grad = rng.standard_normal((3000, 4))
+    indices, values = _on(
+        "/GPU:0", lib().tf_ttemb_tt_rows_grad, ids, [tf.constant(c) for c in cores], grad,
+        tf.zeros([0], tf.float64), **attrs_of(p, q, ranks, 1),
+    )
+    np.testing.assert_array_equal(indices[0].numpy(), np.arange(1000))
+    expected = reference_core_grads(cores, p, q, ranks, ids, grad)
+    np.testing.assert_allclose(values[0].numpy(), expected[0], atol=1e-10)
+    np.testing.assert_allclose(values[1].numpy(), expected[1], atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("padding", [None, 77])
+def test_gpu_unique_ids_match_cpu(rng, index_dtype, padding):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    ids = rng.integers(0, 50, size=1001).astype(index_dtype)
+    if padding is not None:
+        ids[rng.choice(1001, size=90, replace=False)] = padding
+    splits = tf.constant([0, 300, 300, 1001], tf.int64)  # three tables, the second empty
+    kwargs = dict(num_embeddings=50, stride=53)
+    if padding is not None:
+        kwargs.update(padding_id=padding, has_padding_id=True)
+    gpu = _on("/GPU:0", lib().tf_ttemb_tt_unique_ids, ids, splits, **kwargs)
+    cpu = _on("/CPU:0", lib().tf_ttemb_tt_unique_ids, ids, splits, **kwargs)
+    _assert_on_gpu(gpu.unique_ids, gpu.slots)
+    assert gpu.slots.dtype == tf.as_dtype(index_dtype)
+    np.testing.assert_array_equal(gpu.unique_ids.numpy(), cpu.unique_ids.numpy())
+    np.testing.assert_array_equal(gpu.slots.numpy(), cpu.slots.numpy())
+    table = np.searchsorted(splits.numpy()[1:], np.arange(1001), side="right")
+    real = ids != padding if padding is not None else np.ones(1001, bool)
+    np.testing.assert_array_equal(
+        gpu.unique_ids.numpy(), np.unique(table[real] * 53 + ids[real].astype(np.int64))
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_empty_inputs():
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks = [3, 4, 2], [2, 2, 1], [2, 3]
+    cores = [tf.zeros([3, 4]), tf.zeros([4, 12]), tf.zeros([2, 3])]
+    attrs = attrs_of(p, q, ranks, 1)
+    ids = tf.zeros([0], tf.int64)
+    with tf.device("/GPU:0"):
+        rows = lib().tf_ttemb_tt_rows(ids, cores, **attrs).rows
+        indices, values = lib().tf_ttemb_tt_rows_grad(ids, cores, tf.zeros([0, 4]), tf.zeros([0]), **attrs)
+        unique, slots = lib().tf_ttemb_tt_unique_ids(
+            tf.zeros([0], tf.int32), tf.constant([0, 0], tf.int64), num_embeddings=5, stride=5
+        )
+    assert rows.shape == (0, 4)
+    assert [i.shape[0] for i in indices] == [0, 0, 0]
+    assert [v.shape for v in values] == [(0, 4), (0, 12), (0, 3)]
+    assert unique.shape == (0,) and slots.shape == (0,)
+
+
+@pytest.mark.gpu
+def test_gpu_errors_match_cpu(rng):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks = [3, 4], [2, 2], [2]
+    cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks, 2)]
+    attrs = attrs_of(p, q, ranks, 2)
+    bad_ids = [
+        tf.constant([0, 5, 24, 3, -1], tf.int64),  # first bad at position 2
+        tf.constant([-7], tf.int64),
+    ]
+    cases = []
+    for ids in bad_ids:
+        grad = tf.constant(rng.standard_normal((ids.shape[0], 4)))
+        cases.append((lib().tf_ttemb_tt_rows, (ids, cores), attrs))
+        cases.append((lib().tf_ttemb_tt_rows_grad, (ids, cores, grad, tf.zeros([0], tf.float64)), attrs))
+    cases.append((lib().tf_ttemb_tt_rows, (tf.constant([0], tf.int64), [cores[0], cores[1][:7]]), attrs))
+    unique = lib().tf_ttemb_tt_unique_ids
+    for ids, splits, kwargs in [
+        ([1, 2, 9, 11], [0, 4], dict(num_embeddings=8, stride=8)),
+        ([3, 8, 1], [0, 1, 3], dict(num_embeddings=8, stride=10, padding_id=-3, has_padding_id=True)),
+        ([1], [1, 1], dict(num_embeddings=8, stride=8)),
+        ([1, 2], [0, 2, 1], dict(num_embeddings=8, stride=8)),
+        ([1, 2], [0, 1], dict(num_embeddings=8, stride=8)),
+    ]:
+        for dtype in (tf.int32, tf.int64):
+            cases.append((unique, (tf.constant(ids, dtype), tf.constant(splits, tf.int64)), kwargs))
+    for fn, args, kwargs in cases:
+        expected = _error_message("/CPU:0", fn, *args, **kwargs)
+        assert _error_message("/GPU:0", fn, *args, **kwargs) == expected
+
+
+@pytest.mark.gpu
+def test_gpu_cache_count_matches_cpu(rng):
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    tables = {}
+    for device in ("/CPU:0", "/GPU:0"):
+        with tf.device(device):
+            # 45 slots: one set of 32 ways and a remainder set of 13.
+            tables[device] = (
+                tf.Variable(tf.fill([45], tf.constant(-1, tf.int64))),
+                tf.Variable(tf.zeros([45], tf.int64)),
+            )
+    _assert_on_gpu(*tables["/GPU:0"])  # the variables live on the GPU
+    for step in range(6):
+        # Zipf ids: hot ids stay, cold ones compete for ways and replace each other.
+        ids = (rng.zipf(1.3, size=700) - 1) % 5000
+        ids[rng.random(700) < 0.1] = -1  # skipped
+        for device, (keys, counts) in tables.items():
+            with tf.device(device):
+                held = keys.read_value()  # shares the buffer: the update must copy it
+                before = held.numpy()
+                lib().tf_ttemb_tt_cache_count(keys.handle, counts.handle, tf.constant(ids, tf.int64))
+                np.testing.assert_array_equal(held.numpy(), before)
+        (ck, cc), (gk, gc) = tables["/CPU:0"], tables["/GPU:0"]
+        np.testing.assert_array_equal(gk.numpy(), ck.numpy(), err_msg=f"step {step}")
+        np.testing.assert_array_equal(gc.numpy(), cc.numpy(), err_msg=f"step {step}")
+    assert (tables["/GPU:0"][0].numpy() >= 0).all()
