@@ -666,3 +666,49 @@ def test_gpu_cache_count_matches_cpu(rng):
         np.testing.assert_array_equal(gk.numpy(), ck.numpy(), err_msg=f"step {step}")
         np.testing.assert_array_equal(gc.numpy(), cc.numpy(), err_msg=f"step {step}")
     assert (tables["/GPU:0"][0].numpy() >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_gpu_tt_embedding_bag_matches_cpu(rng, dtype):
+    """The whole custom-op path (unique ids, rows, bag reduction, rows gradient, counting)."""
+    if not _built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    from tf_ttemb.ops.tt_embedding import tt_embedding_bag
+
+    p, q, ranks, n = [5, 4, 3], [2, 3, 2], [4, 3], 57
+    cores = [tf.constant(c, dtype) for c in random_cores(rng, p, q, ranks, 1)]
+    lengths = rng.integers(0, 9, size=13)
+    values = (rng.zipf(1.3, size=int(lengths.sum())) - 1) % n
+    values[rng.random(values.size) < 0.1] = n + 2  # padding
+    ids = tf.RaggedTensor.from_row_lengths(values.astype(np.int64), lengths)
+    weights = tf.RaggedTensor.from_row_lengths(
+        tf.constant(rng.uniform(0.5, 2.0, size=values.size), dtype), lengths
+    )
+    upstream = tf.constant(rng.standard_normal((13, 12)), dtype)
+    results = {}
+    for device in ("/CPU:0", "/GPU:0"):
+        with tf.device(device):
+            keys = tf.Variable(tf.fill([64], tf.constant(-1, tf.int64)))
+            counts = tf.Variable(tf.zeros([64], tf.int64))
+            with tf.GradientTape() as tape:
+                tape.watch(cores)
+                out = tt_embedding_bag(
+                    cores, ids, weights, num_embeddings=n, p_shapes=p, q_shapes=q,
+                    ranks=ranks, combiner="mean", padding_id=n + 2,
+                    frequency_table=(keys, counts), implementation="custom_op",
+                )
+                loss = tf.reduce_sum(out * upstream)
+            grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, cores)]
+        results[device] = (out, grads, keys.numpy(), counts.numpy())
+    (c_out, c_grads, c_keys, c_counts), (g_out, g_grads, g_keys, g_counts) = (
+        results["/CPU:0"], results["/GPU:0"]
+    )
+    _assert_on_gpu(g_out)
+    tolerance = 1e-10 if dtype == tf.float64 else 1e-5
+    np.testing.assert_allclose(g_out.numpy(), c_out.numpy(), atol=tolerance, rtol=tolerance)
+    for a, b in zip(g_grads, c_grads):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=tolerance, rtol=tolerance)
+    np.testing.assert_array_equal(g_keys, c_keys)
+    np.testing.assert_array_equal(g_counts, c_counts)
+    assert (c_keys >= 0).any()
