@@ -146,6 +146,17 @@ Status MakeTTProblem(const TTShape& s, launchers::TTProblem* p) {
 // finished by then (ReadReport waits for the stream).
 class TTGpuCall {
  public:
+  TTGpuCall() = default;
+  TTGpuCall(const TTGpuCall&) = delete;
+  TTGpuCall& operator=(const TTGpuCall&) = delete;
+
+  // When Compute leaves early (an error) after queuing a copy from pinned
+  // staging memory, waits for it: the staging buffer goes back to the pinned
+  // allocator with this object and must not be reused while the copy reads it.
+  ~TTGpuCall() {
+    if (copy_pending_) cudaStreamSynchronize(stream_);
+  }
+
   Status Init(OpKernelContext* ctx, bool with_report) {
     ctx_ = ctx;
     const DeviceContext* device_context = ctx->op_device_context();
@@ -195,6 +206,7 @@ class TTGpuCall {
     if (n == 0) return OkStatus();
     std::memcpy(staging_.flat<int64_t>().data(), host.flat<int64_t>().data(),
                 n * sizeof(int64_t));
+    copy_pending_ = true;
     return CudaStatus(
         cudaMemcpyAsync(device->flat<int64_t>().data(),
                         staging_.flat<int64_t>().data(), n * sizeof(int64_t),
@@ -212,6 +224,7 @@ class TTGpuCall {
         "copy of the device report"));
     TF_RETURN_IF_ERROR(
         CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
+    copy_pending_ = false;
     std::memcpy(report, host, sizeof(launchers::TTReport));
     return OkStatus();
   }
@@ -235,6 +248,7 @@ class TTGpuCall {
   Tensor host_report_;
   Tensor scratch_;
   Tensor staging_;
+  bool copy_pending_ = false;
 };
 
 // The CPU kernels' error for a bad global id of TTRows / TTRowsGrad.
