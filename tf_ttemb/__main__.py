@@ -45,7 +45,7 @@ _DESCRIPTION = "tf_ttemb: a fused EmbeddingBag op (and more) for TensorFlow and 
 _EPILOG = """examples:
   python -m tf_ttemb demo                    # about 6-8 minutes on 2 CPU cores
   python -m tf_ttemb demo --quick --out /tmp/demo
-  python -m tf_ttemb bench --quick           # seconds; without --quick about 1-2 minutes
+  python -m tf_ttemb bench --quick           # seconds; without --quick about a minute
   python -m tf_ttemb bench --json bench.json
   python -m tf_ttemb info
   python -m tf_ttemb <command> --help"""

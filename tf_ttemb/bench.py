@@ -29,8 +29,8 @@ timing, each implementation's output (and for fwd+bwd, its gradients, densified)
 compared with the baseline's: `max_rel_diff` is the largest absolute difference divided
 by the largest absolute baseline value, over the output and all gradients.
 
-`--quick` shrinks every size and the repeats (seconds); the defaults take about 1-2
-minutes on 2 CPU cores. The table goes to stdout, progress to stderr; `--json PATH`
+`--quick` shrinks every size and the repeats (seconds); the defaults take about a
+minute on 2 CPU cores. The table goes to stdout, progress to stderr; `--json PATH`
 writes the table's numbers with the machine, TensorFlow and build facts.
 """
 
@@ -66,12 +66,12 @@ SIZES: Dict[str, tuple] = {
     "pkm_keys": (128, 32, "pkm: sub-keys per half (the memory has pkm_keys**2 slots)"),
     "pkm_heads": (4, 2, "pkm: heads"),
     "pkm_knn": (32, 8, "pkm: slots read per token and head"),
-    "repeats": (10, 3, "timed calls per step"),
+    "repeats": (20, 3, "timed calls per step"),
     "warmup": (2, 1, "untimed calls before timing"),
 }
 
 EPILOG = """examples:
-  python -m tf_ttemb bench                       # about 1-2 minutes on 2 CPU cores
+  python -m tf_ttemb bench                       # about 1 minute on 2 CPU cores
   python -m tf_ttemb bench --quick               # seconds
   python -m tf_ttemb bench --cases gather_reduce_sum --dtypes float32,bfloat16 \\
       --rows 1000000 --dim 64 --threads 2 --json bench.json
