@@ -154,7 +154,10 @@ def _layer(shape: Shape, variant: str, optimizer: str) -> tuple:
         """The same layer with the memory read users write without a fused op."""
 
         def _read_memory(self, ids, weights, padding_id, update_values=False):
-            gathered = tf.gather(self.values, ids)  # [tokens, heads * knn, dim]
+            # gather on the tf.Variable itself: a ResourceGather reads the rows in place
+            # (converting the Keras variable to a tensor first would copy the whole
+            # table on every read once sparse updates put it in copy-on-read mode).
+            gathered = tf.gather(self.values.value, ids)  # [tokens, heads * knn, dim]
             return tf.reduce_sum(gathered * tf.cast(weights, gathered.dtype)[..., None], axis=-2)
 
     keras.utils.set_random_seed(shape.seed)
