@@ -78,6 +78,9 @@ def test_bench_rejects_bad_options():
     proc = _run("bench", "--rows", "0")
     assert proc.returncode == 2
     assert "expected an integer >= 1, got 0" in proc.stderr
+    proc = _run("bench", "--device", "TPU:7")
+    assert proc.returncode == 2
+    assert "--device TPU:7 is not one of TensorFlow's devices here: /device:CPU:0" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------

@@ -435,6 +435,12 @@ def main(args: argparse.Namespace) -> int:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     from tf_ttemb.ops import _loader
 
+    devices = [d.name for d in tf.config.list_logical_devices()]
+    wanted = args.device.upper().removeprefix("/DEVICE:").lstrip("/")
+    if not any(name.upper().endswith(wanted) for name in devices):
+        print(f"bench: error: --device {args.device} is not one of TensorFlow's devices here: "
+              f"{', '.join(devices)}", file=sys.stderr)
+        return 2
     _loader.load_op_library()  # fails here, with the loader's advice, when not built
     runners = {"gather_reduce_sum": bench_gather_reduce_sum, "tt_rows": bench_tt_rows,
                "pkm": bench_pkm}
