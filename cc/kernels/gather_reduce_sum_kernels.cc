@@ -1104,9 +1104,9 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_accumulators", &num_accumulators));
     const int expected = optimizer_ == SparseOptimizer::kSgd ? 0 : 1;
     OP_REQUIRES(ctx, num_accumulators == expected,
-                errors::InvalidArgument("optimizer '", optimizer, "' takes ",
-                                        expected, " accumulator variable(s), got ",
-                                        num_accumulators));
+                errors::InvalidArgument(
+                    "optimizer '", optimizer, "' takes ", expected,
+                    " accumulator variable(s), got ", num_accumulators));
     DataType acc_type;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("Tacc", &acc_type));
     OP_REQUIRES(ctx, acc_type == DataTypeToEnum<Acc>::value,
@@ -1150,7 +1150,8 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
           DataTypeString(expected));
     }
     if (!(*var)->is_initialized) {
-      return errors::FailedPrecondition("accumulator variable is not initialized");
+      return errors::FailedPrecondition(
+          "accumulator variable is not initialized");
     }
     return OkStatus();
   }
@@ -1165,7 +1166,8 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     const Tensor& learning_rate = ctx->input(7);
     const Tensor& epsilon = ctx->input(8);
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
+    OP_REQUIRES_OK(ctx,
+                   ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
     const int64_t num_bags = shapes.num_bags;
     const int64_t nnz = shapes.nnz;
     const int64_t num_rows = params.dim_size(0);
@@ -1179,8 +1181,9 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
                                         ", ", dim, "], got ",
                                         argmax.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(learning_rate.shape()),
-                errors::InvalidArgument("learning_rate must be a scalar, got shape ",
-                                        learning_rate.shape().DebugString()));
+                errors::InvalidArgument(
+                    "learning_rate must be a scalar, got shape ",
+                    learning_rate.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(epsilon.shape()),
                 errors::InvalidArgument("epsilon must be a scalar, got shape ",
                                         epsilon.shape().DebugString()));

@@ -290,8 +290,8 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumFusedGrad")
 // `optimizer` (with lr = learning_rate, eps = epsilon, g = the row's summed
 // gradient):
 //   sgd:             w -= lr * g
-//   rowwise_adagrad: a += mean(g^2) (accumulator [N]);     w -= lr * g / (sqrt(a) + eps)
-//   adagrad:         a += g^2 (accumulator [N, D]);        w -= lr * g / (sqrt(a) + eps)
+//   rowwise_adagrad: a += mean(g^2) (a: [N]);    w -= lr g / (sqrt(a) + eps)
+//   adagrad:         a += g^2 (a: [N, D]);       w -= lr g / (sqrt(a) + eps)
 // A row whose denominator is 0 has a zero gradient and is left unchanged.
 // Accumulators hold Tacc (float32 for half types and float32, float64 for
 // float64), like learning_rate and epsilon. The weights gradient (has_weights)
@@ -327,7 +327,7 @@ REGISTER_OP("TfTtemb>GatherReduceSumSparseApply")
       c->set_output(0, has_weights ? indices : c->Vector(0));
       return OkStatus();
     })
-    .Doc("GatherReduceSum backward that applies an optimizer to the touched rows.");
+    .Doc("GatherReduceSum backward applying an optimizer to the rows read.");
 
 #undef TF_TTEMB_BAG_ATTRS
 
