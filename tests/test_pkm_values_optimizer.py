@@ -276,3 +276,26 @@ def test_distribution_strategy_refused(rng):
 
     with pytest.raises(ValueError, match="values_optimizer does not support tf.distribute"):
         strategy.run(replica_step)
+
+
+def test_mixed_bfloat16_fused_step_matches_unfused(rng):
+    # Values stay float32 variables; the update sees the float32 gradient of the read.
+    x = tf.constant(rng.normal(size=(2, 6, 10)), tf.float32)
+    fused = ProductKeyMemory(values_optimizer="rowwise_adagrad", values_learning_rate=LR,
+                             values_epsilon=EPS, dtype="mixed_bfloat16", **SHAPE)
+    plain = ProductKeyMemory(dtype="mixed_bfloat16", **SHAPE)
+    for layer in (fused, plain):
+        layer.build(x.shape)
+    for name in ("query_kernel", "query_bias", "keys", "values"):
+        value = rng.normal(size=getattr(plain, name).shape) * 0.5
+        getattr(plain, name).assign(value)
+        getattr(fused, name).assign(value)
+    assert fused.values.dtype == "float32"
+    upstream = tf.constant(rng.normal(size=(2, 6, 10)), tf.bfloat16)
+    values0 = dense(fused.values)
+    _, g_plain = step(plain, x, upstream)
+    _, g_fused = step(fused, x, upstream)
+    close(dense(g_fused["keys"]), dense(g_plain["keys"]), 1e-5, "gradient of keys")
+    want, _ = numpy_update(values0, dense(g_plain["values"]), "rowwise_adagrad",
+                           np.zeros(fused.values_accumulator.shape))
+    close(dense(fused.values), want, 1e-5, "updated values")
