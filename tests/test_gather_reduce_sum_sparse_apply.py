@@ -473,3 +473,16 @@ def test_docstring_example_runs():
                             globs={}):
         runner.run(test)
     assert runner.tries > 0 and runner.failures == 0
+
+
+def test_wrapper_refuses_distribution_strategies(rng):
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        variable = tf.Variable(rng.normal(size=(4, 2)).astype(np.float32))
+
+    def replica_fn():
+        return gather_reduce_sum_sparse_apply(variable, tf.constant([[0, 1]]),
+                                              trigger=tf.zeros([0]))
+
+    with pytest.raises(ValueError, match="does not support tf.distribute strategies"):
+        strategy.run(replica_fn)

@@ -943,7 +943,7 @@ def gather_reduce_sum_sparse_apply(
     Raises:
       ValueError: For an unknown choice, `params` or `accumulator` not a resource
         variable, an accumulator missing (Adagrads) or given (SGD), weights with max,
-        or use under XLA compilation.
+        use under XLA compilation or under a `tf.distribute` strategy.
       tf.errors.InvalidArgumentError: For bad ids (as `gather_reduce_sum`), an
         accumulator of the wrong shape or dtype, or a non-finite learning rate or a
         negative epsilon (raised by the backward pass).
@@ -995,6 +995,12 @@ def gather_reduce_sum_sparse_apply(
     epsilon = float(epsilon)
     if not epsilon >= 0.0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    if tf.distribute.has_strategy():
+        # A replica would update its own copy of a mirrored table with its own gradient.
+        raise ValueError(
+            "gather_reduce_sum_sparse_apply does not support tf.distribute strategies "
+            "(replicas would update their copies of params apart)"
+        )
     if _in_xla_context():
         raise ValueError(
             "gather_reduce_sum_sparse_apply has no XLA kernel; call it outside "
