@@ -80,7 +80,9 @@ def log(*a):
 # ---------------------------------------------------------------------------
 # Inputs.
 
-def make_ids(n, num_rows, dist, dtype, gen, device):
+def make_ids(n, num_rows, dist, dtype, gen, device, perm=None):
+    """perm: a fixed popularity order for Zipf ids (the id of rank r is perm[r]); None draws
+    a new one per call (then successive batches have different hot ids)."""
     if n == 0:
         return torch.empty(0, dtype=dtype, device=device)
     if dist == "uniform":
@@ -89,7 +91,8 @@ def make_ids(n, num_rows, dist, dtype, gen, device):
         ranks = torch.arange(1, num_rows + 1, dtype=torch.float64)
         probs = ranks.pow(-1.1)
         draw = torch.multinomial(probs, n, replacement=True, generator=gen)
-        perm = torch.randperm(num_rows, generator=gen)
+        if perm is None:
+            perm = torch.randperm(num_rows, generator=gen)
         ids = perm[draw]
     return ids.to(dtype).to(device)
 
@@ -1078,6 +1081,310 @@ def tt_main(args, report):
     return n_fail == 0 and n_err == 0 and n_det == 0
 
 
+# ---------------------------------------------------------------------------
+# TT forward with the device-side row cache (gpu_harness.tt_embedding_bag_forward_cached),
+# section "tt_cache" (python3 python/gpu_check.py --only tt_cache): checks against float64
+# references and against the uncached forward, then the issue's cache target at FBTT's
+# shape. JSON to $OUT/gpu_check_tt_cache.json.
+
+TT_CACHE_CONFIGS = ["2core", "3core-zipf", "4core-odd-pad", "q-ones-odd-ranks", "N<prodp-pad",
+                    "tables-pad", "empty-bags", "hot-zipf-long"]
+TT_CACHE_SMALL = ["3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags"]
+
+
+def tt_cache_populate_case(c, frac, seed):
+    """Counts the batch's global ids and a batch of other valid ids into a frequency table
+    (2x the cache), then populates a cache of about frac x the batch's distinct ids the
+    layer's way (count, populate, TT rows of the fresh ids, select)."""
+    gids = c["gids"]
+    P = math.prod(c["p"])
+    M = c["tables"] * P
+    distinct = int(torch.unique(gids[gids >= 0]).numel())
+    size = max(1, int(round(frac * distinct)))
+    table = max(2 * size, 8)
+    keys = torch.full((table,), -1, dtype=torch.int64, device=DEVICE)
+    counts = torch.zeros(table, dtype=torch.int64, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed + 77)
+    n_extra = max(8, gids.numel() // 2)
+    extra = (torch.randint(0, c["tables"], (n_extra,), generator=gen) * P
+             + torch.randint(0, c["n_emb"], (n_extra,), generator=gen))
+    gh.tt_cache_count(gids.to(DEVICE), keys, counts, M)
+    gh.tt_cache_count(extra.to(DEVICE), keys, counts, M)
+    shape = gh.TTShape(c["p"], c["q"], c["ranks"], c["tables"])
+    cache_ids, cache_rows, _ = gh.tt_cache_fill(shape, c["cores"], keys, counts, size)
+    return cache_ids, cache_rows
+
+
+def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
+    c = tt_make_case(config, dtype, itype, combiner, weighted, seed)
+    res = {"section": "tt_cache", "config": config[0], "dtype": SHORT[dtype],
+           "itype": SHORT[itype], "combiner": combiner, "weighted": weighted, "frac": frac,
+           "failures": [], "worst": {}}
+    fail = res["failures"]
+    cache_ids, cache_rows = tt_cache_populate_case(c, frac, seed)
+    args = (c["cores"], c["p"], c["q"], c["ranks"], c["ids"], c["offsets"])
+    kw = tt_call_kwargs(c)
+    out_c, st = gh.tt_embedding_bag_forward_cached(*args, cache_ids, cache_rows, **kw)
+    out_u, st_u = gh.tt_embedding_bag_forward(*args, **kw)
+    ref = tt_reference(c, out_kernel=out_c)
+    ok, ratio = close(out_c, ref["out"], ref["out_abs"], dtype)
+    res["worst"]["forward_vs_f64"] = ratio
+    if not ok:
+        fail.append(f"forward vs f64 ({ratio:.3g})")
+    ok, ratio = close(out_c, out_u.detach().cpu().double(), ref["out_abs"], dtype)
+    res["worst"]["forward_vs_uncached"] = ratio
+    if not ok:
+        fail.append(f"forward vs uncached ({ratio:.3g})")
+    res["bitwise_vs_uncached"] = bool(torch.equal(bits(out_c), bits(out_u)))
+    # The cache: its rows are the TT rows of its ids (float64 from the cores), empty slots 0.
+    cids = cache_ids.cpu()
+    held = cids != gh.EMPTY_CACHE_ID
+    if bool((cids[held][1:] <= cids[held][:-1]).any()) or bool(held[int(held.sum()):].any()):
+        fail.append("cache ids not sorted / empty slots not at the end")
+    cores64 = [x.detach().cpu().double() for x in c["cores"]]
+    want = tt_rows_torch(cores64, c["p"], c["q"], c["r"], c["tables"], cids[held])
+    want_abs = tt_rows_torch([x.abs() for x in cores64], c["p"], c["q"], c["r"], c["tables"],
+                             cids[held])
+    ok, ratio = close(cache_rows[held.to(cache_rows.device)], want, want_abs, dtype)
+    res["worst"]["cache_rows_vs_f64"] = ratio
+    if not ok:
+        fail.append(f"cache rows ({ratio:.3g})")
+    if not bool((cache_rows[(~held).to(cache_rows.device)] == 0).all()):
+        fail.append("empty cache slots not zero")
+    # Hits and misses (device counts) against the unique ids found in the cache.
+    u = int(st.num_unique.item())
+    uniq = st.unique[:u].cpu()
+    if not torch.equal(uniq, ref["unique"]):
+        fail.append("unique ids")
+    if not bool((st.unique[u:] == gh.EMPTY_CACHE_ID).all()):
+        fail.append("unique ids tail not EMPTY_CACHE_ID")
+    hits = int(torch.isin(uniq, cids[held]).sum())
+    counts = st.lookup["counts"].cpu().tolist()
+    res.update(unique=u, cache_size=int(cids.numel()), cached=int(held.sum()), hits=counts[0],
+               misses=counts[1])
+    if counts != [hits, u - hits]:
+        fail.append(f"lookup counts {counts}, want {[hits, u - hits]}")
+    # The stitched rows equal the uncached TTRows rows (to tolerance).
+    if u:
+        rows_ref = tt_rows_torch(cores64, c["p"], c["q"], c["r"], c["tables"], uniq)
+        rows_abs = tt_rows_torch([x.abs() for x in cores64], c["p"], c["q"], c["r"],
+                                 c["tables"], uniq)
+        ok, ratio = close(st.rows[:u], rows_ref, rows_abs, dtype)
+        res["worst"]["rows_vs_f64"] = ratio
+        if not ok:
+            fail.append(f"stitched rows ({ratio:.3g})")
+        res["rows_bitwise_vs_uncached"] = bool(torch.equal(bits(st.rows[:u]),
+                                                           bits(st_u.rows[:u])))
+    return res
+
+
+def tt_cache_sweep(small, max_cases=None):
+    names = TT_CACHE_SMALL if small else TT_CACHE_CONFIGS
+    configs = [x for x in TT_CONFIGS if x[0] in names]
+    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else DTYPES
+    combos = [("sum", False), ("mean", True)] + ([] if small else [("sqrtn", False)])
+    cases = []
+    i = 0
+    for config in configs:
+        for dtype in dtypes:
+            for combiner, weighted in combos:
+                frac = (0.5, 1.5, 0.1)[i % 3]
+                cases.append((config, dtype, INDEX_DTYPES[(i // 2) % 2], combiner, weighted,
+                              frac))
+                i += 1
+    if max_cases and len(cases) > max_cases:
+        step = len(cases) / max_cases
+        cases = [cases[int(i * step)] for i in range(max_cases)]
+    results = []
+    for seed, case in enumerate(cases, 3000):
+        config, dtype, itype, combiner, weighted, frac = case
+        try:
+            r = tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac)
+        except Exception as exc:  # noqa: BLE001 -- reported, not hidden
+            r = {"section": "tt_cache", "config": config[0], "dtype": SHORT[dtype],
+                 "combiner": combiner, "frac": frac, "failures": [f"exception: {exc!r}"],
+                 "trace": traceback.format_exc()}
+        results.append(r)
+        if r["failures"]:
+            log("FAIL tt_cache", {k: r.get(k) for k in ("config", "dtype", "combiner", "frac")},
+                r["failures"])
+            if "trace" in r:
+                log(r["trace"])
+    return results
+
+
+def _tt_ref_bags64(cores, p, q, r, ids, bags, length, chunk=65536):
+    """float64 bag sums (and the same with |cores|) of a single-table batch with fixed-length
+    bags, on the GPU: rows of the distinct ids in chunks (the [n, r q r] gathers of all
+    lookups would not fit), then index_add per bag. Returns CPU tensors."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    c64 = [x.double() for x in cores]
+    outs = []
+    for cs in (c64, [x.abs() for x in c64]):
+        rows = torch.cat([tt_rows_torch(cs, p, q, r, 1, uniq[i:i + chunk])
+                          for i in range(0, uniq.numel(), chunk)])
+        bag_of = torch.arange(ids.numel(), device=ids.device) // length
+        out = torch.zeros(bags, rows.shape[1], dtype=torch.float64, device=ids.device)
+        outs.append(out.index_add_(0, bag_of, rows[inv]).cpu())
+        del rows
+    return outs
+
+
+def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20, 50)):
+    """The issue's cache target at FBTT's shape (f32, p=[200,220,250], q=[4,4,4], R=[32,32],
+    bag 20, sum): Zipf(1.1) ids with one fixed popularity order; a frequency table of 2 x the
+    cache counts `counted_batches` batches of B=65,536 x 20 (LaunchCacheCount), then the
+    cache (1% of the rows) is populated from it (LaunchCachePopulate, TTRows of the fresh ids,
+    select). Fresh batches (not counted) are then looked up with and without the cache."""
+    dev = "cuda"
+    p, q, ranks = [200, 220, 250], [4, 4, 4], [32, 32]
+    r = [1] + ranks + [1]
+    N, D = math.prod(p), math.prod(q)
+    C = N // 100
+    H = 2 * C
+    gen = torch.Generator(device=dev).manual_seed(11)
+    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen)
+             * (1 / r[k]) ** 0.5 for k in range(len(p))]
+    shape = gh.TTShape(p, q, ranks)
+    cgen = torch.Generator().manual_seed(13)
+    perm = torch.randperm(N, generator=cgen)
+    res = {"section": "tt_cache", "p": p, "q": q, "ranks": ranks, "dtype": "f32",
+           "bag_len": length, "rows": N, "cache_size": C, "freq_table": H,
+           "counted_batches": counted_batches, "counted_batch_lookups": 65536 * length,
+           "dist": "zipf(1.1), fixed popularity order", "cases": []}
+    t0 = time.time()
+    keys = torch.full((H,), -1, dtype=torch.int64, device=dev)
+    counts = torch.zeros(H, dtype=torch.int64, device=dev)
+    for _ in range(counted_batches):
+        gh.tt_cache_count(make_ids(65536 * length, N, "zipf", torch.int64, cgen, dev, perm),
+                          keys, counts, N)
+    cache_ids, cache_rows, pop = gh.tt_cache_fill(shape, cores, keys, counts, C)
+    torch.cuda.synchronize()
+    held = cache_ids != gh.EMPTY_CACHE_ID
+    res["cached_rows"] = int(held.sum())
+    res["cached_in_true_top1pct"] = int(torch.isin(cache_ids[held], perm[:C].to(dev)).sum())
+    res["setup_s"] = time.time() - t0
+    # Time of filling the cache (populate + TT rows of all fresh ids + select), from empty.
+    empty_ids = torch.full((C,), gh.EMPTY_CACHE_ID, dtype=torch.int64, device=dev)
+    empty_rows = torch.zeros(C, D, device=dev)
+    timed(res, "populate_from_empty", lambda i: gh.tt_cache_fill(
+        shape, cores, keys, counts, C, empty_ids, empty_rows), 10)
+    log(f"tt_cache: cache of {res['cached_rows']} rows ({res['cached_in_true_top1pct']} of them "
+        f"in the true hottest 1%), populated from {counted_batches} counted batches "
+        f"({res['setup_s']:.1f} s); populate from empty {fmt(res.get('populate_from_empty_ms'))} ms")
+    for B, it in zip(B_list, iters):
+        nnz = B * length
+        sets = [make_ids(nnz, N, "zipf", torch.int64, cgen, dev, perm) for _ in range(3)]
+        off = torch.arange(0, nnz + 1, length, device=dev)
+        splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
+        row = {"B": B, "lookups": nnz}
+        # Correctness at the bench shape (set 0): cached vs uncached vs float64.
+        out_c, st = gh.tt_embedding_bag_forward_cached(cores, p, q, ranks, sets[0], off,
+                                                       cache_ids, cache_rows,
+                                                       table_splits=splits, check=True)
+        out_u, st_u = gh.tt_embedding_bag_forward(cores, p, q, ranks, sets[0], off,
+                                                  table_splits=splits, check=True)
+        ref, ref_abs = _tt_ref_bags64(cores, p, q, r, sets[0], B, length)
+        ok1, ratio1 = close(out_c, ref, ref_abs, torch.float32)
+        ok2, ratio2 = close(out_c, out_u.detach().cpu().double(), ref_abs, torch.float32)
+        u = int(st.num_unique.item())
+        hits, misses = st.lookup["counts"].cpu().tolist()
+        pos = st.lookup["position"]
+        entry_hit = pos[st.slots.long()] >= 0
+        row.update(check_ok=ok1 and ok2 and hits + misses == u, worst_vs_f64=ratio1,
+                   worst_vs_uncached=ratio2,
+                   bitwise_vs_uncached=bool(torch.equal(bits(out_c), bits(out_u))),
+                   unique=u, unique_hits=hits, unique_misses=misses,
+                   unique_hit_rate=hits / max(u, 1),
+                   lookup_hit_rate=float(entry_hit.double().mean()),
+                   oracle_lookup_hit_rate=float(torch.isin(sets[0], perm[:C].to(dev))
+                                                .double().mean()))
+        del ref, ref_abs, st_u, entry_hit
+        # Whole forwards.
+        fwd_u = lambda i: gh.tt_embedding_bag_forward(  # noqa: E731
+            cores, p, q, ranks, sets[i % 3], off, table_splits=splits, check=False)
+        fwd_c = lambda i: gh.tt_embedding_bag_forward_cached(  # noqa: E731
+            cores, p, q, ranks, sets[i % 3], off, cache_ids, cache_rows, table_splits=splits,
+            check=False)
+        timed(row, "fwd_nocache", fwd_u, it)
+        timed(row, "fwd_cache", fwd_c, it)
+        # Pieces of the cached forward, each alone on the intermediates of its input set.
+        states = [gh.tt_embedding_bag_forward_cached(
+            cores, p, q, ranks, s, off, cache_ids, cache_rows, table_splits=splits,
+            check=False)[1] for s in sets]
+        sts_u = [gh.tt_embedding_bag_forward(cores, p, q, ranks, s, off, table_splits=splits,
+                                             check=False)[1] for s in sets]
+        n_emb = N
+        timed(row, "part_unique_ids", lambda i: gh.tt_unique_ids_async(
+            sets[i % 3], splits, n_emb, N, None, unique_fill=gh.EMPTY_CACHE_ID), it)
+        timed(row, "part_lookup", lambda i: gh.tt_cache_lookup(states[i % 3].unique, cache_ids),
+              it)
+        timed(row, "part_rows_misses", lambda i: gh.tt_rows_async(
+            shape, cores, states[i % 3].lookup["miss_ids"], states[i % 3].num_miss), it)
+        timed(row, "part_rows_all_unique", lambda i: gh.tt_rows_async(
+            shape, cores, sts_u[i % 3].unique, sts_u[i % 3].num_unique), it)
+        timed(row, "part_stitch", lambda i: gh.tt_select_rows(
+            cache_rows, states[i % 3].lookup["position"], states[i % 3].miss_rows,
+            states[i % 3].lookup["miss_rank"]), it)
+        timed(row, "part_bag_reduce", lambda i: gh.forward_async(
+            states[i % 3].rows, states[i % 3].slots, off, None, "sum", padding_id=-1), it)
+        # Counting one batch (training's job, not the forward's), on copies of the table.
+        k2, c2 = keys.clone(), counts.clone()
+        timed(row, "count_per_batch", lambda i: gh.tt_cache_count(sets[i % 3], k2, c2, N), it)
+        del states, sts_u, k2, c2
+        if row.get("fwd_nocache_ms") and row.get("fwd_cache_ms"):
+            row["speedup_cache"] = row["fwd_nocache_ms"] / row["fwd_cache_ms"]
+            row["target_3x_met"] = row["speedup_cache"] >= 3.0
+        res["cases"].append(row)
+        log(json.dumps(row))
+        del sets
+        torch.cuda.empty_cache()
+    return res
+
+
+def tt_cache_main(args, report):
+    gh.POISON = True
+    t0 = time.time()
+    sweep = tt_cache_sweep(args.small, args.max_cases)
+    gh.POISON = False
+    report["tt_cache_sweep_s"] = time.time() - t0
+    report["tt_cache_sweep"] = sweep
+    n_fail = sum(bool(r["failures"]) for r in sweep)
+    n_bits = sum(bool(r.get("bitwise_vs_uncached")) for r in sweep)
+    log(f"tt_cache sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
+        f"({report['tt_cache_sweep_s']:.1f} s); output bitwise equal to the uncached forward "
+        f"in {n_bits}/{len(sweep)}; hits/unique "
+        + ", ".join(f"{r.get('hits')}/{r.get('unique')}" for r in sweep[:12]))
+    worst = {}
+    for r in sweep:
+        for k, v in r.get("worst", {}).items():
+            key = (r["dtype"], k)
+            worst[key] = max(worst.get(key, 0.0), v)
+    for (dt, k), v in sorted(worst.items()):
+        log(f"  tt_cache worst |err| / sum|terms|  {dt:5s} {k:22s} {v:.3g}")
+    passed = n_fail == 0
+    if not args.small and not args.no_bench:
+        try:
+            bench = tt_cache_bench()
+        except Exception as exc:  # noqa: BLE001
+            bench = {"error": repr(exc)[:500], "trace": traceback.format_exc()}
+            log(bench["trace"])
+        report["tt_cache_bench"] = bench
+        cases = bench.get("cases", [])
+        passed = passed and "error" not in bench and all(c["check_ok"] for c in cases)
+        for c in cases:
+            log(f"tt_cache B={c['B']}: unique {c['unique']}, unique hit rate "
+                f"{c['unique_hit_rate']:.3f}, lookup hit rate {c['lookup_hit_rate']:.3f} "
+                f"(oracle {c['oracle_lookup_hit_rate']:.3f}); fwd no cache "
+                f"{fmt(c.get('fwd_nocache_ms'), '.4f')} ms, with cache "
+                f"{fmt(c.get('fwd_cache_ms'), '.4f')} ms: {fmt(c.get('speedup_cache'), '.2f')}x "
+                f"(target 3x); count/batch {fmt(c.get('count_per_batch_ms'), '.4f')} ms; parts "
+                + ", ".join(f"{k[5:-3]} {c[k]:.4f}" for k in sorted(c)
+                            if k.startswith("part_") and k.endswith("_ms") and
+                            not k.endswith(("_eager_ms", "_graph_ms")) and c[k] is not None))
+    return passed
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="small sweep, no benchmarks")
@@ -1085,8 +1392,9 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--max-cases", type=int, help="cap the sweep at this many cases")
     ap.add_argument("--profile", action="store_true", help="only run the PKM shapes once")
-    ap.add_argument("--only", choices=["grs", "tt"],
-                    help="run one section: grs (gather_reduce_sum) or tt (TT embedding bags)")
+    ap.add_argument("--only", choices=["grs", "tt", "tt_cache"],
+                    help="run one section: grs (gather_reduce_sum), tt (TT embedding bags) or "
+                         "tt_cache (TT forward with the device row cache; not run by default)")
     args = ap.parse_args()
 
     report = {"argv": sys.argv, "host": platform.node()}
@@ -1107,6 +1415,16 @@ def main():
     report["gpu"] = props.name
     report["torch"] = torch.__version__
     log(f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
+    if args.only == "tt_cache":
+        passed = tt_cache_main(args, report)
+        report["passed"] = passed
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            name = "gpu_check_tt_cache_small.json" if args.small else "gpu_check_tt_cache.json"
+            with open(os.path.join(out_dir, name), "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        log("PASSED" if passed else "FAILED")
+        return 0 if passed else 1
     if args.only == "tt":
         passed = tt_main(args, report)
         report["passed"] = passed
