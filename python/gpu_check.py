@@ -1328,6 +1328,40 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             states[i % 3].lookup["miss_rank"]), it)
         timed(row, "part_bag_reduce", lambda i: gh.forward_async(
             states[i % 3].rows, states[i % 3].slots, off, None, "sum", padding_id=-1), it)
+        # Distinct level-1 prefixes (id // p_2: the products of level 1) among all unique ids
+        # and among the misses: the TT work the misses still need at that level.
+        row["level1_prefixes_unique"] = int(torch.unique(
+            sts_u[0].unique[:int(sts_u[0].num_unique.item())] // p[2]).numel())
+        nm0 = int(states[0].num_miss.item())
+        row["level1_prefixes_misses"] = int(torch.unique(
+            states[0].lookup["miss_ids"][:nm0] // p[2]).numel())
+        # The same forwards with U and the misses known on the host (as the TF glue has them
+        # after its one read-back): buffers and the stitch sized exactly, not by nnz.
+        sizes = []
+        for k in range(3):
+            sizes.append((int(sts_u[k].num_unique.item()), int(states[k].num_miss.item())))
+
+        def fwd_u_exact(i):
+            u_, _ = sizes[i % 3]
+            uq, sl, _ = gh.tt_unique_ids_async(sets[i % 3], splits, N, N, None)
+            rows, _ = gh.tt_rows_async(shape, cores, uq[:u_])
+            gh.forward_async(rows, sl, off, None, "sum", padding_id=-1)
+
+        def fwd_c_exact(i):
+            u_, m_ = sizes[i % 3]
+            uq, sl, _ = gh.tt_unique_ids_async(sets[i % 3], splits, N, N, None)
+            lk = gh.tt_cache_lookup(uq[:u_], cache_ids)
+            mr, _ = gh.tt_rows_async(shape, cores, lk["miss_ids"][:m_])
+            rows = gh.tt_select_rows(cache_rows, lk["position"], mr, lk["miss_rank"])
+            gh.forward_async(rows, sl, off, None, "sum", padding_id=-1)
+
+        timed(row, "fwd_nocache_exact", fwd_u_exact, it)
+        timed(row, "fwd_cache_exact", fwd_c_exact, it)
+        timed(row, "part_stitch_exact", lambda i: gh.tt_select_rows(
+            cache_rows, states[i % 3].lookup["position"][:sizes[i % 3][0]],
+            states[i % 3].miss_rows, states[i % 3].lookup["miss_rank"][:sizes[i % 3][0]]), it)
+        if row.get("fwd_nocache_exact_ms") and row.get("fwd_cache_exact_ms"):
+            row["speedup_cache_exact"] = row["fwd_nocache_exact_ms"] / row["fwd_cache_exact_ms"]
         # Counting one batch (training's job, not the forward's), on copies of the table.
         k2, c2 = keys.clone(), counts.clone()
         timed(row, "count_per_batch", lambda i: gh.tt_cache_count(sets[i % 3], k2, c2, N), it)
@@ -1378,7 +1412,11 @@ def tt_cache_main(args, report):
                 f"(oracle {c['oracle_lookup_hit_rate']:.3f}); fwd no cache "
                 f"{fmt(c.get('fwd_nocache_ms'), '.4f')} ms, with cache "
                 f"{fmt(c.get('fwd_cache_ms'), '.4f')} ms: {fmt(c.get('speedup_cache'), '.2f')}x "
-                f"(target 3x); count/batch {fmt(c.get('count_per_batch_ms'), '.4f')} ms; parts "
+                f"(target 3x); exact sizes {fmt(c.get('fwd_nocache_exact_ms'), '.4f')} / "
+                f"{fmt(c.get('fwd_cache_exact_ms'), '.4f')} ms: "
+                f"{fmt(c.get('speedup_cache_exact'), '.2f')}x; level-1 prefixes "
+                f"{c.get('level1_prefixes_unique')} / misses {c.get('level1_prefixes_misses')}; "
+                f"count/batch {fmt(c.get('count_per_batch_ms'), '.4f')} ms; parts "
                 + ", ".join(f"{k[5:-3]} {c[k]:.4f}" for k in sorted(c)
                             if k.startswith("part_") and k.endswith("_ms") and
                             not k.endswith(("_eager_ms", "_graph_ms")) and c[k] is not None))
