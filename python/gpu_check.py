@@ -24,6 +24,13 @@ padding, empty bags, Zipf ids, every dtype and combiner, against float64 referen
 messages; bitwise determinism; benchmarks at FBTT's shape (B = 512 and 65,536, uniform and
 Zipf) with the TT-math and executed FLOP rates and a plain torch TT (gather core slices +
 bmm, autograd) in the same run. JSON to $OUT/gpu_check_tt.json.
+
+Section "tt_cache" (python3 python/gpu_check.py --only tt_cache; only when asked for): the TT
+forward with the device-side row cache (gpu_harness.tt_embedding_bag_forward_cached: unique
+ids -> cache lookup -> TTRows of the misses -> stitch -> bag reduction, no host sync), with
+caches populated the layer's way (count, populate, TT rows of the fresh ids), against float64
+and the uncached forward; then the issue's cache benchmark at FBTT's shape (cache = hottest
+1% of 11M rows, Zipf(1.1), B = 65,536 and 512). JSON to $OUT/gpu_check_tt_cache.json.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 # without it the library is built here first (bash python/build_gpu_harness.sh /tmp/h).
 # Steps: python/gpu_check.py --only tt_cache (checks + benchmark, alone on the GPU), then in
 # parallel: compute-sanitizer memcheck over `--only tt_cache --small`, racecheck over
-# `--only tt --small --max-cases RACE_CASES` and racecheck over `--only tt_cache --small
+# `--only tt --small --max-cases RACE_CASES` (0, the default: the whole 36-case small sweep,
+# ~50 s of sweep under racecheck on the H200) and racecheck over `--only tt_cache --small
 # --max-cases CACHE_RACE_CASES`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -41,8 +42,8 @@ timeout "${MEMCHECK_TIMEOUT:-120}" compute-sanitizer --tool memcheck --leak-chec
   --print-limit 20 python3 python/gpu_check.py --only tt_cache --small --lib "$LIB" \
   > "$OUT/memcheck_tt_cache.log" 2>&1 &
 MC=$!
-timeout "${RACECHECK_TIMEOUT:-170}" compute-sanitizer --tool racecheck --print-limit 20 \
-  python3 python/gpu_check.py --only tt --small --max-cases "${RACE_CASES:-12}" --lib "$LIB" \
+timeout "${RACECHECK_TIMEOUT:-200}" compute-sanitizer --tool racecheck --print-limit 20 \
+  python3 python/gpu_check.py --only tt --small --max-cases "${RACE_CASES:-0}" --lib "$LIB" \
   > "$OUT/racecheck_tt.log" 2>&1 &
 RC=$!
 timeout "${RACECHECK_TIMEOUT:-170}" compute-sanitizer --tool racecheck --print-limit 20 \
