@@ -216,3 +216,89 @@ def test_mirrored_strategy_matches_one_device(rng):
             assert report["unused_rows_same"], report
             assert report["custom_op"] and not report["composite"], report
             assert report["grads"] == ["grad:IndexedSlices"], report
+
+
+# --------------------------------------------------------------------------------------
+# sharded_gather_reduce_sum on lists of shards (this process, no cluster).
+# --------------------------------------------------------------------------------------
+
+import bags as bag_data  # noqa: E402  (tests/ is on sys.path under pytest)
+
+
+@pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
+@pytest.mark.parametrize(
+    "combiner_weighted", bag_data.COMBINER_WEIGHTING, ids=bag_data.combiner_id
+)
+@pytest.mark.parametrize("dtype_name", ["float64", "float32", "float16", "bfloat16"])
+def test_sharded_lookup_matches_reference(rng, form, combiner_weighted, dtype_name):
+    """Three uneven shards: output, per-shard IndexedSlices gradients and weight gradients
+    equal the float64 reference of the unsharded table (padding, empty bags included)."""
+    combiner, weighted = combiner_weighted
+    dtype = bag_data.DTYPES[dtype_name]
+    num_rows, dim, padding_id = 23, 5, 4
+    rows = [7, 11, 5]
+    bags = bag_data.make_bags(rng, form, num_rows, tf.int64, padding_id=padding_id)
+    params, params64 = bag_data.make_params(rng, num_rows, dim, dtype, distinct=True)
+    offsets = np.cumsum([0] + rows)
+    shards = [tf.Variable(params[lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
+    weights = weights64 = None
+    if weighted:
+        values, weights64 = bag_data.make_weights(rng, bags, dtype)
+        weights = bag_data.weights_like(bags.ids, values)
+    upstream, upstream64 = bag_data.make_upstream(rng, bags, dim, dtype)
+    with tf.GradientTape() as tape:
+        if weighted:
+            tape.watch(values)
+        out = distribute.sharded_gather_reduce_sum(
+            shards, bags.ids, weights, combiner=combiner, padding_id=padding_id
+        )
+        loss = tf.reduce_sum(tf.cast(out, tf.float64) * tf.cast(upstream, tf.float64))
+    grads = tape.gradient(loss, shards + ([values] if weighted else []))
+    want, want_dp, want_dw = bag_data.reference_all(
+        params64, bags, weights64, upstream64, combiner, padding_id
+    )
+    assert out.dtype == dtype and tuple(out.shape) == bags.lead_shape + (dim,)
+    got = bag_data.dense_value(out).reshape(bags.num_bags, dim)
+    bag_data.assert_close(got, want[0], want[1], dtype, "output")
+    touched = set(np.unique(bags.flat_ids[bags.flat_ids != padding_id]).tolist())
+    for s, (grad, lo, hi) in enumerate(zip(grads, offsets[:-1], offsets[1:])):
+        assert isinstance(grad, tf.IndexedSlices), (s, type(grad))
+        # Only this shard's touched rows, in local numbering.
+        assert set(grad.indices.numpy().tolist()) <= {r - lo for r in touched if lo <= r < hi}
+        assert int(grad.dense_shape[0]) == hi - lo
+        bag_data.assert_close(
+            bag_data.dense_value(grad), want_dp[0][lo:hi], want_dp[1][lo:hi], dtype, f"shard {s}"
+        )
+    if weighted:
+        bag_data.assert_close(
+            bags.csr_from_values(bag_data.dense_value(grads[-1])), want_dw[0], want_dw[1],
+            dtype, "weights grad",
+        )
+
+
+def test_sharded_lookup_in_tf_function_and_errors(rng):
+    table = rng.normal(size=(9, 3))
+    shards = [tf.Variable(table[:5]), tf.Variable(table[5:])]
+    ids = tf.constant([[1, 8, 8], [0, 6, 2]])
+    lookup = tf.function(
+        lambda ids: distribute.sharded_gather_reduce_sum(shards, ids, combiner="sqrtn")
+    )
+    want = (table[[1, 8, 8]].sum(0) / np.sqrt(3), table[[0, 6, 2]].sum(0) / np.sqrt(3))
+    np.testing.assert_allclose(lookup(ids).numpy(), np.stack(want), rtol=1e-12)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[3\] = 9 is not in \[0, 9\)"):
+        distribute.sharded_gather_reduce_sum(shards, tf.constant([[1, 2], [3, 9]]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 9\)"):
+        lookup(tf.constant([[1, 2, -3], [3, 4, 5]]))
+    with pytest.raises(ValueError, match=r"shard 1 is \(4, 2\) float64"):
+        distribute.sharded_gather_reduce_sum(
+            [tf.Variable(table[:5]), tf.Variable(table[5:, :2])], ids
+        )
+    with pytest.raises(ValueError, match="combiner 'max' does not take weights"):
+        distribute.sharded_gather_reduce_sum(shards, ids, tf.ones([2, 3], tf.float64), "max")
+    # Not sharded: the plain op.
+    assert distribute.shards_of(tf.Variable(table)) is None
+    np.testing.assert_allclose(
+        distribute.sharded_gather_reduce_sum(tf.constant(table), ids).numpy(),
+        np.stack([table[[1, 8, 8]].sum(0), table[[0, 6, 2]].sum(0)]),
+        rtol=1e-12,
+    )
