@@ -302,3 +302,165 @@ def test_sharded_lookup_in_tf_function_and_errors(rng):
         np.stack([table[[1, 8, 8]].sum(0), table[[0, 6, 2]].sum(0)]),
         rtol=1e-12,
     )
+
+
+# --------------------------------------------------------------------------------------
+# ParameterServerStrategy on a localhost cluster: 2 workers, 2 parameter servers.
+# --------------------------------------------------------------------------------------
+
+# Starts the cluster's servers: `IN_PROCESS` ones in this process (what TF's in-process
+# cluster examples do), the others as `tf.distribute.Server` subprocesses that import
+# tf_ttemb first (every task must have the ops registered).
+CLUSTER = """
+    import json, os, socket, subprocess, sys, time
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    import tf_ttemb
+    from tf_ttemb import distribute
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            return s.getsockname()[1]
+
+    SPEC = {"worker": [f"localhost:{free_port()}" for _ in range(2)],
+            "ps": [f"localhost:{free_port()}" for _ in range(2)]}
+    SERVER = (
+        "import json, sys\\n"
+        "import tensorflow as tf\\n"
+        "import tf_ttemb\\n"
+        "server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(sys.argv[1])),\\n"
+        "    job_name=sys.argv[2], task_index=int(sys.argv[3]), protocol='grpc', start=True)\\n"
+        "print('ready', flush=True)\\n"
+        "server.join()\\n")
+    REPO = os.getcwd()
+
+    def start_server(job, index, cwd):
+        return subprocess.Popen(
+            [sys.executable, "-c", SERVER, json.dumps(SPEC), job, str(index)],
+            stdout=subprocess.PIPE, cwd=cwd, env=dict(os.environ, PYTHONPATH=REPO))
+
+    def connect(in_process, partitioner):
+        servers = [tf.distribute.Server(tf.train.ClusterSpec(SPEC), job_name=job,
+                                        task_index=index, protocol="grpc", start=True)
+                   for job, index in in_process]
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(SPEC), rpc_layer="grpc")
+        strategy = tf.distribute.ParameterServerStrategy(
+            resolver, variable_partitioner=partitioner)
+        return servers, strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+"""
+
+PS_LOOKUP = (
+    CLUSTER
+    + """
+    data = np.load(sys.argv[1])
+    N, D, LR = data["table"].shape[0], data["table"].shape[1], 0.5
+    servers, strategy, coordinator = connect(
+        [("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)],
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+    COMBINERS = ("sum", "mean", "sqrtn", "max")
+    with strategy.scope():
+        layers = [tf_ttemb.layers.EmbeddingBag(N, D, combiner=c, padding_id=int(data["padding"]),
+                                               dtype="float64") for c in COMBINERS]
+        for layer in layers:
+            layer.build(None)
+            layer.embeddings.assign(data["table"])
+        # Keras optimizers take the shard variables (Keras 3 cannot differentiate w.r.t. a
+        # Keras variable holding a ShardedVariable).
+        shards = [s for layer in layers for s in distribute.shards_of(layer.embeddings)]
+        optimizer = keras.optimizers.SGD(LR)
+        optimizer.build(shards)
+    ids = tf.RaggedTensor.from_row_splits(data["ids"], data["splits"])
+    weights = ids.with_flat_values(tf.constant(data["weights"]))
+    graphs = []
+
+    @tf.function
+    def step():
+        def replica():
+            with tf.GradientTape() as tape:
+                outputs = [layer(ids, None if layer.combiner == "max" else weights)
+                           for layer in layers]
+                loss = tf.add_n([tf.reduce_sum(out * data["dy"]) for out in outputs])
+            grads = tape.gradient(loss, shards)
+            optimizer.apply(grads, shards)
+            return outputs, [(g.indices, g.values) for g in grads]
+        graphs.append(tf.compat.v1.get_default_graph())
+        return strategy.run(replica)
+
+    outputs, grads = coordinator.schedule(step).fetch()
+    coordinator.join()
+    graph = graphs[0]
+    # Which ops use the shards' handles (captured into the function as placeholders)?
+    handles = {id(internal) for external, internal in graph.captures
+               if any(external is s.handle for s in shards)}
+    users = sorted({op.type for op in graph.get_operations()
+                    if any(id(t) in handles for t in op.inputs)})
+    lookups = sorted({op.device for op in graph.get_operations()
+                      if op.type == "TfTtemb>ResourceGatherReduceSum"})
+    result = {f"out_{c}": np.asarray(o) for c, o in zip(COMBINERS, outputs)}
+    for k, (layer, c) in enumerate(zip(layers, COMBINERS)):
+        for s in range(2):
+            index, values = grads[2 * k + s]
+            result[f"grad_{c}_{s}_indices"] = np.asarray(index)
+            result[f"grad_{c}_{s}_values"] = np.asarray(values)
+            result[f"after_{c}_{s}"] = distribute.shards_of(layer.embeddings)[s].numpy()
+        result[f"rows_{c}"] = np.asarray([v.shape[0] for v in distribute.shards_of(layer.embeddings)])
+        result[f"devices_{c}"] = np.asarray([v.device for v in distribute.shards_of(layer.embeddings)])
+    np.savez(sys.argv[2], **result)
+    print(json.dumps({"handle_users": users, "lookup_devices": lookups}), flush=True)
+"""
+)
+
+
+def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
+    """EmbeddingBag tables sharded over 2 parameter servers: every combiner (weights,
+    padding, an empty bag) equals the float64 reference of the unsharded table, each
+    shard's lookup runs on its parameter server, the table is never read whole, and one
+    SGD step moves only the touched rows of each shard by their IndexedSlices gradient."""
+    import reference
+
+    num_rows, dim, padding = 13, 3, 5
+    lengths = np.array([3, 0, 4, 2, 5])
+    flat = rng.integers(0, num_rows, size=lengths.sum())
+    flat[[1, 7]] = padding
+    splits = np.concatenate([[0], np.cumsum(lengths)])
+    table = rng.normal(size=(num_rows, dim))
+    weights = rng.uniform(0.5, 2.0, size=flat.shape)
+    dy = rng.normal(size=(len(lengths), dim))
+    np.savez(tmp_path / "in.npz", table=table, ids=flat, splits=splits, weights=weights, dy=dy,
+             padding=padding)
+    reports = run_script(PS_LOOKUP, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
+    got = np.load(tmp_path / "out.npz")
+    report = reports[-1]
+    assert report["lookup_devices"] == [
+        "/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"
+    ], report
+    # The shards are only read by the fused op (and its gradient, and the tape's empty
+    # sparse read) and written by the optimizer's row scatter: never read whole.
+    assert "ReadVariableOp" not in report["handle_users"], report
+    assert "TfTtemb>ResourceGatherReduceSum" in report["handle_users"], report
+    touched = np.unique(flat[flat != padding])
+    for combiner in ("sum", "mean", "sqrtn", "max"):
+        w = None if combiner == "max" else weights
+        want, scale = reference.forward(table, flat, splits, w, combiner, padding)
+        np.testing.assert_allclose(got[f"out_{combiner}"], want, rtol=1e-10, atol=1e-12 * scale.max())
+        want_grad, _ = reference.params_grad(table, flat, splits, dy, w, combiner, padding)
+        rows = got[f"rows_{combiner}"]
+        assert list(rows) == [7, 6], rows
+        assert [str(d) for d in got[f"devices_{combiner}"]] == [
+            "/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
+        offsets = [0, rows[0], num_rows]
+        for s in range(2):
+            lo, hi = offsets[s], offsets[s + 1]
+            index = got[f"grad_{combiner}_{s}_indices"]
+            local_touched = touched[(touched >= lo) & (touched < hi)] - lo
+            np.testing.assert_array_equal(np.sort(index), local_touched)
+            dense = np.zeros((hi - lo, dim))
+            np.add.at(dense, index, got[f"grad_{combiner}_{s}_values"])
+            np.testing.assert_allclose(dense, want_grad[lo:hi], rtol=1e-10, atol=1e-12)
+            after, before = got[f"after_{combiner}_{s}"], table[lo:hi]
+            np.testing.assert_allclose(after, before - 0.5 * want_grad[lo:hi], rtol=1e-10, atol=1e-12)
+            untouched = np.setdiff1d(np.arange(hi - lo), local_touched)
+            np.testing.assert_array_equal(after[untouched], before[untouched])
