@@ -464,3 +464,158 @@ def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
             np.testing.assert_allclose(after, before - 0.5 * want_grad[lo:hi], rtol=1e-10, atol=1e-12)
             untouched = np.setdiff1d(np.arange(hi - lo), local_touched)
             np.testing.assert_array_equal(after[untouched], before[untouched])
+
+
+PS_RECOVERY = (
+    CLUSTER
+    + """
+    import glob, signal
+    data = np.load(sys.argv[1])
+    tmp = sys.argv[2]
+    N, D = data["table"].shape
+    STEPS, MORE, LR = 8, 4, float(data["lr"])
+    # Each worker process writes its marker files relative to its own working directory,
+    # so where a marker appears tells which worker ran the step.
+    DIRS = {"w0": f"{tmp}/w0", "w1": f"{tmp}/w1", "w1-restarted": f"{tmp}/w1r"}
+    for d in DIRS.values():
+        os.mkdir(d)
+    w1 = start_server("worker", 1, DIRS["w1"])
+    servers, strategy, coordinator = connect(
+        [("worker", 0), ("ps", 0), ("ps", 1)],
+        tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
+    assert w1.stdout.readline().strip() == b"ready"
+    os.chdir(DIRS["w0"])  # worker 0 runs in this process
+    with strategy.scope():
+        layer = tf_ttemb.layers.EmbeddingBag(N, D, combiner="mean", dtype="float64")
+        layer.build(None)
+        layer.embeddings.assign(data["table"])
+    shards = distribute.shards_of(layer.embeddings)
+
+    def path(kind, i):
+        return tf.strings.join([kind, "_", tf.strings.as_string(i)])
+
+    @tf.function
+    def step(i, ids, weights, dy):
+        # Markers are unique per execution (a timestamp in the name): re-runs are counted.
+        run = tf.strings.as_string(tf.timestamp(), precision=6)
+        started = tf.io.write_file(tf.strings.join([path("started", i), "_", run]), "")
+        with tf.control_dependencies([started]):
+            go = path("go", i)
+
+        # The step waits on its worker, before touching the parameter servers, until the
+        # test creates its go file. The probed name depends on the loop counter so that
+        # no graph optimization folds the check.
+        def waiting(n):
+            probe = tf.strings.join([go, tf.strings.substr(tf.strings.as_string(n), 0, 0)])
+            return tf.equal(tf.size(tf.io.matching_files(probe)), 0)
+
+        waited = tf.while_loop(waiting, lambda n: n + 1, [tf.constant(0, tf.int64)])[0]
+        with tf.control_dependencies([waited]):
+            ids, weights, dy = tf.identity(ids), tf.identity(weights), tf.identity(dy)
+
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(ids, weights) * dy)
+            grads = tape.gradient(loss, shards)
+            updates = [s.scatter_sub(tf.IndexedSlices(LR * g.values, g.indices))
+                       for s, g in zip(shards, grads)]
+            with tf.control_dependencies(updates):
+                return tf.io.write_file(tf.strings.join([path("done", i), "_", run]), "")
+
+        strategy.run(replica)
+        return i
+
+    def schedule(steps):
+        for i in steps:
+            coordinator.schedule(step, args=(tf.constant(i), tf.constant(data["ids"][i]),
+                                             tf.constant(data["weights"][i]),
+                                             tf.constant(data["dy"][i])))
+
+    def markers(kind, i):
+        return sorted(w for w, d in DIRS.items() for _ in glob.glob(f"{d}/{kind}_{i}_*"))
+
+    state = {"victim": None, "w1": w1}
+    handled = set()
+
+    def serve(steps, hold_w0=False):
+        # Lets waiting steps go; kills worker 1 on the first step >= 2 it holds.
+        for i in steps:
+            for who in markers("started", i):
+                if (who, i) in handled:
+                    continue
+                if state["victim"] is None and i >= 2 and who == "w1":
+                    os.kill(state["w1"].pid, signal.SIGKILL)
+                    state["w1"].wait()
+                    state["victim"] = i
+                    handled.add((who, i))
+                    state["w1"] = start_server("worker", 1, DIRS["w1-restarted"])
+                    continue
+                if hold_w0 and who == "w0":
+                    continue
+                open(f"{DIRS[who]}/go_{i}", "w").close()
+                handled.add((who, i))
+
+    schedule(range(STEPS))
+    deadline = time.time() + 120
+    while (not coordinator.done() or state["victim"] is None) and time.time() < deadline:
+        serve(range(STEPS))
+        time.sleep(0.02)
+    assert state["victim"] is not None, "worker 1 never held a step >= 2"
+    coordinator.join()
+    # Worker 1 comes back at its address; hold worker 0's steps until it has run one.
+    assert state["w1"].stdout.readline().strip() == b"ready"
+    schedule(range(STEPS, STEPS + MORE))
+    deadline = time.time() + 60
+    while not coordinator.done():
+        rejoined = any("w1-restarted" in markers("started", j)
+                       for j in range(STEPS, STEPS + MORE))
+        serve(range(STEPS, STEPS + MORE), hold_w0=not rejoined and time.time() < deadline)
+        time.sleep(0.02)
+    coordinator.join()
+    np.save(f"{tmp}/table.npy", np.concatenate([s.numpy() for s in shards]))
+    print(json.dumps({
+        "victim": state["victim"],
+        "started": {i: markers("started", i) for i in range(STEPS + MORE)},
+        "done": {i: markers("done", i) for i in range(STEPS + MORE)},
+    }), flush=True)
+    state["w1"].kill()
+    os._exit(0)  # skip the coordinator's teardown RPCs to the killed worker
+"""
+)
+
+
+def test_parameter_server_worker_killed_mid_training(rng, tmp_path):
+    """A worker process is killed (SIGKILL) while it holds a scheduled training step, before
+    the step has touched the parameter servers. As ClusterCoordinator documents, the step
+    is re-run on the other worker, training continues, and the restarted worker rejoins;
+    every step is applied exactly once (final table = initial - lr * sum of the steps'
+    gradients: the loss is linear in the table, so the steps commute whatever their order).
+    """
+    import reference
+
+    num_rows, dim, steps, lr = 17, 3, 12, 0.25
+    table = rng.normal(size=(num_rows, dim))
+    ids = rng.integers(0, num_rows, size=(steps, 4, 3))
+    weights = rng.uniform(0.5, 2.0, size=(steps, 4, 3))
+    dy = rng.normal(size=(steps, 4, dim))
+    np.savez(tmp_path / "in.npz", table=table, ids=ids, weights=weights, dy=dy, lr=lr)
+    report = run_script(PS_RECOVERY, str(tmp_path / "in.npz"), str(tmp_path), timeout=400)[-1]
+    victim = report["victim"]
+    started, done = report["started"], report["done"]
+    # The victim started on worker 1, never finished there, and was re-run elsewhere
+    # (worker 0, or the restarted worker 1 if it was back first).
+    assert "w1" in started[str(victim)] and len(started[str(victim)]) == 2, report
+    assert done[str(victim)] in (["w0"], ["w1-restarted"]), report
+    # Every step finished exactly once; the restarted worker ran some of the later ones.
+    assert all(len(done[str(i)]) == 1 for i in range(steps)), report
+    assert any(done[str(i)] == ["w1-restarted"] for i in range(8, steps)), report
+    expected = table.copy()
+    splits = np.arange(0, 13, 3)
+    for i in range(steps):
+        grad, _ = reference.params_grad(
+            table, ids[i].reshape(-1), splits, dy[i], weights[i].reshape(-1), "mean"
+        )
+        expected -= lr * grad
+    got = np.load(tmp_path / "table.npy")
+    # A lost or doubled step would be off by lr * its gradient, far beyond rounding.
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
