@@ -285,7 +285,8 @@ def test_sharded_lookup_in_tf_function_and_errors(rng):
     )
     want = (table[[1, 8, 8]].sum(0) / np.sqrt(3), table[[0, 6, 2]].sum(0) / np.sqrt(3))
     np.testing.assert_allclose(lookup(ids).numpy(), np.stack(want), rtol=1e-12)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[3\] = 9 is not in \[0, 9\)"):
+    bad = r"indices\[3\] = 9 is not in \[0, 9\)"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=bad):
         distribute.sharded_gather_reduce_sum(shards, tf.constant([[1, 2], [3, 9]]))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 9\)"):
         lookup(tf.constant([[1, 2, -3], [3, 4, 5]]))
@@ -406,8 +407,9 @@ PS_LOOKUP = (
             result[f"grad_{c}_{s}_indices"] = np.asarray(index)
             result[f"grad_{c}_{s}_values"] = np.asarray(values)
             result[f"after_{c}_{s}"] = distribute.shards_of(layer.embeddings)[s].numpy()
-        result[f"rows_{c}"] = np.asarray([v.shape[0] for v in distribute.shards_of(layer.embeddings)])
-        result[f"devices_{c}"] = np.asarray([v.device for v in distribute.shards_of(layer.embeddings)])
+        layer_shards = distribute.shards_of(layer.embeddings)
+        result[f"rows_{c}"] = np.asarray([v.shape[0] for v in layer_shards])
+        result[f"devices_{c}"] = np.asarray([v.device for v in layer_shards])
     np.savez(sys.argv[2], **result)
     print(json.dumps({"handle_users": users, "lookup_devices": lookups}), flush=True)
 """
@@ -445,7 +447,9 @@ def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
     for combiner in ("sum", "mean", "sqrtn", "max"):
         w = None if combiner == "max" else weights
         want, scale = reference.forward(table, flat, splits, w, combiner, padding)
-        np.testing.assert_allclose(got[f"out_{combiner}"], want, rtol=1e-10, atol=1e-12 * scale.max())
+        np.testing.assert_allclose(
+            got[f"out_{combiner}"], want, rtol=1e-10, atol=1e-12 * scale.max()
+        )
         want_grad, _ = reference.params_grad(table, flat, splits, dy, w, combiner, padding)
         rows = got[f"rows_{combiner}"]
         assert list(rows) == [7, 6], rows
@@ -461,7 +465,9 @@ def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
             np.add.at(dense, index, got[f"grad_{combiner}_{s}_values"])
             np.testing.assert_allclose(dense, want_grad[lo:hi], rtol=1e-10, atol=1e-12)
             after, before = got[f"after_{combiner}_{s}"], table[lo:hi]
-            np.testing.assert_allclose(after, before - 0.5 * want_grad[lo:hi], rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(
+                after, before - 0.5 * want_grad[lo:hi], rtol=1e-10, atol=1e-12
+            )
             untouched = np.setdiff1d(np.arange(hi - lo), local_touched)
             np.testing.assert_array_equal(after[untouched], before[untouched])
 
