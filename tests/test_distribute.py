@@ -184,6 +184,53 @@ MIRRORED = """
 """
 
 
+PKM_MOVING_STATS = """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+    from tf_ttemb.layers import ProductKeyMemory
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(int(sys.argv[1]))
+    x = rng.normal(size=(8, 5)).astype("float32")
+    with strategy.scope():
+        layer = ProductKeyMemory(4, n_keys=6, k_dim=4, heads=2, knn=3)
+        layer.build((None, 5))
+    halves = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(x[4 * ctx.replica_id_in_sync_group:
+                                  4 * (ctx.replica_id_in_sync_group + 1)]))
+    tf.function(lambda v: strategy.run(lambda xs: layer(xs, training=True), (v,)))(halves)
+    rows = {}
+    for var, half_stat in ((layer.query_bn_moving_mean, "mean"),
+                           (layer.query_bn_moving_variance, "var")):
+        copies = [c.numpy() for c in strategy.experimental_local_results(var.value)]
+        rows[half_stat] = {"copies_differ": float(np.max(np.abs(copies[0] - copies[1]))),
+                           "value": copies[0].tolist()}
+    # The expected moving statistics: each replica's update from its half, averaged.
+    q = (x @ layer.query_kernel.numpy() + layer.query_bias.numpy()).astype(np.float64)
+    expect_mean, expect_var = [], []
+    for part in (q[:4], q[4:]):
+        expect_mean.append(0.9 * 0.0 + 0.1 * part.mean(0))
+        expect_var.append(0.9 * 1.0 + 0.1 * part.var(0, ddof=1))
+    rows["mean"]["expected"] = np.mean(expect_mean, 0).tolist()
+    rows["var"]["expected"] = np.mean(expect_var, 0).tolist()
+    print(json.dumps(rows), flush=True)
+"""
+
+
+def test_mirrored_pkm_moving_statistics_stay_in_sync(rng):
+    """Replicas' batch-norm updates are averaged into every copy (aggregation="mean")."""
+    (report,) = run_script(PKM_MOVING_STATS, str(int(rng.integers(1 << 30))))
+    for stat in ("mean", "var"):
+        assert report[stat]["copies_differ"] == 0.0, report
+        np.testing.assert_allclose(report[stat]["value"], report[stat]["expected"],
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_mirrored_strategy_matches_one_device(rng):
     """Two replicas train EmbeddingBag, TTEmbeddingBag and ProductKeyMemory (implementation
     "auto": the custom ops, reading each replica's copy in place) to the weights a single

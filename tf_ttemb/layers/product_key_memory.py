@@ -445,6 +445,9 @@ class ProductKeyMemory(keras.layers.Layer):
                 initializer="zeros",
                 trainable=False,
                 autocast=False,
+                # Under tf.distribute each replica's update is averaged into every copy,
+                # so the replicas' moving statistics never drift apart.
+                aggregation="mean",
             )
             self.query_bn_moving_variance = self.add_weight(
                 name="query_bn_moving_variance",
@@ -452,6 +455,9 @@ class ProductKeyMemory(keras.layers.Layer):
                 initializer="ones",
                 trainable=False,
                 autocast=False,
+                # Under tf.distribute each replica's update is averaged into every copy,
+                # so the replicas' moving statistics never drift apart.
+                aggregation="mean",
             )
         half = self.k_dim // 2
         keys_initializer = self.keys_initializer or keras.initializers.RandomUniform(
