@@ -31,6 +31,13 @@ ids -> cache lookup -> TTRows of the misses -> stitch -> bag reduction, no host 
 caches populated the layer's way (count, populate, TT rows of the fresh ids), against float64
 and the uncached forward; then the issue's cache benchmark at FBTT's shape (cache = hottest
 1% of 11M rows, Zipf(1.1), B = 65,536 and 512). JSON to $OUT/gpu_check_tt_cache.json.
+
+Section "tt_zipf" (python3 python/gpu_check.py --only tt_zipf; only when asked for): issue 5's
+Zipf target (Zipf(1.1) >= 2x faster than uniform) at FBTT's shape, B = 65,536 and 512,
+forward and forward + backward, along the TF GPU ops' path (U and n_k read back to the host,
+buffers sized exactly; eager CUDA-event medians with the read-backs inside) next to the
+harness's device-count path (graph replay), checked against each other first. JSON to
+$OUT/gpu_check_tt_zipf.json.
 """
 
 from __future__ import annotations
@@ -1430,6 +1437,218 @@ def tt_cache_main(args, report):
     return passed
 
 
+# ---------------------------------------------------------------------------
+# Section "tt_zipf" (python3 python/gpu_check.py --only tt_zipf): issue 5's Zipf target
+# (Zipf(1.1) ids >= 2x faster than uniform) along the TF GPU ops' path, where U and n_k are
+# known on the host (cc/kernels/tt_embedding_kernels_gpu.cc reads them back, one stream sync
+# each), next to the harness's device-count path, in the same run. JSON to
+# $OUT/gpu_check_tt_zipf.json.
+#
+# Paths (FBTT shape, f32, bag 20, sum; ids and dy from tt_bench_shape's generators):
+#   dev:   tt_embedding_bag_forward(check=False) [+ backward_from(dense=True)]: U stays on the
+#          device, buffers sized by nnz (the "tt" bench's path); graph replay medians.
+#   host:  the TF glue's launcher sequence: TTUniqueIds -> copy of the report into pinned
+#          memory + stream sync (U) -> TTRows of unique[:U] (exact) -> bag forward; backward:
+#          bag backward into [U, D] -> TTRowsGrad prepare -> pinned copy + sync (n_k) ->
+#          TTRowsGrad compute into [n_k] / [n_k, width_k]. Host syncs inside: plain CUDA
+#          events around each whole call (eager medians), read-backs included.
+#   exact: the host path's launches with U and n_k given (no read-back): its device work
+#          alone, graph replay medians.
+#   tfsync: the host path plus the other report read-backs the TF glue makes for its error
+#          checks (after TTRows and the bag forward; after the bag backward, whose TF form is
+#          the sparse gradient sized by a read-back); eager medians.
+
+def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), ranks=(32, 32)):
+    dev = "cuda"
+    p, q, ranks = list(p), list(q), list(ranks)
+    r = [1] + ranks + [1]
+    # The generators, seeds and draw order of tt_bench_shape: the same cores, ids and dy.
+    gen = torch.Generator(device=dev).manual_seed(11)
+    N = math.prod(p)
+    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen)
+             * (1 / r[k]) ** 0.5 for k in range(len(p))]
+    nnz = bags * length
+    D = math.prod(q)
+    sets = []
+    cgen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        ids = make_ids(nnz, N, dist, torch.int64, cgen, dev)
+        dy = torch.randn(bags, D, device=dev, generator=gen)
+        sets.append((ids, dy))
+    off = torch.arange(0, nnz + 1, length, device=dev)
+    splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
+    shape = gh.TTShape(p, q, ranks)
+    pinned = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned2 = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned_bag = torch.empty(gh._REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    stream = torch.cuda.current_stream()
+    res = {"section": "tt_zipf", "bags": bags, "bag_len": length, "lookups": nnz,
+           "dist": dist, "p": p, "q": q, "ranks": ranks, "dtype": "f32", "iters": iters}
+
+    def readback(report, host):
+        host.copy_(report, non_blocking=True)
+        stream.synchronize()
+        return host
+
+    def host_fwd(i, syncs=False, U=None):
+        ids, _ = sets[i % 3]
+        unique, slots, urep = gh.tt_unique_ids_async(ids, splits, N, N)
+        if U is None:
+            U = int(readback(urep, pinned)[2])
+        uq = unique[:U]
+        rows, rrep = gh.tt_rows_async(shape, cores, uq)
+        if syncs:
+            readback(rrep, pinned)
+        out, _, _, brep = gh.forward_async(rows, slots, off, None, "sum", padding_id=-1)
+        if syncs:
+            readback(brep, pinned_bag)
+        return out, uq, rows, slots
+
+    def host_fwd_bwd(i, syncs=False, U=None, counts=None):
+        _, dy = sets[i % 3]
+        out, uq, rows, slots = host_fwd(i, syncs, U)
+        drows, _, _, grep = gh.backward_async(rows, slots, off, None, dy, "sum", padding_id=-1,
+                                              dense=True)
+        if syncs:
+            readback(grep, pinned_bag)
+        grads, _ = gh.tt_rows_grad(shape, cores, uq, drows, dense=False, counts=counts,
+                                   host_report=None if counts is not None else pinned2)
+        return out, grads, uq.numel()
+
+    def dev_fwd(i):
+        ids, _ = sets[i % 3]
+        return gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits,
+                                           check=False)
+
+    def dev_fwd_bwd(i):
+        _, dy = sets[i % 3]
+        out, st = dev_fwd(i)
+        return out, gh.tt_embedding_bag_backward_from(st, dy, dense=True, check=False)[0]
+
+    # Correctness first: the host path against the device-count path on every input set
+    # (output bitwise or within 1e-6 of its scale; sparse core gradients against the dense
+    # ones at their rows, zero elsewhere), and the sizes the exact path will be given.
+    sizes = []
+    checks = []
+    ok = True
+    try:
+        for i in range(3):
+            out_d, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, sets[i][0], off,
+                                                    table_splits=splits, check=True)
+            gd, _ = gh.tt_embedding_bag_backward_from(st, sets[i][1], dense=True, check=True)
+            u_dev = int(st.num_unique.item())
+            out_h, gs, U = host_fwd_bwd(i)
+            out_s, gs2, _ = host_fwd_bwd(i, syncs=True)
+            counts = [int(g[0].numel()) for g in gs]
+            sizes.append((U, counts))
+            out_e, ge, _ = host_fwd_bwd(i, U=U, counts=counts)
+            torch.cuda.synchronize()
+            scale = max(float(out_d.abs().max()), 1e-30)
+            c = {"set": i, "unique": U, "unique_dev": u_dev, "core_rows": counts,
+                 "out_bitwise": bool(torch.equal(out_h, out_d)),
+                 "out_max_rel": float((out_h - out_d).abs().max()) / scale,
+                 "exact_bitwise_vs_host": bool(torch.equal(out_e, out_h)) and bool(
+                     torch.equal(out_s, out_h)) and all(
+                     torch.equal(a[0], b[0]) and torch.equal(a[0], e[0]) and
+                     torch.equal(a[1], b[1]) and torch.equal(a[1], e[1])
+                     for a, b, e in zip(gs, gs2, ge))}
+            grad_bitwise, grad_rel, rows_ok = True, 0.0, True
+            for k, (idx, vals) in enumerate(gs):
+                dk = gd[k]
+                if idx.numel() and not bool((idx[1:] > idx[:-1]).all()):
+                    rows_ok = False
+                sel = dk[idx]
+                grad_bitwise = grad_bitwise and bool(torch.equal(sel, vals))
+                gscale = max(float(dk.abs().max()), 1e-30)
+                grad_rel = max(grad_rel, float((sel - vals).abs().max()) / gscale if idx.numel()
+                               else 0.0)
+                rest = dk.clone()
+                rest[idx] = 0
+                rows_ok = rows_ok and bool((rest == 0).all())
+            c.update(grad_bitwise=grad_bitwise, grad_max_rel=grad_rel, grad_rows_ok=rows_ok)
+            c["ok"] = (U == u_dev and (c["out_bitwise"] or c["out_max_rel"] <= 1e-6) and
+                       (grad_bitwise or grad_rel <= 1e-6) and rows_ok and
+                       c["exact_bitwise_vs_host"])
+            ok = ok and c["ok"]
+            checks.append(c)
+            del out_d, st, gd, out_h, gs, out_s, gs2, out_e, ge
+    except Exception as exc:  # noqa: BLE001
+        ok = False
+        res["check_error"] = repr(exc)[:300]
+        res["check_trace"] = traceback.format_exc()
+        log(res["check_trace"])
+    res["checks"] = checks
+    res["check_ok"] = ok
+    res["unique_ids"] = sizes[0][0] if sizes else None
+    res["core_rows"] = sizes[0][1] if sizes else None
+    torch.cuda.empty_cache()
+
+    timed(res, "dev_fwd", dev_fwd, iters)
+    timed(res, "dev_fwd_bwd", dev_fwd_bwd, iters)
+    timed(res, "host_fwd", host_fwd, iters, graph=False)
+    timed(res, "host_fwd_bwd", host_fwd_bwd, iters, graph=False)
+    timed(res, "tfsync_fwd", lambda i: host_fwd(i, syncs=True), iters, graph=False)
+    timed(res, "tfsync_fwd_bwd", lambda i: host_fwd_bwd(i, syncs=True), iters, graph=False)
+    timed(res, "exact_fwd", lambda i: host_fwd(i, U=sizes[i % 3][0]), iters)
+    timed(res, "exact_fwd_bwd", lambda i: host_fwd_bwd(i, U=sizes[i % 3][0],
+                                                       counts=sizes[i % 3][1]), iters)
+    del sets
+    torch.cuda.empty_cache()
+    return res
+
+
+TT_ZIPF_PATHS = ["dev", "host", "tfsync", "exact"]
+
+
+def tt_zipf_main(args, report):
+    cases = []
+    for bags, iters in ((65536, 20), (512, 50)):
+        for dist in ("uniform", "zipf"):
+            t0 = time.time()
+            try:
+                r = tt_zipf_case(bags, 20, dist, iters)
+            except Exception as exc:  # noqa: BLE001
+                r = {"section": "tt_zipf", "bags": bags, "dist": dist, "check_ok": False,
+                     "error": repr(exc)[:300], "trace": traceback.format_exc()}
+                log(r["trace"])
+            r["case_s"] = time.time() - t0
+            log(json.dumps(r))
+            cases.append(r)
+    report["tt_zipf"] = cases
+    by = {(c["bags"], c["dist"]): c for c in cases}
+    targets = {}
+    log("tt_zipf (FBTT shape, f32, bag 20, sum; ms; dev/exact: graph replay medians, "
+        "host/tfsync: eager CUDA-event medians with the host read-backs inside)")
+    log(f"{'B':>6s} {'path':7s} {'uni fwd':>8s} {'zipf fwd':>8s} {'x':>5s} "
+        f"{'uni f+b':>8s} {'zipf f+b':>8s} {'x':>5s}  (eager uni/zipf fwd, f+b)")
+    for bags in (65536, 512):
+        u, z = by.get((bags, "uniform"), {}), by.get((bags, "zipf"), {})
+        for path in TT_ZIPF_PATHS:
+            cells = []
+            for k in ("fwd", "fwd_bwd"):
+                a, b = u.get(f"{path}_{k}_ms"), z.get(f"{path}_{k}_ms")
+                x = a / b if a and b else None
+                targets[f"B={bags} {path} {k} zipf speedup (>=2)"] = x
+                cells += [fmt(a, ".4f"), fmt(b, ".4f"), fmt(x, ".2f")]
+            eager = " ".join(fmt(c.get(f"{path}_{k}_eager_ms"), ".4f")
+                             for k in ("fwd", "fwd_bwd") for c in (u, z))
+            log(f"{bags:6d} {path:7s} {cells[0]:>8s} {cells[1]:>8s} {cells[2]:>5s} "
+                f"{cells[3]:>8s} {cells[4]:>8s} {cells[5]:>5s}  ({eager})")
+        log(f"       unique ids: uniform {u.get('unique_ids')}, zipf {z.get('unique_ids')}; "
+            f"core rows n_k: {u.get('core_rows')} / {z.get('core_rows')}; checks "
+            f"{u.get('check_ok')} / {z.get('check_ok')}")
+    report["tt_zipf_targets"] = targets
+    log(json.dumps({"tt_zipf_targets": targets}))
+    for c in cases:
+        for ch in c.get("checks", []):
+            log(f"  check B={c['bags']} {c['dist']} set {ch['set']}: U {ch['unique']} "
+                f"(device {ch['unique_dev']}), out bitwise {ch['out_bitwise']} "
+                f"(rel {ch['out_max_rel']:.2g}), grads bitwise {ch['grad_bitwise']} (rel "
+                f"{ch['grad_max_rel']:.2g}), other rows zero {ch['grad_rows_ok']}, exact/tfsync "
+                f"bitwise vs host {ch['exact_bitwise_vs_host']}")
+    return all(c.get("check_ok") for c in cases)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="small sweep, no benchmarks")
@@ -1437,9 +1656,11 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--max-cases", type=int, help="cap the sweep at this many cases")
     ap.add_argument("--profile", action="store_true", help="only run the PKM shapes once")
-    ap.add_argument("--only", choices=["grs", "tt", "tt_cache"],
-                    help="run one section: grs (gather_reduce_sum), tt (TT embedding bags) or "
-                         "tt_cache (TT forward with the device row cache; not run by default)")
+    ap.add_argument("--only", choices=["grs", "tt", "tt_cache", "tt_zipf"],
+                    help="run one section: grs (gather_reduce_sum), tt (TT embedding bags), "
+                         "tt_cache (TT forward with the device row cache) or tt_zipf (the "
+                         "Zipf target along the TF ops' host-sizes path); the last two are "
+                         "not run by default")
     args = ap.parse_args()
 
     report = {"argv": sys.argv, "host": platform.node()}
@@ -1467,6 +1688,15 @@ def main():
         if out_dir:
             name = "gpu_check_tt_cache_small.json" if args.small else "gpu_check_tt_cache.json"
             with open(os.path.join(out_dir, name), "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        log("PASSED" if passed else "FAILED")
+        return 0 if passed else 1
+    if args.only == "tt_zipf":
+        passed = tt_zipf_main(args, report)
+        report["passed"] = passed
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            with open(os.path.join(out_dir, "gpu_check_tt_zipf.json"), "w") as f:
                 json.dump(report, f, indent=1, default=str)
         log("PASSED" if passed else "FAILED")
         return 0 if passed else 1

@@ -509,10 +509,15 @@ def tt_rows_async(shape: TTShape, cores, ids, num_ids=None):
     return rows, report
 
 
-def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True):
+def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, counts=None,
+                 host_report=None):
     """TTRowsGrad: per core, the dense gradient [num_tables * p_k, width_k] (dense=True, no
     read-back) or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False:
-    reads the counts back). Returns (grads, report)."""
+    reads the counts back). Returns (grads, report).
+
+    dense=False only: counts, the n_k already known on the host (no read-back; they must be
+    the ones prepare finds); host_report, a pinned int64 [16] CPU tensor the report is copied
+    into before waiting for the stream (the TF glue's read-back), instead of report.cpu()."""
     lib = _load_tt()
     cores = shape.check_cores(cores)
     dtype = cores[0].dtype
@@ -541,7 +546,14 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True):
                                               _ptr_array(grads), scratch.data_ptr(),
                                               scratch.numel(), _stream())
     else:
-        counts = report.cpu().tolist()[4:4 + shape.num_cores]
+        if counts is None:
+            if host_report is not None:
+                host_report.copy_(report, non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                counts = host_report.tolist()[4:4 + shape.num_cores]
+            else:
+                counts = report.cpu().tolist()[4:4 + shape.num_cores]
+        counts = [int(c) for c in counts]
         idx = [_poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
         vals = [_poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
                 for k, c in enumerate(counts)]
