@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/gpu_kernel_util.h"
 #include "cuda/gather_reduce_sum_kernels.cuh"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -44,50 +45,12 @@ namespace {
 // The CUDA launchers (namespace ::tf_ttemb::gpu, outside `tensorflow`).
 namespace launchers = ::tf_ttemb::gpu;
 
-// TensorFlow's half types and the CUDA types the launchers take have the
-// same layout; data pointers are reinterpreted.
-template <typename T>
-struct CudaTypeOf {
-  using type = T;
-};
-template <>
-struct CudaTypeOf<Eigen::half> {
-  using type = __half;
-};
-template <>
-struct CudaTypeOf<bfloat16> {
-  using type = __nv_bfloat16;
-};
-static_assert(sizeof(Eigen::half) == sizeof(__half) &&
-                  alignof(Eigen::half) == alignof(__half),
-              "Eigen::half and __half must have the same layout");
-static_assert(sizeof(bfloat16) == sizeof(__nv_bfloat16) &&
-                  alignof(bfloat16) == alignof(__nv_bfloat16),
-              "bfloat16 and __nv_bfloat16 must have the same layout");
-
-template <typename T>
-const typename CudaTypeOf<T>::type* DevicePtr(const Tensor& t) {
-  return reinterpret_cast<const typename CudaTypeOf<T>::type*>(
-      t.flat<T>().data());
-}
-template <typename T>
-typename CudaTypeOf<T>::type* DevicePtr(Tensor* t) {
-  return reinterpret_cast<typename CudaTypeOf<T>::type*>(t->flat<T>().data());
-}
-
 // `data` for an output with elements, else a non-null placeholder: the
 // params-grad launcher tells the output form from which pointers are set and
 // writes nothing to an empty output.
 template <typename P>
 P* NonEmptyOr(P* data, int64_t num_elements, void* placeholder) {
   return num_elements > 0 ? data : static_cast<P*>(placeholder);
-}
-
-Status CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return OkStatus();
-  return errors::Internal("tf_ttemb GPU ", what, " failed: ",
-                          cudaGetErrorName(err), " (", cudaGetErrorString(err),
-                          ")");
 }
 
 launchers::Combiner ToGpu(Combiner combiner) {

@@ -50,6 +50,7 @@
 #include <limits>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/gpu_kernel_util.h"
 #include "cc/kernels/tt_embedding_kernels.h"
 #include "cuda/tt_embedding_kernels.cuh"
 #include "cuda/tt_update_kernels.cuh"
@@ -66,44 +67,6 @@ namespace {
 
 // The CUDA launchers (namespace ::tf_ttemb::gpu, outside `tensorflow`).
 namespace launchers = ::tf_ttemb::gpu;
-
-// TensorFlow's half types and the CUDA types the launchers take have the
-// same layout; data pointers are reinterpreted.
-template <typename T>
-struct CudaTypeOf {
-  using type = T;
-};
-template <>
-struct CudaTypeOf<Eigen::half> {
-  using type = __half;
-};
-template <>
-struct CudaTypeOf<bfloat16> {
-  using type = __nv_bfloat16;
-};
-static_assert(sizeof(Eigen::half) == sizeof(__half) &&
-                  alignof(Eigen::half) == alignof(__half),
-              "Eigen::half and __half must have the same layout");
-static_assert(sizeof(bfloat16) == sizeof(__nv_bfloat16) &&
-                  alignof(bfloat16) == alignof(__nv_bfloat16),
-              "bfloat16 and __nv_bfloat16 must have the same layout");
-
-template <typename T>
-const typename CudaTypeOf<T>::type* DevicePtr(const Tensor& t) {
-  return reinterpret_cast<const typename CudaTypeOf<T>::type*>(
-      t.flat<T>().data());
-}
-template <typename T>
-typename CudaTypeOf<T>::type* DevicePtr(Tensor* t) {
-  return reinterpret_cast<typename CudaTypeOf<T>::type*>(t->flat<T>().data());
-}
-
-Status CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return OkStatus();
-  return errors::Internal("tf_ttemb GPU ", what, " failed: ",
-                          cudaGetErrorName(err), " (", cudaGetErrorString(err),
-                          ")");
-}
 
 // The launchers sort and scan with int32 positions.
 constexpr int64_t kMaxGpuIds = (int64_t{1} << 31) - 3;
