@@ -33,7 +33,7 @@
 //     across c (coalesced), a fixed shuffle tree at the end;
 //   * core gradient of core row c = sum over the items n using c (in item
 //     order) of A_n^T @ dC_n. The items are sorted by core row (stable radix
-//     sort), the sorted list is cut into pieces of at most kPieceItems items
+//     sort), the sorted list is cut into pieces of at most CorePieceItems items
 //     that never cross a row, one block per piece sums its items into a piece
 //     buffer, and a combine kernel adds each row's pieces in piece order.
 // The piece lists depend only on the ids: LaunchRowsGradPrepare builds them.
@@ -60,8 +60,10 @@ constexpr int kThreads = 256;
 // by upper bounds (the counts live on the device), so a capped grid keeps
 // empty blocks cheap.
 constexpr int64_t kMaxGridBlocks = 4096;
-// Core gradient: items per piece.
+// Core gradient: items per piece. Narrow cores (width < 1024) take short pieces: more
+// blocks in flight on small batches, for a piece buffer of pieces x width that stays small.
 constexpr int64_t kPieceItems = 64;
+constexpr int64_t kNarrowPieceItems = 16;
 // Parent gradient: children per piece.
 constexpr int64_t kChildPieceItems = 16;
 // TTRows processes the ids in chunks whose scratch fits this budget.
@@ -208,6 +210,10 @@ bool MakeGeo(const TTProblem& pr, Geo* g) {
 
 __host__ __device__ __forceinline__ int64_t CoreRow(const Geo& g, int64_t id, int k) {
   return (id / g.P) * g.p[k] + (id / g.L[k]) % g.p[k];
+}
+
+int64_t CorePieceItems(const Geo& g, int k) {
+  return g.width[k] >= 1024 ? kPieceItems : kNarrowPieceItems;
 }
 
 // ids[j], or 0 (a harmless row) for an id outside [0, total).
@@ -490,6 +496,136 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// 4 consecutive values from shared memory (16-byte aligned for float, double).
+template <typename C>
+__device__ __forceinline__ void Load4(const C* p, C v[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = p[i];
+}
+template <>
+__device__ __forceinline__ void Load4<float>(const float* p, float v[4]) {
+  const float4 x = *reinterpret_cast<const float4*>(p);
+  v[0] = x.x;
+  v[1] = x.y;
+  v[2] = x.z;
+  v[3] = x.w;
+}
+template <>
+__device__ __forceinline__ void Load4<double>(const double* p, double v[4]) {
+  const double2 x = reinterpret_cast<const double2*>(p)[0];
+  const double2 y = reinterpret_cast<const double2*>(p)[1];
+  v[0] = x.x;
+  v[1] = x.y;
+  v[2] = y.x;
+  v[3] = y.y;
+}
+
+// The same sums, tiled: the piece's items are staged kCoreTileItems at a time
+// in shared memory (A_n [M, K] and dC_n [M, Nc], in the compute type), and
+// each thread owns a 4 x 4 tile of the output (rows k0..k0+3, columns
+// c0..c0+3), reading 4 values of A and 4 of dC per m for 16 FMAs. Every
+// output is still one fma chain over the items in piece order, then m in
+// order: the same arithmetic, in the same order, as CorePieceKernel (bitwise
+// equal), with operands from shared memory instead of one global load each.
+// Needs K % 4 == 0 and Nc % 4 == 0 (see LaunchCorePieces).
+constexpr int kCoreTileItems = 8;
+// Below this many tiles a block would idle: the register-direct kernel takes over (or the
+// plain one for the half types).
+constexpr int64_t kCoreTiledMinTiles = 64;
+constexpr int64_t kRegMinLanes = int64_t{1} << 18;
+
+template <typename TA, typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    CorePieceTiledKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                         const int64_t* __restrict__ piece_count,
+                         const int32_t* __restrict__ piece_pos,
+                         const int32_t* __restrict__ sorted_items,
+                         const int32_t* __restrict__ par_t, const int32_t* __restrict__ row0,
+                         const TA* __restrict__ prev, const TG* __restrict__ dC,
+                         CT<T>* __restrict__ piece_out) {
+  using C = CT<T>;
+  extern __shared__ __align__(16) unsigned char core_tile_smem[];
+  const bool last = t == g.T - 1;
+  const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
+  const int Nc = static_cast<int>(g.Nc[t]);
+  const int64_t S = g.S[t], W = g.width[t];
+  const int MK = M * K, MN = M * Nc;
+  C* a_s = reinterpret_cast<C*>(core_tile_smem);       // [kCoreTileItems, M, K]
+  C* d_s = a_s + kCoreTileItems * MK;                   // [kCoreTileItems, M, Nc]
+  __shared__ int32_t item_s[kCoreTileItems];
+  __shared__ int n_valid_s;
+  const int ct_count = Nc / 4;
+  const int tiles = (K / 4) * ct_count;
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int tile0 = 0; tile0 < tiles; tile0 += blockDim.x) {
+      const int tile = tile0 + static_cast<int>(threadIdx.x);
+      const bool active = tile < tiles;
+      const int k0 = active ? (tile / ct_count) * 4 : 0;
+      const int c0 = active ? (tile % ct_count) * 4 : 0;
+      C acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
+      }
+      for (int64_t s0 = begin; s0 < end; s0 += kCoreTileItems) {
+        const int batch = static_cast<int>(end - s0 < kCoreTileItems ? end - s0 : kCoreTileItems);
+        __syncthreads();  // the previous batch's readers are done
+        if (threadIdx.x < 32) {
+          // Warp 0 compacts the batch's valid items (bad ids at the last level are skipped).
+          const int lane = threadIdx.x;
+          int32_t n = 0;
+          bool ok = false;
+          if (lane < batch) {
+            n = sorted_items[s0 + lane];
+            ok = !last || ValidAt(g, ids, n);
+          }
+          const unsigned mask = __ballot_sync(0xffffffffu, ok);
+          if (ok) item_s[__popc(mask & ((1u << lane) - 1u))] = n;
+          if (lane == 0) n_valid_s = __popc(mask);
+        }
+        __syncthreads();
+        const int nv = n_valid_s;
+        for (int e = threadIdx.x; e < nv * MK; e += blockDim.x) {
+          const int b = e / MK, w = e - b * MK;
+          a_s[e] = ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
+        }
+        for (int e = threadIdx.x; e < nv * MN; e += blockDim.x) {
+          const int b = e / MN, w = e - b * MN;
+          d_s[e] = ToC(dC[int64_t{item_s[b]} * S + w]);
+        }
+        __syncthreads();
+        if (active) {
+          for (int b = 0; b < nv; ++b) {
+            const C* ab = a_s + b * MK + k0;
+            const C* db = d_s + b * MN + c0;
+            for (int m = 0; m < M; ++m) {
+              C av[4], dv[4];
+              Load4(ab + m * K, av);
+              Load4(db + m * Nc, dv);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = fma(av[i], dv[j], acc[i][j]);
+              }
+            }
+          }
+        }
+      }
+      if (active) {
+        C* o = piece_out + pc * W;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) o[(k0 + i) * Nc + c0 + j] = acc[i][j];
+        }
+      }
+    }
+  }
+}
+
 // Core-0 gradient pieces: piece_out[p] = sum over the piece's level-0 items of dP_0.
 template <typename C>
 __global__ void __launch_bounds__(kThreads)
@@ -578,6 +714,221 @@ __global__ void __launch_bounds__(kThreads)
       piece_out[pc * Sp + e] = acc;
     }
   }
+}
+
+// ParentPieceKernel's sums, tiled: the piece's children (at most
+// kChildPieceItems) are staged in shared memory transposed, dC_n^T [Nc, M] and
+// B_n^T [Nc, K], and each thread owns a 4 x 4 tile of the output (rows
+// m0..m0+3, columns k0..k0+3), reading 4 + 4 values per c for 16 FMAs. Every
+// output is still one fma chain over the children in order, then c in order:
+// bitwise equal to ParentPieceKernel. Needs M % 4 == 0 and K % 4 == 0.
+template <typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    ParentPieceTiledKernel(Geo g, int t, const int64_t* __restrict__ ids,
+                           const int64_t* __restrict__ piece_count,
+                           const int32_t* __restrict__ piece_pos,
+                           const int32_t* __restrict__ row_t, const TG* __restrict__ dC,
+                           const T* __restrict__ core, CT<T>* __restrict__ piece_out) {
+  using C = CT<T>;
+  extern __shared__ __align__(16) unsigned char parent_tile_smem[];
+  const bool last = t == g.T - 1;
+  const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
+  const int Nc = static_cast<int>(g.Nc[t]);
+  const int64_t S = g.S[t], Sp = g.S[t - 1];
+  const int NM = Nc * M, NK = Nc * K;
+  C* d_s = reinterpret_cast<C*>(parent_tile_smem);  // [kChildPieceItems, Nc, M]
+  C* b_s = d_s + kChildPieceItems * NM;              // [kChildPieceItems, Nc, K]
+  __shared__ int32_t item_s[kChildPieceItems];
+  __shared__ int n_valid_s;
+  const int kt_count = K / 4;
+  const int tiles = (M / 4) * kt_count;
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    const int batch = static_cast<int>(end - begin);  // <= kChildPieceItems
+    __syncthreads();  // the previous piece's readers are done
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int32_t n = static_cast<int32_t>(begin + lane);
+      const bool ok = lane < batch && (!last || ValidAt(g, ids, n));
+      const unsigned mask = __ballot_sync(0xffffffffu, ok);
+      if (ok) item_s[__popc(mask & ((1u << lane) - 1u))] = n;
+      if (lane == 0) n_valid_s = __popc(mask);
+    }
+    __syncthreads();
+    const int nv = n_valid_s;
+    for (int e = threadIdx.x; e < nv * NM; e += blockDim.x) {
+      const int b = e / NM, w = e - b * NM;  // w = m * Nc + c (coalesced reads)
+      const int m = w / Nc, c = w - m * Nc;
+      d_s[b * NM + c * M + m] = ToC(dC[int64_t{item_s[b]} * S + w]);
+    }
+    for (int e = threadIdx.x; e < nv * NK; e += blockDim.x) {
+      const int b = e / NK, w = e - b * NK;  // w = k * Nc + c
+      const int k = w / Nc, c = w - k * Nc;
+      b_s[b * NK + c * K + k] = ToC(core[int64_t{row_t[item_s[b]]} * g.width[t] + w]);
+    }
+    __syncthreads();
+    for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
+      const int m0 = (tile / kt_count) * 4, k0 = (tile % kt_count) * 4;
+      C acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
+      }
+      for (int b = 0; b < nv; ++b) {
+        const C* db = d_s + b * NM + m0;
+        const C* bb = b_s + b * NK + k0;
+        for (int c = 0; c < Nc; ++c) {
+          C dv[4], bv[4];
+          Load4(db + c * M, dv);
+          Load4(bb + c * K, bv);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fma(dv[i], bv[j], acc[i][j]);
+          }
+        }
+      }
+      C* o = piece_out + pc * Sp;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[(m0 + i) * K + k0 + j] = acc[i][j];
+      }
+    }
+  }
+}
+
+// Register-direct versions of the two piece kernels, for float and double with
+// 16-byte-aligned operands and M, K, Nc multiples of 4. A group of `group`
+// lanes (a power of two <= 32; several groups per warp) owns a piece, each lane
+// a 4 x 4 output tile, and reads its operands straight from global memory as
+// 4-vectors: no shared memory and no barriers, so every group runs
+// independently and many loads are in flight (the tiled kernels above stall on
+// staging when a tile row is narrow). Each output is the same fma chain, in
+// the same order, as in CorePieceKernel / ParentPieceKernel: bitwise equal.
+__device__ __forceinline__ int64_t GroupIndex(int group) {
+  return static_cast<int64_t>(blockIdx.x) * (blockDim.x / group) + threadIdx.x / group;
+}
+
+template <typename C>
+__global__ void __launch_bounds__(kThreads)
+    CorePieceRegKernel(Geo g, int t, int group, const int64_t* __restrict__ ids,
+                       const int64_t* __restrict__ piece_count,
+                       const int32_t* __restrict__ piece_pos,
+                       const int32_t* __restrict__ sorted_items,
+                       const int32_t* __restrict__ par_t, const int32_t* __restrict__ row0,
+                       const C* __restrict__ prev, const C* __restrict__ dC,
+                       C* __restrict__ piece_out) {
+  const bool last = t == g.T - 1;
+  const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
+  const int Nc = static_cast<int>(g.Nc[t]);
+  const int64_t S = g.S[t], W = g.width[t];
+  const int ct_count = Nc / 4, tiles = (K / 4) * ct_count;
+  const int lane = static_cast<int>(threadIdx.x) % group;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / group);
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = GroupIndex(group); pc < pieces; pc += stride) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int tile = lane; tile < tiles; tile += group) {
+      const int k0 = (tile / ct_count) * 4, c0 = (tile % ct_count) * 4;
+      C acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
+      }
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t n = sorted_items[s];
+        if (last && !ValidAt(g, ids, n)) continue;
+        const C* a = AOf(g, t, prev, par_t, row0, n) + k0;
+        const C* d = dC + n * S + c0;
+#pragma unroll 4
+        for (int m = 0; m < M; ++m) {
+          C av[4], dv[4];
+          Load4(a + m * K, av);
+          Load4(d + m * Nc, dv);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fma(av[i], dv[j], acc[i][j]);
+          }
+        }
+      }
+      C* o = piece_out + pc * W;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[(k0 + i) * Nc + c0 + j] = acc[i][j];
+      }
+    }
+  }
+}
+
+template <typename C>
+__global__ void __launch_bounds__(kThreads)
+    ParentPieceRegKernel(Geo g, int t, int group, const int64_t* __restrict__ ids,
+                         const int64_t* __restrict__ piece_count,
+                         const int32_t* __restrict__ piece_pos,
+                         const int32_t* __restrict__ row_t, const C* __restrict__ dC,
+                         const C* __restrict__ core, C* __restrict__ piece_out) {
+  const bool last = t == g.T - 1;
+  const int K = static_cast<int>(g.K[t]), Nc = static_cast<int>(g.Nc[t]);
+  const int M = static_cast<int>(g.M[t]);
+  const int64_t S = g.S[t], Sp = g.S[t - 1];
+  const int kt_count = K / 4, tiles = (M / 4) * kt_count;
+  const int lane = static_cast<int>(threadIdx.x) % group;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / group);
+  const int64_t pieces = *piece_count;
+  for (int64_t pc = GroupIndex(group); pc < pieces; pc += stride) {
+    const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
+    for (int tile = lane; tile < tiles; tile += group) {
+      const int m0 = (tile / kt_count) * 4, k0 = (tile % kt_count) * 4;
+      C acc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
+      }
+      for (int64_t n = begin; n < end; ++n) {
+        if (last && !ValidAt(g, ids, n)) continue;
+        const C* b = core + int64_t{row_t[n]} * g.width[t] + k0 * Nc;  // B rows k0..k0+3
+        const C* d = dC + n * S + m0 * Nc;                              // dC rows m0..m0+3
+        for (int c0 = 0; c0 < Nc; c0 += 4) {
+          C dv[4][4], bv[4][4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) Load4(d + i * Nc + c0, dv[i]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) Load4(b + j * Nc + c0, bv[j]);
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[i][j] = fma(dv[i][cc], bv[j][cc], acc[i][j]);
+            }
+          }
+        }
+      }
+      C* o = piece_out + pc * Sp;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[(m0 + i) * K + k0 + j] = acc[i][j];
+      }
+    }
+  }
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Lanes per piece of the register-direct kernels: the tiles rounded up to a power of two, at
+// most a warp.
+int RegGroup(int64_t tiles) {
+  int group = 1;
+  while (group < tiles && group < 32) group *= 2;
+  return group;
 }
 
 // The same for wide B (Nc >= 32): warp w of the block owns the outputs (rows
@@ -892,7 +1243,7 @@ size_t CarveGrad(const Geo& g, int64_t nmax, void* base, GradScratch<T>* s) {
   for (int k = 0; k < g.T; ++k) {
     CoreSort& cs = s->core[k];
     cs.max_rows = std::min<int64_t>(nmax, g.tables * g.p[k]);
-    cs.max_pieces = CeilDiv(nmax, kPieceItems) + cs.max_rows;
+    cs.max_pieces = CeilDiv(nmax, CorePieceItems(g, k)) + cs.max_rows;
     cs.sorted_items = c.Take<int32_t>(nmax);
     cs.piece_pos = c.Take<int32_t>(cs.max_pieces + 1);
     cs.seg_first_piece = c.Take<int32_t>(cs.max_rows + 1);
@@ -1175,7 +1526,7 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
           b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.sorted_items,
           static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel)), stream));
       PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          s.keys_out, nmax, sentinel, kPieceItems, s.piece_flags, b.flags);
+          s.keys_out, nmax, sentinel, CorePieceItems(g, k), s.piece_flags, b.flags);
       TT_RETURN_IF_ERROR(cudaGetLastError());
       bytes = b.cub_bytes;
       TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
@@ -1221,6 +1572,51 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
     }
   }
   FinishReportKernel<<<1, 1, 0, stream>>>(ids, num_ids, max_ids, report);
+  return cudaGetLastError();
+}
+
+// Core-gradient pieces of core t >= 1: the tiled kernel where the shapes allow
+// (K and Nc multiples of 4, a batch of items fits in shared memory), else the
+// plain one. Both give the same bits.
+template <typename TA, typename TG, typename T>
+cudaError_t LaunchCorePieces(const Geo& g, int t, const int64_t* ids, const CoreSort& cs,
+                             const LevelBuffers& b, const TA* prev, const TG* dC,
+                             CT<T>* piece_out, cudaStream_t stream) {
+  using C = CT<T>;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
+  const int64_t smem =
+      int64_t{kCoreTileItems} * g.M[t] * (g.K[t] + g.Nc[t]) * static_cast<int64_t>(sizeof(C));
+  const int64_t tiles = (g.K[t] / 4) * (g.Nc[t] / 4);
+  const bool shapes4 = g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0;
+  // Narrow outputs (few 4 x 4 tiles): a group of lanes per piece, operands from registers.
+  if constexpr (std::is_same<TA, C>::value && std::is_same<TG, C>::value &&
+                std::is_same<T, C>::value) {
+    const int group = RegGroup(tiles);
+    // Only with enough pieces to fill the GPU: with few, the plain kernel's thread per
+    // output hides latency better (run 9: 120 vs 366 us at B=512).
+    if (shapes4 && tiles < kCoreTiledMinTiles && cs.max_pieces * group >= kRegMinLanes &&
+        Aligned16(prev) && Aligned16(dC)) {
+      const int64_t blocks = CeilDiv(cs.max_pieces, kThreads / group);
+      CorePieceRegKernel<C><<<static_cast<int>(std::max<int64_t>(
+                                  1, std::min(blocks, kMaxGridBlocks))),
+                              kThreads, 0, stream>>>(g, t, group, ids, cs.piece_count,
+                                                     cs.piece_pos, cs.sorted_items, b.par[t],
+                                                     b.row[0], prev, dC, piece_out);
+      return cudaGetLastError();
+    }
+  }
+  // Wide outputs: a block per piece, items staged in shared memory.
+  if (shapes4 && smem <= 40 * 1024 && tiles >= kCoreTiledMinTiles) {
+    const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+    CorePieceTiledKernel<TA, TG, T><<<grid, threads, static_cast<size_t>(smem), stream>>>(
+        g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0], prev, dC,
+        piece_out);
+    return cudaGetLastError();
+  }
+  const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
+  CorePieceKernel<TA, TG, T><<<grid, threads, 0, stream>>>(
+      g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0], prev, dC,
+      piece_out);
   return cudaGetLastError();
 }
 
@@ -1280,7 +1676,25 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       const CoreSort& ch = s.child[t];
       const int grid =
           static_cast<int>(std::max<int64_t>(1, std::min(ch.max_pieces, kMaxGridBlocks)));
-      if (g.Nc[t] >= 32) {
+      bool reg_done = false;
+      if constexpr (std::is_same<T, C>::value) {
+        const C* dC = last ? grad : s.dpartial[t];
+        // Narrow B only: for Nc >= 32 the wide kernel's lanes across c win (run 9).
+        if (g.Nc[t] < 32 && g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0 &&
+            Aligned16(dC) && Aligned16(cores[t])) {
+          const int group = RegGroup((g.M[t] / 4) * (g.K[t] / 4));
+          const int64_t blocks = CeilDiv(ch.max_pieces, kThreads / group);
+          ParentPieceRegKernel<C><<<static_cast<int>(std::max<int64_t>(
+                                        1, std::min(blocks, kMaxGridBlocks))),
+                                    kThreads, 0, stream>>>(g, t, group, ids, ch.piece_count,
+                                                           ch.piece_pos, b.row[t], dC, cores[t],
+                                                           s.pieces);
+          reg_done = true;
+        }
+      }
+      if (reg_done) {
+        // launched above
+      } else if (g.Nc[t] >= 32) {
         auto wide = [&](auto mm_tag, auto tg_tag) {
           constexpr int MM = decltype(mm_tag)::value;
           using TG = typename decltype(tg_tag)::type;
@@ -1312,15 +1726,31 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
           by_type(std::integral_constant<int, 1>{});
         }
       } else {
-        const int threads =
-            static_cast<int>(std::min<int64_t>(kThreads, ((g.S[t - 1] + 31) / 32) * 32));
-        if (last) {
-          ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
-              g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
+        const int64_t smem = int64_t{kChildPieceItems} * g.Nc[t] * (g.M[t] + g.K[t]) *
+                             static_cast<int64_t>(sizeof(C));
+        if (g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && smem <= 40 * 1024) {
+          const int64_t tiles = (g.M[t] / 4) * (g.K[t] / 4);
+          const int threads =
+              static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+          if (last) {
+            ParentPieceTiledKernel<T, T><<<grid, threads, static_cast<size_t>(smem), stream>>>(
+                g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
+          } else {
+            ParentPieceTiledKernel<C, T><<<grid, threads, static_cast<size_t>(smem), stream>>>(
+                g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], s.dpartial[t], cores[t],
+                s.pieces);
+          }
         } else {
-          ParentPieceKernel<C, T><<<grid, threads, 0, stream>>>(
-              g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], s.dpartial[t], cores[t],
-              s.pieces);
+          const int threads =
+              static_cast<int>(std::min<int64_t>(kThreads, ((g.S[t - 1] + 31) / 32) * 32));
+          if (last) {
+            ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
+                g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
+          } else {
+            ParentPieceKernel<C, T><<<grid, threads, 0, stream>>>(
+                g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], s.dpartial[t], cores[t],
+                s.pieces);
+          }
         }
       }
       TT_RETURN_IF_ERROR(cudaGetLastError());
@@ -1329,26 +1759,20 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       TT_RETURN_IF_ERROR(cudaGetLastError());
     }
     const CoreSort& cs = s.core[t];
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
-    const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
+    cudaError_t err;
     if (t == 1 && last) {
-      CorePieceKernel<T, T, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
-          cores[0], grad, s.pieces);
+      err = LaunchCorePieces<T, T, T>(g, t, ids, cs, b, cores[0], grad, s.pieces, stream);
     } else if (t == 1) {
-      CorePieceKernel<T, C, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
-          cores[0], s.dpartial[t], s.pieces);
+      err = LaunchCorePieces<T, C, T>(g, t, ids, cs, b, cores[0], s.dpartial[t], s.pieces,
+                                      stream);
     } else if (last) {
-      CorePieceKernel<C, T, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
-          s.partial[t - 1], grad, s.pieces);
+      err = LaunchCorePieces<C, T, T>(g, t, ids, cs, b, s.partial[t - 1], grad, s.pieces,
+                                      stream);
     } else {
-      CorePieceKernel<C, C, T><<<grid, threads, 0, stream>>>(
-          g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0],
-          s.partial[t - 1], s.dpartial[t], s.pieces);
+      err = LaunchCorePieces<C, C, T>(g, t, ids, cs, b, s.partial[t - 1], s.dpartial[t],
+                                      s.pieces, stream);
     }
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TT_RETURN_IF_ERROR(err);
     TT_RETURN_IF_ERROR(combine(t));
   }
   // Core 0: sum of dP_0 over the level-0 items of each row.

@@ -629,8 +629,11 @@ TT_CONFIGS = [
      None),
     ("empty-bags", [4, 5], [2, 2], [3], 1, None, 6, (0, 0), "uniform", None),
     ("hot-zipf-long", [20, 30], [4, 8], [16], 1, None, 48, (100, 300), "zipf", None),
+    # FBTT's q and ranks on small p: full 4 x 4 tiles in the tiled core/parent gradient kernels.
+    ("fbtt-r32", [20, 22, 25], [4, 4, 4], [32, 32], 1, None, 64, (0, 40), "zipf", None),
 ]
-TT_SMALL = ["2core", "3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks"]
+TT_SMALL = ["2core", "3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks",
+            "fbtt-r32"]
 
 
 def tt_rows_torch(cores, p, q, r, num_tables, gids):
