@@ -418,6 +418,30 @@ def test_op_variable_errors(lib, rng):
     del params
 
 
+class _Handle:
+    """A bare resource handle where call_op expects a variable."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+
+@pytest.mark.parametrize("optimizer,shape", [("rowwise_adagrad", [8]), ("adagrad", [8, 3])])
+def test_op_missing_accumulator_raises_and_leaves_the_table(lib, rng, optimizer, shape):
+    """An accumulator handle with no variable behind it (never assigned): the op fails
+    before touching params. TensorFlow's resource lookup reports it (NotFound); the
+    kernel's own "not initialized" check is for a Var that exists uninitialised, which
+    Python cannot build in eager mode."""
+    params = tf.Variable(rng.normal(size=(8, 3)), dtype=tf.float32)
+    before = params.numpy()
+    never_assigned = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=shape,
+                                            shared_name=f"never_assigned_{optimizer}")
+    with pytest.raises((tf.errors.NotFoundError, tf.errors.FailedPreconditionError),
+                       match="does not exist|not initialized"):
+        call_op(lib, params=params, optimizer=optimizer,
+                accumulators=[_Handle(never_assigned)], rng=rng)
+    np.testing.assert_array_equal(params.numpy(), before)
+
+
 # ----------------------------------------------------------------------------------------
 # Wrapper errors.
 
