@@ -520,6 +520,55 @@ __device__ __forceinline__ void Load4<double>(const double* p, double v[4]) {
   v[3] = y.y;
 }
 
+// Warp 0 of a block: of the `count` (<= 32) candidate items `first + lane` (or
+// sorted_items[first + lane] when sorted_items is not null), writes the valid ones (all,
+// except bad ids at the last level) to item_s in order and their number to *n_valid_s.
+// The caller brackets it with __syncthreads().
+__device__ __forceinline__ void CompactBatch(const Geo& g, bool last, const int64_t* ids,
+                                             const int32_t* sorted_items, int64_t first,
+                                             int count, int32_t* item_s, int* n_valid_s) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int32_t n = 0;
+  bool ok = false;
+  if (lane < count) {
+    n = sorted_items != nullptr ? sorted_items[first + lane]
+                                : static_cast<int32_t>(first + lane);
+    ok = !last || ValidAt(g, ids, n);
+  }
+  const unsigned mask = __ballot_sync(0xffffffffu, ok);
+  if (ok) item_s[__popc(mask & ((1u << lane) - 1u))] = n;
+  if (lane == 0) *n_valid_s = __popc(mask);
+}
+
+// A 4 x 4 output tile in registers: acc[i][j] += a[i] * b[j], one fma each, in call
+// order (so a kernel's summation order is its loop order), stored with a row stride.
+template <typename C>
+struct Tile4 {
+  C acc[4][4];
+  __device__ __forceinline__ Tile4() {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
+    }
+  }
+  __device__ __forceinline__ void Fma(const C a[4], const C b[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+    }
+  }
+  __device__ __forceinline__ void Store(C* o, int64_t row_stride) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[i * row_stride + j] = acc[i][j];
+    }
+  }
+};
+
 // The same sums, tiled: the piece's items are staged kCoreTileItems at a time
 // in shared memory (A_n [M, K] and dC_n [M, Nc], in the compute type), and
 // each thread owns a 4 x 4 tile of the output (rows k0..k0+3, columns
@@ -564,28 +613,11 @@ __global__ void __launch_bounds__(kThreads)
       const bool active = tile < tiles;
       const int k0 = active ? (tile / ct_count) * 4 : 0;
       const int c0 = active ? (tile % ct_count) * 4 : 0;
-      C acc[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
-      }
+      Tile4<C> tile4;
       for (int64_t s0 = begin; s0 < end; s0 += kCoreTileItems) {
         const int batch = static_cast<int>(end - s0 < kCoreTileItems ? end - s0 : kCoreTileItems);
         __syncthreads();  // the previous batch's readers are done
-        if (threadIdx.x < 32) {
-          // Warp 0 compacts the batch's valid items (bad ids at the last level are skipped).
-          const int lane = threadIdx.x;
-          int32_t n = 0;
-          bool ok = false;
-          if (lane < batch) {
-            n = sorted_items[s0 + lane];
-            ok = !last || ValidAt(g, ids, n);
-          }
-          const unsigned mask = __ballot_sync(0xffffffffu, ok);
-          if (ok) item_s[__popc(mask & ((1u << lane) - 1u))] = n;
-          if (lane == 0) n_valid_s = __popc(mask);
-        }
+        CompactBatch(g, last, ids, sorted_items, s0, batch, item_s, &n_valid_s);
         __syncthreads();
         const int nv = n_valid_s;
         for (int e = threadIdx.x; e < nv * MK; e += blockDim.x) {
@@ -605,22 +637,13 @@ __global__ void __launch_bounds__(kThreads)
               C av[4], dv[4];
               Load4(ab + m * K, av);
               Load4(db + m * Nc, dv);
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[i][j] = fma(av[i], dv[j], acc[i][j]);
-              }
+              tile4.Fma(av, dv);
             }
           }
         }
       }
       if (active) {
-        C* o = piece_out + pc * W;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) o[(k0 + i) * Nc + c0 + j] = acc[i][j];
-        }
+        tile4.Store(piece_out + pc * W + int64_t{k0} * Nc + c0, Nc);
       }
     }
   }
@@ -747,14 +770,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
     const int batch = static_cast<int>(end - begin);  // <= kChildPieceItems
     __syncthreads();  // the previous piece's readers are done
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      const int32_t n = static_cast<int32_t>(begin + lane);
-      const bool ok = lane < batch && (!last || ValidAt(g, ids, n));
-      const unsigned mask = __ballot_sync(0xffffffffu, ok);
-      if (ok) item_s[__popc(mask & ((1u << lane) - 1u))] = n;
-      if (lane == 0) n_valid_s = __popc(mask);
-    }
+    CompactBatch(g, last, ids, nullptr, begin, batch, item_s, &n_valid_s);
     __syncthreads();
     const int nv = n_valid_s;
     for (int e = threadIdx.x; e < nv * NM; e += blockDim.x) {
@@ -770,12 +786,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
       const int m0 = (tile / kt_count) * 4, k0 = (tile % kt_count) * 4;
-      C acc[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
-      }
+      Tile4<C> tile4;
       for (int b = 0; b < nv; ++b) {
         const C* db = d_s + b * NM + m0;
         const C* bb = b_s + b * NK + k0;
@@ -783,19 +794,10 @@ __global__ void __launch_bounds__(kThreads)
           C dv[4], bv[4];
           Load4(db + c * M, dv);
           Load4(bb + c * K, bv);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = fma(dv[i], bv[j], acc[i][j]);
-          }
+          tile4.Fma(dv, bv);
         }
       }
-      C* o = piece_out + pc * Sp;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[(m0 + i) * K + k0 + j] = acc[i][j];
-      }
+      tile4.Store(piece_out + pc * Sp + int64_t{m0} * K + k0, K);
     }
   }
 }
@@ -833,12 +835,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
     for (int tile = lane; tile < tiles; tile += group) {
       const int k0 = (tile / ct_count) * 4, c0 = (tile % ct_count) * 4;
-      C acc[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
-      }
+      Tile4<C> tile4;
       for (int64_t s = begin; s < end; ++s) {
         const int64_t n = sorted_items[s];
         if (last && !ValidAt(g, ids, n)) continue;
@@ -849,19 +846,10 @@ __global__ void __launch_bounds__(kThreads)
           C av[4], dv[4];
           Load4(a + m * K, av);
           Load4(d + m * Nc, dv);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[i][j] = fma(av[i], dv[j], acc[i][j]);
-          }
+          tile4.Fma(av, dv);
         }
       }
-      C* o = piece_out + pc * W;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[(k0 + i) * Nc + c0 + j] = acc[i][j];
-      }
+      tile4.Store(piece_out + pc * W + int64_t{k0} * Nc + c0, Nc);
     }
   }
 }
@@ -885,12 +873,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
     for (int tile = lane; tile < tiles; tile += group) {
       const int m0 = (tile / kt_count) * 4, k0 = (tile % kt_count) * 4;
-      C acc[4][4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
-      }
+      Tile4<C> tile4;
       for (int64_t n = begin; n < end; ++n) {
         if (last && !ValidAt(g, ids, n)) continue;
         const C* b = core + int64_t{row_t[n]} * g.width[t] + k0 * Nc;  // B rows k0..k0+3
@@ -903,20 +886,13 @@ __global__ void __launch_bounds__(kThreads)
           for (int j = 0; j < 4; ++j) Load4(b + j * Nc + c0, bv[j]);
 #pragma unroll
           for (int cc = 0; cc < 4; ++cc) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-#pragma unroll
-              for (int j = 0; j < 4; ++j) acc[i][j] = fma(dv[i][cc], bv[j][cc], acc[i][j]);
-            }
+            const C dc[4] = {dv[0][cc], dv[1][cc], dv[2][cc], dv[3][cc]};
+            const C bc[4] = {bv[0][cc], bv[1][cc], bv[2][cc], bv[3][cc]};
+            tile4.Fma(dc, bc);
           }
         }
       }
-      C* o = piece_out + pc * Sp;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[(m0 + i) * K + k0 + j] = acc[i][j];
-      }
+      tile4.Store(piece_out + pc * Sp + int64_t{m0} * K + k0, K);
     }
   }
 }

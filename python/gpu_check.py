@@ -937,25 +937,37 @@ def tt_executed_flops(state):
     return total, u
 
 
+def tt_bench_inputs(bags, length, dist, p, q, ranks, num_sets=3):
+    """The TT benchmarks' inputs, the same for every section that times FBTT's shape:
+    f32 cores [p_k, r_k q_k r_{k+1}] scaled by 1/sqrt(r_k), and `num_sets` (ids [B L],
+    dy [B, D]) sets drawn from fixed seeds in a fixed order; offsets of bags of `length`
+    and table splits of one table. Returns (cores, sets, offsets, splits)."""
+    dev = "cuda"
+    r = [1] + list(ranks) + [1]
+    gen = torch.Generator(device=dev).manual_seed(11)
+    n_rows = math.prod(p)
+    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen)
+             * (1 / r[k]) ** 0.5 for k in range(len(p))]
+    nnz = bags * length
+    sets = []
+    cgen = torch.Generator().manual_seed(12)
+    for _ in range(num_sets):
+        ids = make_ids(nnz, n_rows, dist, torch.int64, cgen, dev)
+        dy = torch.randn(bags, math.prod(q), device=dev, generator=gen)
+        sets.append((ids, dy))
+    off = torch.arange(0, nnz + 1, length, device=dev)
+    splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
+    return cores, sets, off, splits
+
+
 def tt_bench_shape(name, bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4),
                    ranks=(32, 32), torch_ref=True):
     dev = "cuda"
     p, q, ranks = list(p), list(q), list(ranks)
     r = [1] + ranks + [1]
-    gen = torch.Generator(device=dev).manual_seed(11)
-    N = math.prod(p)
-    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen) * (1 / r[k]) ** 0.5
-             for k in range(len(p))]
+    cores, sets, off, splits = tt_bench_inputs(bags, length, dist, p, q, ranks)
     nnz = bags * length
     D = math.prod(q)
-    sets = []
-    cgen = torch.Generator().manual_seed(12)
-    for _ in range(3):
-        ids = make_ids(nnz, N, dist, torch.int64, cgen, dev)
-        dy = torch.randn(bags, D, device=dev, generator=gen)
-        sets.append((ids, dy))
-    off = torch.arange(0, nnz + 1, length, device=dev)
-    splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
     res = {"section": "tt", "shape": name, "bags": bags, "bag_len": length, "lookups": nnz,
            "dist": dist, "p": p, "q": q, "ranks": ranks, "dtype": "f32"}
     states = {}
@@ -1462,24 +1474,11 @@ def tt_cache_main(args, report):
 #          the sparse gradient sized by a read-back); eager medians.
 
 def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), ranks=(32, 32)):
-    dev = "cuda"
     p, q, ranks = list(p), list(q), list(ranks)
-    r = [1] + ranks + [1]
-    # The generators, seeds and draw order of tt_bench_shape: the same cores, ids and dy.
-    gen = torch.Generator(device=dev).manual_seed(11)
+    # tt_bench_shape's inputs: the same cores, ids and dy.
+    cores, sets, off, splits = tt_bench_inputs(bags, length, dist, p, q, ranks)
     N = math.prod(p)
-    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen)
-             * (1 / r[k]) ** 0.5 for k in range(len(p))]
     nnz = bags * length
-    D = math.prod(q)
-    sets = []
-    cgen = torch.Generator().manual_seed(12)
-    for _ in range(3):
-        ids = make_ids(nnz, N, dist, torch.int64, cgen, dev)
-        dy = torch.randn(bags, D, device=dev, generator=gen)
-        sets.append((ids, dy))
-    off = torch.arange(0, nnz + 1, length, device=dev)
-    splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
     shape = gh.TTShape(p, q, ranks)
     pinned = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
     pinned2 = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)

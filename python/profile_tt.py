@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import math
-import os
 import pathlib
 import sys
 
@@ -30,24 +29,11 @@ import gpu_harness as gh  # noqa: E402
 P, Q, RANKS = [200, 220, 250], [4, 4, 4], [32, 32]
 
 
-def setup(bags, length, dist):
-    dev = "cuda"
-    r = [1] + RANKS + [1]
-    gen = torch.Generator(device=dev).manual_seed(11)
-    n_rows = math.prod(P)
-    cores = [torch.randn(P[k], r[k] * Q[k] * r[k + 1], device=dev, generator=gen)
-             * (1 / r[k]) ** 0.5 for k in range(len(P))]
-    nnz = bags * length
-    cgen = torch.Generator().manual_seed(12)
-    ids = gc.make_ids(nnz, n_rows, dist, torch.int64, cgen, dev)
-    dy = torch.randn(bags, math.prod(Q), device=dev, generator=gen)
-    off = torch.arange(0, nnz + 1, length, device=dev)
-    splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
-    return cores, ids, dy, off, splits, n_rows
-
-
 def paths(bags, length, dist):
-    cores, ids, dy, off, splits, n_rows = setup(bags, length, dist)
+    # The first input set of gpu_check.py's TT benchmarks (same cores, ids and dy).
+    cores, sets, off, splits = gc.tt_bench_inputs(bags, length, dist, P, Q, RANKS, num_sets=1)
+    (ids, dy), = sets
+    n_rows = math.prod(P)
     shape = gh.TTShape(P, Q, RANKS)
 
     def dev_fwd_bwd():
@@ -144,7 +130,6 @@ def main():
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    os.environ["TF_TTEMB_GPU_HARNESS"] = args.lib
     gh.load(args.lib)
     out = []
     for bags in args.bags:
