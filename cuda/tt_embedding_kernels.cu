@@ -954,6 +954,223 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Parent gradient of a wide level (Nc >= 32), by core row. The children (items of
+// level t) are taken in the core-row order of the core-gradient pieces (s.core[t]:
+// sorted by row, pieces never cross a row). A work item is one batch of at most
+// `ib` consecutive children of a piece (batch `sub` of piece pc), so a piece's
+// batches run in parallel blocks: the block stages its row B = G_t[row] [K, Nc]
+// transposed to [Nc, KP] and the batch's dC_n transposed to [Nc, RP]
+// (RP >= ib * M), then computes dA_n = dC_n @ B^T [M, K]. Each thread owns a 4 x 4
+// tile (rows m0 .. m0+3 of one child, columns k0 .. k0+3) and reads two 16-byte
+// values of shared memory per 16 FMAs; all threads walk c together, so the reads
+// are contiguous across a warp. The paddings (KP = K + 4, RP = ib * M + 4) keep
+// the staging stores free of bank conflicts. One fma chain per output, over c in
+// order, into child_out[n] (n = the child's item index); ChildCombineKernel then
+// adds each parent's children in item order. A bad id's child (last level) is left
+// out of the batch and skipped by the combine. Needs M, K, Nc % 4 == 0.
+template <typename C>
+__device__ __forceinline__ void Store4(C* p, const C v[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = v[i];
+}
+template <>
+__device__ __forceinline__ void Store4<float>(float* p, const float v[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+constexpr int kByRowMaxItems = 32;  // CompactBatch handles at most a warp of items
+// Dynamic shared memory of the by-row kernels: 48 KB less their static arrays and a margin.
+constexpr int64_t kByRowSmemBudget = 46 * 1024;
+
+template <typename TG, typename T>
+__global__ void __launch_bounds__(kThreads)
+    ParentByRowKernel(Geo g, int t, int ib, int nsub, const int64_t* __restrict__ ids,
+                      const int64_t* __restrict__ piece_count,
+                      const int32_t* __restrict__ piece_pos,
+                      const int32_t* __restrict__ sorted_items,
+                      const int32_t* __restrict__ row_t,  // level t
+                      const TG* __restrict__ dC,          // [n_t, S_t]
+                      const T* __restrict__ core,         // core t
+                      CT<T>* __restrict__ child_out) {    // [n_t, M * K]
+  using C = CT<T>;
+  extern __shared__ __align__(16) unsigned char by_row_smem[];
+  const bool last = t == g.T - 1;
+  const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
+  const int Nc = static_cast<int>(g.Nc[t]);
+  const int64_t S = g.S[t], W = g.width[t];
+  const int KP = K + 4, RP = ib * M + 4, MK = M * K;
+  C* b_s = reinterpret_cast<C*>(by_row_smem);  // [Nc, KP]: b_s[c * KP + k] = B[k, c]
+  C* d_s = b_s + Nc * KP;                       // [Nc, RP]: d_s[c * RP + b * M + m] = dC_b[m, c]
+  __shared__ int32_t item_s[kByRowMaxItems];
+  __shared__ int n_valid_s;
+  const int kt_count = K / 4, m4 = M / 4;
+  const int64_t work = *piece_count * nsub;
+  for (int64_t wi = blockIdx.x; wi < work; wi += gridDim.x) {
+    const int64_t pc = wi / nsub;
+    const int64_t s0 = piece_pos[pc] + (wi - pc * nsub) * ib, end = piece_pos[pc + 1];
+    if (s0 >= end) continue;  // uniform across the block
+    const int batch = static_cast<int>(end - s0 < ib ? end - s0 : ib);
+    const T* brow = core + int64_t{row_t[sorted_items[s0]]} * W;
+    __syncthreads();  // the previous item's readers are done
+    CompactBatch(g, last, ids, sorted_items, s0, batch, item_s, &n_valid_s);
+    for (int e = threadIdx.x; e < kt_count * Nc; e += blockDim.x) {
+      const int c = e % Nc, k0 = (e / Nc) * 4;  // coalesced over c
+      C v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = ToC(brow[(k0 + i) * Nc + c]);
+      Store4(b_s + c * KP + k0, v);
+    }
+    __syncthreads();
+    const int nv = n_valid_s;
+    for (int e = threadIdx.x; e < nv * m4 * Nc; e += blockDim.x) {
+      const int c = e % Nc, r = e / Nc;  // r = b * (M / 4) + m0 / 4
+      const int b = r / m4, m0 = (r - b * m4) * 4;
+      const TG* d = dC + int64_t{item_s[b]} * S + c;
+      C v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = ToC(d[(m0 + i) * Nc]);
+      Store4(d_s + c * RP + b * M + m0, v);
+    }
+    __syncthreads();
+    const int tiles = nv * m4 * kt_count;
+    for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
+      const int r0 = (tile / kt_count) * 4, k0 = (tile % kt_count) * 4;
+      Tile4<C> tile4;
+      const C* dp = d_s + r0;
+      const C* bp = b_s + k0;
+#pragma unroll 4
+      for (int c = 0; c < Nc; ++c) {
+        C dv[4], bv[4];
+        Load4(dp + c * RP, dv);
+        Load4(bp + c * KP, bv);
+        tile4.Fma(dv, bv);
+      }
+      const int b = r0 / M, m0 = r0 - b * M;
+      tile4.Store(child_out + int64_t{item_s[b]} * MK + m0 * K + k0, K);
+    }
+  }
+}
+
+// Forward partial products of a wide level t (1 <= t <= T-2) in the backward, by core
+// row: the same (piece, batch) work items over s.core[t] as ParentByRowKernel. The
+// block stages its row B = G_t[row] [K, Nc] as it is and the batch's A_n (core 0's
+// row or the parent's partial, [M, K]) transposed to [K, RP]; thread = 4 x 4 tile
+// (rows m0 .. m0+3 of one item, columns c0 .. c0+3), 16 FMAs per two 16-byte shared
+// loads. Each output is one fma chain over k in order, as in LevelForwardKernel: the
+// same bits. Needs M, Nc % 4 == 0.
+template <typename TA, typename T>
+__global__ void __launch_bounds__(kThreads)
+    LevelForwardByRowKernel(Geo g, int t, int ib, int nsub,
+                            const int64_t* __restrict__ piece_count,
+                            const int32_t* __restrict__ piece_pos,
+                            const int32_t* __restrict__ sorted_items,
+                            const int32_t* __restrict__ row_t, const int32_t* __restrict__ par_t,
+                            const int32_t* __restrict__ row0, const TA* __restrict__ prev,
+                            const T* __restrict__ core, CT<T>* __restrict__ out) {  // P_t
+  using C = CT<T>;
+  extern __shared__ __align__(16) unsigned char fwd_row_smem[];
+  const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
+  const int Nc = static_cast<int>(g.Nc[t]);
+  const int64_t S = g.S[t], W = g.width[t];
+  const int RP = ib * M + 4, MK = M * K;
+  C* b_s = reinterpret_cast<C*>(fwd_row_smem);  // [K, Nc] = B
+  C* a_s = b_s + K * Nc;                         // [K, RP]: a_s[k * RP + b * M + m] = A_b[m, k]
+  __shared__ int32_t item_s[kByRowMaxItems];
+  const int ct_count = Nc / 4, m4 = M / 4;
+  const int64_t work = *piece_count * nsub;
+  for (int64_t wi = blockIdx.x; wi < work; wi += gridDim.x) {
+    const int64_t pc = wi / nsub;
+    const int64_t s0 = piece_pos[pc] + (wi - pc * nsub) * ib, end = piece_pos[pc + 1];
+    if (s0 >= end) continue;  // uniform across the block
+    const int nv = static_cast<int>(end - s0 < ib ? end - s0 : ib);
+    const T* brow = core + int64_t{row_t[sorted_items[s0]]} * W;
+    __syncthreads();  // the previous item's readers are done
+    if (threadIdx.x < nv) item_s[threadIdx.x] = sorted_items[s0 + threadIdx.x];
+    for (int e = threadIdx.x; e < K * Nc; e += blockDim.x) b_s[e] = ToC(brow[e]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < nv * MK; e += blockDim.x) {
+      const int b = e / MK, w = e - b * MK;  // w = m * K + k
+      const int m = w / K, k = w - m * K;
+      a_s[k * RP + b * M + m] = ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
+    }
+    __syncthreads();
+    const int tiles = nv * m4 * ct_count;
+    for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
+      const int r0 = (tile / ct_count) * 4, c0 = (tile % ct_count) * 4;
+      Tile4<C> tile4;
+      const C* ap = a_s + r0;
+      const C* bp = b_s + c0;
+#pragma unroll 4
+      for (int k = 0; k < K; ++k) {
+        C av[4], bv[4];
+        Load4(ap + k * RP, av);
+        Load4(bp + k * Nc, bv);
+        tile4.Fma(av, bv);
+      }
+      const int b = r0 / M, m0 = r0 - b * M;
+      tile4.Store(out + int64_t{item_s[b]} * S + m0 * Nc + c0, Nc);
+    }
+  }
+}
+
+// dprev[m] = sum of parent m's children's child_out rows, in item order (the children
+// of a parent are consecutive items: the child pieces' first and end positions).
+template <typename C>
+__global__ void ChildCombineKernel(Geo g, int t, const int64_t* __restrict__ ids, int64_t Sp,
+                                   const int64_t* __restrict__ parent_count,
+                                   const int32_t* __restrict__ seg_first_piece,  // [parents + 1]
+                                   const int32_t* __restrict__ piece_pos,
+                                   const C* __restrict__ child_out, C* __restrict__ dprev) {
+  const bool last = t == g.T - 1;
+  const int64_t total = *parent_count * Sp;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t m = e / Sp, w = e % Sp;
+    const int64_t begin = piece_pos[seg_first_piece[m]], end = piece_pos[seg_first_piece[m + 1]];
+    C acc = C(0);
+    for (int64_t n = begin; n < end; ++n) {
+      if (last && !ValidAt(g, ids, n)) continue;
+      acc += child_out[n * Sp + w];
+    }
+    dprev[e] = acc;
+  }
+}
+
+// Children per batch of ParentByRowKernel for level t, from the shared-memory budget;
+// 0 where the kernel does not apply (narrow B, shapes not multiples of 4, B too large).
+template <typename C>
+int ByRowItems(const Geo& g, int t, int64_t smem_budget, int64_t* smem) {
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t];
+  if (Nc < 32 || M % 4 != 0 || K % 4 != 0 || Nc % 4 != 0) return 0;
+  const int64_t elem = static_cast<int64_t>(sizeof(C));
+  const int64_t b_bytes = Nc * (K + 4) * elem;
+  int64_t ib = kByRowMaxItems;
+  while (ib >= 1 && b_bytes + Nc * (ib * M + 4) * elem > smem_budget) --ib;
+  // Fewer than 64 tiles per batch would leave the block mostly idle.
+  if (ib < 1 || ib * (M / 4) * (K / 4) < 64) return 0;
+  *smem = b_bytes + Nc * (ib * M + 4) * elem;
+  return static_cast<int>(ib);
+}
+
+// Items per batch of LevelForwardByRowKernel for level t (0 where it does not apply).
+template <typename C>
+int ForwardByRowItems(const Geo& g, int t, int64_t smem_budget, int64_t* smem) {
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t];
+  if (t < 1 || t + 1 >= g.T || Nc < 32 || M % 4 != 0 || Nc % 4 != 0) return 0;
+  const int64_t elem = static_cast<int64_t>(sizeof(C));
+  const int64_t b_bytes = K * Nc * elem;
+  int64_t ib = kByRowMaxItems;
+  while (ib >= 1 && b_bytes + K * (ib * M + 4) * elem > smem_budget) --ib;
+  if (ib < 1 || ib * (M / 4) * (Nc / 4) < 64) return 0;
+  *smem = b_bytes + K * (ib * M + 4) * elem;
+  return static_cast<int>(ib);
+}
+
+// Work items of the by-row kernels: (piece, batch) pairs, grid-strided.
+int ByRowGrid(int64_t max_pieces, int nsub) {
+  return static_cast<int>(std::max<int64_t>(1, std::min(max_pieces * nsub, 4 * kMaxGridBlocks)));
+}
+
 // dprev[m] = sum of parent m's pieces, in order.
 template <typename C>
 __global__ void ParentCombineKernel(int64_t Sp, const int64_t* __restrict__ parent_count,
@@ -1627,8 +1844,30 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
     }
   }
   if (nmax == 0) return cudaSuccess;
-  // Forward partial products of levels 1 .. T-2.
+  // Forward partial products of levels 1 .. T-2: by core row where B is wide (B staged once
+  // per batch of a row's items, using the core sort), else LaunchLevelForward. Same bits.
   for (int t = 1; t + 1 < g.T; ++t) {
+    int64_t fwd_smem = 0;
+    const int fib = ForwardByRowItems<C>(g, t, kByRowSmemBudget, &fwd_smem);
+    if (fib > 0) {
+      const CoreSort& cs = s.core[t];
+      const int nsub = static_cast<int>(CeilDiv(CorePieceItems(g, t), fib));
+      const int64_t tiles = fib * (g.M[t] / 4) * (g.Nc[t] / 4);
+      const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+      if (t == 1) {
+        LevelForwardByRowKernel<T, T>
+            <<<ByRowGrid(cs.max_pieces, nsub), threads, static_cast<size_t>(fwd_smem), stream>>>(
+                g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
+                b.par[t], b.row[0], cores[0], cores[t], s.partial[t]);
+      } else {
+        LevelForwardByRowKernel<C, T>
+            <<<ByRowGrid(cs.max_pieces, nsub), threads, static_cast<size_t>(fwd_smem), stream>>>(
+                g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
+                b.par[t], b.row[0], s.partial[t - 1], cores[t], s.partial[t]);
+      }
+      TT_RETURN_IF_ERROR(cudaGetLastError());
+      continue;
+    }
     cudaError_t err =
         t == 1 ? LaunchLevelForward<T, T, C>(g, t, ids, nmax, b, cores[0], cores[t],
                                              s.partial[t], stream)
@@ -1653,10 +1892,32 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       const int grid =
           static_cast<int>(std::max<int64_t>(1, std::min(ch.max_pieces, kMaxGridBlocks)));
       bool reg_done = false;
+      bool by_row = false;
+      int64_t by_row_smem = 0;
+      const int ib = ByRowItems<C>(g, t, kByRowSmemBudget, &by_row_smem);
+      if (ib > 0) {
+        // Wide B: children by core row, B staged once per piece (replaces the wide kernel).
+        const CoreSort& cs = s.core[t];
+        const int nsub = static_cast<int>(CeilDiv(CorePieceItems(g, t), ib));
+        const int cgrid = ByRowGrid(cs.max_pieces, nsub);
+        const int64_t tiles = ib * (g.M[t] / 4) * (g.K[t] / 4);
+        const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+        if (last) {
+          ParentByRowKernel<T, T><<<cgrid, threads, static_cast<size_t>(by_row_smem), stream>>>(
+              g, t, ib, nsub, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
+              grad, cores[t], s.pieces);
+        } else {
+          ParentByRowKernel<C, T><<<cgrid, threads, static_cast<size_t>(by_row_smem), stream>>>(
+              g, t, ib, nsub, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
+              s.dpartial[t], cores[t], s.pieces);
+        }
+        by_row = true;
+        reg_done = true;
+      }
       if constexpr (std::is_same<T, C>::value) {
         const C* dC = last ? grad : s.dpartial[t];
         // Narrow B only: for Nc >= 32 the wide kernel's lanes across c win (run 9).
-        if (g.Nc[t] < 32 && g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0 &&
+        if (!by_row && g.Nc[t] < 32 && g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0 &&
             Aligned16(dC) && Aligned16(cores[t])) {
           const int group = RegGroup((g.M[t] / 4) * (g.K[t] / 4));
           const int64_t blocks = CeilDiv(ch.max_pieces, kThreads / group);
@@ -1730,8 +1991,14 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
         }
       }
       TT_RETURN_IF_ERROR(cudaGetLastError());
-      ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
-          g.S[t - 1], &b.counts[t], ch.seg_first_piece, s.pieces, s.dpartial[t - 1]);
+      if (by_row) {
+        ChildCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
+            g, t, ids, g.S[t - 1], &b.counts[t], ch.seg_first_piece, ch.piece_pos, s.pieces,
+            s.dpartial[t - 1]);
+      } else {
+        ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
+            g.S[t - 1], &b.counts[t], ch.seg_first_piece, s.pieces, s.dpartial[t - 1]);
+      }
       TT_RETURN_IF_ERROR(cudaGetLastError());
     }
     const CoreSort& cs = s.core[t];

@@ -631,9 +631,14 @@ TT_CONFIGS = [
     ("hot-zipf-long", [20, 30], [4, 8], [16], 1, None, 48, (100, 300), "zipf", None),
     # FBTT's q and ranks on small p: full 4 x 4 tiles in the tiled core/parent gradient kernels.
     ("fbtt-r32", [20, 22, 25], [4, 4, 4], [32, 32], 1, None, 64, (0, 40), "zipf", None),
+    # Wide B (Nc >= 32) with M % 4 == 0: the parent gradient by core row, at the last level
+    # (rows' gradient in the table's dtype, tables, padding) and at a middle level.
+    ("wide-last-tables-pad", [6, 5], [4, 32], [8], 2, 29, 40, (0, 12), "zipf", 3),
+    ("4core-wide-mid", [3, 4, 5, 6], [4, 1, 8, 2], [4, 8, 4], 1, None, 40, (0, 10), "uniform",
+     None),
 ]
 TT_SMALL = ["2core", "3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks",
-            "fbtt-r32"]
+            "fbtt-r32", "wide-last-tables-pad", "4core-wide-mid"]
 
 
 def tt_rows_torch(cores, p, q, r, num_tables, gids):
