@@ -541,6 +541,26 @@ __device__ __forceinline__ void CompactBatch(const Geo& g, bool last, const int6
   if (lane == 0) *n_valid_s = __popc(mask);
 }
 
+// dst[e] = load(e) for e < n, over the block's threads: R loads in flight per thread
+// before their shared-memory stores (staging from L2 is latency-bound otherwise: each
+// iteration would wait for its own load).
+template <int R, typename C, typename F>
+__device__ __forceinline__ void StageUnrolled(C* dst, int n, F load) {
+  for (int e0 = threadIdx.x; e0 < n; e0 += R * blockDim.x) {
+    C v[R];
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x);
+      v[u] = e < n ? load(e) : C(0);
+    }
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int e = e0 + u * static_cast<int>(blockDim.x);
+      if (e < n) dst[e] = v[u];
+    }
+  }
+}
+
 // A 4 x 4 output tile in registers: acc[i][j] += a[i] * b[j], one fma each, in call
 // order (so a kernel's summation order is its loop order), stored with a row stride.
 template <typename C>
@@ -620,14 +640,14 @@ __global__ void __launch_bounds__(kThreads)
         CompactBatch(g, last, ids, sorted_items, s0, batch, item_s, &n_valid_s);
         __syncthreads();
         const int nv = n_valid_s;
-        for (int e = threadIdx.x; e < nv * MK; e += blockDim.x) {
+        StageUnrolled<4>(a_s, nv * MK, [&](int e) {
           const int b = e / MK, w = e - b * MK;
-          a_s[e] = ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
-        }
-        for (int e = threadIdx.x; e < nv * MN; e += blockDim.x) {
+          return ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
+        });
+        StageUnrolled<8>(d_s, nv * MN, [&](int e) {
           const int b = e / MN, w = e - b * MN;
-          d_s[e] = ToC(dC[int64_t{item_s[b]} * S + w]);
-        }
+          return ToC(dC[int64_t{item_s[b]} * S + w]);
+        });
         __syncthreads();
         if (active) {
           for (int b = 0; b < nv; ++b) {
@@ -981,6 +1001,9 @@ __device__ __forceinline__ void Store4<float>(float* p, const float v[4]) {
 constexpr int kByRowMaxItems = 32;  // CompactBatch handles at most a warp of items
 // Dynamic shared memory of the by-row kernels: 48 KB less their static arrays and a margin.
 constexpr int64_t kByRowSmemBudget = 46 * 1024;
+// Staging rounds of the by-row kernels whose global loads are issued before any of their
+// shared-memory stores (the loads come from L2: latency, not bandwidth, bounds a block).
+constexpr int kStage = 4;
 
 template <typename TG, typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -1013,23 +1036,45 @@ __global__ void __launch_bounds__(kThreads)
     const T* brow = core + int64_t{row_t[sorted_items[s0]]} * W;
     __syncthreads();  // the previous item's readers are done
     CompactBatch(g, last, ids, sorted_items, s0, batch, item_s, &n_valid_s);
-    for (int e = threadIdx.x; e < kt_count * Nc; e += blockDim.x) {
-      const int c = e % Nc, k0 = (e / Nc) * 4;  // coalesced over c
-      C v[4];
+    // Staging: kStage rounds of loads in flight per thread before their stores.
+    const int nb = kt_count * Nc;
+    for (int e0 = threadIdx.x; e0 < nb; e0 += kStage * blockDim.x) {
+      C v[kStage][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = ToC(brow[(k0 + i) * Nc + c]);
-      Store4(b_s + c * KP + k0, v);
+      for (int u = 0; u < kStage; ++u) {
+        const int e = e0 + u * blockDim.x;
+        const int c = e % Nc, k0 = (e / Nc) * 4;  // coalesced over c
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[u][i] = e < nb ? ToC(brow[(k0 + i) * Nc + c]) : C(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        const int e = e0 + u * blockDim.x;
+        if (e < nb) Store4(b_s + (e % Nc) * KP + (e / Nc) * 4, v[u]);
+      }
     }
     __syncthreads();
     const int nv = n_valid_s;
-    for (int e = threadIdx.x; e < nv * m4 * Nc; e += blockDim.x) {
-      const int c = e % Nc, r = e / Nc;  // r = b * (M / 4) + m0 / 4
-      const int b = r / m4, m0 = (r - b * m4) * 4;
-      const TG* d = dC + int64_t{item_s[b]} * S + c;
-      C v[4];
+    const int nd = nv * m4 * Nc;
+    for (int e0 = threadIdx.x; e0 < nd; e0 += kStage * blockDim.x) {
+      C v[kStage][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = ToC(d[(m0 + i) * Nc]);
-      Store4(d_s + c * RP + b * M + m0, v);
+      for (int u = 0; u < kStage; ++u) {
+        const int e = e0 + u * blockDim.x;
+        const int c = e % Nc, r = e / Nc;  // r = b * (M / 4) + m0 / 4
+        const int b = r / m4, m0 = (r - b * m4) * 4;
+        const TG* d = dC + int64_t{item_s[e < nd ? b : 0]} * S + c;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[u][i] = e < nd ? ToC(d[(m0 + i) * Nc]) : C(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kStage; ++u) {
+        const int e = e0 + u * blockDim.x;
+        if (e >= nd) continue;
+        const int c = e % Nc, r = e / Nc;
+        const int b = r / m4, m0 = (r - b * m4) * 4;
+        Store4(d_s + c * RP + b * M + m0, v[u]);
+      }
     }
     __syncthreads();
     const int tiles = nv * m4 * kt_count;
@@ -1086,7 +1131,7 @@ __global__ void __launch_bounds__(kThreads)
     const T* brow = core + int64_t{row_t[sorted_items[s0]]} * W;
     __syncthreads();  // the previous item's readers are done
     if (threadIdx.x < nv) item_s[threadIdx.x] = sorted_items[s0 + threadIdx.x];
-    for (int e = threadIdx.x; e < K * Nc; e += blockDim.x) b_s[e] = ToC(brow[e]);
+    StageUnrolled<4 * kStage>(b_s, K * Nc, [&](int e) { return ToC(brow[e]); });
     __syncthreads();
     for (int e = threadIdx.x; e < nv * MK; e += blockDim.x) {
       const int b = e / MK, w = e - b * MK;  // w = m * K + k
