@@ -1005,6 +1005,33 @@ constexpr int64_t kByRowSmemBudget = 46 * 1024;
 // shared-memory stores (the loads come from L2: latency, not bandwidth, bounds a block).
 constexpr int kStage = 4;
 
+// The by-row kernels' products: out[rows r0..r0+3 of an item, cols j0..j0+3] = sum over i
+// (in order) of x[i, r] y[i, j], with x = x_s[i * xs + r] (r = b * M + m) and y = y_s[i * ys + j]
+// in shared memory; thread = one 4 x 4 tile of the batch's nv items, written to
+// out + item_s[b] * item_stride + m0 * cols + j0.
+template <typename C>
+__device__ __forceinline__ void ByRowTiles(const C* x_s, int xs, const C* y_s, int ys, int inner,
+                                           int nv, int M, int cols, const int32_t* item_s,
+                                           int64_t item_stride, C* out) {
+  const int jt_count = cols / 4;
+  const int tiles = nv * (M / 4) * jt_count;
+  for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
+    const int r0 = (tile / jt_count) * 4, j0 = (tile % jt_count) * 4;
+    Tile4<C> tile4;
+    const C* xp = x_s + r0;
+    const C* yp = y_s + j0;
+#pragma unroll 4
+    for (int i = 0; i < inner; ++i) {
+      C xv[4], yv[4];
+      Load4(xp + i * xs, xv);
+      Load4(yp + i * ys, yv);
+      tile4.Fma(xv, yv);
+    }
+    const int b = r0 / M, m0 = r0 - b * M;
+    tile4.Store(out + int64_t{item_s[b]} * item_stride + m0 * cols + j0, cols);
+  }
+}
+
 template <typename TG, typename T>
 __global__ void __launch_bounds__(kThreads)
     ParentByRowKernel(Geo g, int t, int ib, int nsub, const int64_t* __restrict__ ids,
@@ -1077,22 +1104,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
-    const int tiles = nv * m4 * kt_count;
-    for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
-      const int r0 = (tile / kt_count) * 4, k0 = (tile % kt_count) * 4;
-      Tile4<C> tile4;
-      const C* dp = d_s + r0;
-      const C* bp = b_s + k0;
-#pragma unroll 4
-      for (int c = 0; c < Nc; ++c) {
-        C dv[4], bv[4];
-        Load4(dp + c * RP, dv);
-        Load4(bp + c * KP, bv);
-        tile4.Fma(dv, bv);
-      }
-      const int b = r0 / M, m0 = r0 - b * M;
-      tile4.Store(child_out + int64_t{item_s[b]} * MK + m0 * K + k0, K);
-    }
+    ByRowTiles(d_s, RP, b_s, KP, Nc, nv, M, K, item_s, MK, child_out);
   }
 }
 
@@ -1121,7 +1133,6 @@ __global__ void __launch_bounds__(kThreads)
   C* b_s = reinterpret_cast<C*>(fwd_row_smem);  // [K, Nc] = B
   C* a_s = b_s + K * Nc;                         // [K, RP]: a_s[k * RP + b * M + m] = A_b[m, k]
   __shared__ int32_t item_s[kByRowMaxItems];
-  const int ct_count = Nc / 4, m4 = M / 4;
   const int64_t work = *piece_count * nsub;
   for (int64_t wi = blockIdx.x; wi < work; wi += gridDim.x) {
     const int64_t pc = wi / nsub;
@@ -1139,22 +1150,7 @@ __global__ void __launch_bounds__(kThreads)
       a_s[k * RP + b * M + m] = ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
     }
     __syncthreads();
-    const int tiles = nv * m4 * ct_count;
-    for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
-      const int r0 = (tile / ct_count) * 4, c0 = (tile % ct_count) * 4;
-      Tile4<C> tile4;
-      const C* ap = a_s + r0;
-      const C* bp = b_s + c0;
-#pragma unroll 4
-      for (int k = 0; k < K; ++k) {
-        C av[4], bv[4];
-        Load4(ap + k * RP, av);
-        Load4(bp + k * Nc, bv);
-        tile4.Fma(av, bv);
-      }
-      const int b = r0 / M, m0 = r0 - b * M;
-      tile4.Store(out + int64_t{item_s[b]} * S + m0 * Nc + c0, Nc);
-    }
+    ByRowTiles(a_s, RP, b_s, Nc, K, nv, M, Nc, item_s, S, out);
   }
 }
 
@@ -1181,34 +1177,34 @@ __global__ void ChildCombineKernel(Geo g, int t, const int64_t* __restrict__ ids
   }
 }
 
-// Children per batch of ParentByRowKernel for level t, from the shared-memory budget;
-// 0 where the kernel does not apply (narrow B, shapes not multiples of 4, B too large).
+// Items per batch of a by-row kernel: the most (<= kByRowMaxItems) whose shared memory,
+// b_bytes for the core row plus `inner` rows of (ib * M + 4) values for the batch, fits the
+// budget; 0 where fewer than 64 tiles of 4 x 4 outputs per batch (`out_cols` columns) would
+// leave the block mostly idle.
 template <typename C>
-int ByRowItems(const Geo& g, int t, int64_t smem_budget, int64_t* smem) {
-  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t];
-  if (Nc < 32 || M % 4 != 0 || K % 4 != 0 || Nc % 4 != 0) return 0;
+int ByRowBatch(int64_t M, int64_t inner, int64_t out_cols, int64_t b_bytes, int64_t* smem) {
   const int64_t elem = static_cast<int64_t>(sizeof(C));
-  const int64_t b_bytes = Nc * (K + 4) * elem;
   int64_t ib = kByRowMaxItems;
-  while (ib >= 1 && b_bytes + Nc * (ib * M + 4) * elem > smem_budget) --ib;
-  // Fewer than 64 tiles per batch would leave the block mostly idle.
-  if (ib < 1 || ib * (M / 4) * (K / 4) < 64) return 0;
-  *smem = b_bytes + Nc * (ib * M + 4) * elem;
+  while (ib >= 1 && b_bytes + inner * (ib * M + 4) * elem > kByRowSmemBudget) --ib;
+  if (ib < 1 || ib * (M / 4) * (out_cols / 4) < 64) return 0;
+  *smem = b_bytes + inner * (ib * M + 4) * elem;
   return static_cast<int>(ib);
 }
 
-// Items per batch of LevelForwardByRowKernel for level t (0 where it does not apply).
+// ParentByRowKernel for level t: B^T [Nc, K + 4], dC^T [Nc, RP], outputs [M, K].
 template <typename C>
-int ForwardByRowItems(const Geo& g, int t, int64_t smem_budget, int64_t* smem) {
+int ByRowItems(const Geo& g, int t, int64_t* smem) {
+  const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t];
+  if (Nc < 32 || M % 4 != 0 || K % 4 != 0 || Nc % 4 != 0) return 0;
+  return ByRowBatch<C>(M, Nc, K, Nc * (K + 4) * static_cast<int64_t>(sizeof(C)), smem);
+}
+
+// LevelForwardByRowKernel for level t (1 <= t <= T-2): B [K, Nc], A^T [K, RP], outputs [M, Nc].
+template <typename C>
+int ForwardByRowItems(const Geo& g, int t, int64_t* smem) {
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t];
   if (t < 1 || t + 1 >= g.T || Nc < 32 || M % 4 != 0 || Nc % 4 != 0) return 0;
-  const int64_t elem = static_cast<int64_t>(sizeof(C));
-  const int64_t b_bytes = K * Nc * elem;
-  int64_t ib = kByRowMaxItems;
-  while (ib >= 1 && b_bytes + K * (ib * M + 4) * elem > smem_budget) --ib;
-  if (ib < 1 || ib * (M / 4) * (Nc / 4) < 64) return 0;
-  *smem = b_bytes + K * (ib * M + 4) * elem;
-  return static_cast<int>(ib);
+  return ByRowBatch<C>(M, K, Nc, K * Nc * static_cast<int64_t>(sizeof(C)), smem);
 }
 
 // Work items of the by-row kernels: (piece, batch) pairs, grid-strided.
@@ -1893,7 +1889,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   // per batch of a row's items, using the core sort), else LaunchLevelForward. Same bits.
   for (int t = 1; t + 1 < g.T; ++t) {
     int64_t fwd_smem = 0;
-    const int fib = ForwardByRowItems<C>(g, t, kByRowSmemBudget, &fwd_smem);
+    const int fib = ForwardByRowItems<C>(g, t, &fwd_smem);
     if (fib > 0) {
       const CoreSort& cs = s.core[t];
       const int nsub = static_cast<int>(CeilDiv(CorePieceItems(g, t), fib));
@@ -1939,7 +1935,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       bool reg_done = false;
       bool by_row = false;
       int64_t by_row_smem = 0;
-      const int ib = ByRowItems<C>(g, t, kByRowSmemBudget, &by_row_smem);
+      const int ib = ByRowItems<C>(g, t, &by_row_smem);
       if (ib > 0) {
         // Wide B: children by core row, B staged once per piece (replaces the wide kernel).
         const CoreSort& cs = s.core[t];
