@@ -231,6 +231,8 @@ __device__ __forceinline__ int64_t SafeId(const Geo& g, const int64_t* ids, int6
 __global__ void InitReportKernel(TTReport* report) {
   report->first_bad_index = kNoBad;
   report->bad_index_value = -1;
+  report->work_items = 0;
+  report->work_values = 0;
 }
 
 // counts[0] = number of ids of the chunk starting at `begin`.
@@ -1468,44 +1470,95 @@ struct GradScratch {
   CT<T>* pieces = nullptr;            // [max over cores of max_pieces * width]
 };
 
+// The scratch of TTRowsGrad has two parts. The index part (levels, sorted items, piece
+// lists: int32/int64 per id) is written by Prepare and read by Compute. The work part holds
+// Compute's float buffers: the partial products P_t and their gradients dP_t, one per item
+// of levels 0 .. T-2 (at most `items` each), and the piece buffer (`piece_values`
+// elements). Their upper bounds (items = nmax, the largest piece list nmax ids can make)
+// hold for any ids; Prepare reports the sizes the ids actually need (WorkNeedsKernel), which
+// for sorted distinct ids are bounded by the number of distinct prefixes instead of nmax
+// (FBTT's shape at 1.3M ids: ~0.5 GB instead of ~9 GB).
 template <typename T>
-size_t CarveGrad(const Geo& g, int64_t nmax, void* base, GradScratch<T>* s) {
-  Carver c(base);
+void CarveGradIndex(const Geo& g, int64_t nmax, Carver* c, GradScratch<T>* s,
+                    int64_t* max_piece_values) {
   const size_t cub_bytes = std::max(ScanTempBytes(nmax), SortTempBytes(nmax));
-  CarveLevels(g, nmax, cub_bytes, &c, &s->levels);
-  int64_t max_piece_values = 0;
+  CarveLevels(g, nmax, cub_bytes, c, &s->levels);
+  int64_t values = 0;
   for (int k = 0; k < g.T; ++k) {
     CoreSort& cs = s->core[k];
     cs.max_rows = std::min<int64_t>(nmax, g.tables * g.p[k]);
     cs.max_pieces = CeilDiv(nmax, CorePieceItems(g, k)) + cs.max_rows;
-    cs.sorted_items = c.Take<int32_t>(nmax);
-    cs.piece_pos = c.Take<int32_t>(cs.max_pieces + 1);
-    cs.seg_first_piece = c.Take<int32_t>(cs.max_rows + 1);
-    cs.seg_row = c.Take<int64_t>(cs.max_rows);
-    cs.piece_count = c.Take<int64_t>(1);
-    cs.row_count = c.Take<int64_t>(1);
-    max_piece_values = std::max(max_piece_values, cs.max_pieces * g.width[k]);
+    cs.sorted_items = c->Take<int32_t>(nmax);
+    cs.piece_pos = c->Take<int32_t>(cs.max_pieces + 1);
+    cs.seg_first_piece = c->Take<int32_t>(cs.max_rows + 1);
+    cs.seg_row = c->Take<int64_t>(cs.max_rows);
+    cs.piece_count = c->Take<int64_t>(1);
+    cs.row_count = c->Take<int64_t>(1);
+    values = std::max(values, cs.max_pieces * g.width[k]);
   }
   for (int t = 1; t < g.T; ++t) {
     CoreSort& cs = s->child[t];
     cs.max_rows = nmax;
     cs.max_pieces = CeilDiv(nmax, kChildPieceItems) + nmax;
-    cs.piece_pos = c.Take<int32_t>(cs.max_pieces + 1);
-    cs.seg_first_piece = c.Take<int32_t>(cs.max_rows + 1);
-    cs.seg_row = c.Take<int64_t>(cs.max_rows);
-    cs.piece_count = c.Take<int64_t>(1);
-    cs.row_count = c.Take<int64_t>(1);
-    max_piece_values = std::max(max_piece_values, cs.max_pieces * g.S[t - 1]);
+    cs.piece_pos = c->Take<int32_t>(cs.max_pieces + 1);
+    cs.seg_first_piece = c->Take<int32_t>(cs.max_rows + 1);
+    cs.seg_row = c->Take<int64_t>(cs.max_rows);
+    cs.piece_count = c->Take<int64_t>(1);
+    cs.row_count = c->Take<int64_t>(1);
+    values = std::max(values, cs.max_pieces * g.S[t - 1]);
   }
-  s->keys_in = c.Take<int64_t>(nmax);
-  s->keys_out = c.Take<int64_t>(nmax);
-  s->vals_in = c.Take<int32_t>(nmax);
-  s->piece_flags = c.Take<int32_t>(nmax);
-  s->piece_incl = c.Take<int32_t>(nmax);
-  s->seg_incl = c.Take<int32_t>(nmax);
-  for (int t = 1; t + 1 < g.T; ++t) s->partial[t] = c.Take<CT<T>>(nmax * g.S[t]);
-  for (int t = 0; t + 1 < g.T; ++t) s->dpartial[t] = c.Take<CT<T>>(nmax * g.S[t]);
-  s->pieces = c.Take<CT<T>>(max_piece_values);
+  s->keys_in = c->Take<int64_t>(nmax);
+  s->keys_out = c->Take<int64_t>(nmax);
+  s->vals_in = c->Take<int32_t>(nmax);
+  s->piece_flags = c->Take<int32_t>(nmax);
+  s->piece_incl = c->Take<int32_t>(nmax);
+  s->seg_incl = c->Take<int32_t>(nmax);
+  *max_piece_values = values;
+}
+
+template <typename T>
+void CarveGradWork(const Geo& g, int64_t items, int64_t piece_values, Carver* c,
+                   GradScratch<T>* s) {
+  for (int t = 1; t + 1 < g.T; ++t) s->partial[t] = c->Take<CT<T>>(items * g.S[t]);
+  for (int t = 0; t + 1 < g.T; ++t) s->dpartial[t] = c->Take<CT<T>>(items * g.S[t]);
+  s->pieces = c->Take<CT<T>>(piece_values);
+}
+
+// Bytes of the index part alone (with_work false) or of both parts, the work part at its
+// upper bounds (the single-buffer layout).
+template <typename T>
+size_t CarveGrad(const Geo& g, int64_t nmax, void* base, GradScratch<T>* s, bool with_work) {
+  Carver c(base);
+  int64_t max_piece_values = 0;
+  CarveGradIndex(g, nmax, &c, s, &max_piece_values);
+  if (with_work) CarveGradWork(g, nmax, max_piece_values, &c, s);
+  return c.bytes();
+}
+
+// The work sizes: the upper bounds, or the needs Prepare reported (never above the bounds;
+// clamped all the same, so a corrupted report cannot ask for more).
+template <typename T>
+void WorkSizes(const Geo& g, int64_t nmax, const TTReport* prepared, int64_t* items,
+               int64_t* piece_values) {
+  GradScratch<T> s;
+  Carver c(nullptr);
+  int64_t max_values = 0;
+  CarveGradIndex(g, nmax, &c, &s, &max_values);
+  *items = nmax;
+  *piece_values = max_values;
+  if (prepared != nullptr) {
+    *items = std::min(nmax, std::max<int64_t>(0, prepared->work_items));
+    *piece_values = std::min(max_values, std::max<int64_t>(0, prepared->work_values));
+  }
+}
+
+template <typename T>
+size_t CarveWork(const Geo& g, int64_t nmax, const TTReport* prepared, void* base,
+                 GradScratch<T>* s) {
+  int64_t items = 0, values = 0;
+  WorkSizes<T>(g, nmax, prepared, &items, &values);
+  Carver c(base);
+  CarveGradWork(g, items, values, &c, s);
   return c.bytes();
 }
 
@@ -1718,12 +1771,56 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
   return cudaGetLastError();
 }
 
+// What Compute's work buffers must hold for the ids Prepare has seen (see CarveGradIndex):
+// the items of levels 0 .. T-2, and the largest piece buffer of any level: core pieces x
+// the core's width, parent-gradient pieces x S_{t-1}, or, where the by-row parent kernel
+// runs, one slot per child item x S_{t-1}.
+struct WorkNeeds {
+  int T = 0;
+  const int64_t* counts = nullptr;                    // LevelBuffers::counts
+  const int64_t* core_pieces[kMaxTTCores] = {};       // CoreSort::piece_count, cores 0 .. T-1
+  const int64_t* child_pieces[kMaxTTCores] = {};      // levels 1 .. T-1
+  int64_t width[kMaxTTCores] = {};
+  int64_t child_width[kMaxTTCores] = {};              // S_{t-1}
+  bool by_row[kMaxTTCores] = {};
+};
+
+__global__ void WorkNeedsKernel(WorkNeeds w, TTReport* report) {
+  int64_t items = 0;
+  for (int t = 0; t + 1 < w.T; ++t) items = max(items, w.counts[1 + t]);
+  int64_t values = 0;
+  for (int k = 0; k < w.T; ++k) values = max(values, *w.core_pieces[k] * w.width[k]);
+  for (int t = 1; t < w.T; ++t) {
+    const int64_t children = t == w.T - 1 ? w.counts[0] : w.counts[1 + t];
+    const int64_t units = w.by_row[t] ? children : *w.child_pieces[t];
+    values = max(values, units * w.child_width[t]);
+  }
+  report->work_items = items;
+  report->work_values = values;
+}
+
 template <typename T>
 size_t RowsGradScratchBytes(const TTProblem& p, int64_t max_ids) {
   Geo g;
   if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
   GradScratch<T> s;
-  return CarveGrad<T>(g, max_ids, nullptr, &s);
+  return CarveGrad<T>(g, max_ids, nullptr, &s, /*with_work=*/true);
+}
+
+template <typename T>
+size_t RowsGradPrepareScratchBytes(const TTProblem& p, int64_t max_ids) {
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
+  GradScratch<T> s;
+  return CarveGrad<T>(g, max_ids, nullptr, &s, /*with_work=*/false);
+}
+
+template <typename T>
+size_t RowsGradWorkBytes(const TTProblem& p, int64_t max_ids, const TTReport* prepared) {
+  Geo g;
+  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
+  GradScratch<T> s;
+  return CarveWork<T>(g, max_ids, prepared, nullptr, &s);
 }
 
 template <typename T>
@@ -1735,8 +1832,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
     return cudaErrorInvalidValue;
   }
   GradScratch<T> s;
-  if (CarveGrad<T>(g, max_ids, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
-  CarveGrad<T>(g, max_ids, scratch, &s);
+  if (CarveGrad<T>(g, max_ids, nullptr, &s, false) > scratch_bytes) return cudaErrorInvalidValue;
+  CarveGrad<T>(g, max_ids, scratch, &s, false);
   const int64_t nmax = max_ids;
   LevelBuffers& b = s.levels;
   InitReportKernel<<<1, 1, 0, stream>>>(report);
@@ -1799,6 +1896,21 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       PieceEndKernel<<<1, 1, 0, stream>>>(g, t, b.counts, cs.piece_count, cs.piece_pos);
       TT_RETURN_IF_ERROR(cudaGetLastError());
     }
+    WorkNeeds needs;
+    needs.T = g.T;
+    needs.counts = b.counts;
+    for (int k = 0; k < g.T; ++k) {
+      needs.core_pieces[k] = s.core[k].piece_count;
+      needs.width[k] = g.width[k];
+      if (k >= 1) {
+        int64_t unused = 0;
+        needs.child_pieces[k] = s.child[k].piece_count;
+        needs.child_width[k] = g.S[k - 1];
+        needs.by_row[k] = ByRowItems<CT<T>>(g, k, &unused) > 0;
+      }
+    }
+    WorkNeedsKernel<<<1, 1, 0, stream>>>(needs, report);
+    TT_RETURN_IF_ERROR(cudaGetLastError());
   } else {
     for (int k = 0; k < g.T; ++k) {
       TT_RETURN_IF_ERROR(cudaMemsetAsync(s.core[k].piece_count, 0, sizeof(int64_t), stream));
@@ -1859,6 +1971,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                                   const int64_t* num_ids, const T* const* cores, const T* grad,
                                   int64_t* const* core_indices, T* const* core_values,
                                   T* const* core_dense, void* scratch, size_t scratch_bytes,
+                                  const TTReport* prepared, void* work, size_t work_bytes,
                                   cudaStream_t stream) {
   using C = CT<T>;
   Geo g;
@@ -1872,8 +1985,15 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
     if (cores[k] == nullptr) return cudaErrorInvalidValue;
   }
   GradScratch<T> s;
-  if (CarveGrad<T>(g, max_ids, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
-  CarveGrad<T>(g, max_ids, scratch, &s);
+  const bool own_work = work != nullptr;
+  if (CarveGrad<T>(g, max_ids, nullptr, &s, !own_work) > scratch_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  if (own_work && CarveWork<T>(g, max_ids, prepared, nullptr, &s) > work_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  CarveGrad<T>(g, max_ids, scratch, &s, !own_work);
+  if (own_work) CarveWork<T>(g, max_ids, prepared, work, &s);
   const int64_t nmax = max_ids;
   LevelBuffers& b = s.levels;
   if (dense) {
@@ -2078,12 +2198,15 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                                      const T* const*, T*, TTReport*, void*, size_t,             \
                                      cudaStream_t);                                             \
   template size_t RowsGradScratchBytes<T>(const TTProblem&, int64_t);                           \
+  template size_t RowsGradPrepareScratchBytes<T>(const TTProblem&, int64_t);                    \
+  template size_t RowsGradWorkBytes<T>(const TTProblem&, int64_t, const TTReport*);             \
   template cudaError_t LaunchRowsGradPrepare<T>(const TTProblem&, const int64_t*, int64_t,      \
                                                 const int64_t*, TTReport*, void*, size_t,       \
                                                 cudaStream_t);                                  \
   template cudaError_t LaunchRowsGradCompute<T>(                                                \
       const TTProblem&, const int64_t*, int64_t, const int64_t*, const T* const*, const T*,     \
-      int64_t* const*, T* const*, T* const*, void*, size_t, cudaStream_t);
+      int64_t* const*, T* const*, T* const*, void*, size_t, const TTReport*, void*, size_t,      \
+      cudaStream_t);
 
 TT_INSTANTIATE_VALUE(__half)
 TT_INSTANTIATE_VALUE(__nv_bfloat16)

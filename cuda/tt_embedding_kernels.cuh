@@ -49,7 +49,9 @@
 //     core_grad_values[k] [n_k, r_k q_k r_{k+1}], then LaunchRowsGradCompute
 //     writes them. Compute can instead write the dense gradient of each core
 //     [num_tables * p_k, r_k q_k r_{k+1}] (rows not touched are zero), which
-//     needs no read-back (the harness's path).
+//     needs no read-back (the harness's path). The same read-back sizes
+//     Compute's float work buffers (RowsGradWorkBytes): what the ids need,
+//     not the upper bound for max_ids arbitrary ids.
 // The TTRows `saved` output is not produced on GPU (the contract allows an
 // empty `saved`); TTRowsGrad recomputes the partial products it needs.
 
@@ -94,7 +96,9 @@ struct TTReport {
                              //   or *num_ids)
   int64_t core_rows[kMaxTTCores];  // RowsGradPrepare: n_k, distinct core rows
                                    //   of core k touched (0 for k >= T)
-  int64_t reserved[4];
+  int64_t work_items;              // RowsGradPrepare: what Compute's work buffers
+  int64_t work_values;             //   need for these ids (RowsGradWorkBytes)
+  int64_t reserved[2];
 };
 static_assert(sizeof(TTReport) == 16 * sizeof(int64_t), "TTReport is 16 words");
 
@@ -161,11 +165,30 @@ cudaError_t LaunchRows(const TTProblem& p,
 // prefixes that use it, in prefix order (sorted by a stable radix sort,
 // split into fixed-length pieces combined in piece order): deterministic,
 // no atomics. Ids of any order; bad ids contribute nothing and are reported.
-// The scratch grows with max_ids: the partial products of levels 1 .. T-2 and
-// their gradients, one per distinct prefix (at most min(max_ids, number of
-// possible prefixes) each), plus the sort buffers.
+//
+// Scratch. Two parts: the index part (levels, sorts, piece lists; ~100 bytes
+// per id), written by Prepare and read by Compute, and Compute's float work
+// part (the partial products of levels 1 .. T-2 and their gradients, one per
+// prefix item, and the pieces of the fixed-order sums). For ids of any order
+// the work part's upper bound grows with max_ids times the partial products'
+// size (FBTT's shape, 1.3M ids: ~9 GB); for sorted distinct ids (TTUniqueIds'
+// output) the items are the distinct prefixes, and Prepare reports the exact
+// need in report->work_items / work_values (FBTT's shape, 1.3M ids: ~0.5 GB).
+//   * one buffer: scratch >= RowsGradScratchBytes (index part + work part at
+//     its upper bound), work = null; nothing has to be read back;
+//   * two buffers: scratch >= RowsGradPrepareScratchBytes (index part) for
+//     Prepare and Compute, and, after Prepare's report is read back,
+//     work >= RowsGradWorkBytes(p, max_ids, &that_report) for Compute.
 template <typename T>
 size_t RowsGradScratchBytes(const TTProblem& p, int64_t max_ids);
+
+template <typename T>
+size_t RowsGradPrepareScratchBytes(const TTProblem& p, int64_t max_ids);
+
+// prepared: a host copy of the report Prepare wrote for these ids, or null (the
+// upper bound).
+template <typename T>
+size_t RowsGradWorkBytes(const TTProblem& p, int64_t max_ids, const TTReport* prepared);
 
 template <typename T>
 cudaError_t LaunchRowsGradPrepare(const TTProblem& p,
@@ -174,7 +197,7 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p,
                                   const int64_t* num_ids,  // [1], device, or null
                                   TTReport* report,        // [1], device: core_rows[k] = n_k,
                                                            //   first_bad_index, bad_index_value,
-                                                           //   num_ids
+                                                           //   num_ids, work_items, work_values
                                   void* scratch, size_t scratch_bytes,
                                   cudaStream_t stream);
 
@@ -192,7 +215,10 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p,
                                   int64_t* const* core_indices,  // host array [num_cores] or null
                                   T* const* core_values,         // host array [num_cores] or null
                                   T* const* core_dense,          // host array [num_cores] or null
-                                  void* scratch, size_t scratch_bytes,
+                                  void* scratch, size_t scratch_bytes,  // Prepare's, untouched
+                                  const TTReport* prepared,  // HOST copy of Prepare's report
+                                                             //   (used only with work), or null
+                                  void* work, size_t work_bytes,  // null: carved from scratch
                                   cudaStream_t stream);
 
 }  // namespace gpu

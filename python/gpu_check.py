@@ -758,9 +758,18 @@ def tt_check_case(config, dtype, itype, combiner, weighted, seed):
         want_slots[valid] = torch.searchsorted(ref["unique"], g[valid])
     if not torch.equal(slots, want_slots) or state.slots.dtype != itype:
         fail.append("slots")
+    dense_grads = None
     for dense in (True, False):
         grads, dw = gh.tt_embedding_bag_backward_from(state, c["grad"], dense=dense)
         tag = "dense" if dense else "compact"
+        if dense:
+            dense_grads = grads
+        else:
+            # The compact path's work buffer is sized by Prepare's report, the dense path's
+            # is the upper bound: same arithmetic, so the same bits.
+            for k, (idx, vals) in enumerate(grads):
+                if not torch.equal(bits(vals), bits(dense_grads[k][idx])):
+                    fail.append(f"core {k} grad compact != dense bitwise")
         worst = 0.0
         for k in range(len(c["p"])):
             want, want_abs = ref["core_grads"][k], ref["core_grads_abs"][k]
@@ -1087,6 +1096,120 @@ def tt_profile_run():
     tt_bench_shape("profile", 65536, 20, "uniform", 1, torch_ref=False)
 
 
+TT_ROWS_GRAD_SHAPES = [
+    # name, p, q, ranks, num_tables: the by-row kernels (fbtt-r32: middle level, wide-last:
+    # last level), a 4-core wide middle level, and plain narrow cores.
+    ("fbtt-r32", [20, 22, 25], [4, 4, 4], [32, 32], 1),
+    ("wide-last-tables", [6, 5], [4, 32], [8], 2),
+    ("4core-wide-mid", [3, 4, 5, 6], [4, 1, 8, 2], [4, 8, 4], 1),
+    ("2core-odd", [7, 9], [2, 3], [4], 1),
+]
+
+
+def tt_check_rows_grad_work(small):
+    """TTRowsGrad on ids of any order (unsorted, duplicated, prefixes alternating), where
+    the prefix items are not bounded by the distinct prefixes: the two-buffer layout (work
+    sized by Prepare's report, as the TF glue does) and the one-buffer layout (work at its
+    upper bound) against float64 autograd, and bitwise against each other; the work bytes
+    the report asks for, for these ids and for their sorted distinct ids."""
+    results = []
+    n_base = 120 if small else 1500
+    for name, p, q, ranks, tables in TT_ROWS_GRAD_SHAPES:
+        for dtype in (torch.float32, torch.float64):
+            gen = torch.Generator().manual_seed(2024 + len(results))
+            r = [1] + ranks + [1]
+            P = math.prod(p)
+            D = math.prod(q)
+            base = torch.randint(0, tables * P, (n_base,), generator=gen)
+            ids = torch.cat([base, base.flip(0), base[::3]])
+            n = ids.numel()
+            cores64 = [torch.randn(tables * p[k], r[k] * q[k] * r[k + 1], generator=gen,
+                                   dtype=torch.float64) * (1.0 / r[k]) ** 0.5
+                       for k in range(len(p))]
+            grad64 = torch.randn(n, D, generator=gen, dtype=torch.float64)
+            leaves = [x.clone().requires_grad_(True) for x in cores64]
+            leaves_abs = [x.abs().requires_grad_(True) for x in cores64]
+            want = torch.autograd.grad(tt_rows_torch(leaves, p, q, r, tables, ids), leaves,
+                                       grad64)
+            want_abs = torch.autograd.grad(tt_rows_torch(leaves_abs, p, q, r, tables, ids),
+                                           leaves_abs, grad64.abs())
+            shape = gh.TTShape(p, q, ranks, tables)
+            cores = [x.to(dtype).to(DEVICE) for x in cores64]
+            ids_d = ids.to(DEVICE)
+            grad = grad64.to(dtype).to(DEVICE)
+            dense, _ = gh.tt_rows_grad(shape, cores, ids_d, grad, dense=True)
+            compact, rep = gh.tt_rows_grad(shape, cores, ids_d, grad, dense=False)
+            fail = []
+            worst = 0.0
+            strides = [math.prod(p[k + 1:]) for k in range(len(p))]
+            for k in range(len(p)):
+                ok, ratio = close(dense[k], want[k], want_abs[k], dtype)
+                worst = max(worst, ratio)
+                if not ok:
+                    fail.append(f"core {k} grad ({ratio:.3g})")
+                touched = torch.unique((ids // P) * p[k] + (ids % P // strides[k]) % p[k])
+                idx, vals = compact[k]
+                if not torch.equal(idx.cpu(), touched):
+                    fail.append(f"core {k} compact indices")
+                elif not torch.equal(bits(vals), bits(dense[k][idx])):
+                    fail.append(f"core {k} compact != dense bitwise")
+            sizes = gh.tt_rows_grad_bytes(shape, dtype, n, rep.cpu())
+            uq = torch.unique(ids).to(DEVICE)
+            _, rep_u = gh.tt_rows_grad(shape, cores, uq,
+                                       torch.randn(uq.numel(), D, dtype=torch.float64,
+                                                   generator=gen).to(dtype).to(DEVICE),
+                                       dense=False)
+            sizes_u = gh.tt_rows_grad_bytes(shape, dtype, uq.numel(), rep_u.cpu())
+            upper = gh.tt_rows_grad_bytes(shape, dtype, n)
+            res = {"section": "tt", "check": "rows_grad_work", "shape": name,
+                   "dtype": SHORT[dtype], "ids": n, "distinct": uq.numel(),
+                   "worst": worst, "failures": fail, "bytes_upper_bound": upper,
+                   "bytes_any_order": sizes, "bytes_sorted_distinct": sizes_u}
+            results.append(res)
+            log(f"tt rows_grad work {name} {SHORT[dtype]}: {'ok' if not fail else fail} "
+                f"worst {worst:.3g}; work bytes: upper bound {upper['work']}, these ids "
+                f"{sizes['work']}, their {uq.numel()} sorted distinct ids {sizes_u['work']}")
+    return results
+
+
+def tt_rows_grad_memory():
+    """TTRowsGrad's device memory at FBTT's shape, B = 65,536 x 20 (f32), for the sorted
+    distinct ids of the forward: the one-buffer layout (work part at its upper bound, the
+    harness's dense path) against the TF glue's two buffers (work sized by the report):
+    the sizes, and the peak allocation of each backward."""
+    rows = []
+    p, q, ranks = [200, 220, 250], [4, 4, 4], [32, 32]
+    shape = gh.TTShape(p, q, ranks)
+    for dist in ("uniform", "zipf"):
+        cores, sets, off, splits = tt_bench_inputs(65536, 20, dist, p, q, ranks, num_sets=1)
+        ids, _ = sets[0]
+        _, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits)
+        u = int(st.num_unique.item())
+        uq = st.unique[:u].contiguous()
+        drows = torch.randn(u, math.prod(q), device=DEVICE)
+        del st
+        res = {"section": "tt", "check": "rows_grad_memory", "dist": dist, "unique_ids": u}
+        for dense in (True, False):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            grads, rep = gh.tt_rows_grad(shape, cores, uq, drows, dense=dense)
+            torch.cuda.synchronize()
+            res["peak_MB_" + ("one_buffer_dense" if dense else "two_buffers_compact")] = \
+                (torch.cuda.max_memory_allocated() - before) / 2**20
+            if not dense:
+                sizes = gh.tt_rows_grad_bytes(shape, torch.float32, u, rep.cpu())
+                res["index_MB"] = sizes["index"] / 2**20
+                res["work_MB"] = sizes["work"] / 2**20
+                res["one_buffer_MB"] = sizes["one_buffer"] / 2**20
+            del grads, rep
+        rows.append(res)
+        log(json.dumps(res))
+    torch.cuda.empty_cache()
+    return rows
+
+
 def tt_main(args, report):
     gh.POISON = True
     t0 = time.time()
@@ -1095,14 +1218,18 @@ def tt_main(args, report):
     report["tt_sweep"] = sweep
     report["tt_errors"] = tt_check_errors()
     report["tt_determinism"] = tt_check_determinism(args.small)
+    report["tt_rows_grad_work"] = tt_check_rows_grad_work(args.small)
     gh.POISON = False
     n_fail = sum(bool(r["failures"]) for r in sweep)
+    n_work = sum(bool(r["failures"]) for r in report["tt_rows_grad_work"])
     n_err = sum(not r["ok"] for r in report["tt_errors"])
     n_det = sum(not r["bitwise_identical"] for r in report["tt_determinism"])
     log(f"tt sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
         f"({report['tt_sweep_s']:.1f} s); error messages: "
         f"{len(report['tt_errors']) - n_err}/{len(report['tt_errors'])}; determinism: "
-        f"{len(report['tt_determinism']) - n_det}/{len(report['tt_determinism'])}")
+        f"{len(report['tt_determinism']) - n_det}/{len(report['tt_determinism'])}; "
+        f"rows-grad work layouts: {len(report['tt_rows_grad_work']) - n_work}/"
+        f"{len(report['tt_rows_grad_work'])}")
     worst = {}
     for r in sweep:
         for k, v in r.get("worst", {}).items():
@@ -1112,7 +1239,8 @@ def tt_main(args, report):
         log(f"  tt worst |err| / sum|terms|  {dt:5s} {k:28s} {v:.3g}")
     if not args.small and not args.no_bench:
         report["tt_bench"] = tt_run_benchmarks()
-    return n_fail == 0 and n_err == 0 and n_det == 0
+        report["tt_rows_grad_memory"] = tt_rows_grad_memory()
+    return n_fail == 0 and n_err == 0 and n_det == 0 and n_work == 0
 
 
 # ---------------------------------------------------------------------------

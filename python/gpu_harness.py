@@ -392,8 +392,10 @@ def _load_tt() -> ctypes.CDLL:
         "ttemb_tt_rows": (i32, [i32, prob, vp, i64, vp, vp, vp, vp, vp, sz, vp]),
         "ttemb_tt_rows_grad_scratch_bytes": (sz, [i32, prob, i64]),
         "ttemb_tt_rows_grad_prepare": (i32, [i32, prob, vp, i64, vp, vp, vp, sz, vp]),
+        "ttemb_tt_rows_grad_prepare_scratch_bytes": (sz, [i32, prob, i64]),
+        "ttemb_tt_rows_grad_work_bytes": (sz, [i32, prob, i64, vp]),
         "ttemb_tt_rows_grad_compute": (i32, [i32, prob, vp, i64, vp, vp, vp, vp, vp, vp, vp, sz,
-                                             vp]),
+                                             vp, vp, sz, vp]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -515,6 +517,10 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, cou
     read-back) or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False:
     reads the counts back). Returns (grads, report).
 
+    Scratch as the launchers allow it: with a read-back (dense=False, counts None) as the TF
+    glue does, Prepare gets the index part alone and Compute a separate work buffer sized by
+    the report; without one, a single buffer with the work part at its upper bound.
+
     dense=False only: counts, the n_k already known on the host (no read-back; they must be
     the ones prepare finds); host_report, a pinned int64 [16] CPU tensor the report is copied
     into before waiting for the stream (the TF glue's read-back), instead of report.cpu()."""
@@ -530,7 +536,11 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, cou
     report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=dev)
     pr = ctypes.byref(shape.problem)
     code_t = _DTYPE_CODES[dtype]
-    nbytes = lib.ttemb_tt_rows_grad_scratch_bytes(code_t, pr, n)
+    read_back = not dense and counts is None
+    if read_back:
+        nbytes = lib.ttemb_tt_rows_grad_prepare_scratch_bytes(code_t, pr, n)
+    else:
+        nbytes = lib.ttemb_tt_rows_grad_scratch_bytes(code_t, pr, n)
     if nbytes == 0:
         raise ValueError("TT shape not supported by the kernels")
     scratch = torch.empty(int(nbytes), dtype=torch.uint8, device=dev)
@@ -538,21 +548,28 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, cou
     code = lib.ttemb_tt_rows_grad_prepare(code_t, pr, _ptr(ids), n, num_ptr, report.data_ptr(),
                                           scratch.data_ptr(), scratch.numel(), _stream())
     _check_cuda(code, "tt rows grad prepare")
+    prepared, work = None, None
+    if read_back:
+        if host_report is not None:
+            host_report.copy_(report, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            prepared = host_report
+        else:
+            prepared = report.cpu()
+        counts = prepared.tolist()[4:4 + shape.num_cores]
+        work = torch.empty(int(lib.ttemb_tt_rows_grad_work_bytes(code_t, pr, n,
+                                                                 prepared.data_ptr())),
+                           dtype=torch.uint8, device=dev)
+    work_args = (None if prepared is None else prepared.data_ptr(),
+                 None if work is None else work.data_ptr(), 0 if work is None else work.numel())
     if dense:
         grads = [_poison(torch.empty(shape.num_tables * shape.p[k], shape.widths[k], dtype=dtype,
                                      device=dev)) for k in range(shape.num_cores)]
         code = lib.ttemb_tt_rows_grad_compute(code_t, pr, _ptr(ids), n, num_ptr,
                                               _ptr_array(cores), _out_ptr(grad), None, None,
                                               _ptr_array(grads), scratch.data_ptr(),
-                                              scratch.numel(), _stream())
+                                              scratch.numel(), *work_args, _stream())
     else:
-        if counts is None:
-            if host_report is not None:
-                host_report.copy_(report, non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-                counts = host_report.tolist()[4:4 + shape.num_cores]
-            else:
-                counts = report.cpu().tolist()[4:4 + shape.num_cores]
         counts = [int(c) for c in counts]
         idx = [_poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
         vals = [_poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
@@ -560,10 +577,26 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, cou
         code = lib.ttemb_tt_rows_grad_compute(code_t, pr, _ptr(ids), n, num_ptr,
                                               _ptr_array(cores), _out_ptr(grad),
                                               _ptr_array(idx), _ptr_array(vals), None,
-                                              scratch.data_ptr(), scratch.numel(), _stream())
+                                              scratch.data_ptr(), scratch.numel(), *work_args,
+                                              _stream())
         grads = list(zip(idx, vals))
     _check_cuda(code, "tt rows grad compute")
     return grads, report
+
+
+def tt_rows_grad_bytes(shape: TTShape, dtype, n, prepared=None) -> dict:
+    """TTRowsGrad's scratch for n ids: `one_buffer` (index part + work part at its upper
+    bound, no read-back), `index` (Prepare's part) and `work` (Compute's float part, for
+    `prepared`, a CPU copy of Prepare's report for those ids; None: the upper bound)."""
+    lib = _load_tt()
+    pr = ctypes.byref(shape.problem)
+    code_t = _DTYPE_CODES[dtype]
+    return {
+        "one_buffer": int(lib.ttemb_tt_rows_grad_scratch_bytes(code_t, pr, n)),
+        "index": int(lib.ttemb_tt_rows_grad_prepare_scratch_bytes(code_t, pr, n)),
+        "work": int(lib.ttemb_tt_rows_grad_work_bytes(
+            code_t, pr, n, None if prepared is None else prepared.contiguous().data_ptr())),
+    }
 
 
 def _tt_raise_unique(report, num_embeddings, padding_id):

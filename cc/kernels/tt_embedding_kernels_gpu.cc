@@ -22,8 +22,11 @@
 //     slots [nnz] has a static size and is final.
 //   * TTRowsGrad: LaunchRowsGradPrepare sorts the core rows and writes n_k
 //     into the report; after the read-back the outputs [n_k] and
-//     [n_k, width_k] are allocated and LaunchRowsGradCompute (same scratch,
-//     untouched in between) is queued to fill them; nothing waits for it.
+//     [n_k, width_k] are allocated, and so is Compute's float work buffer,
+//     sized by the same report for these ids (not the upper bound for any
+//     num_ids ids: ~0.5 instead of ~9 GB at FBTT's shape and 1.3M ids); then
+//     LaunchRowsGradCompute (Prepare's scratch, untouched in between) is
+//     queued to fill them; nothing waits for it.
 // TTRows' output [U, D] has a static size; it still reads the report back
 // once (for the bad-id error), like gather_reduce_sum's GPU forward.
 // TTCacheCount reads nothing back: it queues the update under the variables'
@@ -148,14 +151,13 @@ class TTGpuCall {
 
   // Device scratch of at least `bytes` bytes (the launchers align it).
   Status AllocateScratch(size_t bytes, void** scratch) {
-    if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
-      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes,
-                                       " bytes is too large");
-    }
-    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-        DT_INT8, TensorShape({std::max<int64_t>(1, bytes)}), &scratch_));
-    *scratch = scratch_.flat<int8>().data();
-    return OkStatus();
+    return Allocate(bytes, &scratch_, scratch);
+  }
+
+  // A second device scratch (TTRowsGrad's work part), alive as long as this
+  // call, like the first.
+  Status AllocateWork(size_t bytes, void** work) {
+    return Allocate(bytes, &work_, work);
   }
 
   // Copies a host int64 tensor to a new device temporary, through pinned
@@ -193,6 +195,17 @@ class TTGpuCall {
   }
 
  private:
+  Status Allocate(size_t bytes, Tensor* tensor, void** ptr) {
+    if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes,
+                                       " bytes is too large");
+    }
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
+        DT_INT8, TensorShape({std::max<int64_t>(1, bytes)}), tensor));
+    *ptr = tensor->flat<int8>().data();
+    return OkStatus();
+  }
+
   static AllocatorAttributes PinnedHost() {
     AllocatorAttributes pinned;
     pinned.set_on_host(true);
@@ -210,6 +223,7 @@ class TTGpuCall {
   Tensor device_report_;
   Tensor host_report_;
   Tensor scratch_;
+  Tensor work_;
   Tensor staging_;
   bool copy_pending_ = false;
 };
@@ -401,8 +415,10 @@ class TTRowsGradGpuOp : public OpKernel {
 
     TTGpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
+    // The index part now; Compute's float work part after the read-back, sized
+    // for these ids (the distinct prefixes), not for num_ids arbitrary ids.
     const size_t scratch_bytes =
-        launchers::RowsGradScratchBytes<CT>(problem_, num_ids);
+        launchers::RowsGradPrepareScratchBytes<CT>(problem_, num_ids);
     void* scratch = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     const int64_t* ids_ptr = ids.flat<int64_t>().data();
@@ -441,6 +457,10 @@ class TTRowsGradGpuOp : public OpKernel {
       index_ptrs[k] = count > 0 ? indices->flat<int64_t>().data() : nullptr;
       value_ptrs[k] = values->NumElements() > 0 ? DevicePtr<T>(values) : nullptr;
     }
+    const size_t work_bytes =
+        launchers::RowsGradWorkBytes<CT>(problem_, num_ids, &report);
+    void* work = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateWork(work_bytes, &work));
     // Queued after the outputs exist; the stream orders it before any reader.
     // The scratch is the prepare launch's, untouched since.
     OP_REQUIRES_OK(
@@ -448,7 +468,8 @@ class TTRowsGradGpuOp : public OpKernel {
                             problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
                             core_ptrs, DevicePtr<T>(grad), index_ptrs,
                             value_ptrs, /*core_dense=*/nullptr, scratch,
-                            scratch_bytes, call.stream()),
+                            scratch_bytes, &report, work, work_bytes,
+                            call.stream()),
                         "TTRowsGrad compute"));
   }
 

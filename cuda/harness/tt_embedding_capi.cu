@@ -169,6 +169,31 @@ size_t ttemb_tt_rows_grad_scratch_bytes(int dtype, const TtembTTProblem* problem
   return bytes;
 }
 
+// The index part alone (Prepare's scratch when Compute gets its own work buffer).
+size_t ttemb_tt_rows_grad_prepare_scratch_bytes(int dtype, const TtembTTProblem* problem,
+                                                int64_t max_ids) {
+  size_t bytes = 0;
+  TTProblem p;
+  if (!ToTTProblem(problem, &p)) return 0;
+  DispatchValue(dtype, [&](auto t) {
+    bytes = tf_ttemb::gpu::RowsGradPrepareScratchBytes<typename decltype(t)::type>(p, max_ids);
+  });
+  return bytes;
+}
+
+// Compute's work buffer for a host copy of Prepare's report (null: the upper bound).
+size_t ttemb_tt_rows_grad_work_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids,
+                                     const void* prepared) {
+  size_t bytes = 0;
+  TTProblem p;
+  if (!ToTTProblem(problem, &p)) return 0;
+  DispatchValue(dtype, [&](auto t) {
+    bytes = tf_ttemb::gpu::RowsGradWorkBytes<typename decltype(t)::type>(
+        p, max_ids, static_cast<const TTReport*>(prepared));
+  });
+  return bytes;
+}
+
 int ttemb_tt_rows_grad_prepare(int dtype, const TtembTTProblem* problem, const int64_t* ids,
                                int64_t max_ids, const int64_t* num_ids, void* report,
                                void* scratch, size_t scratch_bytes, void* stream) {
@@ -185,11 +210,14 @@ int ttemb_tt_rows_grad_prepare(int dtype, const TtembTTProblem* problem, const i
   return static_cast<int>(err);
 }
 
-// Either indices and values (compact form) or dense is non-null.
+// Either indices and values (compact form) or dense is non-null. work null: the work
+// part is carved from scratch (RowsGradScratchBytes); else prepared is a host copy of
+// Prepare's report (or null) and work holds RowsGradWorkBytes(prepared) bytes.
 int ttemb_tt_rows_grad_compute(int dtype, const TtembTTProblem* problem, const int64_t* ids,
                                int64_t max_ids, const int64_t* num_ids, const void* const* cores,
                                const void* grad, int64_t* const* indices, void* const* values,
                                void* const* dense, void* scratch, size_t scratch_bytes,
+                               const void* prepared, void* work, size_t work_bytes,
                                void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
   TTProblem p;
@@ -200,6 +228,7 @@ int ttemb_tt_rows_grad_compute(int dtype, const TtembTTProblem* problem, const i
         p, ids, max_ids, num_ids, reinterpret_cast<const T* const*>(cores),
         static_cast<const T*>(grad), indices, reinterpret_cast<T* const*>(values),
         reinterpret_cast<T* const*>(dense), scratch, scratch_bytes,
+        static_cast<const TTReport*>(prepared), work, work_bytes,
         static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
