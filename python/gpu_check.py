@@ -636,6 +636,10 @@ TT_CONFIGS = [
     ("wide-last-tables-pad", [6, 5], [4, 32], [8], 2, 29, 40, (0, 12), "zipf", 3),
     ("4core-wide-mid", [3, 4, 5, 6], [4, 1, 8, 2], [4, 8, 4], 1, None, 40, (0, 10), "uniform",
      None),
+    # ~88K distinct ids: the last core's gradient has > 4,096 pieces, which run in the order
+    # of their parents (PieceOrderKeysKernel).
+    ("ordered-pieces", [40, 50, 60], [2, 2, 2], [4, 4], 1, None, 8000, (10, 30), "uniform",
+     None),
 ]
 TT_SMALL = ["2core", "3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks",
             "fbtt-r32", "wide-last-tables-pad", "4core-wide-mid"]
