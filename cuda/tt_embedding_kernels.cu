@@ -1487,10 +1487,12 @@ int64_t RowsChunk(const Geo& g, int64_t max_ids) {
 // item's parent (PieceOrderKeysKernel + a stable sort): the pieces in flight at a time
 // read a narrow window of P_{k-1} and of dC, which L2 holds. Each piece is still summed
 // into its own slot, in the same order: the same bits. H200, FBTT's shape, 1.24M ids: the
-// level-2 core gradient 855 -> 455 us. Small batches (B=512: ~900 pieces) skip the sort.
+// level-2 core gradient 855 -> 455 us. Fewer pieces skip the sort: there the plain
+// CorePieceKernel runs (thread per output), which did not gain from the order (Zipf ids at
+// B=65,536, 15K pieces: 332 us either way, plus ~25 us for the sort).
 // (-DTT_ORDER_MIN_PIECES=1 orders every such core: how the float64 sweep checks the path.)
 #ifndef TT_ORDER_MIN_PIECES
-#define TT_ORDER_MIN_PIECES (int64_t{1} << 12)
+#define TT_ORDER_MIN_PIECES (int64_t{1} << 14)
 #endif
 constexpr int64_t kOrderMinPieces = TT_ORDER_MIN_PIECES;
 
