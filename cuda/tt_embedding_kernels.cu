@@ -1549,7 +1549,7 @@ struct GradScratch {
 // elements). Their upper bounds (items = nmax, the largest piece list nmax ids can make)
 // hold for any ids; Prepare reports the sizes the ids actually need (WorkNeedsKernel), which
 // for sorted distinct ids are bounded by the number of distinct prefixes instead of nmax
-// (FBTT's shape at 1.3M ids: ~0.5 GB instead of ~9 GB).
+// (FBTT's shape, 1.24M distinct ids, H200: 425 MB instead of 8.0 GB).
 template <typename T>
 void CarveGradIndex(const Geo& g, int64_t nmax, Carver* c, GradScratch<T>* s,
                     int64_t* max_piece_values) {

@@ -171,9 +171,9 @@ cudaError_t LaunchRows(const TTProblem& p,
 // part (the partial products of levels 1 .. T-2 and their gradients, one per
 // prefix item, and the pieces of the fixed-order sums). For ids of any order
 // the work part's upper bound grows with max_ids times the partial products'
-// size (FBTT's shape, 1.3M ids: ~9 GB); for sorted distinct ids (TTUniqueIds'
+// size (FBTT's shape, 1.24M ids: 8.0 GB); for sorted distinct ids (TTUniqueIds'
 // output) the items are the distinct prefixes, and Prepare reports the exact
-// need in report->work_items / work_values (FBTT's shape, 1.3M ids: ~0.5 GB).
+// need in report->work_items / work_values (the same ids: 425 MB).
 //   * one buffer: scratch >= RowsGradScratchBytes (index part + work part at
 //     its upper bound), work = null; nothing has to be read back;
 //   * two buffers: scratch >= RowsGradPrepareScratchBytes (index part) for
