@@ -1874,20 +1874,24 @@ __global__ void WorkNeedsKernel(WorkNeeds w, TTReport* report) {
   report->work_values = values;
 }
 
+// The index part, with the work part at its upper bound (with_work) or without it; 0 for
+// a problem or max_ids the kernels refuse.
 template <typename T>
-size_t RowsGradScratchBytes(const TTProblem& p, int64_t max_ids) {
+size_t GradScratchBytes(const TTProblem& p, int64_t max_ids, bool with_work) {
   Geo g;
   if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
   GradScratch<T> s;
-  return CarveGrad<T>(g, max_ids, nullptr, &s, /*with_work=*/true);
+  return CarveGrad<T>(g, max_ids, nullptr, &s, with_work);
+}
+
+template <typename T>
+size_t RowsGradScratchBytes(const TTProblem& p, int64_t max_ids) {
+  return GradScratchBytes<T>(p, max_ids, /*with_work=*/true);
 }
 
 template <typename T>
 size_t RowsGradPrepareScratchBytes(const TTProblem& p, int64_t max_ids) {
-  Geo g;
-  if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
-  GradScratch<T> s;
-  return CarveGrad<T>(g, max_ids, nullptr, &s, /*with_work=*/false);
+  return GradScratchBytes<T>(p, max_ids, /*with_work=*/false);
 }
 
 template <typename T>
@@ -2138,7 +2142,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       const CoreSort& ch = s.child[t];
       const int grid =
           static_cast<int>(std::max<int64_t>(1, std::min(ch.max_pieces, kMaxGridBlocks)));
-      bool reg_done = false;
+      bool launched = false;  // the parent-gradient kernel of this level
       bool by_row = false;
       int64_t by_row_smem = 0;
       const int ib = ByRowItems<C>(g, t, &by_row_smem);
@@ -2159,12 +2163,12 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
               s.dpartial[t], cores[t], s.pieces);
         }
         by_row = true;
-        reg_done = true;
+        launched = true;
       }
       if constexpr (std::is_same<T, C>::value) {
         const C* dC = last ? grad : s.dpartial[t];
         // Narrow B only: for Nc >= 32 the wide kernel's lanes across c win (run 9).
-        if (!by_row && g.Nc[t] < 32 && g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0 &&
+        if (!launched && g.Nc[t] < 32 && g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0 &&
             Aligned16(dC) && Aligned16(cores[t])) {
           const int group = RegGroup((g.M[t] / 4) * (g.K[t] / 4));
           const int64_t blocks = CeilDiv(ch.max_pieces, kThreads / group);
@@ -2173,11 +2177,11 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                                     kThreads, 0, stream>>>(g, t, group, ids, ch.piece_count,
                                                            ch.piece_pos, b.row[t], dC, cores[t],
                                                            s.pieces);
-          reg_done = true;
+          launched = true;
         }
       }
-      if (reg_done) {
-        // launched above
+      if (launched) {
+        // by row or by register tiles, above
       } else if (g.Nc[t] >= 32) {
         auto wide = [&](auto mm_tag, auto tg_tag) {
           constexpr int MM = decltype(mm_tag)::value;

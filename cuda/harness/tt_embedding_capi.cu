@@ -101,6 +101,19 @@ static UniqueIdsProblem ToUniqueProblem(int64_t nnz, int64_t num_tables, int64_t
   return p;
 }
 
+// size(Tag<T>, problem) for the value dtype code; 0 for an unknown dtype or a TT problem
+// the kernels refuse (the scratch-size functions below).
+extern "C++" {  // a template cannot have C linkage
+template <typename F>
+static size_t TTBytes(int dtype, const TtembTTProblem* problem, F&& size) {
+  size_t bytes = 0;
+  TTProblem p;
+  if (!ToTTProblem(problem, &p)) return 0;
+  DispatchValue(dtype, [&](auto t) { bytes = size(t, p); });
+  return bytes;
+}
+}
+
 int ttemb_tt_report_bytes(void) { return static_cast<int>(sizeof(TTReport)); }
 
 size_t ttemb_tt_unique_scratch_bytes(int index_dtype, int64_t nnz, int64_t num_tables,
@@ -133,13 +146,9 @@ int ttemb_tt_unique(int index_dtype, int64_t nnz, int64_t num_tables, int64_t nu
 }
 
 size_t ttemb_tt_rows_scratch_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids) {
-  size_t bytes = 0;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return 0;
-  DispatchValue(dtype, [&](auto t) {
-    bytes = tf_ttemb::gpu::RowsScratchBytes<typename decltype(t)::type>(p, max_ids);
+  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
+    return tf_ttemb::gpu::RowsScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
-  return bytes;
 }
 
 int ttemb_tt_rows(int dtype, const TtembTTProblem* problem, const int64_t* ids, int64_t max_ids,
@@ -160,38 +169,26 @@ int ttemb_tt_rows(int dtype, const TtembTTProblem* problem, const int64_t* ids, 
 
 size_t ttemb_tt_rows_grad_scratch_bytes(int dtype, const TtembTTProblem* problem,
                                         int64_t max_ids) {
-  size_t bytes = 0;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return 0;
-  DispatchValue(dtype, [&](auto t) {
-    bytes = tf_ttemb::gpu::RowsGradScratchBytes<typename decltype(t)::type>(p, max_ids);
+  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
+    return tf_ttemb::gpu::RowsGradScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
-  return bytes;
 }
 
 // The index part alone (Prepare's scratch when Compute gets its own work buffer).
 size_t ttemb_tt_rows_grad_prepare_scratch_bytes(int dtype, const TtembTTProblem* problem,
                                                 int64_t max_ids) {
-  size_t bytes = 0;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return 0;
-  DispatchValue(dtype, [&](auto t) {
-    bytes = tf_ttemb::gpu::RowsGradPrepareScratchBytes<typename decltype(t)::type>(p, max_ids);
+  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
+    return tf_ttemb::gpu::RowsGradPrepareScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
-  return bytes;
 }
 
 // Compute's work buffer for a host copy of Prepare's report (null: the upper bound).
 size_t ttemb_tt_rows_grad_work_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids,
                                      const void* prepared) {
-  size_t bytes = 0;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return 0;
-  DispatchValue(dtype, [&](auto t) {
-    bytes = tf_ttemb::gpu::RowsGradWorkBytes<typename decltype(t)::type>(
+  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
+    return tf_ttemb::gpu::RowsGradWorkBytes<typename decltype(t)::type>(
         p, max_ids, static_cast<const TTReport*>(prepared));
   });
-  return bytes;
 }
 
 int ttemb_tt_rows_grad_prepare(int dtype, const TtembTTProblem* problem, const int64_t* ids,
