@@ -215,6 +215,130 @@ Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
                                  " is not in [0, ", num_rows, ")");
 }
 
+const char* SparseOptimizerName(SparseOptimizer optimizer) {
+  switch (optimizer) {
+    case SparseOptimizer::kRowwiseAdagrad:
+      return "rowwise_adagrad";
+    case SparseOptimizer::kAdagrad:
+      return "adagrad";
+    case SparseOptimizer::kSgd:
+      break;
+  }
+  return "sgd";
+}
+
+Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
+                           DataType acc_type, SparseApplyAttrs* attrs) {
+  TF_RETURN_IF_ERROR(GetBagAttrs(ctx, &attrs->bag));
+  std::string name;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("optimizer", &name));
+  if (name == "sgd") {
+    attrs->optimizer = SparseOptimizer::kSgd;
+  } else if (name == "rowwise_adagrad") {
+    attrs->optimizer = SparseOptimizer::kRowwiseAdagrad;
+  } else if (name == "adagrad") {
+    attrs->optimizer = SparseOptimizer::kAdagrad;
+  } else {
+    return errors::InvalidArgument(
+        "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '",
+        name, "'");
+  }
+  int num_accumulators = 0;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("num_accumulators", &num_accumulators));
+  const int expected = attrs->optimizer == SparseOptimizer::kSgd ? 0 : 1;
+  if (num_accumulators != expected) {
+    return errors::InvalidArgument("optimizer '", name, "' takes ", expected,
+                                   " accumulator variable(s), got ",
+                                   num_accumulators);
+  }
+  DataType tacc;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("Tacc", &tacc));
+  if (tacc != acc_type) {
+    return errors::InvalidArgument(
+        "learning_rate, epsilon and the accumulator must be ",
+        DataTypeString(acc_type), " for params of type ",
+        DataTypeString(params_type), ", got ", DataTypeString(tacc));
+  }
+  return OkStatus();
+}
+
+Status LookupAccumulator(OpKernelContext* ctx, DataType acc_type,
+                         core::RefCountPtr<Var>* variable) {
+  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 9), variable));
+  if ((*variable)->tensor()->dtype() != acc_type) {
+    return errors::InvalidArgument(
+        "accumulator variable has dtype ",
+        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
+        DataTypeString(acc_type));
+  }
+  if (!(*variable)->is_initialized) {
+    return errors::FailedPrecondition(
+        "accumulator variable is not initialized");
+  }
+  return OkStatus();
+}
+
+template <typename Acc>
+Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
+                                 const Tensor* accumulator,
+                                 const SparseApplyAttrs& attrs,
+                                 BagShapes* shapes, Acc* lr, Acc* eps) {
+  TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs.bag, shapes));
+  const Tensor& argmax = ctx->input(6);
+  const Tensor& learning_rate = ctx->input(7);
+  const Tensor& epsilon = ctx->input(8);
+  const int64_t num_rows = params.dim_size(0);
+  const int64_t dim = params.dim_size(1);
+  const int64_t argmax_rows =
+      attrs.bag.combiner == Combiner::kMax ? shapes->num_bags : 0;
+  if (argmax.dims() != 2 || argmax.dim_size(0) != argmax_rows ||
+      (argmax_rows != 0 && argmax.dim_size(1) != dim)) {
+    return errors::InvalidArgument("argmax must have shape [", argmax_rows,
+                                   ", ", dim, "], got ",
+                                   argmax.shape().DebugString());
+  }
+  if (!TensorShapeUtils::IsScalar(learning_rate.shape())) {
+    return errors::InvalidArgument("learning_rate must be a scalar, got shape ",
+                                   learning_rate.shape().DebugString());
+  }
+  if (!TensorShapeUtils::IsScalar(epsilon.shape())) {
+    return errors::InvalidArgument("epsilon must be a scalar, got shape ",
+                                   epsilon.shape().DebugString());
+  }
+  *lr = learning_rate.scalar<Acc>()();
+  *eps = epsilon.scalar<Acc>()();
+  if (!std::isfinite(*lr)) {
+    return errors::InvalidArgument("learning_rate = ", *lr, " must be finite");
+  }
+  if (!std::isfinite(*eps) || *eps < Acc(0)) {
+    return errors::InvalidArgument("epsilon = ", *eps,
+                                   " must be finite and >= 0");
+  }
+  if (accumulator != nullptr) {
+    const TensorShape expected =
+        attrs.optimizer == SparseOptimizer::kRowwiseAdagrad
+            ? TensorShape({num_rows})
+            : TensorShape({num_rows, dim});
+    if (accumulator->shape() != expected) {
+      return errors::InvalidArgument(
+          "accumulator must have shape ", expected.DebugString(),
+          " for optimizer '", SparseOptimizerName(attrs.optimizer),
+          "' and params of shape ", params.shape().DebugString(), ", got ",
+          accumulator->shape().DebugString());
+    }
+  }
+  return OkStatus();
+}
+
+template Status ValidateSparseApplyInputs<float>(OpKernelContext*,
+                                                 const Tensor&, const Tensor*,
+                                                 const SparseApplyAttrs&,
+                                                 BagShapes*, float*, float*);
+template Status ValidateSparseApplyInputs<double>(OpKernelContext*,
+                                                  const Tensor&, const Tensor*,
+                                                  const SparseApplyAttrs&,
+                                                  BagShapes*, double*, double*);
+
 namespace {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
@@ -1058,23 +1182,6 @@ class GatherReduceSumFusedGradOp : public OpKernel {
 // and every sum has a fixed order, so the result is deterministic and no
 // [U, D] buffer exists.
 
-enum class SparseOptimizer { kSgd, kRowwiseAdagrad, kAdagrad };
-
-Status ParseSparseOptimizer(const std::string& name, SparseOptimizer* out) {
-  if (name == "sgd") {
-    *out = SparseOptimizer::kSgd;
-  } else if (name == "rowwise_adagrad") {
-    *out = SparseOptimizer::kRowwiseAdagrad;
-  } else if (name == "adagrad") {
-    *out = SparseOptimizer::kAdagrad;
-  } else {
-    return errors::InvalidArgument(
-        "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '",
-        name, "'");
-  }
-  return OkStatus();
-}
-
 // Makes the variable's buffer exclusively owned before an in-place update: a
 // tensor read from it earlier (a dense read outside copy-on-read mode) may
 // still share it, and must keep the old values.
@@ -1096,66 +1203,19 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
 
   explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    std::string optimizer;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("optimizer", &optimizer));
-    OP_REQUIRES_OK(ctx, ParseSparseOptimizer(optimizer, &optimizer_));
-    int num_accumulators = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_accumulators", &num_accumulators));
-    const int expected = optimizer_ == SparseOptimizer::kSgd ? 0 : 1;
-    OP_REQUIRES(ctx, num_accumulators == expected,
-                errors::InvalidArgument(
-                    "optimizer '", optimizer, "' takes ", expected,
-                    " accumulator variable(s), got ", num_accumulators));
-    DataType acc_type;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("Tacc", &acc_type));
-    OP_REQUIRES(ctx, acc_type == DataTypeToEnum<Acc>::value,
-                errors::InvalidArgument(
-                    "learning_rate, epsilon and the accumulator must be ",
-                    DataTypeString(DataTypeToEnum<Acc>::value),
-                    " for params of type ",
-                    DataTypeString(DataTypeToEnum<T>::value), ", got ",
-                    DataTypeString(acc_type)));
+    OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
+                                            DataTypeToEnum<Acc>::value,
+                                            &attrs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<Var> params_var;
-    OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
-    core::RefCountPtr<Var> acc_var;
-    if (optimizer_ != SparseOptimizer::kSgd) {
-      OP_REQUIRES_OK(ctx, LookupAccumulator(ctx, &acc_var));
-      OP_REQUIRES(ctx, acc_var.get() != params_var.get(),
-                  errors::InvalidArgument(
-                      "the accumulator must be another variable than params"));
-    }
-    // Exclusive locks, in address order so that ops locking the same pair of
-    // variables cannot deadlock.
-    mutex* first = params_var->mu();
-    mutex* second = acc_var ? acc_var->mu() : nullptr;
-    if (second != nullptr && second < first) std::swap(first, second);
-    mutex_lock first_lock(*first);
-    std::optional<mutex_lock> second_lock;
-    if (second != nullptr) second_lock.emplace(*second);
-    ComputeLocked(ctx, params_var.get(), acc_var.get());
+    WithLockedSparseApplyVariables<T, Acc>(
+        ctx, attrs_, [&](Var* params_var, Var* acc_var) {
+          ComputeLocked(ctx, params_var, acc_var);
+        });
   }
 
  private:
-  Status LookupAccumulator(OpKernelContext* ctx, core::RefCountPtr<Var>* var) {
-    TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 9), var));
-    const DataType expected = DataTypeToEnum<Acc>::value;
-    if ((*var)->tensor()->dtype() != expected) {
-      return errors::InvalidArgument(
-          "accumulator variable has dtype ",
-          DataTypeString((*var)->tensor()->dtype()), " but the op expects ",
-          DataTypeString(expected));
-    }
-    if (!(*var)->is_initialized) {
-      return errors::FailedPrecondition(
-          "accumulator variable is not initialized");
-    }
-    return OkStatus();
-  }
-
   void ComputeLocked(OpKernelContext* ctx, Var* params_var, Var* acc_var) {
     const Tensor& params = *params_var->tensor();
     const Tensor& indices = ctx->input(2);
@@ -1163,65 +1223,30 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     const Tensor& weights = ctx->input(4);
     const Tensor& output = ctx->input(5);
     const Tensor& argmax = ctx->input(6);
-    const Tensor& learning_rate = ctx->input(7);
-    const Tensor& epsilon = ctx->input(8);
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx,
-                   ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
+    Acc lr, eps;
+    OP_REQUIRES_OK(ctx, ValidateSparseApplyInputs<Acc>(
+                            ctx, params,
+                            acc_var != nullptr ? acc_var->tensor() : nullptr,
+                            attrs_, &shapes, &lr, &eps));
+    const BagAttrs& bag = attrs_.bag;
     const int64_t num_bags = shapes.num_bags;
     const int64_t nnz = shapes.nnz;
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
-    const bool is_max = attrs_.combiner == Combiner::kMax;
-    const int64_t argmax_rows = is_max ? num_bags : 0;
-    OP_REQUIRES(ctx,
-                argmax.dims() == 2 && argmax.dim_size(0) == argmax_rows &&
-                    (argmax_rows == 0 || argmax.dim_size(1) == dim),
-                errors::InvalidArgument("argmax must have shape [", argmax_rows,
-                                        ", ", dim, "], got ",
-                                        argmax.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(learning_rate.shape()),
-                errors::InvalidArgument(
-                    "learning_rate must be a scalar, got shape ",
-                    learning_rate.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(epsilon.shape()),
-                errors::InvalidArgument("epsilon must be a scalar, got shape ",
-                                        epsilon.shape().DebugString()));
-    const Acc lr = learning_rate.scalar<Acc>()();
-    const Acc eps = epsilon.scalar<Acc>()();
-    OP_REQUIRES(ctx, std::isfinite(lr),
-                errors::InvalidArgument("learning_rate = ", lr,
-                                        " must be finite"));
-    OP_REQUIRES(ctx, std::isfinite(eps) && eps >= Acc(0),
-                errors::InvalidArgument("epsilon = ", eps,
-                                        " must be finite and >= 0"));
-    if (acc_var != nullptr) {
-      const TensorShape expected =
-          optimizer_ == SparseOptimizer::kRowwiseAdagrad
-              ? TensorShape({num_rows})
-              : TensorShape({num_rows, dim});
-      OP_REQUIRES(
-          ctx, acc_var->tensor()->shape() == expected,
-          errors::InvalidArgument(
-              "accumulator must have shape ", expected.DebugString(),
-              " for optimizer '",
-              optimizer_ == SparseOptimizer::kRowwiseAdagrad ? "rowwise_adagrad"
-                                                              : "adagrad",
-              "' and params of shape ", params.shape().DebugString(), ", got ",
-              acc_var->tensor()->shape().DebugString()));
-    }
+    const bool is_max = bag.combiner == Combiner::kMax;
     const int64_t* splits = row_splits.flat<int64_t>().data();
     OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_bags, nnz));
     const Tindex* ids = indices.flat<Tindex>().data();
     thread::ThreadPool* pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, nnz, num_rows, attrs_));
+    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, nnz, num_rows, bag));
 
     Tensor* weights_grad = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({attrs_.has_weights ? nnz : 0}),
+                            0, TensorShape({bag.has_weights ? nnz : 0}),
                             &weights_grad));
     T* dw = weights_grad->flat<T>().data();
-    if (attrs_.has_weights) std::fill(dw, dw + nnz, T(0));
+    if (bag.has_weights) std::fill(dw, dw + nnz, T(0));
     if (nnz == 0 || dim == 0) return;
 
     OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, params_var));
@@ -1233,16 +1258,16 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
         acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
 
     SortedEntries s;
-    SortEntries(pool, ids, splits, num_bags, nnz, num_rows, attrs_, &s);
-    const T* w = attrs_.has_weights ? weights.flat<T>().data() : nullptr;
+    SortEntries(pool, ids, splits, num_bags, nnz, num_rows, bag, &s);
+    const T* w = bag.has_weights ? weights.flat<T>().data() : nullptr;
     std::vector<Acc> scales;
     if (!is_max) {
-      ComputeBagScales(pool, ids, w, splits, num_bags, attrs_, &scales);
+      ComputeBagScales(pool, ids, w, splits, num_bags, bag, &scales);
     }
     const T* dy_data = ctx->input(0).flat<T>().data();
     // <dy_b, out_b> per bag, for the weights gradient of mean and sqrtn.
     std::vector<Acc> dy_dot_out;
-    if (attrs_.has_weights && attrs_.combiner != Combiner::kSum) {
+    if (bag.has_weights && bag.combiner != Combiner::kSum) {
       dy_dot_out.assign(num_bags, Acc(0));
       const T* out_data = output.flat<T>().data();
       ForBalancedBlocks(pool, splits, num_bags, dim,
@@ -1256,8 +1281,8 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     const int32* argmax_data = is_max ? argmax.flat<int32>().data() : nullptr;
     const int64_t num_unique = s.num_unique();
     const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
-    const BagAttrs attrs = attrs_;
-    const SparseOptimizer optimizer = optimizer_;
+    const BagAttrs attrs = bag;
+    const SparseOptimizer optimizer = attrs_.optimizer;
     ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim,
                       [&](int64_t begin, int64_t end) {
       std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
@@ -1342,8 +1367,7 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     }
   }
 
-  BagAttrs attrs_;
-  SparseOptimizer optimizer_ = SparseOptimizer::kSgd;
+  SparseApplyAttrs attrs_;
 };
 
 #define TF_TTEMB_REGISTER_CPU(T, Tindex)                             \

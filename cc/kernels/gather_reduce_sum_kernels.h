@@ -6,6 +6,8 @@
 #define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 #include <string>
 #include <type_traits>
 
@@ -123,6 +125,64 @@ void WithParams(OpKernelContext* ctx, int input, Compute compute) {
   OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, input, &variable));
   tf_shared_lock lock(*variable->mu());
   compute(*variable->tensor());
+}
+
+// ---------------------------------------------------------------------------
+// GatherReduceSumSparseApply: the pieces shared by the CPU kernel and the GPU
+// glue (attrs, variable lookup and locking, host-side checks), so that both
+// devices take the same inputs and reject bad ones with the same messages.
+
+enum class SparseOptimizer { kSgd, kRowwiseAdagrad, kAdagrad };
+
+const char* SparseOptimizerName(SparseOptimizer optimizer);
+
+// Attrs of the op, parsed once in the kernel constructor: the bag attrs, the
+// optimizer, its accumulator count and Tacc (which must be `acc_type`, the
+// accumulation type of the params dtype).
+struct SparseApplyAttrs {
+  BagAttrs bag;
+  SparseOptimizer optimizer = SparseOptimizer::kSgd;
+};
+Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
+                           DataType acc_type, SparseApplyAttrs* attrs);
+
+// The host-side checks of the op's inputs (shapes, learning_rate, epsilon, the
+// accumulator's shape) with the variables' tensors; sets `shapes`, `lr` and
+// `eps`. learning_rate and epsilon are host tensors on both devices.
+template <typename Acc>
+Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
+                                 const Tensor* accumulator,
+                                 const SparseApplyAttrs& attrs,
+                                 BagShapes* shapes, Acc* lr, Acc* eps);
+
+// Looks up the params variable (input 1, holding T) and, for the optimizers
+// with state, the accumulator (input 9, holding Acc); locks both exclusively,
+// in address order so that two ops locking the same pair cannot deadlock, and
+// calls compute(params_var, acc_var) (acc_var null for sgd) under the locks.
+Status LookupAccumulator(OpKernelContext* ctx, DataType acc_type,
+                         core::RefCountPtr<Var>* variable);
+
+template <typename T, typename Acc, typename Compute>
+void WithLockedSparseApplyVariables(OpKernelContext* ctx,
+                                    const SparseApplyAttrs& attrs,
+                                    Compute compute) {
+  core::RefCountPtr<Var> params_var;
+  OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
+  core::RefCountPtr<Var> acc_var;
+  if (attrs.optimizer != SparseOptimizer::kSgd) {
+    OP_REQUIRES_OK(ctx, LookupAccumulator(ctx, DataTypeToEnum<Acc>::value,
+                                          &acc_var));
+    OP_REQUIRES(ctx, acc_var.get() != params_var.get(),
+                errors::InvalidArgument(
+                    "the accumulator must be another variable than params"));
+  }
+  mutex* first = params_var->mu();
+  mutex* second = acc_var ? acc_var->mu() : nullptr;
+  if (second != nullptr && second < first) std::swap(first, second);
+  mutex_lock first_lock(*first);
+  std::optional<mutex_lock> second_lock;
+  if (second != nullptr) second_lock.emplace(*second);
+  compute(params_var.get(), acc_var.get());
 }
 
 }  // namespace tf_ttemb

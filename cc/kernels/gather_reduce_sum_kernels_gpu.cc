@@ -13,9 +13,9 @@
 // outputs ([U] and [U, D]); it runs the prepare launch, reads U, allocates,
 // then runs the reduce launch.
 //
-// These kernels have not been run: the GPU machine of this project has no
-// TensorFlow. The launchers themselves are checked there through the ctypes
-// harness (python/gpu_check.py).
+// The sparse apply adds LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh)
+// after the params-gradient launches. The suite runs these kernels through
+// TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
 
 #if GOOGLE_CUDA
 
@@ -31,6 +31,7 @@
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
 #include "cuda/gather_reduce_sum_kernels.cuh"
+#include "cuda/gather_reduce_sum_update_kernels.cuh"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -180,6 +181,36 @@ class GpuCall {
   Tensor placeholder_;
 };
 
+// The sizes the params-gradient launchers take: the sort and the segment
+// bookkeeping use int32 positions.
+Status GradSizeLimits(const BagShapes& shapes) {
+  if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
+    return errors::InvalidArgument(
+        "the GPU params gradient supports fewer than 2^31 - 2 indices, got ",
+        shapes.nnz);
+  }
+  if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
+    return errors::InvalidArgument(
+        "the GPU params gradient supports fewer than 2^31 - 1 bags, got ",
+        shapes.num_bags);
+  }
+  return OkStatus();
+}
+
+// The launchers' U (distinct non-padding ids) as read back in the report,
+// checked against what it can be.
+Status NumUnique(const launchers::DeviceReport& report,
+                 const BagShapes& shapes, int64_t num_rows,
+                 int64_t* num_unique) {
+  *num_unique = report.num_unique;
+  if (*num_unique < 0 || *num_unique > std::min(shapes.nnz, num_rows)) {
+    return errors::Internal("tf_ttemb GPU params grad: the device found ",
+                            *num_unique, " unique ids among ", shapes.nnz,
+                            " indices");
+  }
+  return OkStatus();
+}
+
 // ---------------------------------------------------------------------------
 // Forward (GatherReduceSum, ResourceGatherReduceSum).
 
@@ -292,17 +323,7 @@ struct ParamsGradInputs {
     num_rows = checked.num_rows;
     dim = checked.dim;
     is_max = attrs.combiner == Combiner::kMax;
-    // The sort and the segment bookkeeping use int32 positions.
-    if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
-      return errors::InvalidArgument(
-          "the GPU params gradient supports fewer than 2^31 - 2 indices, got ",
-          shapes.nnz);
-    }
-    if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
-      return errors::InvalidArgument(
-          "the GPU params gradient supports fewer than 2^31 - 1 bags, got ",
-          shapes.num_bags);
-    }
+    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
     grad = DevicePtr<T>(grad_t);
     ids = indices.flat<Tindex>().data();
     splits = row_splits.flat<int64_t>().data();
@@ -344,13 +365,8 @@ class GatherReduceSumGradGpuOp : public OpKernel {
     launchers::DeviceReport report;
     OP_REQUIRES_OK(ctx, call.ReadReport(&report));
     OP_REQUIRES_OK(ctx, ReportStatus(report, in.shapes, in.num_rows, attrs_));
-    const int64_t num_unique = report.num_unique;
-    OP_REQUIRES(ctx,
-                num_unique >= 0 &&
-                    num_unique <= std::min(in.shapes.nnz, in.num_rows),
-                errors::Internal("tf_ttemb GPU params grad: the device found ",
-                                 num_unique, " unique ids among ",
-                                 in.shapes.nnz, " indices"));
+    int64_t num_unique = 0;
+    OP_REQUIRES_OK(ctx, NumUnique(report, in.shapes, in.num_rows, &num_unique));
 
     Tensor* unique_ids = nullptr;
     Tensor* values = nullptr;
@@ -495,6 +511,277 @@ class GatherReduceSumWeightsGradGpuOp : public OpKernel {
 };
 
 // ---------------------------------------------------------------------------
+// Fused params + weights gradient (GatherReduceSumFusedGrad,
+// ResourceGatherReduceSumFusedGrad): the params-gradient launches with the
+// weights gradient fused into the reduction (each table row read once per
+// distinct id).
+
+template <typename T, typename Tindex, bool ParamsFromResource>
+class GatherReduceSumFusedGradGpuOp : public OpKernel {
+ public:
+  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
+    OP_REQUIRES(ctx, attrs_.has_weights,
+                errors::InvalidArgument(
+                    "GatherReduceSumFusedGrad needs has_weights = true"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    // A variable's lock is held until the stream has read the table: the
+    // deduplicated form reads the report back after Prepare, the dense form
+    // after the reduction.
+    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+    using CT = typename CudaTypeOf<T>::type;
+    const Tensor& grad = ctx->input(0);
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    BagShapes shapes;
+    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
+    OP_REQUIRES_OK(ctx, GradSizeLimits(shapes));
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({shapes.nnz}),
+                                             &weights_grad));
+
+    GpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
+        p, dense_grad_, /*fuse_weights_grad=*/true);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    const Tindex* ids = indices.flat<Tindex>().data();
+    const int64_t* splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                            p, ids, splits, DevicePtr<T>(weights),
+                            call.device_report(), dense_grad_,
+                            /*fuse_weights_grad=*/true, scratch, scratch_bytes,
+                            call.stream()),
+                        "gather_reduce_sum fused grad prepare"));
+    launchers::DeviceReport report;
+    int64_t grad_rows = num_rows;
+    if (!dense_grad_) {
+      OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+      OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+      OP_REQUIRES_OK(ctx, NumUnique(report, shapes, num_rows, &grad_rows));
+    }
+    Tensor* unique_ids = nullptr;
+    Tensor* params_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({dense_grad_ ? 0 : grad_rows}),
+                            &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({grad_rows, dim}), &params_grad));
+    void* placeholder = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
+    CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad),
+                              params_grad->NumElements(), placeholder);
+    const launchers::WeightsGradFusion<CT> fusion{
+        DevicePtr<T>(params), DevicePtr<T>(output), DevicePtr<T>(weights),
+        DevicePtr<T>(weights_grad)};
+    // Safe whatever the ids hold: the launchers never read out of bounds.
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                            p, DevicePtr<T>(grad), /*argmax=*/nullptr,
+                            dense_grad_ ? nullptr
+                                        : NonEmptyOr(
+                                              unique_ids->flat<Tindex>().data(),
+                                              grad_rows, placeholder),
+                            dense_grad_ ? nullptr : grad_out,
+                            dense_grad_ ? grad_out : nullptr, &fusion, scratch,
+                            scratch_bytes, call.stream()),
+                        "gather_reduce_sum fused grad reduce"));
+    if (dense_grad_) {
+      OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+      OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+    }
+  }
+
+  BagAttrs attrs_;
+  bool dense_grad_ = false;
+};
+
+// ---------------------------------------------------------------------------
+// Backward with the optimizer fused in (GatherReduceSumSparseApply): under the
+// variables' exclusive locks, Prepare sorts the entries and checks the ids and
+// row_splits; the report is read back, so a bad input raises before any row is
+// written; the reduction writes each distinct row's summed gradient to a
+// [U, D] temporary (and the weights gradient, from the rows as they were);
+// LaunchApplyRows then updates the rows and accumulators in place. All three
+// run on the op's stream, so later readers of the variable see the update.
+
+// Makes the variable's buffer exclusively owned before an in-place update (a
+// tensor read from it earlier may still share it and must keep the old
+// values), copying it on the stream.
+Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var,
+                             cudaStream_t stream) {
+  Tensor* tensor = var->tensor();
+  if (tensor->RefCountIsOne()) return OkStatus();
+  Tensor copy;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
+  TF_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(copy.data(), tensor->data(), tensor->TotalBytes(),
+                      cudaMemcpyDeviceToDevice, stream),
+      "copy of a shared variable buffer"));
+  *tensor = copy;
+  return OkStatus();
+}
+
+launchers::RowOptimizer ToGpu(SparseOptimizer optimizer) {
+  switch (optimizer) {
+    case SparseOptimizer::kRowwiseAdagrad:
+      return launchers::RowOptimizer::kRowwiseAdagrad;
+    case SparseOptimizer::kAdagrad:
+      return launchers::RowOptimizer::kAdagrad;
+    case SparseOptimizer::kSgd:
+      break;
+  }
+  return launchers::RowOptimizer::kSgd;
+}
+
+template <typename T, typename Tindex>
+class GatherReduceSumSparseApplyGpuOp : public OpKernel {
+ public:
+  using Acc = typename AccumulatorType<T>::type;
+
+  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
+                                            DataTypeToEnum<Acc>::value,
+                                            &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    WithLockedSparseApplyVariables<T, Acc>(
+        ctx, attrs_, [&](Var* params_var, Var* acc_var) {
+          ComputeLocked(ctx, params_var, acc_var);
+        });
+  }
+
+ private:
+  void ComputeLocked(OpKernelContext* ctx, Var* params_var, Var* acc_var) {
+    using CT = typename CudaTypeOf<T>::type;
+    const BagAttrs& bag = attrs_.bag;
+    const Tensor& grad = ctx->input(0);
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    const Tensor& argmax = ctx->input(6);
+    BagShapes shapes;
+    Acc lr, eps;
+    OP_REQUIRES_OK(ctx, ValidateSparseApplyInputs<Acc>(
+                            ctx, *params_var->tensor(),
+                            acc_var != nullptr ? acc_var->tensor() : nullptr,
+                            attrs_, &shapes, &lr, &eps));
+    OP_REQUIRES_OK(ctx, GradSizeLimits(shapes));
+    const int64_t num_rows = params_var->tensor()->dim_size(0);
+    const int64_t dim = params_var->tensor()->dim_size(1);
+    const bool is_max = bag.combiner == Combiner::kMax;
+    const bool fuse = bag.has_weights;  // max takes no weights
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({fuse ? shapes.nnz : 0}),
+                            &weights_grad));
+
+    GpuCall call;
+    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    const launchers::BagProblem p = MakeProblem(bag, shapes, num_rows, dim);
+    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
+        p, /*dense=*/false, fuse);
+    void* scratch = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    const CT* weights_ptr = fuse ? DevicePtr<T>(weights) : nullptr;
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                            p, indices.flat<Tindex>().data(),
+                            row_splits.flat<int64_t>().data(), weights_ptr,
+                            call.device_report(), /*dense=*/false, fuse,
+                            scratch, scratch_bytes, call.stream()),
+                        "gather_reduce_sum sparse apply prepare"));
+    launchers::DeviceReport report;
+    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
+    OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, bag));
+    int64_t num_unique = 0;
+    OP_REQUIRES_OK(ctx, NumUnique(report, shapes, num_rows, &num_unique));
+    if (shapes.nnz == 0) return;
+    if (dim == 0) {
+      if (fuse) {
+        OP_REQUIRES_OK(ctx, CudaStatus(cudaMemsetAsync(
+                                           weights_grad->data(), 0,
+                                           weights_grad->TotalBytes(),
+                                           call.stream()),
+                                       "zeroing the weights gradient"));
+      }
+      return;
+    }
+
+    OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, params_var, call.stream()));
+    if (acc_var != nullptr) {
+      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, acc_var, call.stream()));
+    }
+    CT* table = DevicePtr<T>(params_var->tensor());
+    Acc* state =
+        acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
+
+    Tensor unique_ids, values;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Tindex>::value,
+                                           TensorShape({num_unique}),
+                                           &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<T>::value,
+                                           TensorShape({num_unique, dim}),
+                                           &values));
+    void* placeholder = nullptr;
+    OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
+    const launchers::WeightsGradFusion<CT> fusion{
+        table, DevicePtr<T>(output), weights_ptr, DevicePtr<T>(weights_grad)};
+    const int32* argmax_ptr = nullptr;
+    if (is_max) {
+      argmax_ptr = argmax.NumElements() > 0
+                       ? argmax.flat<int32>().data()
+                       : static_cast<const int32*>(placeholder);
+    }
+    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique,
+                                 placeholder);
+    CT* values_out =
+        NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), placeholder);
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                            p, DevicePtr<T>(grad), argmax_ptr, ids_out,
+                            values_out, /*dense=*/nullptr,
+                            fuse ? &fusion : nullptr, scratch, scratch_bytes,
+                            call.stream()),
+                        "gather_reduce_sum sparse apply reduce"));
+    launchers::RowUpdate<Acc> update;
+    update.optimizer = ToGpu(attrs_.optimizer);
+    update.learning_rate = lr;
+    update.epsilon = eps;
+    update.num_rows = num_rows;
+    update.dim = dim;
+    OP_REQUIRES_OK(
+        ctx, CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
+                            update, ids_out, values_out, num_unique, table,
+                            state, call.stream()),
+                        "gather_reduce_sum sparse apply update"));
+  }
+
+  SparseApplyAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
 // Registration: the dtypes of the CPU kernels. num_rows is read on the host;
 // a resource handle always lives in host memory.
 
@@ -534,7 +821,28 @@ class GatherReduceSumWeightsGradGpuOp : public OpKernel {
           .HostMemory("params")                                           \
           .TypeConstraint<T>("T")                                         \
           .TypeConstraint<Tindex>("Tindices"),                            \
-      GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);
+      GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);                 \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")        \
+                              .Device(DEVICE_GPU)                         \
+                              .TypeConstraint<T>("T")                     \
+                              .TypeConstraint<Tindex>("Tindices"),        \
+                          GatherReduceSumFusedGradGpuOp<T, Tindex, false>); \
+  REGISTER_KERNEL_BUILDER(                                                \
+      Name("TfTtemb>ResourceGatherReduceSumFusedGrad")                    \
+          .Device(DEVICE_GPU)                                             \
+          .HostMemory("params")                                           \
+          .TypeConstraint<T>("T")                                         \
+          .TypeConstraint<Tindex>("Tindices"),                            \
+      GatherReduceSumFusedGradGpuOp<T, Tindex, true>);                    \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")      \
+                              .Device(DEVICE_GPU)                         \
+                              .HostMemory("params")                       \
+                              .HostMemory("learning_rate")                \
+                              .HostMemory("epsilon")                      \
+                              .HostMemory("accumulators")                 \
+                              .TypeConstraint<T>("T")                     \
+                              .TypeConstraint<Tindex>("Tindices"),        \
+                          GatherReduceSumSparseApplyGpuOp<T, Tindex>);
 
 #define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \
   TF_TTEMB_REGISTER_GPU(T, int32)            \

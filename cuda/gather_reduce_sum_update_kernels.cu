@@ -1,0 +1,143 @@
+// The optimizer step of GatherReduceSumSparseApply on the GPU. See the header
+// for the contract.
+//
+// Thread mapping: one warp per listed row u (grid-stride over the rows); lane
+// l handles columns l, l + 32, l + 64, ... of the row, so each step of the
+// warp reads and writes 32 consecutive elements (coalesced).
+
+#include "cuda/gather_reduce_sum_update_kernels.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+namespace tf_ttemb {
+namespace gpu {
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kWarpsPerBlock = kBlock / 32;
+constexpr int64_t kMaxBlocks = 65535;
+
+__device__ __forceinline__ float Widen(__half x) { return __half2float(x); }
+__device__ __forceinline__ float Widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float Widen(float x) { return x; }
+__device__ __forceinline__ double Widen(double x) { return x; }
+
+template <typename T>
+__device__ __forceinline__ T Narrow(float x);
+template <>
+__device__ __forceinline__ __half Narrow<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ float Narrow<float>(float x) {
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ T Narrow(double x) {
+  return x;
+}
+
+template <typename T, typename Acc, typename Tindex>
+__global__ void __launch_bounds__(kBlock)
+    ApplyRowsKernel(const RowUpdate<Acc> up,
+                    const Tindex* __restrict__ rows,  // [U]
+                    const T* __restrict__ grad,       // [U, D]
+                    int64_t num_unique,
+                    T* __restrict__ table,            // [N, D]
+                    Acc* __restrict__ accumulator) {  // [N] / [N, D] / null
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  const int64_t dim = up.dim;
+  for (int64_t u = warp; u < num_unique; u += warps) {
+    const int64_t r = static_cast<int64_t>(rows[u]);
+    if (r < 0 || r >= up.num_rows) continue;  // uniform across the warp
+    const T* g = grad + u * dim;
+    T* w = table + r * dim;
+    switch (up.optimizer) {
+      case RowOptimizer::kSgd:
+        for (int64_t d = lane; d < dim; d += 32) {
+          w[d] = Narrow<T>(Widen(w[d]) - up.learning_rate * Widen(g[d]));
+        }
+        break;
+      case RowOptimizer::kRowwiseAdagrad: {
+        Acc square_sum = Acc(0);
+        for (int64_t d = lane; d < dim; d += 32) {
+          const Acc x = Widen(g[d]);
+          square_sum += x * x;
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          square_sum += __shfl_xor_sync(0xffffffffu, square_sum, offset);
+        }
+        const Acc a = accumulator[r] + square_sum / static_cast<Acc>(dim);
+        __syncwarp();
+        if (lane == 0) accumulator[r] = a;
+        const Acc denominator = sqrt(a) + up.epsilon;
+        if (denominator == Acc(0)) break;  // then g is 0
+        const Acc step = up.learning_rate / denominator;
+        for (int64_t d = lane; d < dim; d += 32) {
+          w[d] = Narrow<T>(Widen(w[d]) - step * Widen(g[d]));
+        }
+        break;
+      }
+      case RowOptimizer::kAdagrad: {
+        Acc* a = accumulator + r * dim;
+        for (int64_t d = lane; d < dim; d += 32) {
+          const Acc x = Widen(g[d]);
+          const Acc sum = a[d] + x * x;
+          a[d] = sum;
+          const Acc denominator = sqrt(sum) + up.epsilon;
+          if (denominator == Acc(0)) continue;  // then g[d] is 0
+          w[d] = Narrow<T>(Widen(w[d]) - up.learning_rate * x / denominator);
+        }
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T, typename Acc, typename Tindex>
+cudaError_t LaunchApplyRows(const RowUpdate<Acc>& update, const Tindex* rows, const T* grad,
+                            int64_t num_unique, T* table, Acc* accumulator,
+                            cudaStream_t stream) {
+  if (num_unique < 0 || update.num_rows < 0 || update.dim < 0 ||
+      (update.optimizer != RowOptimizer::kSgd && accumulator == nullptr && num_unique > 0)) {
+    return cudaErrorInvalidValue;
+  }
+  if (num_unique == 0 || update.dim == 0 || update.num_rows == 0) return cudaSuccess;
+  if (rows == nullptr || grad == nullptr || table == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks =
+      std::min<int64_t>((num_unique + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
+  ApplyRowsKernel<T, Acc, Tindex><<<static_cast<int>(blocks), kBlock, 0, stream>>>(
+      update, rows, grad, num_unique, table, accumulator);
+  return cudaGetLastError();
+}
+
+#define TTEMB_INSTANTIATE(T, Acc, Tindex)                                             \
+  template cudaError_t LaunchApplyRows<T, Acc, Tindex>(const RowUpdate<Acc>&,         \
+                                                       const Tindex*, const T*,       \
+                                                       int64_t, T*, Acc*, cudaStream_t);
+#define TTEMB_INSTANTIATE_T(T, Acc)   \
+  TTEMB_INSTANTIATE(T, Acc, int32_t)  \
+  TTEMB_INSTANTIATE(T, Acc, int64_t)
+
+TTEMB_INSTANTIATE_T(__half, float)
+TTEMB_INSTANTIATE_T(__nv_bfloat16, float)
+TTEMB_INSTANTIATE_T(float, float)
+TTEMB_INSTANTIATE_T(double, double)
+
+#undef TTEMB_INSTANTIATE_T
+#undef TTEMB_INSTANTIATE
+
+}  // namespace gpu
+}  // namespace tf_ttemb
