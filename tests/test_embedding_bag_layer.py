@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -15,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import reference
+from processes import run_fresh_python
 import tf_ttemb
 from bags import (
     COMBINER_WEIGHTING,
@@ -251,7 +248,9 @@ def test_get_config_from_config(rng):
     layer(ids)
     clone(ids)
     clone.set_weights(layer.get_weights())
-    np.testing.assert_array_equal(clone(ids).numpy(), layer(ids).numpy())
+    # implementation="composite": on a GPU TensorFlow's segment sum adds with float atomics,
+    # so two runs may differ in the last bit (bitwise only under op determinism).
+    np.testing.assert_allclose(clone(ids).numpy(), layer(ids).numpy(), rtol=1e-6, atol=1e-7)
 
 
 def test_default_config():
@@ -284,21 +283,6 @@ def test_keras_file_round_trip(rng, tmp_path, form):
     assert isinstance(loaded.get_layer("bag"), EmbeddingBag)
     assert loaded.get_layer("bag").get_config() == model.get_layer("bag").get_config()
     np.testing.assert_array_equal(loaded(bags.ids).numpy(), want)
-
-
-def _run_fresh_python(script: str, *args: str) -> str:
-    """Runs `script` in a fresh interpreter that can import tf_ttemb; returns its last line."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert result.returncode == 0, f"subprocess failed:\n{result.stderr[-4000:]}"
-    return result.stdout.strip().splitlines()[-1]
 
 
 SERVE_SAVED_MODEL = """
@@ -343,7 +327,7 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     np.save(tmp_path / "dense.npy", dense.ids.numpy())
     np.save(tmp_path / "values.npy", ragged.ids.flat_values.numpy())
     np.save(tmp_path / "splits.npy", ragged.ids.row_splits.numpy())
-    got = json.loads(_run_fresh_python(
+    got = json.loads(run_fresh_python(
         SERVE_SAVED_MODEL, str(path), *(str(tmp_path / f) for f in
                                         ("dense.npy", "values.npy", "splits.npy"))
     ))
@@ -375,7 +359,7 @@ def test_model_export_served_in_fresh_process(rng, tmp_path):
     path = tmp_path / "exported"
     model.export(str(path), format="tf_saved_model")
     np.save(tmp_path / "ids.npy", bags.ids.numpy())
-    got = json.loads(_run_fresh_python(SERVE_EXPORT, str(path), str(tmp_path / "ids.npy")))
+    got = json.loads(run_fresh_python(SERVE_EXPORT, str(path), str(tmp_path / "ids.npy")))
     np.testing.assert_allclose(np.array(got, np.float32), want, rtol=1e-6, atol=1e-6)
 
 

@@ -9,8 +9,6 @@ and every error message have dedicated tests.
 from __future__ import annotations
 
 import importlib
-import json
-import pathlib
 import re
 
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import reference
+from processes import built_with_cuda
 import tf_ttemb
 from bags import (
     COMBINER_WEIGHTING,
@@ -906,17 +905,12 @@ def test_raw_op_max_with_weights(raw_ops, rng, op):
 # --------------------------------------------------------------------------------------
 
 
-def _built_with_cuda():
-    info = pathlib.Path(tf_ttemb.__file__).with_name("_build_info.json")
-    return info.exists() and bool(json.loads(info.read_text()).get("cuda"))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
 def test_on_gpu(rng, combiner, weighted, form, dtype):
-    if not _built_with_cuda():
+    if not built_with_cuda():
         pytest.skip("op library built without CUDA")
     with tf.device("/GPU:0"):
         bags = make_bags(rng, form, 11, tf.int64, padding_id=-1, max_len=40)

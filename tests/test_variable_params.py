@@ -178,9 +178,11 @@ def test_layer_mixed_precision_accumulates_in_variable_dtype(rng, policy):
 @pytest.mark.parametrize("dense_grad", [False, True], ids=["sparse_grad", "dense_grad"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_fused_and_two_op_backward_agree(rng, monkeypatch, combiner, dense_grad, use_variable):
-    """Without a GPU the weighted backward runs as one fused op; with one, as the two ops
-    (params gradient, weights gradient) that have GPU kernels. Both must give the same
-    gradients, bit for bit (same summation order)."""
+    """The weighted backward runs as one fused op (CPU and GPU kernels); the two-op
+    backward (params gradient, weights gradient) must give the same gradients. The params
+    gradients agree bit for bit on either device (same summation order); so do the
+    weights gradients on the CPU, while on the GPU the fused kernel sums each entry's dot
+    product by column chunks and the weights-gradient kernel by lanes (float32 rounding)."""
     from tf_ttemb.ops import gather_reduce_sum as grs_module
 
     num_rows, dim = 31, 6
@@ -210,9 +212,12 @@ def test_fused_and_two_op_backward_agree(rng, monkeypatch, combiner, dense_grad,
     )
     two_op = gradients()
     assert consulted, "the gradient never chose between the fused and the two-op backward"
-    for got, want in zip(two_op, fused):
+    for name, got, want in zip(["params", "weights"], two_op, fused):
         assert type(got) is type(want)
         if isinstance(want, tf.IndexedSlices):
             np.testing.assert_array_equal(got.indices.numpy(), want.indices.numpy())
             got, want = got.values, want.values
-        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        if name == "weights" and tf.config.list_physical_devices("GPU"):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(got.numpy(), want.numpy())

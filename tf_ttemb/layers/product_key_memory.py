@@ -247,10 +247,9 @@ class ProductKeyMemory(keras.layers.Layer):
     accumulator per slot, `values_accumulator [n_keys**2]`), `w -= lr * g / (sqrt(a) +
     eps)`; adagrad the same per element (`values_accumulator [n_keys**2, output_dim]`).
     Accumulators start at 0. The gradients of the keys, the query network and the inputs
-    are unchanged (computed from the values before the update). On CPU the update is the
-    fused op `GatherReduceSumSparseApply`; with `implementation="composite"`, under XLA,
-    or when TensorFlow sees a GPU (the op has no GPU kernel) the layer falls back to the
-    unfused path: the values gradient of `gather_reduce_sum`, then the same update in
+    are unchanged (computed from the values before the update). On CPU and GPU the update
+    is the fused op `GatherReduceSumSparseApply`; with `implementation="composite"` or
+    under XLA (the op has no XLA kernel) the layer falls back to the unfused path: the values gradient of `gather_reduce_sum`, then the same update in
     TensorFlow ops (same numbers, the gradient materialised). Refused under the
     `mixed_float16` policy (the update would see loss-scaled gradients) and under
     `tf.distribute` strategies.
@@ -632,15 +631,14 @@ class ProductKeyMemory(keras.layers.Layer):
         )
 
     def _fused_values_update(self) -> bool:
-        """Whether the values update runs in the fused CPU op (else the unfused fallback).
+        """Whether the values update runs in the fused op (else the unfused fallback).
 
-        The op has no GPU or XLA kernel: the fallback serves the composite implementation,
-        XLA compilation, a visible GPU and values that are not a plain resource variable.
+        The op has CPU and GPU kernels but no XLA kernel: the fallback serves the composite
+        implementation, XLA compilation and values that are not a plain resource variable.
         """
         return (
             self.implementation != "composite"
             and not _grs._in_xla_context()
-            and not _grs._gpu_visible()
             and _grs._resource_variable(self.values) is not None
         )
 

@@ -16,7 +16,6 @@ shapes the result back.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional
@@ -270,19 +269,13 @@ def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
     return params_grad, None, None, weights_grad
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu_visible() -> bool:
-    return bool(tf.config.list_physical_devices("GPU"))
-
-
 def _use_fused_backward(attrs: dict) -> bool:
     """Whether the weighted backward can use the one-pass fused gradient op.
 
     It computes the params and weights gradients together, reading each table row once
-    in id order instead of gathering it again per entry. Its kernel is CPU-only, so it is
-    used when TensorFlow sees no GPU (on GPU the two-op backward runs there).
+    in id order instead of gathering it again per entry (CPU and GPU kernels).
     """
-    return attrs["has_weights"] and attrs["combiner"] != "max" and not _gpu_visible()
+    return attrs["has_weights"] and attrs["combiner"] != "max"
 
 
 def _resource_variable(params) -> Optional[tf.Variable]:
@@ -918,9 +911,10 @@ def gather_reduce_sum_sparse_apply(
     that gradient also runs the update. Each gradient computation through the result
     updates the table once (a persistent tape asked twice updates twice).
 
-    The op has a CPU kernel only (no GPU or XLA kernel): `params` and `accumulator` must
-    live on the CPU (with a variable on a GPU TensorFlow fails to place the op, it is
-    never computed elsewhere), and it raises under XLA compilation.
+    The op has CPU and GPU kernels, and runs where `params` lives (`accumulator` must live
+    on the same device). Both give the same numbers up to the order of the sums within
+    a row (each device's order is fixed: bitwise deterministic). It has no XLA kernel
+    and raises under XLA compilation.
 
     Args:
       params: The [N, D] table as a resource variable (`tf.Variable` or Keras variable),

@@ -1,0 +1,64 @@
+"""Helpers the tests share about where they run: the devices TensorFlow sees, fresh
+interpreters, and op error texts without TensorFlow's device-dependent decorations."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import tensorflow as tf
+
+import tf_ttemb
+
+REPO_ROOT = pathlib.Path(tf_ttemb.__file__).resolve().parent.parent
+
+
+def built_with_cuda() -> bool:
+    """Whether the op library was built with its CUDA kernels (configure.sh's record)."""
+    info = pathlib.Path(tf_ttemb.__file__).with_name("_build_info.json")
+    return info.exists() and bool(json.loads(info.read_text()).get("cuda"))
+
+
+def gpu_visible() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def visible_devices() -> list:
+    """"/CPU:0", and "/GPU:0" when TensorFlow sees a GPU: for tests about one device."""
+    return ["/CPU:0"] + (["/GPU:0"] if gpu_visible() else [])
+
+
+def our_message(message: str) -> str:
+    """An op's error text without TensorFlow's decorations, which differ by device.
+
+    On a GPU an eager op's error may be prefixed with "{{function_node __wrapped__<op>_
+    device_/job:.../device:GPU:0}} " and followed by "\\n\\t [[{{node <op>}}]]"; both
+    devices end it with " [Op:<op>] ...".
+    """
+    message = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
+    message = message.split(" [Op:")[0]
+    return re.sub(r"\s*\[\[\{\{node [^\n]*\}\}\]\]$", "", message)
+
+
+def run_fresh_python(script: str, *args: str, timeout: float = 300) -> str:
+    """Runs `script` in a fresh interpreter that can import tf_ttemb; returns its last line.
+
+    TensorFloat-32 matmuls stay off there too, as in this process (conftest.py).
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["NVIDIA_TF32_OVERRIDE"] = "0"
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    assert result.returncode == 0, f"subprocess failed:\n{result.stderr[-4000:]}"
+    return result.stdout.strip().splitlines()[-1]
