@@ -689,7 +689,9 @@ def test_get_config_from_config(rng):
     layer(x)
     clone(x)
     clone.set_weights(layer.get_weights())
-    np.testing.assert_array_equal(clone(x).numpy(), layer(x).numpy())
+    # implementation="composite": on a GPU TensorFlow's segment sum adds with float atomics,
+    # so two runs may differ in the last bit (bitwise only under op determinism).
+    np.testing.assert_allclose(clone(x).numpy(), layer(x).numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_default_config():
