@@ -45,7 +45,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 CASES = ("gather_reduce_sum", "tt_rows", "pkm")
 DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -25,7 +25,6 @@ See `docs/distribute.md`.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,17 +158,8 @@ def sharded_gather_reduce_sum(
         return _grs.gather_reduce_sum(
             params, indices, weights, combiner, padding_id, dense_grad, implementation, name
         )
-    _grs._check_choice("combiner", combiner, _grs.COMBINERS)
+    padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
     _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
-    if combiner == "max" and weights is not None:
-        raise ValueError("combiner 'max' does not take weights")
-    if padding_id is not None:
-        try:
-            if isinstance(padding_id, bool):
-                raise TypeError
-            padding_id = operator.index(padding_id)
-        except TypeError:
-            raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
     offsets, dim, dtype = _check_shards(shards)
     if dtype not in _grs._VALUE_TYPES:
         raise TypeError(f"params must be float16, bfloat16, float32 or float64, got {dtype.name}")

@@ -13,6 +13,7 @@
 // ([U] sorted ids + [U, D]) or straight into a dense [N, D] gradient.
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/shape_util.h"
 
 #include <algorithm>
 #include <atomic>
@@ -145,6 +146,17 @@ Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
   return OkStatus();
 }
 
+Status ValidateForwardInputs(const Tensor& params, const Tensor& indices,
+                             const Tensor& row_splits, const Tensor& weights,
+                             const BagAttrs& attrs, BagShapes* shapes,
+                             TensorShape* output_shape) {
+  TF_RETURN_IF_ERROR(ValidateParamsShape(params));
+  TF_RETURN_IF_ERROR(
+      ValidateBagShapes(indices, row_splits, weights, attrs, shapes));
+  return MatrixShape("output [num_bags, D]", shapes->num_bags,
+                     params.dim_size(1), output_shape);
+}
+
 Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params,
                                  const BagAttrs& attrs, BagShapes* shapes) {
   TF_RETURN_IF_ERROR(ValidateParamsShape(params));
@@ -188,6 +200,9 @@ Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                        ctx->input(3), attrs, &shapes->bags));
   const int64_t num_bags = shapes->bags.num_bags;
   shapes->dim = grad.dim_size(1);
+  TensorShape dense_shape;  // a table [num_rows, D] that a tensor can hold
+  TF_RETURN_IF_ERROR(MatrixShape("params_grad [num_rows, D]", shapes->num_rows,
+                                 shapes->dim, &dense_shape));
   if (grad.dim_size(0) != num_bags) {
     return errors::InvalidArgument("grad has ", grad.dim_size(0),
                                    " rows but row_splits describes ", num_bags,
@@ -598,10 +613,11 @@ class GatherReduceSumOp : public OpKernel {
     const Tensor& indices = ctx->input(1);
     const Tensor& row_splits = ctx->input(2);
     const Tensor& weights = ctx->input(3);
-    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
-                                          &shapes));
+    TensorShape output_shape;
+    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits,
+                                              weights, attrs_, &shapes,
+                                              &output_shape));
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
     const int64_t* splits = row_splits.flat<int64_t>().data();
@@ -624,8 +640,7 @@ class GatherReduceSumOp : public OpKernel {
     }
 
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({shapes.num_bags, dim}), &output));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape, &output));
     Tensor* argmax = nullptr;
     OP_REQUIRES_OK(
         ctx, ctx->allocate_output(

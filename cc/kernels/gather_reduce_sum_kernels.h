@@ -56,6 +56,13 @@ Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits,
                          BagShapes* shapes);
 Status ValidateParamsShape(const Tensor& params);
 
+// The forward's host-side checks (params, the CSR inputs, and an output
+// [num_bags, D] that a tensor can hold); sets `shapes` and `output_shape`.
+Status ValidateForwardInputs(const Tensor& params, const Tensor& indices,
+                             const Tensor& row_splits, const Tensor& weights,
+                             const BagAttrs& attrs, BagShapes* shapes,
+                             TensorShape* output_shape);
+
 // Content checks of host-resident row_splits: row_splits[0] == 0,
 // non-decreasing, row_splits[B] == nnz.
 Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,

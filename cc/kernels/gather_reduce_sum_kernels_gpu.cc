@@ -235,10 +235,11 @@ class GatherReduceSumGpuOp : public OpKernel {
     const Tensor& indices = ctx->input(1);
     const Tensor& row_splits = ctx->input(2);
     const Tensor& weights = ctx->input(3);
-    OP_REQUIRES_OK(ctx, ValidateParamsShape(params));
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateBagShapes(indices, row_splits, weights, attrs_,
-                                          &shapes));
+    TensorShape output_shape;
+    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits,
+                                              weights, attrs_, &shapes,
+                                              &output_shape));
     const bool is_max = attrs_.combiner == Combiner::kMax;
     // argmax holds int32 positions inside a bag; the CPU kernel checks each
     // bag's length, which the GPU kernel cannot see on the host.
@@ -252,8 +253,7 @@ class GatherReduceSumGpuOp : public OpKernel {
     const int64_t dim = params.dim_size(1);
 
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({shapes.num_bags, dim}), &output));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape, &output));
     Tensor* argmax = nullptr;
     OP_REQUIRES_OK(
         ctx, ctx->allocate_output(

@@ -19,6 +19,7 @@
 // without atomics.
 
 #include "cc/kernels/tt_embedding_kernels.h"
+#include "cc/kernels/shape_util.h"
 
 #include <algorithm>
 #include <atomic>
@@ -63,6 +64,9 @@ Status CheckedMul(int64_t a, int64_t b, const char* what, int64_t* out) {
 }
 
 }  // namespace
+
+// Most elements of one id's partial product (1 GiB of float32).
+constexpr int64_t kMaxPartialElements = int64_t{1} << 28;
 
 Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape) {
   std::vector<int64_t> p, q, ranks;
@@ -117,11 +121,27 @@ Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape) {
   int64_t cols = 1;
   for (int k = 0; k < T; ++k) {
     int64_t width;
-    TF_RETURN_IF_ERROR(CheckedMul(shape->r[k] * q[k], shape->r[k + 1],
-                                  "a core's row width", &width));
+    TF_RETURN_IF_ERROR(
+        CheckedMul(shape->r[k], q[k], "a core's row width", &width));
+    TF_RETURN_IF_ERROR(
+        CheckedMul(width, shape->r[k + 1], "a core's row width", &width));
     shape->width[k] = width;
     TF_RETURN_IF_ERROR(CheckedMul(cols, q[k], "prod(q_shapes)", &cols));
     shape->cols[k] = cols;
+    // The kernels hold at least one id's partial product of every level,
+    // (q_0 * ... * q_k) x r_{k+1} elements: bound it before any kernel sizes
+    // scratch from it (an allocation that large would fail in the kernel).
+    int64_t partial;
+    TF_RETURN_IF_ERROR(
+        CheckedMul(cols, shape->r[k + 1], "a partial product's size", &partial));
+    if (partial > kMaxPartialElements) {
+      return errors::ResourceExhausted(
+          "the TT partial product of one id after core ", k,
+          " has (q_shapes[0] * ... * q_shapes[", k, "]) * r_", k + 1, " = ",
+          cols, " * ", shape->r[k + 1], " = ", partial,
+          " elements, more than the ", kMaxPartialElements,
+          " the kernels allow (check q_shapes and ranks)");
+    }
   }
   shape->dim = cols;
   return OkStatus();
@@ -829,8 +849,10 @@ class TTRowsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateGlobalIds(ids_t, s));
     const int64_t num_ids = ids_t.NumElements();
     Tensor* rows_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_ids, s.dim}),
-                                             &rows_t));
+    TensorShape rows_shape;
+    OP_REQUIRES_OK(ctx, MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids,
+                                    s.dim, &rows_shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, rows_shape, &rows_t));
     if (num_ids == 0) {
       Tensor* saved_t = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved_t));

@@ -54,6 +54,7 @@
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
+#include "cc/kernels/shape_util.h"
 #include "cc/kernels/tt_embedding_kernels.h"
 #include "cuda/tt_embedding_kernels.cuh"
 #include "cuda/tt_update_kernels.cuh"
@@ -345,8 +346,10 @@ class TTRowsGpuOp : public OpKernel {
     const Tensor& ids = ctx->input(0);
     const int64_t num_ids = ids.NumElements();
     Tensor* rows = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({num_ids, shape_.dim}), &rows));
+    TensorShape rows_shape;
+    OP_REQUIRES_OK(ctx, MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids,
+                                    shape_.dim, &rows_shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, rows_shape, &rows));
     Tensor* saved = nullptr;  // never produced on GPU (see the top comment)
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved));
     if (num_ids == 0) return;

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -218,6 +218,28 @@ def _on_tpu(params: tf.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------------------
 # Custom-op path and its registered gradients.
+
+
+def check_lookup_args(combiner: str, weights: Any, padding_id: Any) -> int | None:
+    """Checks the arguments every lookup of the package shares; returns padding_id as an int.
+
+    Raises ValueError naming the argument: a combiner not in COMBINERS, weights with
+    "max", or a padding_id that is not None or an integer in int64's range.
+    """
+    _check_choice("combiner", combiner, COMBINERS)
+    if combiner == "max" and weights is not None:
+        raise ValueError("combiner 'max' does not take weights")
+    if padding_id is None:
+        return None
+    try:
+        if isinstance(padding_id, bool):
+            raise TypeError
+        value = operator.index(padding_id)
+    except TypeError:
+        raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"padding_id must be in int64's range [-2**63, 2**63), got {value}")
+    return value
 
 
 def _op_attrs(combiner, has_weights: bool, padding_id: int | None) -> dict:
@@ -823,17 +845,8 @@ def gather_reduce_sum(
     array([[ 3.5,  6. ],
            [10. , 12. ]], dtype=float32)
     """
-    _check_choice("combiner", combiner, COMBINERS)
+    padding_id = check_lookup_args(combiner, weights, padding_id)
     _check_choice("implementation", implementation, IMPLEMENTATIONS)
-    if combiner == "max" and weights is not None:
-        raise ValueError("combiner 'max' does not take weights")
-    if padding_id is not None:
-        try:
-            if isinstance(padding_id, bool):
-                raise TypeError
-            padding_id = operator.index(padding_id)
-        except TypeError:
-            raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
     with tf.name_scope(name or "gather_reduce_sum"):
         variable = _resource_variable(params)
         if variable is None:
@@ -959,16 +972,7 @@ def gather_reduce_sum_sparse_apply(
     array([ 0.5,  1. ,  1. , -0.5,  1. ], dtype=float32)
     """
     _check_choice("optimizer", optimizer, ("sgd", "rowwise_adagrad", "adagrad"))
-    _check_choice("combiner", combiner, COMBINERS)
-    if combiner == "max" and weights is not None:
-        raise ValueError("combiner 'max' does not take weights")
-    if padding_id is not None:
-        try:
-            if isinstance(padding_id, bool):
-                raise TypeError
-            padding_id = operator.index(padding_id)
-        except TypeError:
-            raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
+    padding_id = check_lookup_args(combiner, weights, padding_id)
     variable = _resource_variable(params)
     if variable is None:
         raise ValueError(

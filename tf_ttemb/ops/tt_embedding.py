@@ -659,17 +659,8 @@ def tt_embedding_bag(
     >>> out.shape
     TensorShape([3, 6])
     """
-    _grs._check_choice("combiner", combiner, _grs.COMBINERS)
+    padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
     _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
-    if combiner == "max" and weights is not None:
-        raise ValueError("combiner 'max' does not take weights")
-    if padding_id is not None:
-        try:
-            if isinstance(padding_id, bool):
-                raise TypeError
-            padding_id = operator.index(padding_id)
-        except TypeError:
-            raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
     shape = check_shapes(num_embeddings, p_shapes, q_shapes, ranks, num_tables)
     with tf.name_scope(name or "tt_embedding_bag"):
         cores = _check_cores(cores, shape)

@@ -1,0 +1,102 @@
+"""Hostile inputs that once crashed the process or gave errors that named nothing.
+
+Each case runs in a fresh interpreter (a crash there fails the test instead of killing
+the test run), on every device TensorFlow sees, through the public API or the raw op
+that any graph can call, and must raise the documented error naming the size or the
+argument that is wrong. (Issue "Hostile inputs": cases 1, 2 and 12.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from processes import run_fresh_python, visible_devices
+
+CASES_SCRIPT = """
+    import json, sys
+    import tensorflow as tf
+    import tf_ttemb
+    from tf_ttemb.ops import _loader
+
+    device = sys.argv[1]
+    lib = _loader.load_op_library()
+
+    def tt_layer(implementation):
+        layer = tf_ttemb.layers.TTEmbeddingBag(
+            1, 65536, tt_ranks=[1, 1, 2**20], tt_p_shapes=[1, 1, 1, 1],
+            tt_q_shapes=[256, 256, 1, 1], implementation=implementation)
+        return layer(tf.constant([[0]]))
+
+    def tt_rows_huge_dim():
+        q = [2**21, 2**21, 2**20]
+        cores = [tf.zeros([1, q[0]]), tf.zeros([1, q[1]]), tf.zeros([1, q[2]])]
+        return lib.tf_ttemb_tt_rows(tf.constant([0, 0, 0, 0], tf.int64), cores,
+                                    p_shapes=[1, 1, 1], q_shapes=q, ranks=[1, 1],
+                                    num_tables=1)
+
+    def grs_huge_output(implementation):
+        return tf_ttemb.gather_reduce_sum(tf.zeros([0, 2**62]), tf.zeros([4, 0], tf.int64),
+                                          implementation=implementation)
+
+    def dense_grad_huge_rows():
+        return lib.tf_ttemb_gather_reduce_sum_dense_grad(
+            tf.zeros([1, 2]), tf.zeros([0], tf.int64), tf.constant([0, 0], tf.int64),
+            tf.zeros([0]), tf.zeros([0, 2], tf.int32), tf.constant(2**62, tf.int64))
+
+    def padding_too_large():
+        return tf_ttemb.gather_reduce_sum(tf.zeros([3, 2]), tf.constant([[0, 1]]),
+                                          padding_id=2**70)
+
+    cases = {
+        "tt_layer_custom_op": lambda: tt_layer("custom_op"),
+        "tt_layer_composite": lambda: tt_layer("composite"),
+        "tt_rows_huge_dim": tt_rows_huge_dim,
+        "grs_huge_output_custom_op": lambda: grs_huge_output("custom_op"),
+        "grs_huge_output_composite": lambda: grs_huge_output("composite"),
+        "dense_grad_huge_rows": dense_grad_huge_rows,
+        "padding_too_large": padding_too_large,
+    }
+    report = {}
+    for name, case in cases.items():
+        try:
+            with tf.device(device):
+                tf.nest.map_structure(lambda t: t.numpy(), case())
+            report[name] = ["no error", ""]
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            report[name] = [type(e).__name__, str(e)]
+    print(json.dumps(report))
+"""
+
+# case -> (error type, a regex the message must match: the size or the argument named).
+EXPECTED = {
+    "tt_layer_custom_op": ("ResourceExhaustedError",
+                           r"partial product of one id after core 2 has .* = 68719476736 "
+                           r"elements, more than the 268435456"),
+    "tt_layer_composite": ("ResourceExhaustedError", r""),
+    "tt_rows_huge_dim": ("ResourceExhaustedError",
+                         r"partial product of one id after core 1 .* = 4398046511104 "
+                         r"elements"),
+    "grs_huge_output_custom_op": ("InvalidArgumentError",
+                                  r"output \[num_bags, D\] would have shape "
+                                  r"\[4, 4611686018427387904\]: more elements than a tensor"),
+    "grs_huge_output_composite": ("InvalidArgumentError", r""),
+    "dense_grad_huge_rows": ("InvalidArgumentError",
+                             r"params_grad \[num_rows, D\] would have shape "
+                             r"\[4611686018427387904, 2\]"),
+    "padding_too_large": ("ValueError",
+                          r"padding_id must be in int64's range .* got 1180591620717411303424"),
+}
+
+
+@pytest.mark.parametrize("device", visible_devices())
+def test_hostile_sizes_raise_errors_that_name_them(device):
+    import re
+
+    report = json.loads(run_fresh_python(CASES_SCRIPT, device))
+    assert set(report) == set(EXPECTED)
+    for name, (kind, pattern) in EXPECTED.items():
+        got_kind, message = report[name]
+        assert got_kind == kind, (name, report[name])
+        assert re.search(pattern, message), (name, message)
