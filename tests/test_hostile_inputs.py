@@ -3,16 +3,20 @@
 Each case runs in a fresh interpreter (a crash there fails the test instead of killing
 the test run), on every device TensorFlow sees, through the public API or the raw op
 that any graph can call, and must raise the documented error naming the size or the
-argument that is wrong. (Issue "Hostile inputs": cases 1, 2 and 12.)
+argument that is wrong. (Issue "Hostile inputs": cases 1, 2, 3, 10 and 12.)
 """
 
 from __future__ import annotations
 
 import json
 
+import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from processes import run_fresh_python, visible_devices
+from tf_ttemb.layers import ProductKeyMemory
 
 CASES_SCRIPT = """
     import json, sys
@@ -100,3 +104,54 @@ def test_hostile_sizes_raise_errors_that_name_them(device):
         got_kind, message = report[name]
         assert got_kind == kind, (name, report[name])
         assert re.search(pattern, message), (name, message)
+
+
+# --------------------------------------------------------------------------------------
+# ProductKeyMemory masks (cases 3 and 10): masked tokens update nothing, whatever they
+# hold; a mask of another shape is an error also where shapes are only known at run time.
+
+
+def _pkm_gradients(layer, x, mask):
+    with tf.GradientTape() as tape:
+        y = layer(x, training=True, mask=mask)
+        loss = tf.reduce_sum(tf.sin(y))
+    names = [v.name for v in layer.trainable_variables]
+    return dict(zip(names, tape.gradient(loss, layer.trainable_variables)))
+
+
+@pytest.mark.parametrize("hostile", [np.nan, np.inf, 1e30])
+def test_pkm_masked_token_contents_change_nothing(rng, hostile):
+    keras.utils.set_random_seed(int(rng.integers(2**31)))
+    layer = ProductKeyMemory(8, n_keys=6, k_dim=4, heads=2, knn=3)
+    x = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    mask = np.ones((2, 5), bool)
+    mask[0, 1] = mask[1, 4] = False
+    layer(x)  # build
+    start = [v.numpy() for v in layer.weights]
+    clean = x.copy()
+    clean[~mask] = 0.0
+    want = _pkm_gradients(layer, tf.constant(clean), tf.constant(mask))
+    for v, value in zip(layer.weights, start):  # undo the batch-norm statistics update
+        v.assign(value)
+    dirty = x.copy()
+    dirty[~mask] = hostile
+    got = _pkm_gradients(layer, tf.constant(dirty), tf.constant(mask))
+    for name, g in got.items():
+        assert g is not None, name
+        g = tf.convert_to_tensor(g).numpy()
+        assert np.all(np.isfinite(g)), name
+        np.testing.assert_array_equal(g, tf.convert_to_tensor(want[name]).numpy(), err_msg=name)
+
+
+def test_pkm_mask_of_another_shape_raises_in_a_function(rng):
+    layer = ProductKeyMemory(8, n_keys=6, k_dim=4, heads=2, knn=3)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 7]), tf.TensorSpec([None, None], tf.bool)])
+    def read(x, mask):
+        return layer(x, mask=mask)
+
+    x = tf.constant(rng.normal(size=(2, 6, 7)), tf.float32)
+    read(x, tf.ones([2, 6], tf.bool))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="mask must have the shape of the inputs without their last axis"):
+        read(x, tf.ones([6, 2], tf.bool))  # 12 elements, as many as the right shape

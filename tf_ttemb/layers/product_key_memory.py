@@ -524,7 +524,22 @@ class ProductKeyMemory(keras.layers.Layer):
                     f"mask must have the shape of the inputs without their last axis, "
                     f"{inputs.shape[:-1]}, got {mask.shape}"
                 )
-        return tf.reshape(tf.cast(mask, tf.bool), [-1])
+            static = mask.shape.is_fully_defined() and inputs.shape[:-1].is_fully_defined()
+        else:
+            static = False
+        mask = tf.cast(mask, tf.bool)
+        if not static and not _grs._in_xla_context():
+            # Shapes unknown while tracing: a mask of the same size but another shape
+            # would reshape silently. (XLA compiles assertions away.)
+            with tf.control_dependencies([
+                tf.debugging.assert_equal(
+                    tf.shape(mask, out_type=tf.int64),
+                    tf.shape(inputs, out_type=tf.int64)[:-1],
+                    message="mask must have the shape of the inputs without their last axis",
+                )
+            ]):
+                mask = tf.identity(mask)
+        return tf.reshape(mask, [-1])
 
     def _batch_norm(self, query: tf.Tensor, live: Optional[tf.Tensor], training: bool):
         """Batch norm of the [T, heads * k_dim] query (score dtype), statistics over `live`."""
@@ -571,6 +586,11 @@ class ProductKeyMemory(keras.layers.Layer):
         """Slot ids and softmax weights, [T, heads * knn] each, of the flattened tokens."""
         compute_dtype = self.compute_dtype
         x = tf.reshape(tf.cast(inputs, compute_dtype), [-1, self.input_dim])
+        if live is not None:
+            # Masked tokens read nothing and update nothing: their inputs (whatever they
+            # hold, NaN included) never reach the query network, whose gradients would
+            # otherwise get 0 * NaN from them.
+            x = tf.where(live[:, None], x, tf.zeros([], x.dtype))
         if training and self._input_dropout_layer is not None:
             x = self._input_dropout_layer(x, training=True)
         query = tf.matmul(x, keras.ops.cast(self.query_kernel, compute_dtype))
