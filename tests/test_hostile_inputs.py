@@ -3,12 +3,13 @@
 Each case runs in a fresh interpreter (a crash there fails the test instead of killing
 the test run), on every device TensorFlow sees, through the public API or the raw op
 that any graph can call, and must raise the documented error naming the size or the
-argument that is wrong. (Issue "Hostile inputs": cases 1, 2, 3, 10 and 12.)
+argument that is wrong. (Issue "Hostile inputs": cases 1, 2, 3, 5, 7, 10, 11 and 12.)
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import keras
 import numpy as np
@@ -96,8 +97,6 @@ EXPECTED = {
 
 @pytest.mark.parametrize("device", visible_devices())
 def test_hostile_sizes_raise_errors_that_name_them(device):
-    import re
-
     report = json.loads(run_fresh_python(CASES_SCRIPT, device))
     assert set(report) == set(EXPECTED)
     for name, (kind, pattern) in EXPECTED.items():
@@ -155,3 +154,81 @@ def test_pkm_mask_of_another_shape_raises_in_a_function(rng):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="mask must have the shape of the inputs without their last axis"):
         read(x, tf.ones([6, 2], tf.bool))  # 12 elements, as many as the right shape
+
+
+# --------------------------------------------------------------------------------------
+# SparseTensor ids outside their dense_shape (case 5) and an empty table (case 7): the
+# same result or the same error from every implementation, eagerly and in a function.
+
+IMPLEMENTATIONS = ["custom_op", "composite"]
+
+
+def _maybe_function(fn, in_function):
+    return tf.function(fn) if in_function else fn
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("coords", [[[0, 0], [-1, 1]], [[0, 0], [5, 0]], [[0, 1], [1, 7]]],
+                         ids=["negative_row", "row_past_shape", "column_past_shape"])
+def test_sparse_ids_outside_dense_shape_are_named(rng, implementation, in_function, coords):
+    import tf_ttemb
+
+    table = tf.constant(rng.normal(size=(6, 3)), tf.float32)
+    sparse = tf.SparseTensor(tf.constant(coords, tf.int64), tf.constant([1, 2], tf.int64),
+                             [2, 2])
+    run = _maybe_function(
+        lambda: tf_ttemb.gather_reduce_sum(table, sparse, implementation=implementation),
+        in_function,
+    )
+    bad = coords[1]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=re.escape(f"sparse indices: indices[1] = [{bad[0]}, {bad[1]}] "
+                                       "is out of bounds for dense_shape [2, 2]")):
+        run()
+
+
+@pytest.mark.parametrize("dense_grad", [False, True], ids=["sparse_grad", "dense_grad"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "max"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_empty_table_with_padding_only_bags_gives_zeros(implementation, combiner, dense_grad):
+    import tf_ttemb
+
+    table = tf.Variable(tf.zeros([0, 3]))
+    ids = tf.constant([[-1, -1], [-1, -1], [-1, -1]], tf.int64)
+    with tf.GradientTape() as tape:
+        out = tf_ttemb.gather_reduce_sum(table, ids, padding_id=-1, combiner=combiner,
+                                         implementation=implementation, dense_grad=dense_grad)
+    np.testing.assert_array_equal(out.numpy(), np.zeros((3, 3), np.float32))
+    grad = tf.convert_to_tensor(tape.gradient(out, table, output_gradients=tf.ones([3, 3])))
+    assert tuple(grad.shape) == (0, 3)
+    read = tf.function(lambda t: tf_ttemb.gather_reduce_sum(
+        t, ids, padding_id=-1, combiner=combiner, implementation=implementation))
+    np.testing.assert_array_equal(read(tf.zeros([0, 3])).numpy(), np.zeros((3, 3), np.float32))
+
+
+# --------------------------------------------------------------------------------------
+# A TT core whose shape TensorFlow does not know statically (case 11): both
+# implementations name the core and the shape it must have.
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bad_shape", [[5, 4], [1, 4], [3, 3]],
+                         ids=["more_rows", "fewer_rows", "other_width"])
+@pytest.mark.parametrize("api", ["tt_rows", "tt_embedding_bag"])
+def test_tt_core_of_the_wrong_shape_is_named(rng, api, bad_shape, implementation):
+    from tf_ttemb.ops import tt_embedding as tte
+
+    p, q, ranks = [2, 3], [2, 2], [2]
+    cores = [tf.Variable(rng.normal(size=(2, 4)), dtype=tf.float32),
+             tf.Variable(rng.normal(size=bad_shape), dtype=tf.float32,
+                         shape=tf.TensorShape(None))]
+    kwargs = dict(p_shapes=p, q_shapes=q, ranks=ranks, implementation=implementation)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=re.escape("cores[1] must be [num_tables * p_shapes[1], "
+                                       "r_1 * q_1 * r_2] = [3, 4]")):
+        if api == "tt_rows":
+            tte.tt_rows(cores, tf.constant([0, 5], tf.int64), **kwargs)
+        else:
+            tte.tt_embedding_bag(cores, tf.constant([[0, 5], [1, 2]], tf.int64),
+                                 num_embeddings=6, **kwargs)

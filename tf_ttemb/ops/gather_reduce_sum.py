@@ -120,7 +120,9 @@ def _to_csr(indices: IndicesLike, weights, dtype: tf.DType, xla: bool) -> _Bags:
         if indices.shape.rank != 2:
             raise ValueError(f"sparse indices must be 2-D [B, L], got shape {indices.shape}")
         num_bags = _static_or_dynamic(indices.shape[0], indices.dense_shape[0])
-        coords, values = _row_major(indices, xla)
+        checks = [] if xla else _sparse_bounds_check(indices)
+        with tf.control_dependencies(checks):
+            coords, values = _row_major(indices, xla)
         rows = coords[:, 0]
         # Bag b starts at the first entry whose row is >= b.
         row_splits = tf.searchsorted(
@@ -464,6 +466,34 @@ def _custom_op(
 # Composite path: plain TensorFlow ops, chunked.
 
 
+def _check_all(bad: tf.Tensor, message_parts: Callable[[tf.Tensor], list]) -> list:
+    """Raises (eagerly) or returns an assert op (graphs) when any entry of `bad` is set.
+
+    `message_parts(position)` gives the error message for the first bad position, as
+    strings and scalar tensors (joined; eagerly each tensor as its Python value).
+    """
+
+    def first_bad():
+        return tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
+
+    if tf.executing_eagerly():
+        if bool(tf.reduce_any(bad)):
+            parts = message_parts(first_bad())
+            text = "".join(p if isinstance(p, str) else str(p.numpy()) for p in parts)
+            raise tf.errors.InvalidArgumentError(None, None, text)
+        return []
+
+    def fail():
+        parts = message_parts(first_bad())
+        message = tf.strings.join(
+            [p if isinstance(p, str) else tf.strings.as_string(p) for p in parts]
+        )
+        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
+            return tf.constant(False)
+
+    return [tf.cond(tf.reduce_any(bad), fail, lambda: tf.constant(True))]
+
+
 def _bounds_check(ids: tf.Tensor, num_rows: tf.Tensor, padding_id: int | None) -> list:
     """Raises (eagerly) or returns an assert op (graphs) for ids outside [0, num_rows).
 
@@ -474,38 +504,23 @@ def _bounds_check(ids: tf.Tensor, num_rows: tf.Tensor, padding_id: int | None) -
     suffix = "" if padding_id is None else f" and is not padding_id ({padding_id})"
     if padding_id is not None:
         bad &= ids != padding_id
+    return _check_all(
+        bad,
+        lambda k: ["indices[", k, "] = ", ids[k], " is not in [0, ", num_rows, ")" + suffix],
+    )
 
-    def first_bad():
-        position = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
-        return position, ids[position]
 
-    if tf.executing_eagerly():
-        if bool(tf.reduce_any(bad)):
-            position, value = first_bad()
-            raise tf.errors.InvalidArgumentError(
-                None,
-                None,
-                f"indices[{int(position)}] = {int(value)} is not in [0, {int(num_rows)})" + suffix,
-            )
-        return []
-
-    def fail():
-        position, value = first_bad()
-        message = tf.strings.join(
-            [
-                "indices[",
-                tf.strings.as_string(position),
-                "] = ",
-                tf.strings.as_string(value),
-                " is not in [0, ",
-                tf.strings.as_string(num_rows),
-                ")" + suffix,
-            ]
-        )
-        with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
-            return tf.constant(False)
-
-    return [tf.cond(tf.reduce_any(bad), fail, lambda: tf.constant(True))]
+def _sparse_bounds_check(sparse: tf.SparseTensor) -> list:
+    """Raises (eagerly) or returns an assert op (graphs) for coordinates of a 2-D
+    SparseTensor of ids outside its dense_shape: `indices[1] = [5, 0] is out of bounds
+    for dense_shape [2, 2]` (the position in `sparse.indices`)."""
+    coords, shape = sparse.indices, sparse.dense_shape
+    bad = tf.reduce_any((coords < 0) | (coords >= shape[None, :]), axis=1)
+    return _check_all(
+        bad,
+        lambda k: ["sparse indices: indices[", k, "] = [", coords[k, 0], ", ", coords[k, 1],
+                   "] is out of bounds for dense_shape [", shape[0], ", ", shape[1], "]"],
+    )
 
 
 def _composite(
@@ -604,8 +619,17 @@ def _composite(
     def positions_of(k):
         return tf.cast(k * chunk, tf.int64) + tf.range(tf.cast(chunk, tf.int64))  # [chunk]
 
+    # Invalid and padding entries gather row 0 (with weight 0, into the dummy bag). A
+    # table without rows has no row 0: gather from one zero row instead (every entry is
+    # then padding, or an id the bounds check rejected). Under XLA gathers clamp.
+    table = params
+    if not xla and (params.shape[0] is None or params.shape[0] == 0):
+        table = tf.cond(
+            num_rows > 0, lambda: params, lambda: tf.zeros(tf.stack([1, dim]), params.dtype)
+        )
+
     def rows_of(k):
-        return tf.cast(tf.gather(params, ids_c[k]), acc_dtype)  # [chunk, D]
+        return tf.cast(tf.gather(table, ids_c[k]), acc_dtype)  # [chunk, D]
 
     def loop(body, state):
         def step(k, *state):
@@ -653,7 +677,10 @@ def _composite(
             )
             targets_c, num_targets = slots_c, num_slots + 1
         else:
-            targets_c, num_targets = ids_c, num_rows
+            # Invalid and padding entries (zero contributions) target no row: a segment id
+            # of -1 is dropped, also when the table has no rows.
+            targets_c = chunked(tf.where(valid, ids, -tf.ones_like(ids)), tf.constant(-1, tf.int64))
+            num_targets = num_rows
         grad_shape = tf.stack([num_targets, tf.cast(dim, tf.int64)])
 
         if combiner == "max":

@@ -203,6 +203,32 @@ def _choose(implementation: str, probe: Any) -> tuple[str, bool]:
 # Rows of global ids.
 
 
+def _shape_checked_cores(cores: list, shape: TTShape, xla: bool) -> list:
+    """The cores, each whose static shape is not fully known (a variable made with
+    validate_shape=False, a traced placeholder) checked at run time against the shape it
+    must have, with the custom op's message. Under XLA assertions compile away: the
+    composite would then compute from whatever the core holds."""
+    if xla:
+        return list(cores)
+    checked = []
+    for k, core in enumerate(cores):
+        if tf.TensorShape(core.shape).is_fully_defined():
+            checked.append(core)
+            continue
+        want = shape.core_shape(k)
+        check = tf.debugging.assert_equal(
+            tf.shape(core, out_type=tf.int64),
+            tf.constant(want, tf.int64),
+            message=(
+                f"cores[{k}] must be [num_tables * p_shapes[{k}], r_{k} * q_{k} * r_{k + 1}] = "
+                f"[{want[0]}, {want[1]}]"
+            ),
+        )
+        with tf.control_dependencies([check]):
+            checked.append(tf.identity(core))
+    return checked
+
+
 def _composite_rows(cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
     """Rows [n, D] of global ids [n] (int64, in range) from gathers and batched matmuls.
 
@@ -499,6 +525,7 @@ def _custom_op_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
 
 
 def _composite_path(cores, table_bags, shape, padding_id, combiner, cache, frequency_table, xla):
+    cores = _shape_checked_cores(cores, shape, xla)
     bags = table_bags.bags
     ids64 = tf.cast(bags.ids, tf.int64)
     num_rows = tf.constant(shape.num_embeddings, tf.int64)
@@ -736,7 +763,7 @@ def tt_rows(
             checks = _check_ids(ids, limit)
             with tf.control_dependencies(checks):
                 ids = tf.identity(ids)
-        return _composite_rows(cores, ids, shape)
+        return _composite_rows(_shape_checked_cores(cores, shape, xla), ids, shape)
 
 
 def _check_ids(ids: tf.Tensor, limit: int) -> list:
