@@ -28,9 +28,13 @@ How the `gather_reduce_sum` section measures:
 * Times: median wall-clock time of the step as a `tf.function`, after a warm-up call,
   in this process, with TensorFlow's default CPU allocator (the one users get).
 * Peak memory growth: how far memory rises above its level before the step, the step's
-  output and gradients included, measured in a separate worker process after a warm-up
-  step. On Linux it is the peak resident set size (VmHWM, which writing "5" to
-  /proc/self/clear_refs resets before each step); the worker runs with
+  output and gradients included, over the step's first run (traced beforehand, which
+  runs nothing) in a fresh worker process per measurement: memory that an allocator kept
+  from an earlier step, or an earlier peak, cannot hide it (after a warm-up step they
+  did: the plain step read 0 MiB). A plain-TF step measured below the float32 rows it
+  must gather is reported as not measured. On Linux it is the peak resident set size
+  (VmHWM, which writing "5" to /proc/self/clear_refs resets before the step); the worker
+  runs with
   `MALLOC_MMAP_THRESHOLD_=65536`, so every buffer of 64 KiB or more is mapped when
   allocated and returned to the OS when freed, and the peak is that of live memory, kernel
   scratch included. Elsewhere it falls back to TensorFlow's BFC CPU allocator statistics
@@ -157,14 +161,19 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
+NOT_MEASURED = "not measured"
+
+
 def _ratio(numerator: Optional[float], denominator: Optional[float]) -> str:
-    if not numerator or not denominator:
-        return "-"
+    if numerator is None or denominator is None:
+        return NOT_MEASURED
+    if denominator <= 0:
+        return "n/a (zero)"
     return f"{numerator / denominator:.1f}x"
 
 
 def _mib(num_bytes: Optional[float]) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / MIB:,.1f}"
+    return NOT_MEASURED if num_bytes is None else f"{num_bytes / MIB:,.1f}"
 
 
 # ----------------------------------------------------------------------------------------
@@ -270,30 +279,34 @@ def _batch_tensors(shape: PkmShape, tokens: int, seed: int) -> Tuple[tf.Tensor, 
     return tuple(tf.constant(batch[key]) for key in ("ids", "weights", "upstream"))
 
 
-def memory_sweep(
-    shape: PkmShape, token_counts: Sequence[int], seed: int, method: str
-) -> Iterator[dict]:
-    """Peak memory growth of one training step, per token count and lookup.
+def gathered_bytes(shape: PkmShape, tokens: int) -> int:
+    """Bytes of the [tokens, heads * knn, dim] float32 rows the plain lookup gathers: the
+    least its training step can hold, and a check on the memory measurement."""
+    return tokens * shape.bag_size * shape.dim * 4
 
-    Runs in the memory worker (see `_run_memory_worker`); each step is warmed up once
-    (tracing, first-run allocations) before it is measured.
+
+def first_step_growth(shape: PkmShape, lookup: str, tokens: int, seed: int, method: str) -> int:
+    """Peak memory growth of the first training step of `lookup` in this process.
+
+    The step is traced first (`get_concrete_function`, which runs nothing), then run
+    once: its memory comes from allocations this process has never made, so neither an
+    earlier step's peak nor memory an allocator kept from an earlier step can hide it.
+    Meant for a fresh process (`_run_memory_worker` starts one per measurement).
     """
-    tables = table_variables(shape, seed)
-    for tokens in token_counts:
-        batch = _batch_tensors(shape, tokens, seed)
-        for name, lookup in LOOKUPS.items():
-            step = training_step(lookup, tables[name])
-            step(*batch)
-            growth = peak_growth_bytes(lambda: step(*batch), method)
-            yield {"lookup": name, "tokens": tokens, "bytes": growth}
+    table = tf.Variable(pkm_values(shape, seed), name="values")
+    batch = _batch_tensors(shape, tokens, seed)
+    step = training_step(LOOKUPS[lookup], table)
+    step.get_concrete_function(*batch)
+    return peak_growth_bytes(lambda: step(*batch), method)
 
 
 def _memory_worker(spec_json: str) -> None:
-    """Entry point of the memory worker process: one marked JSON line per measurement."""
+    """Entry point of a memory worker process: one marked JSON line, one measurement."""
     spec = json.loads(spec_json)
     shape = PkmShape(**spec["shape"])
-    for record in memory_sweep(shape, spec["tokens"], spec["seed"], spec["method"]):
-        print(_RECORD_MARK + json.dumps(record), flush=True)
+    growth = first_step_growth(shape, spec["lookup"], spec["tokens"], spec["seed"], spec["method"])
+    record = {"lookup": spec["lookup"], "tokens": spec["tokens"], "bytes": growth}
+    print(_RECORD_MARK + json.dumps(record), flush=True)
 
 
 def _run_memory_worker(
@@ -303,10 +316,13 @@ def _run_memory_worker(
     method: str,
     on_record: Callable[[dict], None],
 ) -> List[dict]:
-    """Runs `memory_sweep` in a fresh process set up for `method`.
+    """Measures every (token count, lookup) in a fresh process of its own, set up for
+    `method`.
 
-    A separate process keeps the memory settings (which change timings a lot) and the
-    memory of the sweep away from the timings taken in this process.
+    Separate processes keep the memory settings (which change timings a lot) away from
+    the timings taken in this process, and give each step a process whose memory no
+    earlier step has touched. A plain-TF step that measures below the rows it must
+    gather (`gathered_bytes`) is reported as not measured (bytes None), never as a number.
     """
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -317,32 +333,31 @@ def _run_memory_worker(
             env[key] = value
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(tf_ttemb.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-    spec = {
-        "shape": dataclasses.asdict(shape),
-        "tokens": list(token_counts),
-        "seed": seed,
-        "method": method,
-    }
-    command = [
-        sys.executable,
-        "-c",
-        "import sys; from tf_ttemb import demo; demo._memory_worker(sys.argv[1])",
-        json.dumps(spec),
-    ]
-    records, other_lines = [], []
-    with subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        for line in proc.stdout:
-            if line.startswith(_RECORD_MARK):
-                records.append(json.loads(line[len(_RECORD_MARK) :]))
-                on_record(records[-1])
-            else:
-                other_lines = (other_lines + [line.rstrip()])[-20:]
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"the memory worker failed with status {proc.returncode}:\n" + "\n".join(other_lines)
-        )
+    records = []
+    for tokens in token_counts:
+        for lookup in LOOKUPS:
+            spec = {"shape": dataclasses.asdict(shape), "tokens": tokens, "lookup": lookup,
+                    "seed": seed, "method": method}
+            command = [
+                sys.executable,
+                "-c",
+                "import sys; from tf_ttemb import demo; demo._memory_worker(sys.argv[1])",
+                json.dumps(spec),
+            ]
+            proc = subprocess.run(command, env=env, capture_output=True, text=True)
+            lines = proc.stdout.splitlines()
+            found = [json.loads(line[len(_RECORD_MARK):]) for line in lines
+                     if line.startswith(_RECORD_MARK)]
+            if proc.returncode != 0 or len(found) != 1:
+                tail = (lines + proc.stderr.splitlines())[-20:]
+                raise RuntimeError(
+                    f"the memory worker failed with status {proc.returncode}:\n" + "\n".join(tail)
+                )
+            record = found[0]
+            if lookup == BASELINE and record["bytes"] < gathered_bytes(shape, tokens):
+                record["bytes"] = None
+            records.append(record)
+            on_record(record)
     return records
 
 
@@ -417,10 +432,15 @@ def _print_summary(
             [[name, f"{r['time_ms']:,.1f}", _mib(r["bytes"])] for name, r in headline.items()],
         )
     )
-    print(
-        f"=> tf_ttemb: {_ratio(plain['bytes'], fused['bytes'])} less memory, "
-        f"{_ratio(plain['time_ms'], fused['time_ms'])} faster."
-    )
+    memory_ratio = _ratio(plain["bytes"], fused["bytes"])
+    if memory_ratio == NOT_MEASURED:
+        memory_claim = (
+            "memory not measured (the plain step measured less than the "
+            f"{gathered_bytes(shape, tokens) / MIB:,.0f} MiB of rows it must gather)"
+        )
+    else:
+        memory_claim = f"{memory_ratio} less memory"
+    print(f"=> tf_ttemb: {memory_claim}, {_ratio(plain['time_ms'], fused['time_ms'])} faster.")
     same = all(diff <= 1e-5 * max(scale, 1.0) for diff, scale in differences.values())
     print(
         ("Same numbers" if same else "DIFFERENT NUMBERS")
@@ -469,8 +489,10 @@ def _print_summary(
     }[memory]
     print(
         f"Times: median of {args.repeats} steps after a warm-up, tf.function, {allocator}, "
-        f"{threads} threads. Memory: peak growth over one step, output and gradients "
-        f"included ({memory_note}; measured in a separate process)."
+        f"{threads} threads. Memory: peak growth over a step's first run, output and "
+        f"gradients included, each in a fresh process ({memory_note}); plain TF's check: "
+        f"at least the [tokens, {shape.bag_size}, {shape.dim}] float32 rows it gathers "
+        f"({gathered_bytes(shape, tokens) / MIB:,.0f} MiB at {tokens:,} tokens)."
     )
 
 
@@ -500,8 +522,9 @@ def _plot(
             axes.plot(token_counts, ys, marker="o", label=name)
         last = token_counts[-1]
         ratio = _ratio(sweep[BASELINE][last][key], sweep[FUSED][last][key])
+        note = f"{ratio} {'less' if key == 'bytes' else 'faster'}"
         axes.annotate(
-            f"{ratio} {'less' if key == 'bytes' else 'faster'}",
+            note if ratio != NOT_MEASURED else "plain TF: memory not measured",
             (last, (sweep[FUSED][last][key] or np.nan) / unit),
             textcoords="offset points",
             xytext=(-10, -16),
@@ -898,7 +921,7 @@ def _ctr_summary_rows(
             [
                 name,
                 f"{r['embedding_params']:,}",
-                f"{full / r['embedding_params']:,.1f}x" if full else "-",
+                f"{full / r['embedding_params']:,.1f}x" if full else "n/a",
                 f"{r['logloss']:.4f}",
                 f"{r['auc']:.4f}",
                 f"{100 * closed:.0f}%",
@@ -910,7 +933,7 @@ def _ctr_summary_rows(
         [
             "dense features only (no ids)",
             "0",
-            "-",
+            "n/a",
             f"{floor['logloss']:.4f}",
             f"{floor['auc']:.4f}",
             "0%",
@@ -921,13 +944,13 @@ def _ctr_summary_rows(
     rows.append(
         [
             "planted model (best possible)",
-            "-",
-            "-",
+            "n/a",
+            "n/a",
             f"{ceiling['logloss']:.4f}",
             f"{ceiling['auc']:.4f}",
             "100%",
-            "-",
-            "-",
+            "n/a",
+            "n/a",
         ]
     )
     return rows

@@ -1,0 +1,52 @@
+"""The demo's memory measurement (section gather_reduce_sum) against the arithmetic.
+
+A plain-TF step (gather · w → reduce_sum) must hold at least the [tokens, heads * knn,
+dim] float32 rows it gathers; the fused lookup holds no such tensor. Measured as the demo
+measures, one fresh process per step.
+"""
+
+from __future__ import annotations
+
+from tf_ttemb import demo
+
+MIB = float(1 << 20)
+
+
+def test_plain_step_holds_at_least_the_gathered_rows_and_the_fused_one_far_less():
+    shape = demo.PkmShape()  # 65,536 x 256 values, 4 heads x 32 knn
+    tokens = 1024
+    assert demo.gathered_bytes(shape, tokens) == 128 * (1 << 20)
+    records = demo._run_memory_worker(shape, [tokens], seed=3, method=demo.memory_method(),
+                                      on_record=lambda _: None)
+    got = {r["lookup"]: r["bytes"] for r in records}
+    assert set(got) == {demo.BASELINE, demo.FUSED}
+    plain, fused = got[demo.BASELINE], got[demo.FUSED]
+    # None would mean the plain step measured below its gathered rows (not measured).
+    assert plain is not None and plain >= demo.gathered_bytes(shape, tokens), got
+    # The fused step's own tensors: output [tokens, dim], the deduplicated values
+    # gradient [<= slots, dim] and the weights gradient; nothing of [tokens, 128, dim].
+    assert 0 < fused <= (tokens + shape.slots) * shape.dim * 4 + 32 * MIB, got
+    assert plain >= 5 * fused, got
+
+
+def test_a_measurement_below_the_gathered_rows_is_reported_as_not_measured(monkeypatch):
+    shape = demo.PkmShape(slots=64, dim=8, heads=1, knn=2)
+
+    class Done:
+        returncode = 0
+        stderr = ""
+
+        def __init__(self, lookup):
+            record = {"lookup": lookup, "tokens": 4, "bytes": 0}
+            self.stdout = demo._RECORD_MARK + demo.json.dumps(record) + "\n"
+
+    def fake_run(command, **kwargs):
+        spec = demo.json.loads(command[-1])
+        return Done(spec["lookup"])
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    records = demo._run_memory_worker(shape, [4], 0, demo.memory_method(), lambda _: None)
+    got = {r["lookup"]: r["bytes"] for r in records}
+    assert got == {demo.BASELINE: None, demo.FUSED: 0}
+    assert demo._mib(None) == demo.NOT_MEASURED
+    assert demo._ratio(None, 5.0) == demo.NOT_MEASURED
