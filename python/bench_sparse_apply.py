@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -71,17 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # trace and warm up
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(samples))
 
 
 def main(argv=None) -> int:
@@ -152,8 +140,10 @@ def main(argv=None) -> int:
                     (tf.constant(0), tf.constant(0.0)),
                 )[1]
 
-        per_call = _median_ms(lambda: once().numpy(), args.repeats)
-        in_graph = _median_ms(lambda: many().numpy(), max(3, args.repeats // 3)) / args.steps
+        per_call = _bench_util.time_calls(lambda: once().numpy(), 2, args.repeats).median_ms
+        in_graph = _bench_util.time_calls(
+            lambda: many().numpy(), 2, max(3, args.repeats // 3)
+        ).median_ms / args.steps
         results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph}
         print(f"{name:18s} per call {per_call:8.3f} ms   in graph {in_graph:8.3f} ms", flush=True)
 
