@@ -34,21 +34,34 @@ def visible_devices() -> list:
 
 
 def our_message(message: str) -> str:
-    """An op's error text without TensorFlow's decorations, which differ by device.
+    """An op's error text without TensorFlow's decorations, which differ by device and
+    by how the op ran.
 
-    On a GPU an eager op's error may be prefixed with "{{function_node __wrapped__<op>_
-    device_/job:.../device:GPU:0}} " and followed by "\\n\\t [[{{node <op>}}]]"; both
-    devices end it with " [Op:<op>] ...".
+    TensorFlow may prefix it with "Graph execution error:", with "Detected at node ...
+    defined at (most recent call last):" and a stack, or with "{{function_node
+    __wrapped__<op>_device_/job:.../device:GPU:0}} "; follow it with
+    "\\n\\t [[{{node <op>}}]]" and " [Op:<op>] ..."; and an assertion of the composite
+    (`tf.debugging.Assert`) wraps it in "assertion failed: [...]".
     """
+    message = re.sub(r"^Graph execution error:\s*", "", message)
+    if message.startswith("Detected at node"):
+        # The stack's lines are indented; the message is the first line that is not.
+        lines = message.split("\n")[1:]
+        body = [i for i, line in enumerate(lines) if line and not line.startswith(" ")]
+        message = "\n".join(lines[body[0]:]) if body else message
     message = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
     message = message.split(" [Op:")[0]
-    return re.sub(r"\s*\[\[\{\{node [^\n]*\}\}\]\]$", "", message)
+    message = re.sub(r"\s*\[\[\{\{(function_)?node [^\n]*\}\}\]\]$", "", message)
+    wrapped = re.fullmatch(r"assertion failed: \[(.*)\]", message, flags=re.S)
+    return wrapped.group(1) if wrapped else message
 
 
-def run_fresh_python(script: str, *args: str, timeout: float = 300) -> str:
+def run_fresh_python(script: str, *args: str, timeout: float = 300, all_lines: bool = False):
     """Runs `script` in a fresh interpreter that can import tf_ttemb; returns its last line.
 
-    TensorFloat-32 matmuls stay off there too, as in this process (conftest.py).
+    With `all_lines`, returns every line it printed instead, whatever its exit status; a
+    failed run adds a last line, JSON {"returncode": ..., "stderr": its tail}. TensorFloat-32
+    matmuls stay off there too, as in this process (conftest.py).
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -60,5 +73,11 @@ def run_fresh_python(script: str, *args: str, timeout: float = 300) -> str:
         [sys.executable, "-c", textwrap.dedent(script), *args],
         capture_output=True, text=True, env=env, timeout=timeout,
     )
+    if all_lines:
+        lines = result.stdout.splitlines()
+        if result.returncode != 0:
+            lines.append(json.dumps({"returncode": result.returncode,
+                                     "stderr": result.stderr[-4000:]}))
+        return lines
     assert result.returncode == 0, f"subprocess failed:\n{result.stderr[-4000:]}"
     return result.stdout.strip().splitlines()[-1]

@@ -916,3 +916,24 @@ def test_on_gpu(rng, combiner, weighted, form, dtype):
         bags = make_bags(rng, form, 11, tf.int64, padding_id=-1, max_len=40)
         out, _, _ = check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 33)
     assert "GPU" in out.device, out.device
+
+
+# Edge shapes the fuzz test (test_fuzz.py) found failing in the composite: a weighted
+# backward with no bags at all (its per-chunk TensorArray was empty), a one-row table or a
+# single bag under XLA (the loop state's static dim of 1 was lost to broadcasting), and no
+# entries under XLA (the loop body sliced a chunk of an array with no chunks).
+@pytest.mark.parametrize(
+    "implementation,mode", [("custom_op", "eager"), ("composite", "eager"),
+                            ("composite", "function"), ("auto", "jit")],
+)
+@pytest.mark.parametrize(
+    "shape,num_rows", [((0, 3), 4), ((2, 0), 4), ((3, 4), 1), ((1, 5), 6)],
+    ids=["no_bags", "empty_bags", "one_row_table", "one_bag"],
+)
+@pytest.mark.parametrize("combiner,weighted", [("sqrtn", True), ("sum", False), ("max", False)],
+                         ids=["sqrtn_weighted", "sum", "max"])
+def test_edge_shapes_on_every_path(rng, combiner, weighted, shape, num_rows, implementation,
+                                   mode):
+    bags = dense_bags(rng, shape, num_rows, tf.int64)
+    check_case(rng, bags, tf.float32, combiner, weighted, None, num_rows, 3, mode=mode,
+               implementation=implementation)

@@ -598,15 +598,19 @@ def _composite(
     if isinstance(nnz, int) and isinstance(chunk, int):
         chunk = min(chunk, max(nnz, 1))
         num_chunks = -(-nnz // chunk)
+        stored_chunks = max(num_chunks, 1)
     else:
         chunk = tf.minimum(tf.cast(chunk, tf.int64), tf.maximum(tf.cast(nnz, tf.int64), 1))
         num_chunks = (nnz + chunk - 1) // chunk
-    slack = num_chunks * chunk - nnz
+        stored_chunks = tf.maximum(num_chunks, 1)
+    # At least one chunk is stored (all slack when there are no entries): XLA compiles the
+    # loop body's slice of a chunk even when the loop runs no iteration.
+    slack = stored_chunks * chunk - nnz
 
-    if isinstance(chunk, int) and isinstance(num_chunks, int):
-        chunked_shape = [num_chunks, chunk]
+    if isinstance(chunk, int) and isinstance(stored_chunks, int):
+        chunked_shape = [stored_chunks, chunk]
     else:
-        chunked_shape = tf.stack([num_chunks, chunk])
+        chunked_shape = tf.stack([stored_chunks, chunk])
 
     def chunked(vector, fill):
         padded = tf.concat([vector, tf.fill(tf.reshape(slack, [1]), fill)], axis=0)
@@ -633,7 +637,13 @@ def _composite(
 
     def loop(body, state):
         def step(k, *state):
-            return (k + 1,) + tuple(body(k, *state))
+            new_state = tuple(body(k, *state))
+            for old, new in zip(state, new_state):
+                # `acc + segment_sum(...)` broadcasts a static dim of 1 with the unknown
+                # one to unknown; the state keeps its shape (while_loop demands it).
+                if isinstance(new, tf.Tensor):
+                    new.set_shape(old.shape)
+            return (k + 1,) + new_state
 
         result = tf.while_loop(
             lambda k, *_: k < num_chunks,
@@ -747,7 +757,16 @@ def _composite(
             grad_acc = results[0]
             weights_grad = None
             if weights_wanted:
-                weights_grad = tf.cast(results[1].concat()[:nnz], dtype)
+                # A TensorArray of no chunks has nothing to concatenate (its concat fails).
+                def concat_chunks():
+                    return tf.cast(results[1].concat()[:nnz], dtype)
+
+                if isinstance(num_chunks, int):
+                    weights_grad = concat_chunks() if num_chunks else tf.zeros([0], dtype)
+                else:
+                    weights_grad = tf.cond(
+                        num_chunks > 0, concat_chunks, lambda: tf.zeros([0], dtype)
+                    )
 
         if sparse_params_grad:
             params_grad = tf.IndexedSlices(
