@@ -306,6 +306,16 @@ def _check_saved_products_give_the_recomputed_gradient(rng, shape, dtype):
     if not np.array_equal(other.numpy(), ids.numpy()):
         with pytest.raises(tf.errors.InvalidArgumentError, match="saved .* computed for other ids|does not have the size"):
             lib().tf_ttemb_tt_rows_grad(other, cores, grad, saved, **attrs)
+    # Same ids, other cores: the products the saved tensor holds are the old cores', so
+    # it is refused (issue 18, case 9), whichever core changed, even by one element.
+    for k in range(len(cores) - 1):
+        changed = list(cores)
+        bumped = changed[k].numpy().copy()
+        bumped.flat[int(rng.integers(bumped.size))] += 1
+        changed[k] = tf.constant(bumped, dtype)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="saved .* computed for other ids or other cores"):
+            lib().tf_ttemb_tt_rows_grad(ids, changed, grad, saved, **attrs)
 
 
 def test_nothing_saved_for_two_cores_and_half_types(rng):

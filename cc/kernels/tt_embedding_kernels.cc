@@ -731,20 +731,45 @@ int64_t SavedNodeSize(const TTShape& s) {
   return s.cols[s.num_cores - 2] * s.r[s.num_cores - 1];
 }
 
-// `saved` starts with a 64-bit fingerprint of the ids it was computed for, so
-// that TTRowsGrad refuses products saved for other ids instead of silently
-// using them; this many elements of Acc hold it.
+// `saved` starts with a 64-bit fingerprint of the ids and of the cores it was
+// computed from (cores 0..T-2, those level T-2's products read), so that
+// TTRowsGrad refuses products saved for other ids or other cores instead of
+// silently using them; this many elements of Acc hold it.
 template <typename Acc>
 constexpr int64_t SavedHeader() {
   return static_cast<int64_t>(sizeof(uint64_t) / sizeof(Acc));
 }
 
-uint64_t IdsFingerprint(const int64_t* ids, int64_t num_ids) {
+inline uint64_t Mix(uint64_t h, uint64_t value) {
+  return h ^ (value + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
+}
+
+// A checksum of a tensor's bytes: its 64-bit words weighted by odd position
+// factors and summed (vectorisable, about memory speed), so that other
+// values, or the same values moved, give another sum.
+uint64_t BytesChecksum(const Tensor& t) {
+  const absl::string_view bytes = t.tensor_data();
+  const char* data = bytes.data();
+  const size_t words = bytes.size() / sizeof(uint64_t);
+  uint64_t sum = bytes.size();
+  for (size_t i = 0; i < words; ++i) {
+    uint64_t word;
+    std::memcpy(&word, data + i * sizeof(uint64_t), sizeof(word));
+    sum += word * (2 * static_cast<uint64_t>(i) + 1);
+  }
+  for (size_t i = words * sizeof(uint64_t); i < bytes.size(); ++i) {
+    sum = Mix(sum, static_cast<unsigned char>(data[i]));
+  }
+  return sum;
+}
+
+uint64_t SavedFingerprint(const int64_t* ids, int64_t num_ids,
+                          const OpInputList& cores, int num_cores) {
   uint64_t h = 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(num_ids);
   for (int64_t j = 0; j < num_ids; ++j) {
-    h ^= static_cast<uint64_t>(ids[j]) + 0x9e3779b97f4a7c15ULL + (h << 6) +
-         (h >> 2);
+    h = Mix(h, static_cast<uint64_t>(ids[j]));
   }
+  for (int k = 0; k + 1 < num_cores; ++k) h = Mix(h, BytesChecksum(cores[k]));
   return h;
 }
 
@@ -884,7 +909,8 @@ class TTRowsOp : public OpKernel {
     Acc* saved = nullptr;
     if (saved_size > 0) {
       saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
-      const uint64_t fingerprint = IdsFingerprint(ids, num_ids);
+      const uint64_t fingerprint =
+          SavedFingerprint(ids, num_ids, cores_in, s.num_cores);
       std::memcpy(saved, &fingerprint, sizeof(fingerprint));
       saved += SavedHeader<Acc>();
     }
@@ -987,8 +1013,10 @@ class TTRowsGradOp : public OpKernel {
       saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
       uint64_t fingerprint;
       std::memcpy(&fingerprint, saved, sizeof(fingerprint));
-      OP_REQUIRES(ctx, fingerprint == IdsFingerprint(ids, num_ids),
-                  mismatch("was computed for other ids"));
+      OP_REQUIRES(ctx,
+                  fingerprint ==
+                      SavedFingerprint(ids, num_ids, cores_in, T_count),
+                  mismatch("was computed for other ids or other cores"));
       saved += SavedHeader<Acc>();
     }
 
