@@ -495,6 +495,62 @@ inline Acc Dot(const A* __restrict a, const B* __restrict b, int64_t dim) {
 // How many entries ahead the gather loops prefetch.
 constexpr int64_t kPrefetchDistance = 4;
 
+// The sum of a bag's terms (vectors of `width`), added in blocks of kSumBlock
+// entries whose sums are combined pairwise (a binary counter of partial sums),
+// so that the rounding error grows like (kSumBlock + log2(L / kSumBlock)) ulps
+// with the bag's length L instead of like L. A bag of at most kSumBlock entries
+// is summed exactly as one sequential pass. Usage: add the terms of entries
+// [begin + i kSumBlock, begin + (i + 1) kSumBlock) into current(), call Carry()
+// after each such block but the last, and read Total() after the last one.
+// Blocks are cut by position (padding entries included), so the inner loop is
+// the plain sequential one.
+constexpr int64_t kSumBlock = 256;
+
+template <typename Acc>
+class BlockedSum {
+ public:
+  explicit BlockedSum(int64_t width) : width_(width), current_(width) {}
+
+  void Reset() {
+    std::fill(current_.begin(), current_.end(), Acc(0));
+    std::fill(occupied_.begin(), occupied_.end(), false);
+  }
+  Acc* current() { return current_.data(); }
+
+  // current() holds a full block: carries it up the counter and clears it.
+  void Carry() {
+    size_t level = 0;
+    for (; level < levels_.size() && occupied_[level]; ++level) {
+      const Acc* older = levels_[level].data();
+      for (int64_t d = 0; d < width_; ++d) current_[d] = older[d] + current_[d];
+      occupied_[level] = false;
+    }
+    if (level == levels_.size()) {
+      levels_.emplace_back(width_);
+      occupied_.push_back(false);
+    }
+    std::copy(current_.begin(), current_.end(), levels_[level].begin());
+    occupied_[level] = true;
+    std::fill(current_.begin(), current_.end(), Acc(0));
+  }
+
+  // The sum of every term added since Reset, in current() (overwritten).
+  const Acc* Total() {
+    for (size_t level = 0; level < levels_.size(); ++level) {
+      if (!occupied_[level]) continue;
+      const Acc* older = levels_[level].data();
+      for (int64_t d = 0; d < width_; ++d) current_[d] = older[d] + current_[d];
+    }
+    return current_.data();
+  }
+
+ private:
+  int64_t width_;
+  std::vector<Acc> current_;
+  std::vector<std::vector<Acc>> levels_;
+  std::vector<bool> occupied_;
+};
+
 // Per-bag scale applied to every entry of the bag: 1 for sum and max,
 // 1 / sum(w) for mean, 1 / sqrt(sum(w^2)) for sqrtn (0 when the
 // denominator is 0, so such bags give zeros).
@@ -519,14 +575,34 @@ inline typename AccumulatorType<T>::type ComputeBagScale(
   if (attrs.combiner != Combiner::kMean && attrs.combiner != Combiner::kSqrtn) {
     return Acc(1);
   }
-  Acc sum = 0, sq_sum = 0;
-  for (int64_t j = begin; j < end; ++j) {
-    if (IsPadding(ids[j], attrs)) continue;
-    const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
-    sum += w;
-    sq_sum += w * w;
+  // The forward's denominators, summed the same way (BlockedSum, as in
+  // ForwardBags), so that forward and backward scale a bag alike. A bag of at
+  // most kSumBlock entries is one sequential pass: no BlockedSum needed.
+  if (end - begin <= kSumBlock) {
+    Acc sum = 0, sq_sum = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      if (IsPadding(ids[j], attrs)) continue;
+      const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
+      sum += w;
+      sq_sum += w * w;
+    }
+    return BagScale(attrs.combiner, sum, sq_sum);
   }
-  return BagScale(attrs.combiner, sum, sq_sum);
+  BlockedSum<Acc> sums(2);
+  sums.Reset();
+  Acc* terms = sums.current();
+  for (int64_t block = begin; block < end; block += kSumBlock) {
+    const int64_t block_end = std::min(end, block + kSumBlock);
+    for (int64_t j = block; j < block_end; ++j) {
+      if (IsPadding(ids[j], attrs)) continue;
+      const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
+      terms[0] += w;
+      terms[1] += w * w;
+    }
+    if (block_end < end) sums.Carry();
+  }
+  const Acc* total = sums.Total();
+  return BagScale(attrs.combiner, total[0], total[1]);
 }
 
 // ---------------------------------------------------------------------------
@@ -542,7 +618,8 @@ void ForwardBags(const T* params,        // [N, D]
                  T* out,          // [B, D]
                  int32* argmax) {  // [B, D] for max, else null
   using Acc = typename AccumulatorType<T>::type;
-  std::vector<Acc> acc(dim);
+  std::vector<Acc> acc(dim);   // max
+  BlockedSum<Acc> sums(dim + 2);  // sum, mean, sqrtn
   for (int64_t b = bag_begin; b < bag_end; ++b) {
     const int64_t begin = splits[b], end = splits[b + 1];
     T* out_row = out + b * dim;
@@ -565,30 +642,41 @@ void ForwardBags(const T* params,        // [N, D]
       }
       continue;
     }
-    std::fill(acc.begin(), acc.end(), Acc(0));
-    Acc weight_sum = 0, weight_sq_sum = 0;
-    for (int64_t j = begin; j < end; ++j) {
-      if (IsPadding(ids[j], attrs)) continue;
-      if (j + kPrefetchDistance < end &&
-          !IsPadding(ids[j + kPrefetchDistance], attrs)) {
-        PrefetchRow(params + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
-                    dim);
+    // Terms [0, dim) the weighted rows, dim the weight, dim + 1 its square;
+    // a block's weight sums stay in registers until the block is carried.
+    sums.Reset();
+    Acc* terms = sums.current();
+    for (int64_t block = begin; block < end; block += kSumBlock) {
+      const int64_t block_end = std::min(end, block + kSumBlock);
+      Acc weight_sum = 0, weight_sq_sum = 0;
+      for (int64_t j = block; j < block_end; ++j) {
+        if (IsPadding(ids[j], attrs)) continue;
+        if (j + kPrefetchDistance < end &&
+            !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+          PrefetchRow(
+              params + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
+              dim);
+        }
+        const T* row = params + static_cast<int64_t>(ids[j]) * dim;
+        if (attrs.has_weights) {
+          const Acc w = static_cast<Acc>(weights[j]);
+          Axpy(terms, w, row, dim);
+          weight_sum += w;
+          weight_sq_sum += w * w;
+        } else {
+          AddRow(terms, row, dim);
+          weight_sum += Acc(1);
+          weight_sq_sum += Acc(1);
+        }
       }
-      const T* row = params + static_cast<int64_t>(ids[j]) * dim;
-      if (attrs.has_weights) {
-        const Acc w = static_cast<Acc>(weights[j]);
-        Axpy(acc.data(), w, row, dim);
-        weight_sum += w;
-        weight_sq_sum += w * w;
-      } else {
-        AddRow(acc.data(), row, dim);
-        weight_sum += Acc(1);
-        weight_sq_sum += Acc(1);
-      }
+      terms[dim] = weight_sum;
+      terms[dim + 1] = weight_sq_sum;
+      if (block_end < end) sums.Carry();
     }
-    const Acc scale = BagScale(attrs.combiner, weight_sum, weight_sq_sum);
+    const Acc* total = sums.Total();
+    const Acc scale = BagScale(attrs.combiner, total[dim], total[dim + 1]);
     for (int64_t d = 0; d < dim; ++d) {
-      out_row[d] = static_cast<T>(acc[d] * scale);
+      out_row[d] = static_cast<T>(total[d] * scale);
     }
   }
 }

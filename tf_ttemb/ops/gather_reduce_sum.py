@@ -839,6 +839,13 @@ def gather_reduce_sum(
     (flat values for ragged and sparse weights); none w.r.t. ids. For `max`, the first
     entry of a bag reaching the max of a column receives that column's gradient.
 
+    Accuracy: sums accumulate in float32 (float64 for float64 tables). The CPU kernel
+    adds a bag's terms in blocks of 256 entries whose sums are combined pairwise, so a
+    bag's error is at most about (256 + log2(L / 256)) units in the last place of the
+    sum of its terms' magnitudes, for a bag of L entries (a sequential sum's grows like
+    L). The GPU kernel sums long bags in up to 1,024 slices combined in order; the
+    composite in chunks, sequentially within each segment (both grow with L / chunk).
+
     Args:
       params: The [N, D] table: a tensor or a variable (`tf.Variable`, a Keras variable,
         or a mixed-precision autocast variable, read in its autocast dtype). float16,
