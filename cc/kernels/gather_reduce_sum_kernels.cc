@@ -277,18 +277,17 @@ Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
   return OkStatus();
 }
 
-Status LookupAccumulator(OpKernelContext* ctx, DataType acc_type,
-                         core::RefCountPtr<Var>* variable) {
-  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 9), variable));
-  if ((*variable)->tensor()->dtype() != acc_type) {
+Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype,
+                           const char* what, core::RefCountPtr<Var>* variable) {
+  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), variable));
+  if ((*variable)->tensor()->dtype() != dtype) {
     return errors::InvalidArgument(
-        "accumulator variable has dtype ",
+        what, " variable has dtype ",
         DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
-        DataTypeString(acc_type));
+        DataTypeString(dtype));
   }
   if (!(*variable)->is_initialized) {
-    return errors::FailedPrecondition(
-        "accumulator variable is not initialized");
+    return errors::FailedPrecondition(what, " variable is not initialized");
   }
   return OkStatus();
 }

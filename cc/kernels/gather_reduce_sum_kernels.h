@@ -95,23 +95,18 @@ Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
 Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params,
                                  const BagAttrs& attrs, BagShapes* shapes);
 
-// Looks up the variable behind resource input `input` of a Resource* op and
-// checks that it is initialized and holds T.
+// Looks up the variable behind resource input `input` and checks that it is
+// initialized and holds `dtype`; `what` names it in the errors ("params",
+// "accumulator").
+Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype,
+                           const char* what, core::RefCountPtr<Var>* variable);
+
+// The params variable of a Resource* op (resource input `input`, holding T).
 template <typename T>
 Status LookupVariable(OpKernelContext* ctx, int input,
                       core::RefCountPtr<Var>* variable) {
-  TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), variable));
-  const DataType expected = DataTypeToEnum<T>::value;
-  if ((*variable)->tensor()->dtype() != expected) {
-    return errors::InvalidArgument(
-        "params variable has dtype ",
-        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
-        DataTypeString(expected));
-  }
-  if (!(*variable)->is_initialized) {
-    return errors::FailedPrecondition("params variable is not initialized");
-  }
-  return OkStatus();
+  return LookupTypedVariable(ctx, input, DataTypeToEnum<T>::value, "params",
+                             variable);
 }
 
 template <typename Tindex>
@@ -166,8 +161,6 @@ Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
 // with state, the accumulator (input 9, holding Acc); locks both exclusively,
 // in address order so that two ops locking the same pair cannot deadlock, and
 // calls compute(params_var, acc_var) (acc_var null for sgd) under the locks.
-Status LookupAccumulator(OpKernelContext* ctx, DataType acc_type,
-                         core::RefCountPtr<Var>* variable);
 
 template <typename T, typename Acc, typename Compute>
 void WithLockedSparseApplyVariables(OpKernelContext* ctx,
@@ -177,8 +170,8 @@ void WithLockedSparseApplyVariables(OpKernelContext* ctx,
   OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
   core::RefCountPtr<Var> acc_var;
   if (attrs.optimizer != SparseOptimizer::kSgd) {
-    OP_REQUIRES_OK(ctx, LookupAccumulator(ctx, DataTypeToEnum<Acc>::value,
-                                          &acc_var));
+    OP_REQUIRES_OK(ctx, LookupTypedVariable(ctx, 9, DataTypeToEnum<Acc>::value,
+                                            "accumulator", &acc_var));
     OP_REQUIRES(ctx, acc_var.get() != params_var.get(),
                 errors::InvalidArgument(
                     "the accumulator must be another variable than params"));
