@@ -574,34 +574,37 @@ inline typename AccumulatorType<T>::type ComputeBagScale(
   if (attrs.combiner != Combiner::kMean && attrs.combiner != Combiner::kSqrtn) {
     return Acc(1);
   }
-  // The forward's denominators, summed the same way (BlockedSum, as in
-  // ForwardBags), so that forward and backward scale a bag alike. A bag of at
-  // most kSumBlock entries is one sequential pass: no BlockedSum needed.
-  if (end - begin <= kSumBlock) {
-    Acc sum = 0, sq_sum = 0;
-    for (int64_t j = begin; j < end; ++j) {
+  // The forward's denominators, summed the same way (blocks of kSumBlock
+  // entries, as in ForwardBags), so that forward and backward scale a bag
+  // alike. The BlockedSum exists only for bags longer than one block.
+  std::optional<BlockedSum<Acc>> blocks;
+  Acc sum = 0, sq_sum = 0;  // the current block's
+  for (int64_t block = begin; block < end; block += kSumBlock) {
+    const int64_t block_end = std::min(end, block + kSumBlock);
+    sum = sq_sum = 0;
+    for (int64_t j = block; j < block_end; ++j) {
       if (IsPadding(ids[j], attrs)) continue;
       const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
       sum += w;
       sq_sum += w * w;
     }
-    return BagScale(attrs.combiner, sum, sq_sum);
-  }
-  BlockedSum<Acc> sums(2);
-  sums.Reset();
-  Acc* terms = sums.current();
-  for (int64_t block = begin; block < end; block += kSumBlock) {
-    const int64_t block_end = std::min(end, block + kSumBlock);
-    for (int64_t j = block; j < block_end; ++j) {
-      if (IsPadding(ids[j], attrs)) continue;
-      const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
-      terms[0] += w;
-      terms[1] += w * w;
+    if (block_end == end) break;
+    if (!blocks) {
+      blocks.emplace(2);
+      blocks->Reset();
     }
-    if (block_end < end) sums.Carry();
+    blocks->current()[0] = sum;
+    blocks->current()[1] = sq_sum;
+    blocks->Carry();
   }
-  const Acc* total = sums.Total();
-  return BagScale(attrs.combiner, total[0], total[1]);
+  if (blocks) {
+    blocks->current()[0] = sum;
+    blocks->current()[1] = sq_sum;
+    const Acc* total = blocks->Total();
+    sum = total[0];
+    sq_sum = total[1];
+  }
+  return BagScale(attrs.combiner, sum, sq_sum);
 }
 
 // ---------------------------------------------------------------------------
