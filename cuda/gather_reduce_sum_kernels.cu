@@ -61,17 +61,6 @@ constexpr int kRunStages = TTEMB_RUN_STAGES;
 constexpr int kRunSmemBytes = (kBlock / 32) * kRunStages * kRunVectors * 32 * 16;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 
-template <typename T>
-struct AccumulatorOf {
-  using type = float;
-};
-template <>
-struct AccumulatorOf<double> {
-  using type = double;
-};
-template <typename T>
-using AccT = typename AccumulatorOf<T>::type;
-
 __device__ __forceinline__ float ToAcc(float x) { return x; }
 __device__ __forceinline__ double ToAcc(double x) { return x; }
 __device__ __forceinline__ float ToAcc(__half x) { return __half2float(x); }
@@ -117,6 +106,21 @@ __device__ __forceinline__ Packet<T> LoadVec(const T* __restrict__ p, int64_t co
   Packet<T> r;
   if (kAligned) {
     *reinterpret_cast<uint4*>(r.v) = __ldg(reinterpret_cast<const uint4*>(p));
+  } else {
+#pragma unroll
+    for (int e = 0; e < Packet<T>::kSize; ++e) {
+      r.v[e] = col + e < dim ? p[e] : FromAcc<T>(AccT<T>(0));
+    }
+  }
+  return r;
+}
+
+// LoadVec through the coherent path, for rows the same kernel writes.
+template <typename T, bool kAligned>
+__device__ __forceinline__ Packet<T> LoadVecForUpdate(const T* p, int64_t col, int64_t dim) {
+  Packet<T> r;
+  if (kAligned) {
+    *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(p);
   } else {
 #pragma unroll
     for (int e = 0; e < Packet<T>::kSize; ++e) {
@@ -871,6 +875,12 @@ struct ReduceArgs {
   int64_t seg_blocks;            // run kernel: blocks of kRunSegments segments
   int group;
   bool is_max;
+  // LaunchParamsGradApply: a row's sums update table[row] (and state) by
+  // `update` instead of being written to values.
+  bool apply;
+  RowUpdate<AccT<T>> update;
+  T* table;                      // [N, D] or null
+  AccT<T>* state;                // [N] / [N, D] or null
 };
 
 // Adds the entries k0..k1 of the sorted order to acc, in order. The lane's
@@ -980,10 +990,99 @@ __device__ __forceinline__ void LoadParamsRow(const ReduceArgs<T>& a, int64_t ro
   }
 }
 
+// Row-wise Adagrad's step for row `row`, whose summed gradient the lanes of
+// one group hold between them (lane: vectors base + i * stride, i < NV): adds
+// the row's mean g^2 to its accumulator (the sum of squares taken per lane in
+// (i, e) order, then over the group in GroupSum's order) and returns
+// lr / (sqrt(a) + eps), 0 for a zero denominator. Every lane of the group
+// calls it; `leader` (one lane) stores the accumulator.
+template <typename T, int NV>
+__device__ __forceinline__ AccT<T> RowwiseStepOf(const ReduceArgs<T>& a, int64_t row,
+                                                 int64_t base, int stride, unsigned mask,
+                                                 bool leader,
+                                                 const AccT<T> (&acc)[NV][VecOf<T>()]) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  A square_sum = A(0);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t cv = base + i * stride;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      if (cv < a.dim_vecs && cv * V + e < a.dim) square_sum = fma(acc[i][e], acc[i][e], square_sum);
+    }
+  }
+  square_sum = GroupSum(square_sum, mask, a.group);
+  const A next = a.state[row] + square_sum / static_cast<A>(a.dim);
+  __syncwarp(mask);
+  if (leader) a.state[row] = next;
+  return RowwiseStep(a.update, next);
+}
+
+// The store of LaunchParamsGradApply: row `row` of the table, this lane's
+// vectors base + i * stride (i < NV), updated in place with their summed
+// gradient acc. `old` holds those vectors as they were (raw 16 bytes, aligned
+// rows only) or is null, and then they are read here. Every lane of the
+// group calls it (row-wise Adagrad sums over the group).
+template <typename T, bool kAligned, int NV>
+__device__ __forceinline__ void ApplyGradRow(const ReduceArgs<T>& a, int64_t row, int64_t base,
+                                             int stride, unsigned mask, bool leader,
+                                             const AccT<T> (&acc)[NV][VecOf<T>()],
+                                             const uint4* old = nullptr) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  if (row < 0 || row >= a.update.num_rows) return;  // uniform across the group
+  const bool rowwise = a.update.optimizer == RowOptimizer::kRowwiseAdagrad;
+  const A step = rowwise ? RowwiseStepOf<T, NV>(a, row, base, stride, mask, leader, acc) : A(0);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t cv = base + i * stride;
+    if (cv >= a.dim_vecs) continue;
+    T* dst = a.table + row * a.dim + cv * V;
+    A w[V];
+    if (kAligned && old != nullptr) {
+      RawToAcc<T>(old[i], w);
+    } else {
+      const Packet<T> x = LoadVecForUpdate<T, kAligned>(dst, cv * V, a.dim);
+#pragma unroll
+      for (int e = 0; e < V; ++e) w[e] = ToAcc(x.v[e]);
+    }
+    switch (a.update.optimizer) {
+      case RowOptimizer::kSgd:
+#pragma unroll
+        for (int e = 0; e < V; ++e) w[e] = SgdElement(a.update, w[e], acc[i][e]);
+        break;
+      case RowOptimizer::kRowwiseAdagrad:
+#pragma unroll
+        for (int e = 0; e < V; ++e) w[e] = RowwiseElement(step, w[e], acc[i][e]);
+        break;
+      case RowOptimizer::kAdagrad: {
+        A* s = a.state + row * a.dim + cv * V;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          if (cv * V + e < a.dim) w[e] = AdagradElement(a.update, w[e], acc[i][e], s + e);
+        }
+        break;
+      }
+    }
+    Packet<T> o;
+#pragma unroll
+    for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(w[e]);
+    StoreVec<T, kAligned>(dst, o, cv * V, a.dim);
+  }
+}
+
+// Writes row u's sums (this lane's vectors of the column chunk at base) to
+// values, the dense gradient, or, for LaunchParamsGradApply, into the table.
 template <typename T, bool kAligned, int NV>
 __device__ __forceinline__ void WriteGradRow(const ReduceArgs<T>& a, int64_t u, int64_t row,
-                                             int64_t base, const AccT<T> (&acc)[NV][VecOf<T>()]) {
+                                             int64_t base, unsigned mask, bool leader,
+                                             const AccT<T> (&acc)[NV][VecOf<T>()]) {
   constexpr int V = VecOf<T>();
+  if (a.apply) {
+    ApplyGradRow<T, kAligned, NV>(a, row, base, a.group, mask, leader, acc);
+    return;
+  }
   T* dst = a.values != nullptr ? a.values + u * a.dim : a.dense + row * a.dim;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
@@ -1023,7 +1122,7 @@ __global__ void __launch_bounds__(kBlock, 2) ReduceSegmentsKernel(const ReduceAr
       for (int e = 0; e < V; ++e) acc[i][e] = A(0);
     }
     ReduceEntries<T, kAligned, NV>(a, k0, k1, base, chunk, mask, walk.lane, prow, acc);
-    WriteGradRow<T, kAligned, NV>(a, u, row, base, acc);
+    WriteGradRow<T, kAligned, NV>(a, u, row, base, mask, walk.lane == 0, acc);
   }
 }
 
@@ -1100,7 +1199,10 @@ __global__ void __launch_bounds__(kBlock, kNarrowMinBlocks)
         for (int e = 0; e < V; ++e) acc[e] = fma(cur[j], ToAcc(dy[j].v[e]), acc[e]);
       }
     }
-    if (active) {
+    if (a.apply) {
+      const A(&acc1)[1][V] = reinterpret_cast<const A(&)[1][V]>(acc);
+      ApplyGradRow<T, kAligned, 1>(a, row, cv, a.group, GroupMask(a.group), walk.lane == 0, acc1);
+    } else if (active) {
       T* dst = a.values != nullptr ? a.values + u * a.dim : a.dense + row * a.dim;
       Packet<T> o;
 #pragma unroll
@@ -1279,6 +1381,16 @@ __global__ void __launch_bounds__(kBlock, TTEMB_RUN_MIN_BLOCKS)
       }
       // Writes the current segment's sums and clears them.
       auto flush = [&]() {
+        if (a.apply) {
+          ApplyGradRow<T, true, NV>(a, cur_row, base, 32, kAll, lane == 0, acc,
+                                    kFused ? prow : nullptr);
+#pragma unroll
+          for (int i = 0; i < NV; ++i) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[i][e] = A(0);
+          }
+          return;
+        }
         T* dst = a.values != nullptr ? a.values + (u0 + cur) * a.dim : a.dense + cur_row * a.dim;
         uint4* out = reinterpret_cast<uint4*>(dst) + base;
 #pragma unroll
@@ -1471,7 +1583,8 @@ __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T
         for (int64_t r = q0; r < q1; ++r) acc[i][e] += a.part[r * a.dim + col + e];
       }
     }
-    WriteGradRow<T, kAligned, NV>(a, u, a.seg_id[u], base, acc);
+    WriteGradRow<T, kAligned, NV>(a, u, a.seg_id[u], base, GroupMask(a.group), walk.lane == 0,
+                                  acc);
   }
 }
 
@@ -1942,6 +2055,9 @@ ReduceArgs<T> MakeReduceArgs(const BagProblem& p, const GradPlan<T>& g, const Gr
   a.seg_blocks = 0;
   a.group = g.cols.group;
   a.is_max = p.combiner == Combiner::kMax;
+  a.apply = false;
+  a.table = nullptr;
+  a.state = nullptr;
   return a;
 }
 
@@ -2172,14 +2288,40 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
   return FinishReport<Tindex>(ids, p.nnz, splits, p.num_bags, report, stream);
 }
 
+template <typename T>
+bool ApplyFusesIntoReduce(const BagProblem& p, RowOptimizer optimizer) {
+  return optimizer != RowOptimizer::kRowwiseAdagrad || PlanGrad<T>(p).cols.chunks <= 1;
+}
+
+namespace {
+
+// Where LaunchParamsGradApply's sums go instead of values or dense.
+template <typename T>
+struct ApplyTarget {
+  RowUpdate<AccT<T>> update;
+  T* table;
+  AccT<T>* state;
+};
+
+// LaunchParamsGradReduce (apply null) and LaunchParamsGradApply.
 template <typename T, typename Tindex>
-cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int32_t* argmax,
-                                   Tindex* unique_ids, T* values, T* dense,
-                                   const WeightsGradFusion<T>* fusion, void* scratch,
-                                   size_t scratch_bytes, cudaStream_t stream) {
+cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* argmax,
+                             Tindex* unique_ids, T* values, T* dense,
+                             const WeightsGradFusion<T>* fusion, const ApplyTarget<T>* apply,
+                             void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   const bool is_dense = dense != nullptr;
   const bool fused = fusion != nullptr;
-  if (!ValidProblem(p) || !GradSizesOk(p) || is_dense == (values != nullptr) ||
+  const bool outputs_ok =
+      apply == nullptr
+          ? is_dense != (values != nullptr)
+          : !is_dense && values == nullptr && unique_ids == nullptr &&
+                ApplyFusesIntoReduce<T>(p, apply->update.optimizer) &&
+                apply->update.num_rows == p.num_rows && apply->update.dim == p.dim &&
+                (apply->table != nullptr || p.num_rows * p.dim == 0) &&
+                (apply->update.optimizer == RowOptimizer::kSgd || apply->state != nullptr ||
+                 p.num_rows == 0) &&
+                (!fused || fusion->params == apply->table);
+  if (!ValidProblem(p) || !GradSizesOk(p) || !outputs_ok ||
       (p.combiner == Combiner::kMax && (argmax == nullptr || fused)) ||
       (fused && ((fusion->params == nullptr && p.num_rows * p.dim > 0) ||
                  (p.nnz > 0 && (fusion->weights == nullptr || fusion->weights_grad == nullptr)) ||
@@ -2224,9 +2366,16 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   if (p.nnz > 0 && p.dim > 0 && p.num_bags > 0) {
-    const ReduceArgs<T> a = MakeReduceArgs<T>(p, g, s, grad, argmax, values, dense, fusion);
-    const bool aligned = p.dim % VecOf<T>() == 0 && Aligned16(grad) &&
-                         Aligned16(is_dense ? static_cast<const void*>(dense) : values) &&
+    ReduceArgs<T> a = MakeReduceArgs<T>(p, g, s, grad, argmax, values, dense, fusion);
+    const void* target = is_dense ? static_cast<const void*>(dense) : values;
+    if (apply != nullptr) {
+      a.apply = true;
+      a.update = apply->update;
+      a.table = apply->table;
+      a.state = apply->state;
+      target = apply->table;
+    }
+    const bool aligned = p.dim % VecOf<T>() == 0 && Aligned16(grad) && Aligned16(target) &&
                          (!fused || Aligned16(fusion->params)) &&
                          (argmax == nullptr || Aligned16(argmax));
     if (aligned) {
@@ -2251,6 +2400,28 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
         fusion->weights_grad, 0, sizeof(T) * static_cast<size_t>(p.nnz), stream));
   }
   return cudaSuccess;
+}
+
+}  // namespace
+
+template <typename T, typename Tindex>
+cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int32_t* argmax,
+                                   Tindex* unique_ids, T* values, T* dense,
+                                   const WeightsGradFusion<T>* fusion, void* scratch,
+                                   size_t scratch_bytes, cudaStream_t stream) {
+  return ReduceParamsGrad<T, Tindex>(p, grad, argmax, unique_ids, values, dense, fusion,
+                                     /*apply=*/nullptr, scratch, scratch_bytes, stream);
+}
+
+template <typename T, typename Tindex>
+cudaError_t LaunchParamsGradApply(const BagProblem& p, const T* grad, const int32_t* argmax,
+                                  const RowUpdate<AccT<T>>& update, T* table,
+                                  AccT<T>* accumulator, const WeightsGradFusion<T>* fusion,
+                                  void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  const ApplyTarget<T> target{update, table, accumulator};
+  return ReduceParamsGrad<T, Tindex>(p, grad, argmax, /*unique_ids=*/nullptr,
+                                     /*values=*/nullptr, /*dense=*/nullptr, fusion, &target,
+                                     scratch, scratch_bytes, stream);
 }
 
 template <typename T>
@@ -2340,6 +2511,9 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
   template cudaError_t LaunchParamsGradReduce<T, Tindex>(                                    \
       const BagProblem&, const T*, const int32_t*, Tindex*, T*, T*,                          \
       const WeightsGradFusion<T>*, void*, size_t, cudaStream_t);                             \
+  template cudaError_t LaunchParamsGradApply<T, Tindex>(                                     \
+      const BagProblem&, const T*, const int32_t*, const RowUpdate<AccT<T>>&, T*, AccT<T>*,  \
+      const WeightsGradFusion<T>*, void*, size_t, cudaStream_t);                             \
   template cudaError_t LaunchWeightsGrad<T, Tindex>(                                         \
       const BagProblem&, const T*, const T*, const Tindex*, const int64_t*, const T*,        \
       const T*, T*, DeviceReport*, void*, size_t, cudaStream_t);
@@ -2347,6 +2521,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
 #define TTEMB_INSTANTIATE_T(T)                                    \
   template size_t ForwardScratchBytes<T>(const BagProblem&);      \
   template size_t WeightsGradScratchBytes<T>(const BagProblem&);  \
+  template bool ApplyFusesIntoReduce<T>(const BagProblem&, RowOptimizer); \
   TTEMB_INSTANTIATE(T, int32_t)                                   \
   TTEMB_INSTANTIATE(T, int64_t)
 

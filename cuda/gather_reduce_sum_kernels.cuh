@@ -35,8 +35,23 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/gather_reduce_sum_update_kernels.cuh"
+
 namespace tf_ttemb {
 namespace gpu {
+
+// The type every sum over T is taken in: float for __half, __nv_bfloat16 and
+// float, double for double.
+template <typename T>
+struct AccumulatorOf {
+  using type = float;
+};
+template <>
+struct AccumulatorOf<double> {
+  using type = double;
+};
+template <typename T>
+using AccT = typename AccumulatorOf<T>::type;
 
 enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2, kMax = 3 };
 
@@ -134,6 +149,33 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p,
                                    const WeightsGradFusion<T>* fusion,  // host struct or null
                                    void* scratch, size_t scratch_bytes,
                                    cudaStream_t stream);
+
+// 3. LaunchParamsGradApply (GatherReduceSumSparseApply) is step 2 in the
+//    deduplicated form with an optimizer step in place of the output: where
+//    a distinct row's summed gradient g would be written, table[row] (and its
+//    accumulator) is updated with g by the rules of
+//    gather_reduce_sum_update_kernels.cuh, taken in AccT<T> on the unrounded
+//    sum, so the [U, D] gradient is never stored. With a fusion, whose params
+//    must be `table`, the weights gradient is computed from the rows as they
+//    were: a row is read and written by the one group that reduces it. Ids
+//    must have been checked (the caller reads the report of step 1 first).
+//    Row-wise Adagrad needs a whole row's sum of squares in one group: where
+//    ApplyFusesIntoReduce is false (rows cut into several column chunks), the
+//    caller reduces with LaunchParamsGradReduce and applies with
+//    LaunchApplyRows. The same scratch as step 2 (dense = false).
+template <typename T>
+bool ApplyFusesIntoReduce(const BagProblem& p, RowOptimizer optimizer);
+
+template <typename T, typename Tindex>
+cudaError_t LaunchParamsGradApply(const BagProblem& p,
+                                  const T* grad,          // [B, D]
+                                  const int32_t* argmax,  // [B, D] for kMax, else null
+                                  const RowUpdate<AccT<T>>& update,
+                                  T* table,               // [N, D], updated in place
+                                  AccT<T>* accumulator,   // [N] / [N, D], or null for kSgd
+                                  const WeightsGradFusion<T>* fusion,  // host struct or null
+                                  void* scratch, size_t scratch_bytes,
+                                  cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. the weights (kSum, kMean, kSqrtn), on its own:

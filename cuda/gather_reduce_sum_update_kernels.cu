@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kBlock)
     switch (up.optimizer) {
       case RowOptimizer::kSgd:
         for (int64_t d = lane; d < dim; d += 32) {
-          w[d] = Narrow<T>(Widen(w[d]) - up.learning_rate * Widen(g[d]));
+          w[d] = Narrow<T>(SgdElement(up, Widen(w[d]), Widen(g[d])));
         }
         break;
       case RowOptimizer::kRowwiseAdagrad: {
@@ -80,23 +80,16 @@ __global__ void __launch_bounds__(kBlock)
         const Acc a = accumulator[r] + square_sum / static_cast<Acc>(dim);
         __syncwarp();
         if (lane == 0) accumulator[r] = a;
-        const Acc denominator = sqrt(a) + up.epsilon;
-        if (denominator == Acc(0)) break;  // then g is 0
-        const Acc step = up.learning_rate / denominator;
+        const Acc step = RowwiseStep(up, a);
         for (int64_t d = lane; d < dim; d += 32) {
-          w[d] = Narrow<T>(Widen(w[d]) - step * Widen(g[d]));
+          w[d] = Narrow<T>(RowwiseElement(step, Widen(w[d]), Widen(g[d])));
         }
         break;
       }
       case RowOptimizer::kAdagrad: {
         Acc* a = accumulator + r * dim;
         for (int64_t d = lane; d < dim; d += 32) {
-          const Acc x = Widen(g[d]);
-          const Acc sum = a[d] + x * x;
-          a[d] = sum;
-          const Acc denominator = sqrt(sum) + up.epsilon;
-          if (denominator == Acc(0)) continue;  // then g[d] is 0
-          w[d] = Narrow<T>(Widen(w[d]) - up.learning_rate * x / denominator);
+          w[d] = Narrow<T>(AdagradElement(up, Widen(w[d]), Widen(g[d]), a + d));
         }
         break;
       }

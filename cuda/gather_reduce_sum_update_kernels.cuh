@@ -45,6 +45,35 @@ struct RowUpdate {
   int64_t dim = 0;       // D
 };
 
+#if defined(__CUDACC__)
+// The rules above on one element, in Acc, for the kernels that apply them
+// (LaunchApplyRows, and LaunchParamsGradApply of gather_reduce_sum_kernels.cuh).
+// Each returns the element's new value w; `a` is the element's accumulator.
+template <typename Acc>
+__device__ __forceinline__ Acc SgdElement(const RowUpdate<Acc>& up, Acc w, Acc g) {
+  return w - up.learning_rate * g;
+}
+template <typename Acc>
+__device__ __forceinline__ Acc AdagradElement(const RowUpdate<Acc>& up, Acc w, Acc g, Acc* a) {
+  const Acc sum = *a + g * g;
+  *a = sum;
+  const Acc denominator = sqrt(sum) + up.epsilon;
+  return denominator == Acc(0) ? w : w - up.learning_rate * g / denominator;  // 0: g is 0
+}
+// Row-wise Adagrad: the row's step lr / (sqrt(a) + eps) from its updated
+// accumulator a, 0 for a zero denominator (then g is 0); each element then
+// takes RowwiseElement.
+template <typename Acc>
+__device__ __forceinline__ Acc RowwiseStep(const RowUpdate<Acc>& up, Acc a) {
+  const Acc denominator = sqrt(a) + up.epsilon;
+  return denominator == Acc(0) ? Acc(0) : up.learning_rate / denominator;
+}
+template <typename Acc>
+__device__ __forceinline__ Acc RowwiseElement(Acc step, Acc w, Acc g) {
+  return w - step * g;
+}
+#endif  // defined(__CUDACC__)
+
 template <typename T, typename Acc, typename Tindex>
 cudaError_t LaunchApplyRows(const RowUpdate<Acc>& update,
                             const Tindex* rows,  // [num_unique], distinct

@@ -156,11 +156,18 @@ def test_errors_match_cpu_op_by_op(combiner, weighted, case):
                          ids=["sum_weighted", "sqrtn_weighted", "max"])
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64],
                          ids=lambda d: d.name)
-def test_sparse_apply_gpu_matches_cpu(rng, dtype, combiner, weighted, optimizer):
-    num_rows, dim, num_bags = 40, 37, 25  # odd D: the unaligned column paths
+# The GPU's reduce-and-update paths: odd D (unaligned columns), narrow rows (several rows
+# per warp), one aligned column chunk (the run kernel) and rows of several chunks (where
+# row-wise Adagrad reduces to a temporary first); every case has one id in more than 256
+# entries (a segment split into pieces).
+@pytest.mark.parametrize("dim", [37, 8, 128, 1024])
+def test_sparse_apply_gpu_matches_cpu(rng, dtype, combiner, weighted, optimizer, dim):
+    num_rows, num_bags = 40, 25
     lengths = rng.integers(0, 30, size=num_bags)
     lengths[3] = 0  # an empty bag
+    lengths[0] = 300
     flat = rng.integers(0, num_rows, size=int(lengths.sum()))
+    flat[:300] = 7  # a hot id
     flat[rng.random(flat.size) < 0.1] = 5  # padding
     table0 = rng.standard_normal((num_rows, dim))
     if combiner == "max":  # distinct values: no ties whose winner depends on rounding

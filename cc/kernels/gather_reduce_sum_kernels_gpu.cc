@@ -13,8 +13,9 @@
 // outputs ([U] and [U, D]); it runs the prepare launch, reads U, allocates,
 // then runs the reduce launch.
 //
-// The sparse apply adds LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh)
-// after the params-gradient launches. The suite runs these kernels through
+// The sparse apply reduces and updates the rows in one launcher
+// (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
+// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these kernels through
 // TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
 
 #if GOOGLE_CUDA
@@ -617,9 +618,11 @@ class GatherReduceSumFusedGradGpuOp : public OpKernel {
 // Backward with the optimizer fused in (GatherReduceSumSparseApply): under the
 // variables' exclusive locks, Prepare sorts the entries and checks the ids and
 // row_splits; the report is read back, so a bad input raises before any row is
-// written; the reduction writes each distinct row's summed gradient to a
-// [U, D] temporary (and the weights gradient, from the rows as they were);
-// LaunchApplyRows then updates the rows and accumulators in place. All three
+// written; LaunchParamsGradApply then reduces each distinct row's gradient and
+// updates the row (and its accumulator) in place where the sum is complete,
+// with the weights gradient from the rows as they were. Row-wise Adagrad on
+// rows wider than one column chunk needs the whole row's sum of squares
+// first: its sums go to a [U, D] temporary that LaunchApplyRows applies. All
 // run on the op's stream, so later readers of the variable see the update.
 
 // Makes the variable's buffer exclusively owned before an in-place update (a
@@ -737,13 +740,6 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
     Acc* state =
         acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
 
-    Tensor unique_ids, values;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Tindex>::value,
-                                           TensorShape({num_unique}),
-                                           &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<T>::value,
-                                           TensorShape({num_unique, dim}),
-                                           &values));
     void* placeholder = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
     const launchers::WeightsGradFusion<CT> fusion{
@@ -754,6 +750,31 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
                        ? argmax.flat<int32>().data()
                        : static_cast<const int32*>(placeholder);
     }
+    launchers::RowUpdate<Acc> update;
+    update.optimizer = ToGpu(attrs_.optimizer);
+    update.learning_rate = lr;
+    update.epsilon = eps;
+    update.num_rows = num_rows;
+    update.dim = dim;
+    if (launchers::ApplyFusesIntoReduce<CT>(p, update.optimizer)) {
+      // Each row's sum updates the row where it is reduced: no [U, D] temporary.
+      OP_REQUIRES_OK(
+          ctx, CudaStatus(launchers::LaunchParamsGradApply<CT, Tindex>(
+                              p, DevicePtr<T>(grad), argmax_ptr, update, table, state,
+                              fuse ? &fusion : nullptr, scratch, scratch_bytes,
+                              call.stream()),
+                          "gather_reduce_sum sparse apply"));
+      return;
+    }
+    // Row-wise Adagrad on rows cut into column chunks: the sums go to a
+    // [U, D] temporary, then LaunchApplyRows.
+    Tensor unique_ids, values;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Tindex>::value,
+                                           TensorShape({num_unique}),
+                                           &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<T>::value,
+                                           TensorShape({num_unique, dim}),
+                                           &values));
     Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique,
                                  placeholder);
     CT* values_out =
@@ -765,12 +786,6 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
                             fuse ? &fusion : nullptr, scratch, scratch_bytes,
                             call.stream()),
                         "gather_reduce_sum sparse apply reduce"));
-    launchers::RowUpdate<Acc> update;
-    update.optimizer = ToGpu(attrs_.optimizer);
-    update.learning_rate = lr;
-    update.epsilon = eps;
-    update.num_rows = num_rows;
-    update.dim = dim;
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
                             update, ids_out, values_out, num_unique, table,
