@@ -552,7 +552,8 @@ class BlockedSum {
 
 // Per-bag scale applied to every entry of the bag: 1 for sum and max,
 // 1 / sum(w) for mean, 1 / sqrt(sum(w^2)) for sqrtn (0 when the
-// denominator is 0, so such bags give zeros).
+// denominator is 0). A bag of scale 0 gives +0 and zero gradients, whatever
+// its rows hold (0 * Inf would be NaN): every kernel tests `scale == 0`.
 template <typename Acc>
 inline Acc BagScale(Combiner combiner, Acc weight_sum, Acc weight_sq_sum) {
   switch (combiner) {
@@ -626,6 +627,8 @@ void ForwardBags(const T* params,        // [N, D]
     const int64_t begin = splits[b], end = splits[b + 1];
     T* out_row = out + b * dim;
     if (attrs.combiner == Combiner::kMax) {
+      // The first entry of the max wins; NaN is above every number (as in
+      // tf.reduce_max), so the first NaN entry wins a column holding NaN.
       int32* pos = argmax + b * dim;
       std::fill(pos, pos + dim, -1);
       for (int64_t j = begin; j < end; ++j) {
@@ -634,7 +637,8 @@ void ForwardBags(const T* params,        // [N, D]
         const int32 p = static_cast<int32>(j - begin);
         for (int64_t d = 0; d < dim; ++d) {
           const Acc v = static_cast<Acc>(row[d]);
-          const bool take = pos[d] < 0 || v > acc[d];
+          const bool take = pos[d] < 0 || v > acc[d] ||
+                            (std::isnan(v) && !std::isnan(acc[d]));
           acc[d] = take ? v : acc[d];
           pos[d] = take ? p : pos[d];
         }
@@ -677,6 +681,10 @@ void ForwardBags(const T* params,        // [N, D]
     }
     const Acc* total = sums.Total();
     const Acc scale = BagScale(attrs.combiner, total[dim], total[dim + 1]);
+    if (scale == Acc(0)) {  // +0, also where a row holds Inf or NaN
+      std::fill(out_row, out_row + dim, T(0));
+      continue;
+    }
     for (int64_t d = 0; d < dim; ++d) {
       out_row[d] = static_cast<T>(total[d] * scale);
     }
@@ -1251,6 +1259,7 @@ class GatherReduceSumFusedGradOp : public OpKernel {
           const Acc scale = call.scales[b];
           const Acc wj = static_cast<Acc>(w[j]);
           Axpy(acc.data(), scale * wj, dy, dim);
+          if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
           const Acc dot = Dot<Acc>(dy, row, dim);
           Acc g;
           switch (combiner) {
