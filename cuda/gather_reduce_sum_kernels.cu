@@ -292,11 +292,22 @@ __device__ __forceinline__ int32_t AccBitsAsInt(double x) {
   return static_cast<int32_t>(__double_as_longlong(x));
 }
 
+// As the CPU kernel's: 0 for a zero denominator, and a bag of scale 0 gives +0
+// and zero gradients whatever its rows hold (0 * Inf would be NaN).
 template <typename A>
 __device__ __forceinline__ A BagScale(Combiner combiner, A sum, A sq_sum) {
   if (combiner == Combiner::kMean) return sum != A(0) ? A(1) / sum : A(0);
   if (combiner == Combiner::kSqrtn) return sq_sum > A(0) ? A(1) / sqrt(sq_sum) : A(0);
   return A(1);
+}
+
+// Whether v, at a later position of the bag than the running max m, replaces
+// it: the first entry of the max wins, and NaN is above every number (as in
+// tf.reduce_max and the CPU kernel), so the first NaN entry wins a column
+// holding NaN.
+template <typename A>
+__device__ __forceinline__ bool TakesMax(A v, A m) {
+  return v > m || (isnan(v) && !isnan(m));
 }
 
 // Entries of bag b, clamped to [0, nnz] so that bad splits never lead to an
@@ -594,7 +605,7 @@ __global__ void __launch_bounds__(kBlock, 2)
           for (int e = 0; e < V; ++e) {
             const A v = ToAcc(x[u][i].v[e]);
             if (kMax) {
-              const bool take = pos[i][e] < 0 || v > acc[i][e];
+              const bool take = pos[i][e] < 0 || TakesMax(v, acc[i][e]);
               acc[i][e] = take ? v : acc[i][e];
               pos[i][e] = take ? p : pos[i][e];
             } else {
@@ -630,7 +641,9 @@ __global__ void __launch_bounds__(kBlock, 2)
           StoreInts<V, kAligned>(a.argmax + bag * a.dim + col, pp, col, a.dim);
         } else {
 #pragma unroll
-          for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[i][e] * scale);
+          for (int e = 0; e < V; ++e) {
+            o.v[e] = FromAcc<T>(scale == A(0) ? A(0) : acc[i][e] * scale);
+          }
         }
         StoreVec<T, kAligned>(a.out + bag * a.dim + col, o, col, a.dim);
       } else {
@@ -652,7 +665,7 @@ __global__ void __launch_bounds__(kBlock, 2)
 }
 
 // One thread per output element (bag, d): combines the bag's slices in slice
-// order, so ties in max still go to the first entry of the bag.
+// order, so ties in max (and NaN) still go to the first entry of the bag.
 template <typename T>
 __global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [B * S, D]
                                      const int32_t* __restrict__ part_pos,  // [B * S, D] or null
@@ -673,7 +686,7 @@ __global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [
       for (int64_t s = 0; s < slices; ++s) {
         const int32_t p = part_pos[(base + s) * dim + d];
         const A v = part_acc[(base + s) * dim + d];
-        if (p >= 0 && (pos < 0 || v > best)) {
+        if (p >= 0 && (pos < 0 || TakesMax(v, best))) {
           best = v;
           pos = p;
         }
@@ -687,7 +700,8 @@ __global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [
         wsum += part_w[2 * (base + s)];
         wsq += part_w[2 * (base + s) + 1];
       }
-      out[i] = FromAcc<T>(acc * BagScale(combiner, wsum, wsq));
+      const A scale = BagScale(combiner, wsum, wsq);
+      out[i] = FromAcc<T>(scale == A(0) ? A(0) : acc * scale);
     }
   }
 }
