@@ -12,8 +12,8 @@ shard, and only those partial results travel:
   squared weights. Those depend on the ids and weights only, not on the table, so they
   are computed once, beside the ids.
 * `max`: each shard gives the max over its own entries of a bag and whether the bag has
-  any there; the result is, per column, the largest among the shards that have entries
-  (a bag with no entries at all gives zeros).
+  any there; the result is, per column, the largest among the shards that have entries,
+  NaN if any of them is NaN (a bag with no entries at all gives zeros).
 
 Gradients flow back the same way: each shard receives a `tf.IndexedSlices` gradient over
 its own touched rows (local row numbers), so an optimizer updates only those rows, on the
@@ -174,6 +174,13 @@ def sharded_gather_reduce_sum(
         with tf.control_dependencies(_grs._bounds_check(ids, tf.constant(num_rows, tf.int64),
                                                         padding_id)):
             valid = tf.identity(valid)
+        inverse = None
+        if combiner in ("mean", "sqrtn"):
+            inverse = _inverse_denominator(bags, valid, combiner, acc_dtype)
+            # A bag of zero denominator gives +0 and zero gradients whatever its rows
+            # hold, as unsharded: its entries are left out like padding (0 * Inf is NaN,
+            # in the output and in the weights gradient).
+            valid &= tf.gather(inverse, bags.segment_ids()) != 0
 
         partials = []  # per shard: ([B, D] partial in acc_dtype, [B] bag has entries there)
         for shard, low, high in zip(shards, offsets[:-1], offsets[1:]):
@@ -205,8 +212,8 @@ def sharded_gather_reduce_sum(
             output = _combine_max(partials, acc_dtype)
         else:
             output = tf.add_n([partial for partial, _ in partials])
-            if combiner in ("mean", "sqrtn"):
-                output *= _inverse_denominator(bags, valid, combiner, acc_dtype)[:, None]
+            if inverse is not None:
+                output *= inverse[:, None]
         output = tf.cast(output, dtype)
         if bags.batch_shape is not None:
             output = tf.reshape(output, tf.concat([bags.batch_shape, [dim]], 0))
@@ -230,13 +237,18 @@ def _inverse_denominator(bags, valid: tf.Tensor, combiner: str, acc_dtype: tf.DT
 
 
 def _combine_max(partials: Sequence, acc_dtype: tf.DType) -> tf.Tensor:
-    """Per column, the largest partial max among the shards holding entries of the bag."""
-    lowest = tf.constant(acc_dtype.min, acc_dtype)
-    stacked = tf.stack(
-        [tf.where(has[:, None], partial, lowest) for partial, has in partials]
-    )  # [S, B, D]
-    # One shard per (bag, column) gets the gradient: the first holding the maximum.
-    chosen = tf.one_hot(tf.argmax(stacked, axis=0), len(partials), axis=0, dtype=acc_dtype)
-    output = tf.reduce_sum(stacked * chosen, axis=0)
-    any_entries = tf.reduce_any(tf.stack([has for _, has in partials]), axis=0)
-    return tf.where(any_entries[:, None], output, tf.zeros([], acc_dtype))
+    """Per column, the largest partial max among the shards holding entries of the bag,
+    NaN if one of them is NaN (as unsharded: NaN wins, -inf is a value)."""
+    stacked = tf.stack([partial for partial, _ in partials])  # [S, B, D]
+    has = tf.stack([tf.broadcast_to(has[:, None], tf.shape(partial))
+                    for partial, has in partials])  # [S, B, D]
+    is_nan = has & tf.math.is_nan(stacked)
+    numbers = has & ~is_nan
+    best = tf.reduce_max(tf.where(numbers, stacked, -float("inf")), axis=0)  # [B, D]
+    candidate = tf.where(tf.reduce_any(is_nan, axis=0), is_nan, numbers & tf.equal(stacked, best))
+    # One shard per (bag, column) gets the gradient: the first candidate (tf.where, not a
+    # product with a one-hot mask, routes it there without 0 * NaN or 0 * Inf elsewhere).
+    chosen = candidate & tf.equal(tf.cumsum(tf.cast(candidate, tf.int32), axis=0), 1)
+    output = tf.reduce_sum(tf.where(chosen, stacked, tf.zeros([], acc_dtype)), axis=0)
+    any_entries = tf.reduce_any(has, axis=0)
+    return tf.where(any_entries, output, tf.zeros([], acc_dtype))

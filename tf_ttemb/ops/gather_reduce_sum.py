@@ -32,7 +32,8 @@ IMPLEMENTATIONS = ("auto", "custom_op", "composite")
 # params) fits in it (int64 for the position bookkeeping of combiner "max"). A chunk step
 # holds a few such temporaries at once, and chunks run one after another
 # (parallel_iterations=1), so the extra memory is a small multiple of this budget plus
-# the [B, D] accumulator and O(nnz) integer/weight vectors, whatever nnz is. Gradients
+# the [B, D] accumulator (two for "max": values and NaN/-inf kinds) and O(nnz)
+# integer/weight vectors, whatever nnz is. Gradients
 # additionally hold their result: [U, D] (or [N, D] for dense gradients) in the
 # accumulation dtype.
 COMPOSITE_CHUNK_BYTES = 64 * 1024 * 1024
@@ -655,16 +656,34 @@ def _composite(
 
     acc_shape = tf.stack([tf.cast(num_bags, tf.int64) + 1, tf.cast(dim, tf.int64)])
     if combiner == "max":
+        # NaN wins and -inf is a value, as in the custom op and tf.reduce_max, whatever
+        # the order of the entries and however a backend's segment max treats NaN (XLA's
+        # may drop it) and its start (the lowest finite value). Per (bag, column): the max
+        # of the entries that are not NaN, and the highest kind among the entries: 2 NaN,
+        # 1 a value above -inf, 0 -inf; -1 while the bag has none.
         lowest = tf.constant(acc_dtype.min, acc_dtype)
 
-        def max_step(k, acc):
+        def max_step(k, acc, kind):
+            rows = rows_of(k)
+            is_nan = tf.math.is_nan(rows)
+            entry_kind = tf.where(
+                is_nan,
+                tf.constant(2, acc_dtype),
+                tf.where(tf.equal(rows, -float("inf")), tf.constant(0, acc_dtype),
+                         tf.constant(1, acc_dtype)),
+            )
+            values = tf.where(is_nan, lowest, rows)
             return (
-                tf.maximum(acc, tf.math.unsorted_segment_max(rows_of(k), bags_c[k], num_bags + 1)),
+                tf.maximum(acc, tf.math.unsorted_segment_max(values, bags_c[k], num_bags + 1)),
+                tf.maximum(kind, tf.math.unsorted_segment_max(entry_kind, bags_c[k], num_bags + 1)),
             )
 
-        (acc,) = loop(max_step, (tf.fill(acc_shape, lowest),))
-        counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), entry_bags, num_bags + 1)
-        acc = tf.where((counts > 0)[:, None], acc, tf.zeros([], acc_dtype))
+        acc, kind = loop(
+            max_step, (tf.fill(acc_shape, lowest), tf.fill(acc_shape, tf.constant(-1, acc_dtype)))
+        )
+        acc = tf.where(tf.equal(kind, 2), tf.constant(float("nan"), acc_dtype), acc)
+        acc = tf.where(tf.equal(kind, 0), tf.constant(-float("inf"), acc_dtype), acc)
+        acc = tf.where(kind < 0, tf.zeros([], acc_dtype), acc)  # bags without entries
     else:
 
         def sum_step(k, acc):
@@ -672,6 +691,9 @@ def _composite(
             return (acc + tf.math.unsorted_segment_sum(weighted, bags_c[k], num_bags + 1),)
 
         (acc,) = loop(sum_step, (tf.zeros(acc_shape, acc_dtype),))
+        if scale is not None:
+            # A bag of scale 0 (zero denominator) gives +0 whatever its rows hold (0 * Inf).
+            acc = tf.where(tf.equal(scale, 0)[:, None], tf.zeros([], acc_dtype), acc)
     # acc: [B + 1, D] in acc_dtype; row B (the dummy bag) is garbage.
 
     sparse_params_grad = not (xla or dense_grad)
@@ -694,11 +716,13 @@ def _composite(
         grad_shape = tf.stack([num_targets, tf.cast(dim, tf.int64)])
 
         if combiner == "max":
-            # Pass 1: per (bag, dim), the first position whose value equals the max.
+            # Pass 1: per (bag, dim), the first position whose value equals the max (is
+            # NaN, for a NaN max).
             never = tf.cast(num_chunks * chunk, tf.int64)
 
             def argmax_step(k, first):
-                hit = tf.equal(rows_of(k), tf.gather(acc, bags_c[k]))
+                rows, best = rows_of(k), tf.gather(acc, bags_c[k])
+                hit = tf.equal(rows, best) | (tf.math.is_nan(rows) & tf.math.is_nan(best))
                 pos = tf.where(hit, positions_of(k)[:, None], never)
                 return (
                     tf.minimum(first, tf.math.unsorted_segment_min(pos, bags_c[k], num_bags + 1)),
@@ -741,6 +765,8 @@ def _composite(
                     if combiner == "sqrtn":
                         bag_dot_out = raw_c[k] * bag_scale * bag_dot_out
                     dot = (dot - bag_dot_out) * bag_scale
+                    # Zero for a bag of scale 0, whatever its rows hold (0 * Inf).
+                    dot = tf.where(tf.equal(bag_scale, 0), tf.zeros_like(dot), dot)
                 dot = tf.where(tf.equal(bags_c[k], dummy), tf.zeros_like(dot), dot)
                 return grad_acc, weight_grads[0].write(tf.cast(k, tf.int32), dot)
 
@@ -830,14 +856,17 @@ def gather_reduce_sum(
     * `sqrtn`: `sum_j w_j * params[ids_j] / sqrt(sum_j w_j**2)`
     * `max`:   the elementwise max of `params[ids_j]` (no weights)
 
-    A bag without entries, or with a zero denominator, gives zeros. The gathered
-    [nnz, D] rows are never materialised.
+    A bag without entries, or with a zero denominator (mean, sqrtn), gives +0.0 and zero
+    gradients, whatever its rows hold (Inf and NaN included). Under `max` NaN wins, as
+    in `tf.reduce_max` (-Inf and +Inf are ordinary values); elsewhere NaN and Inf
+    propagate as in IEEE arithmetic. The gathered [nnz, D] rows are never materialised.
 
     Gradients: w.r.t. `params` a `tf.IndexedSlices` over the sorted unique ids of the
     batch, each row summed once (a dense [N, D] tensor with `dense_grad=True`, and always
     for the composite implementation under XLA); w.r.t. `weights` a tensor of their shape
     (flat values for ragged and sparse weights); none w.r.t. ids. For `max`, the first
-    entry of a bag reaching the max of a column receives that column's gradient.
+    entry of a bag reaching the max of a column (its first NaN entry, if the column
+    holds NaN) receives that column's gradient.
 
     Accuracy: sums accumulate in float32 (float64 for float64 tables). The CPU kernel
     adds a bag's terms in blocks of 256 entries whose sums are combined pairwise, so a
