@@ -10,7 +10,8 @@ Everything here works on the CSR form of a batch of bags and in float64:
 Entries whose id equals `padding_id` are skipped everywhere: not summed, not
 counted by mean, not in sqrtn's norm, never the max, no gradient.  A bag with no
 non-padding entries, or with a zero denominator, gives zeros (and zero
-gradients).  For max, ties go to the first entry of the bag.
+gradients).  For max, ties go to the first entry of the bag, and NaN wins (numpy's max
+and argmax: a column holding NaN gives NaN, its gradient going to the first NaN entry).
 
 Every function returns `(value, scale)`: `scale` is the same quantity computed
 from absolute values (|w|, |e|, |upstream|), an upper bound on the magnitude of

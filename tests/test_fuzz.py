@@ -5,7 +5,8 @@ Each batch of cases runs in a fresh interpreter, which announces a case before r
 it, so a crash fails this test and names the case that crashed. A case fails on:
 
 * a result (forward, params gradient, weights gradient) of any implementation farther
-  from the float64 numpy reference than the tolerance of its dtype (tests/bags.py);
+  from the float64 numpy reference than the tolerance of its dtype (tests/bags.py), or,
+  where the reference is NaN or +-Inf, not exactly that;
 * a hostile input (an id outside [0, N) that is not the padding id, a SparseTensor
   coordinate outside its dense_shape) that an implementation accepts, or that two
   implementations reject with different texts, or with a text that does not name the
@@ -14,8 +15,12 @@ it, so a crash fails this test and names the case that crashed. A case fails on:
 Implementations: the custom op and the plain-TF composite, eagerly and in a
 `tf.function`, and `implementation="auto"` under `jit_compile` (the composite through
 XLA, which by contract treats out-of-range ids as padding, so it gets only valid ids).
-Table values are finite: NaN and Inf under max, and Inf with a zero denominator, are
-issue 18's cases 4 and 8, not handled yet, and are left out here until they are.
+Two in five cases of max and of weighted mean and sqrtn hold non-finite table values
+(issue 18, cases 4 and 8): under max NaN, +Inf and -Inf anywhere in the table (NaN wins,
+and a column's gradient goes to its first NaN entry); under mean and sqrtn some bags get
+zero weights (a zero denominator) and the rows that only they read get NaN or +-Inf, which
+must leave them +0 with zero gradients. (Non-finite rows in bags of other denominators
+follow IEEE arithmetic, whose NaN and Inf outcomes depend on the order of the sums.)
 
 Bounded: `CASES` cases in `BATCHES` interpreters (about 30 s on 2 cores).
 """
@@ -39,9 +44,10 @@ FUZZ_SCRIPT = """
     import tensorflow as tf
     tf.get_logger().setLevel("ERROR")
     import tf_ttemb
-    from bags import DTYPES, ID_DTYPES, dense_bags, ragged_bags, sparse_bags
+    from bags import (DTYPES, ID_DTYPES, assert_close, dense_bags, make_params, make_upstream,
+                      quantize, ragged_bags, reference_all, sparse_bags)
     from processes import our_message
-    from test_gather_reduce_sum import check_case
+    from test_gather_reduce_sum import check_case, run_op
 
     seed, count = int(sys.argv[1]), int(sys.argv[2])
     RUNS = [("custom_op", "eager"), ("custom_op", "function"), ("composite", "eager"),
@@ -125,10 +131,55 @@ FUZZ_SCRIPT = """
                 messages[implementation + "/" + mode] = our_message(e.message)
         return messages
 
+    def assert_matches(got, want, scale, dtype, what):
+        # Exactly the reference where it is NaN or +-Inf, within tolerance elsewhere.
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        exact = ~np.isfinite(want)
+        np.testing.assert_array_equal(got[exact], want[exact], err_msg=what)
+        assert_close(got[~exact], want[~exact], np.asarray(scale)[~exact], dtype, what)
+
+    def check_nonfinite_case(rng, bags, c, mode, implementation):
+        dtype, n, dim, pad = DTYPES[c["dtype"]], c["num_rows"], c["dim"], c["padding_id"]
+        _, params64 = make_params(rng, n, dim, dtype, distinct=c["combiner"] == "max")
+        params64 = params64.copy()
+        hostile = np.array([np.nan, np.inf, -np.inf])
+        w64 = None
+        if c["combiner"] == "max":
+            where = rng.random(params64.shape) < 0.3
+            params64[where] = rng.choice(hostile, size=int(where.sum()))
+        else:
+            w64 = quantize(rng.uniform(0.5, 1.5, size=bags.nnz), dtype)[1]
+            entry_bag = np.repeat(np.arange(bags.num_bags), np.diff(bags.splits))
+            zero = (rng.random(bags.num_bags) < 0.5)[entry_bag]
+            w64[zero] = 0.0
+            live = np.ones(bags.nnz, bool) if pad is None else bags.flat_ids != pad
+            only_zero = set(bags.flat_ids[live & zero].tolist())
+            only_zero -= set(bags.flat_ids[live & ~zero].tolist())
+            for row in sorted(only_zero):
+                params64[row, rng.integers(dim)] = rng.choice(hostile)
+        params = quantize(params64, dtype)[0]
+        w = None if w64 is None else tf.constant(bags.values_from_csr(w64), dtype)
+        up, up64 = make_upstream(rng, bags, dim, dtype)
+        out, dp, dw = run_op(params, bags, w, up, mode, combiner=c["combiner"],
+                             padding_id=pad, implementation=implementation)
+        (ref_out, s_out), (ref_dp, s_dp), ref_dw = reference_all(
+            params64, bags, w64, up64, c["combiner"], pad)
+        def to64(x):
+            return tf.cast(tf.convert_to_tensor(x), tf.float64).numpy()
+
+        assert_matches(to64(out).reshape(-1, dim), ref_out, s_out, dtype, "forward")
+        assert_matches(to64(dp), ref_dp, s_dp, dtype, "params grad")
+        if w is not None:
+            assert_matches(bags.csr_from_values(to64(dw)), *ref_dw, dtype, "weights grad")
+
     for k in range(count):
         print(json.dumps({"start": k}), flush=True)
         rng = np.random.default_rng([seed, k])
         c = draw(rng)
+        # Drawn apart, so that the finite cases keep the data they always had.
+        c["values"] = ("nonfinite" if (c["combiner"] == "max" or c["weighted"])
+                       and c["combiner"] != "sum"
+                       and np.random.default_rng([seed, k, 1]).random() < 0.4 else "finite")
         failures = []
         if c["hostile"] == "bad_coordinate" and c["form"] != "sparse":
             c["hostile"] = "none"
@@ -143,6 +194,9 @@ FUZZ_SCRIPT = """
             bags = make(rng, c)
             for implementation, mode in RUNS:
                 try:
+                    if c["values"] == "nonfinite":
+                        check_nonfinite_case(rng, bags, c, mode, implementation)
+                        continue
                     check_case(rng, bags, DTYPES[c["dtype"]], c["combiner"], c["weighted"],
                                c["padding_id"], c["num_rows"], c["dim"], mode=mode,
                                implementation=implementation)
@@ -170,3 +224,5 @@ def test_fuzz_gather_reduce_sum(batch):
     assert not failed, json.dumps(failed[:3], indent=1)
     hostile = sum(r["config"]["hostile"] != "none" for r in cases)
     assert 0 < hostile < len(cases)  # both kinds of case ran
+    assert any(r["config"]["values"] == "nonfinite" and r["config"]["hostile"] == "none"
+               for r in cases)  # and cases of NaN and Inf in the table

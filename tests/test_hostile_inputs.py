@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import reference
+from bags import DTYPES, dense_value, quantize, ragged_bags, reference_all, weights_like
 from processes import run_fresh_python, visible_devices
+from test_gather_reduce_sum import run_op
 from tf_ttemb.layers import ProductKeyMemory
 
 CASES_SCRIPT = """
@@ -232,3 +235,221 @@ def test_tt_core_of_the_wrong_shape_is_named(rng, api, bad_shape, implementation
         else:
             tte.tt_embedding_bag(cores, tf.constant([[0, 5], [1, 2]], tf.int64),
                                  num_embeddings=6, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# NaN and Inf in the table (cases 4 and 8): one result from every implementation on every
+# device. Under max, NaN wins (as in tf.reduce_max) and -inf/+inf are ordinary values; a
+# bag's column sends its gradient to the bag's first NaN entry, else to its first maximal
+# entry. Under mean and sqrtn, a bag whose denominator is zero gives +0.0 and zero
+# gradients, whatever its rows hold. Every value here is exact in every dtype, so every
+# path must give the float64 reference's numbers exactly (tests/reference.py: numpy's max
+# and argmax, which treat NaN so). "sharded" is tf_ttemb.distribute's lookup on a table in
+# two row shards, [0, 2) and [2, N).
+
+NAN, INF = np.nan, np.inf
+PATHS = ["custom_op/eager", "custom_op/function", "composite/eager", "composite/function",
+         "composite/jit", "sharded/eager"]
+SHARD_BOUND = 2
+
+MAX_TABLE = [[NAN, 1, -INF, 3],
+             [0, 2, -INF, INF],
+             [5, NAN, -INF, NAN],
+             [-INF, -INF, 7, -1],
+             [NAN, NAN, -INF, INF]]
+# The issue's four bags (a NaN entry before and after a number), ties of -inf and of
+# +inf, an empty bag, padding (-1), NaN entries of different rows, NaN against +inf.
+MAX_BAGS = [[0, 1], [1, 0], [1, 2], [2, 1], [3, 3], [], [-1, 2], [4, 2, 0], [1, 4], [3, 1],
+            [-1, -1]]
+
+# Rows with Inf and NaN; id 2 is the padding id. In each case every bag but the last has
+# a zero denominator (weights summing to 0, all zero, only padding, no entry, padding
+# between weights summing to 0); the last is an ordinary bag with an exact result.
+ZERO_TABLE = [[INF, -1], [1, 2], [NAN, -INF], [3, 4], [-INF, NAN]]
+ZERO_DENOMINATOR_CASES = {
+    "mean": ([[0, 1], [4, 0], [2, 2], [], [0, 2, 1], [1, 3]],
+             [[1, -1], [0, 0], [3, 3], [], [2, 9, -2], [1, 1]]),
+    "sqrtn": ([[0, 4], [4], [2, 2], [], [0, 2], [3]],
+              [[0, 0], [0], [3, 3], [], [0, 9], [2]]),
+}
+
+
+def _ragged(rows, ids_dtype=tf.int64):
+    flat = [i for row in rows for i in row]
+    lengths = [len(row) for row in rows]
+    return ragged_bags(None, lengths, 0, ids_dtype, ids=np.array(flat, np.int64))
+
+
+def _small_upstream(rng, bags, dim, dtype):
+    """Random integers 1..8: exact in every dtype, and so are the gradients' sums here."""
+    t, g64 = quantize(rng.integers(1, 9, size=(bags.num_bags, dim)), dtype)
+    return t, g64
+
+
+def _assert_same(got, want, what):
+    """Exactly the reference's values (NaN where it has NaN); forward zeros are +0.0."""
+    got = np.asarray(got, np.float64)
+    np.testing.assert_array_equal(got, want, err_msg=what)
+    if what == "forward":
+        assert not np.signbit(got[got == 0]).any(), f"{what}: -0.0 where zeros are +0.0"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("device", visible_devices())
+def test_max_with_nan_and_inf_gives_one_result_everywhere(rng, device, dtype, path):
+    implementation, mode = path.split("/")
+    dtype = DTYPES[dtype]
+    bags = _ragged(MAX_BAGS)
+    params, params64 = quantize(MAX_TABLE, dtype)
+    up, up64 = _small_upstream(rng, bags, 4, dtype)
+    (want, _), (want_grad, _), _ = reference_all(params64, bags, None, up64, "max", -1)
+    for b, row in enumerate(MAX_BAGS[:4]):  # the reference follows tf.reduce_max's NaN rule
+        np.testing.assert_array_equal(
+            want[b], tf.reduce_max(tf.gather(tf.constant(MAX_TABLE, tf.float64), row), 0))
+    with tf.device(device):
+        if implementation == "sharded":
+            out, grad, _ = _sharded(params, bags, None, up, "max", -1)
+            # Sharded, a column's gradient goes to the first shard holding NaN (else the
+            # max), then to that shard's first such entry: the rule on each bag's entries
+            # reordered stably by shard.
+            order = np.concatenate([
+                lo + np.argsort(bags.flat_ids[lo:hi] >= SHARD_BOUND, kind="stable")
+                for lo, hi in zip(bags.splits[:-1], bags.splits[1:])]).astype(np.int64)
+            want_grad, _ = reference.params_grad(params64, bags.flat_ids[order], bags.splits,
+                                                 up64, combiner="max", padding_id=-1)
+        else:
+            out, grad, _ = run_op(params, bags, None, up, mode, combiner="max", padding_id=-1,
+                                  implementation=implementation)
+    _assert_same(dense_value(out), want, "forward")
+    _assert_same(dense_value(grad), want_grad, "params grad")
+
+
+@pytest.mark.parametrize("path", PATHS + ["sparse_apply/eager"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("combiner", list(ZERO_DENOMINATOR_CASES))
+@pytest.mark.parametrize("device", visible_devices())
+def test_zero_denominator_gives_zeros_whatever_the_rows_hold(rng, device, combiner, dtype, path):
+    implementation, mode = path.split("/")
+    dtype = DTYPES[dtype]
+    rows, weight_rows = ZERO_DENOMINATOR_CASES[combiner]
+    bags = _ragged(rows)
+    params, params64 = quantize(ZERO_TABLE, dtype)
+    w, w64 = quantize([x for row in weight_rows for x in row], dtype)
+    up, up64 = _small_upstream(rng, bags, 2, dtype)
+    (want, _), (want_grad, _), (want_dw, _) = reference_all(params64, bags, w64, up64,
+                                                            combiner, 2)
+    with tf.device(device):
+        if implementation == "sparse_apply":
+            out, grad, dw = _sparse_apply_sgd(params, bags, w, up, combiner, 2)
+        elif implementation == "sharded":
+            out, grad, dw = _sharded(params, bags, w, up, combiner, 2)
+        else:
+            out, grad, dw = run_op(params, bags, w, up, mode, combiner=combiner, padding_id=2,
+                                   implementation=implementation)
+    _assert_same(dense_value(out), want, "forward")
+    _assert_same(dense_value(grad), want_grad, "params grad")
+    _assert_same(dense_value(dw), want_dw, "weights grad")
+
+
+def _sharded(params, bags, w, up, combiner, padding_id):
+    """sharded_gather_reduce_sum on row shards [0, SHARD_BOUND) and [SHARD_BOUND, N):
+    (output, the shards' gradients as one dense [N, D], weights gradient or None)."""
+    from tf_ttemb import distribute
+
+    shards = [params[:SHARD_BOUND], params[SHARD_BOUND:]]
+    sources = shards + ([] if w is None else [w])
+    with tf.GradientTape() as tape:
+        tape.watch(sources)
+        weights = None if w is None else weights_like(bags.ids, w)
+        out = distribute.sharded_gather_reduce_sum(shards, bags.ids, weights, combiner=combiner,
+                                                   padding_id=padding_id)
+    grads = tape.gradient(out, sources, output_gradients=up)
+    dense = tf.concat([tf.convert_to_tensor(g) for g in grads[:2]], 0)
+    return out, dense, None if w is None else grads[2]
+
+
+def _sparse_apply_sgd(params, bags, w, up, combiner, padding_id):
+    """gather_reduce_sum_sparse_apply with SGD at rate 1: (output, the params gradient
+    that the update applied, weights gradient)."""
+    from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum_sparse_apply
+
+    table = tf.Variable(params)
+    trigger = tf.Variable(tf.zeros([0]))
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        out = gather_reduce_sum_sparse_apply(table, bags.ids, weights_like(bags.ids, w),
+                                             trigger=trigger, learning_rate=1.0,
+                                             combiner=combiner, padding_id=padding_id)
+    dw, _ = tape.gradient(out, [w, trigger], output_gradients=up)
+    applied = tf.cast(params, tf.float64) - tf.cast(table, tf.float64)
+    # Rows holding NaN or Inf keep them (their gradient is 0): NaN - NaN, Inf - Inf.
+    applied = tf.where(tf.math.is_finite(tf.cast(params, tf.float64)), applied, 0.0)
+    return out, applied, dw
+
+
+@pytest.mark.parametrize("combiner", list(ZERO_DENOMINATOR_CASES))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("device", visible_devices())
+def test_zero_denominator_weights_grad_of_every_backward_op(rng, device, dtype, combiner):
+    """The raw ops any graph can call: the fused backward (sparse and dense params
+    gradient) and the weights gradient on its own, on tensors and on variables."""
+    from tf_ttemb.ops import _loader
+
+    lib = _loader.load_op_library()
+    dtype = DTYPES[dtype]
+    rows, weight_rows = ZERO_DENOMINATOR_CASES[combiner]
+    bags = _ragged(rows)
+    params, params64 = quantize(ZERO_TABLE, dtype)
+    w, w64 = quantize([x for row in weight_rows for x in row], dtype)
+    up, up64 = _small_upstream(rng, bags, 2, dtype)
+    _, _, (want_dw, _) = reference_all(params64, bags, w64, up64, combiner, 2)
+    ids = tf.constant(bags.flat_ids)
+    splits = tf.constant(bags.splits)
+    attrs = {"combiner": combiner, "has_weights": True, "padding_id": 2, "has_padding_id": True}
+    with tf.device(device):
+        table = tf.Variable(params)
+        out, _ = lib.tf_ttemb_gather_reduce_sum(params, ids, splits, w, **attrs)
+        got = {
+            "weights_grad": lib.tf_ttemb_gather_reduce_sum_weights_grad(
+                up, params, ids, splits, w, out, **attrs),
+            "resource_weights_grad": lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
+                up, table.handle, ids, splits, w, out, **attrs),
+        }
+        for dense_grad in (False, True):
+            got[f"fused_grad(dense_grad={dense_grad})"] = lib.tf_ttemb_gather_reduce_sum_fused_grad(
+                up, params, ids, splits, w, out, dense_grad=dense_grad, **attrs)[2]
+            got[f"resource_fused_grad(dense_grad={dense_grad})"] = (
+                lib.tf_ttemb_resource_gather_reduce_sum_fused_grad(
+                    up, table.handle, ids, splits, w, out, dense_grad=dense_grad, **attrs)[2])
+    for name, dw in got.items():
+        _assert_same(tf.cast(dw, tf.float64).numpy(), want_dw, name)
+
+
+@pytest.mark.parametrize("path", ["custom_op/eager", "composite/eager", "composite/jit"])
+@pytest.mark.parametrize("device", visible_devices())
+def test_tt_max_with_nan_matches_the_decompressed_table(device, path):
+    """TT bags reduce their decompressed rows with gather_reduce_sum's max: the same rule."""
+    from tf_ttemb.ops import tt_embedding as tte
+
+    implementation, mode = path.split("/")
+    # A 6 x 4 table, p = [2, 3], q = [2, 2], rank 1; a NaN in core 0 makes NaN the first
+    # two columns of the rows of its core row, and the products of integers are exact.
+    cores = [tf.constant([[1.0, 2.0], [NAN, -3.0]]),
+             tf.constant([[1.0, 2.0], [-1.0, 3.0], [2.0, -2.0]])]
+    factors = {"p_shapes": [2, 3], "q_shapes": [2, 2], "ranks": [1]}
+    table = tte.tt_rows(cores, tf.range(6, dtype=tf.int64), implementation="composite",
+                        **factors).numpy().astype(np.float64)
+    assert np.isnan(table).any() and not np.isnan(table).all()
+    rows = [[0, 3], [3, 0], [4, 5, 1], [5, 4], [2, 3, 2]]
+    bags = _ragged(rows)
+    want, _ = reference.forward(table, bags.flat_ids, bags.splits, combiner="max")
+
+    def lookup(cores):
+        return tte.tt_embedding_bag(cores, bags.ids, num_embeddings=6, combiner="max",
+                                    implementation=implementation, **factors)
+
+    with tf.device(device):
+        run = tf.function(lookup, jit_compile=True) if mode == "jit" else lookup
+        out = run(cores)
+    _assert_same(out.numpy(), want, "forward")
