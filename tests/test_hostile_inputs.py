@@ -4,6 +4,8 @@ Each case runs in a fresh interpreter (a crash there fails the test instead of k
 the test run), on every device TensorFlow sees, through the public API or the raw op
 that any graph can call, and must raise the documented error naming the size or the
 argument that is wrong. (Issue "Hostile inputs": cases 1, 2, 3, 5, 7, 10, 11 and 12.)
+NaN and Inf in the table (cases 4 and 8) must give one result, exactly the reference's,
+from every implementation on every device.
 """
 
 from __future__ import annotations
