@@ -53,7 +53,8 @@ def run_script(script: str, *args: str, timeout: int = 300) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------
-# MirroredStrategy over two logical CPU devices.
+# MirroredStrategy over two replicas: two logical CPU devices; two GPUs (NCCL all-reduce)
+# where two are visible; one GPU split into two logical GPUs where only one is.
 # --------------------------------------------------------------------------------------
 
 MIRRORED = """
@@ -61,16 +62,28 @@ MIRRORED = """
     import numpy as np
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # vs. float64 math
+    kind = sys.argv[2]
+    if kind == "cpu":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        devices, cross = ["/cpu:0", "/cpu:1"], None
+    elif kind == "two_gpus":
+        devices, cross = ["/gpu:0", "/gpu:1"], tf.distribute.NcclAllReduce()
+    else:  # one GPU as two logical GPUs (NCCL needs distinct GPUs)
+        gpu = tf.config.list_physical_devices("GPU")[0]
+        tf.config.set_logical_device_configuration(
+            gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=4096)] * 2)
+        devices = ["/gpu:0", "/gpu:1"]
+        cross = tf.distribute.ReductionToOneDevice("/gpu:0")
     import keras
     import tf_ttemb
     from tf_ttemb.layers import EmbeddingBag, ProductKeyMemory, TTEmbeddingBag
-    from tf_ttemb.optimizers import LazyAdam
+    from tf_ttemb.optimizers import LazyAdam, RowWiseAdagrad
 
-    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    single = tf.distribute.OneDeviceStrategy("/cpu:0")
+    mirrored = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross)
+    single = tf.distribute.OneDeviceStrategy(devices[0])
     assert mirrored.num_replicas_in_sync == 2
     B, STEPS = 6, 2  # global batch (3 examples per replica), steps per fit
     rng = np.random.default_rng(int(sys.argv[1]))
@@ -103,14 +116,23 @@ MIRRORED = """
         model = build(strategy, dtype, fused)
         model.set_weights(initial)
         with strategy.scope():
-            opt = LazyAdam(0.05) if opt_name == "lazy_adam" else keras.optimizers.SGD(0.3)
+            opt = {"lazy_adam": lambda: LazyAdam(0.05),
+                   "rowwise_adagrad": lambda: RowWiseAdagrad(0.2),
+                   "sgd": lambda: keras.optimizers.SGD(0.3)}[opt_name]()
             model.compile(optimizer=opt, loss="mse")
         inputs = {k: (v.astype(dtype) if k == "x" else v) for k, v in data.items()}
         model.fit(inputs, target.astype(dtype), batch_size=B, epochs=1, shuffle=False,
                   verbose=0)
-        return [(w.path, w.numpy()) for w in model.weights]
+        # Read on the strategy's first device: every copy of a mirrored weight must agree.
+        out = []
+        for w in model.weights:
+            copies = [np.asarray(c) for c in strategy.experimental_local_results(w.value)]
+            assert all(np.array_equal(copies[0], c) for c in copies), w.path
+            out.append((w.path, copies[0]))
+        return out
 
-    for dtype, opt_name, fused in (("float32", "sgd", False), ("float64", "lazy_adam", True)):
+    for dtype, opt_name, fused in (("float32", "sgd", False), ("float64", "lazy_adam", True),
+                                   ("float64", "rowwise_adagrad", False)):
         initial = build(single, dtype, fused).get_weights()
         one = train(single, dtype, opt_name, fused, initial)
         two = train(mirrored, dtype, opt_name, fused, initial)
@@ -231,16 +253,26 @@ def test_mirrored_pkm_moving_statistics_stay_in_sync(rng):
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_mirrored_strategy_matches_one_device(rng):
+def _replica_kinds() -> list:
+    """Where the two replicas run: always two logical CPUs; two GPUs (NCCL) where two are
+    visible, else one GPU split in two where one is."""
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return ["cpu"] + (["two_gpus"] if gpus >= 2 else ["one_gpu_split"] if gpus == 1 else [])
+
+
+@pytest.mark.parametrize("kind", _replica_kinds())
+def test_mirrored_strategy_matches_one_device(rng, kind):
     """Two replicas train EmbeddingBag, TTEmbeddingBag and ProductKeyMemory (implementation
     "auto": the custom ops, reading each replica's copy in place) to the weights a single
-    device reaches, with SGD (float32) and LazyAdam plus TTEmbeddingBag's fused sparse
-    update (float64); gather_reduce_sum's gradients for every combiner in a custom loop."""
-    reports = run_script(MIRRORED, str(int(rng.integers(1 << 30))))
+    device reaches, with SGD (float32), LazyAdam plus TTEmbeddingBag's fused sparse update
+    (float64) and RowWiseAdagrad (float64); every replica's copy of every weight is the
+    same; gather_reduce_sum's gradients for every combiner in a custom loop."""
+    reports = run_script(MIRRORED, str(int(rng.integers(1 << 30))), kind)
     cases = {report["case"]: report for report in reports}
     assert sorted(cases) == [
         "fit/float32/sgd/plain",
         "fit/float64/lazy_adam/fused",
+        "fit/float64/rowwise_adagrad/plain",
         "loop/max",
         "loop/mean",
         "loop/sqrtn",
