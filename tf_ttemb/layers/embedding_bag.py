@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from tf_ttemb import distribute as _distribute
+from tf_ttemb import serving as _serving
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 
@@ -157,6 +158,10 @@ class EmbeddingBag(keras.layers.Layer):
         """Combines the embeddings of each bag of `indices`; see the class docstring."""
         if self.combiner == "max" and weights is not None:
             raise ValueError("combiner 'max' does not take weights")
+        substitute = _serving.serving_table(self)
+        if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
+            output = substitute.lookup(indices, weights, self.combiner, self.padding_id)
+            return tf.cast(output, self.compute_dtype)
         # The table is passed as the variable itself, so the custom op reads it in place
         # (no per-step copy of the [input_dim, output_dim] table, which TensorFlow would
         # otherwise make once the table has been updated sparsely). Under mixed precision

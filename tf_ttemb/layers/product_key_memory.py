@@ -31,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_ttemb import serving as _serving
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 # PyTorch's BatchNorm1d defaults (momentum 0.1 weighs the new batch) in Keras' convention
@@ -638,6 +639,9 @@ class ProductKeyMemory(keras.layers.Layer):
         `update_values` (values_optimizer, not inference) a gradient through the read
         updates the slots read, by the fused op or by the unfused fallback.
         """
+        substitute = _serving.serving_table(self)
+        if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
+            return substitute.lookup(ids, tf.cast(weights, self.values.dtype), "sum", padding_id)
         if update_values:
             return self._read_and_update(ids, tf.cast(weights, self.values.dtype), padding_id)
         return _grs.gather_reduce_sum(

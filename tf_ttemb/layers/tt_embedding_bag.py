@@ -21,6 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_ttemb import serving as _serving
 from tf_ttemb import tt
 from tf_ttemb.ops import gather_reduce_sum as _grs
 from tf_ttemb.ops import tt_embedding as _tte
@@ -242,6 +243,10 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
     def _lookup(self, indices: Any, weights: Any, training: Any) -> tf.Tensor:
         if self.combiner == "max" and weights is not None:
             raise ValueError("combiner 'max' does not take weights")
+        substitute = _serving.serving_table(self)
+        if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
+            output = substitute.lookup(indices, weights, self.combiner, self.padding_id)
+            return tf.cast(output, self.compute_dtype)
         fused = self.sparse and training is not False
         cores = [_in_place(c) for c in self.cores]
         cache_ids = cache_rows = frequency_table = None
