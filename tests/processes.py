@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import tensorflow as tf
@@ -56,23 +57,38 @@ def our_message(message: str) -> str:
     return wrapped.group(1) if wrapped else message
 
 
-def run_fresh_python(script: str, *args: str, timeout: float = 300, all_lines: bool = False):
-    """Runs `script` in a fresh interpreter that can import tf_ttemb; returns its last line.
+def run_fresh_python(
+    script: str, *args: str, timeout: float = 300, all_lines: bool = False,
+    without_tf_ttemb: bool = False,
+):
+    """Runs `script` in a fresh interpreter that can import tf_ttemb (unless
+    `without_tf_ttemb`); returns its last line.
 
     With `all_lines`, returns every line it printed instead, whatever its exit status; a
     failed run adds a last line, JSON {"returncode": ..., "stderr": its tail}. TensorFloat-32
     matmuls stay off there too, as in this process (conftest.py).
+
+    With `without_tf_ttemb`, the interpreter cannot import tf_ttemb instead: it runs
+    isolated (`python -I`: no PYTHONPATH, no user site, not the current directory on
+    sys.path) in an empty temporary directory, with this interpreter's installed packages
+    (TensorFlow) only.
     """
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["NVIDIA_TF32_OVERRIDE"] = "0"
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
+    command = [sys.executable, "-c", textwrap.dedent(script), *args]
+    if without_tf_ttemb:
+        env.pop("PYTHONPATH", None)
+        command.insert(1, "-I")
+    else:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
+    with tempfile.TemporaryDirectory(prefix="fresh_python_") as empty:
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=timeout,
+            cwd=empty if without_tf_ttemb else None,
+        )
     if all_lines:
         lines = result.stdout.splitlines()
         if result.returncode != 0:
