@@ -7,11 +7,16 @@
 //   * runs the launchers on the op's CUDA stream, with scratch from
 //     allocate_temp sized by the launchers' size queries;
 //   * copies the launchers' DeviceReport (what the device found wrong in the
-//     ids and row_splits) into pinned host memory, waits for the stream, and
-//     raises the CPU kernel's InvalidArgument for the first problem found.
-// The deduplicated params gradient needs that read-back anyway to size its
-// outputs ([U] and [U, D]); it runs the prepare launch, reads U, allocates,
-// then runs the reduce launch.
+//     ids and row_splits) into pinned host memory and raises the CPU kernel's
+//     InvalidArgument for the first problem found.
+// The ops whose output shapes are known on the host (the forward, the weights
+// gradient, the dense params gradient) are AsyncOpKernels: they queue their
+// work and finish from the device's EventMgr thread once the stream has run
+// it (LaunchThenCheck), so no TensorFlow thread waits on the GPU. The
+// deduplicated params gradient waits for the read-back, which sizes its
+// outputs ([U] and [U, D]): it runs the prepare launch, reads U, allocates,
+// then runs the reduce launch. The sparse apply waits too, so that bad ids
+// raise before any row is written.
 //
 // The sparse apply reduces and updates the rows in one launcher
 // (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
@@ -27,7 +32,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <utility>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
@@ -168,6 +176,21 @@ class GpuCall {
     return OkStatus();
   }
 
+  // ReadReport without waiting (tf_ttemb::ThenCheckReport): the op's status
+  // is `check`'s and `done` is called once the stream has run what is queued;
+  // the call (its report, scratch and placeholder) lives until then.
+  using ReportCheck = std::function<Status(const launchers::DeviceReport&)>;
+  static void ThenCheckReport(std::shared_ptr<GpuCall> call, ReportCheck check,
+                              AsyncOpKernel::DoneCallback done) {
+    OpKernelContext* ctx = call->ctx_;
+    const cudaStream_t stream = call->stream_;
+    const Tensor host = call->host_report_;
+    const launchers::DeviceReport* report = call->device_report();
+    ::tensorflow::tf_ttemb::ThenCheckReport<launchers::DeviceReport>(
+        ctx, stream, host, report, std::move(call), std::move(check),
+        std::move(done));
+  }
+
  private:
   static_assert(sizeof(launchers::DeviceReport) % sizeof(int64_t) == 0,
                 "DeviceReport must be a whole number of int64 words");
@@ -181,6 +204,25 @@ class GpuCall {
   Tensor scratch_;
   Tensor placeholder_;
 };
+
+// ComputeAsync of the ops whose output shapes are known on the host: `launch`
+// validates, allocates and queues the work on `call` (failing through the
+// context's status) and sets `check`; the op then finishes from the stream
+// (GpuCall::ThenCheckReport), so no TensorFlow thread waits on the GPU. A
+// variable read in place is locked only while the work is queued: later
+// writers run on the same compute stream, after it.
+template <typename Launch>
+void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
+                     Launch launch) {
+  auto call = std::make_shared<GpuCall>();
+  GpuCall::ReportCheck check;
+  launch(call.get(), &check);
+  if (!ctx->status().ok() || !check) {
+    done();
+    return;
+  }
+  GpuCall::ThenCheckReport(std::move(call), std::move(check), std::move(done));
+}
 
 // The sizes the params-gradient launchers take: the sort and the segment
 // bookkeeping use int32 positions.
@@ -216,22 +258,27 @@ Status NumUnique(const launchers::DeviceReport& report,
 // Forward (GatherReduceSum, ResourceGatherReduceSum).
 
 template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumGpuOp : public OpKernel {
+class GatherReduceSumGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit GatherReduceSumGpuOp(OpKernelConstruction* ctx)
+      : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    // A variable's lock is held until the stream has finished reading the
-    // table (ComputeWithParams waits for it in ReadReport).
-    WithParams<T, ParamsFromResource>(ctx, 0, [&](const Tensor& params) {
-      ComputeWithParams(ctx, params);
-    });
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck(ctx, std::move(done),
+                    [&](GpuCall* call, GpuCall::ReportCheck* check) {
+                      WithParams<T, ParamsFromResource>(
+                          ctx, 0, [&](const Tensor& params) {
+                            Launch(ctx, params, call, check);
+                          });
+                    });
   }
 
  private:
-  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+  void Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
+              GpuCall::ReportCheck* check) {
+    GpuCall& call = *call_ptr;
     using CT = typename CudaTypeOf<T>::type;
     const Tensor& indices = ctx->input(1);
     const Tensor& row_splits = ctx->input(2);
@@ -260,7 +307,6 @@ class GatherReduceSumGpuOp : public OpKernel {
         ctx, ctx->allocate_output(
                  1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
 
-    GpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
@@ -278,9 +324,9 @@ class GatherReduceSumGpuOp : public OpKernel {
                             call.device_report(), scratch, scratch_bytes,
                             call.stream()),
                         "gather_reduce_sum forward launch"));
-    launchers::DeviceReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
+      return ReportStatus(report, shapes, num_rows, attrs_);
+    };
   }
 
   BagAttrs attrs_;
@@ -397,21 +443,30 @@ class GatherReduceSumGradGpuOp : public OpKernel {
 // Dense form: params_grad [N, D]. No read-back is needed to size it, so the
 // report is read once, after both launches.
 template <typename T, typename Tindex>
-class GatherReduceSumDenseGradGpuOp : public OpKernel {
+class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
  public:
   explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+      : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck(ctx, std::move(done),
+                    [&](GpuCall* call, GpuCall::ReportCheck* check) {
+                      Launch(ctx, call, check);
+                    });
+  }
+
+ private:
+  void Launch(OpKernelContext* ctx, GpuCall* call_ptr,
+              GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
+    GpuCall& call = *call_ptr;
     ParamsGradInputs<T, Tindex> in;
     OP_REQUIRES_OK(ctx, in.Validate(ctx, attrs_));
     Tensor* output = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({in.num_rows, in.dim}), &output));
-    GpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx));
     const launchers::BagProblem p =
         MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
@@ -440,12 +495,13 @@ class GatherReduceSumDenseGradGpuOp : public OpKernel {
                               call.stream()),
                           "gather_reduce_sum params grad reduce"));
     }
-    launchers::DeviceReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, ReportStatus(report, in.shapes, in.num_rows, attrs_));
+    const BagShapes shapes = in.shapes;
+    const int64_t num_rows = in.num_rows;
+    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
+      return ReportStatus(report, shapes, num_rows, attrs_);
+    };
   }
 
- private:
   BagAttrs attrs_;
 };
 
@@ -454,27 +510,31 @@ class GatherReduceSumDenseGradGpuOp : public OpKernel {
 // ResourceGatherReduceSumWeightsGrad).
 
 template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumWeightsGradGpuOp : public OpKernel {
+class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
  public:
   explicit GatherReduceSumWeightsGradGpuOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+      : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
     OP_REQUIRES(ctx, attrs_.has_weights,
                 errors::InvalidArgument(
                     "GatherReduceSumWeightsGrad needs has_weights = true"));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    // A variable's lock is held until the stream has finished reading the
-    // table (ComputeWithParams waits for it in ReadReport).
-    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
-      ComputeWithParams(ctx, params);
-    });
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck(ctx, std::move(done),
+                    [&](GpuCall* call, GpuCall::ReportCheck* check) {
+                      WithParams<T, ParamsFromResource>(
+                          ctx, 1, [&](const Tensor& params) {
+                            Launch(ctx, params, call, check);
+                          });
+                    });
   }
 
  private:
-  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+  void Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
+              GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
+    GpuCall& call = *call_ptr;
     const Tensor& grad = ctx->input(0);
     const Tensor& indices = ctx->input(2);
     const Tensor& row_splits = ctx->input(3);
@@ -488,7 +548,6 @@ class GatherReduceSumWeightsGradGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}),
                                              &weights_grad));
 
-    GpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
@@ -503,9 +562,9 @@ class GatherReduceSumWeightsGradGpuOp : public OpKernel {
                             DevicePtr<T>(weights_grad), call.device_report(),
                             scratch, scratch_bytes, call.stream()),
                         "gather_reduce_sum weights grad launch"));
-    launchers::DeviceReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
+      return ReportStatus(report, shapes, num_rows, attrs_);
+    };
   }
 
   BagAttrs attrs_;

@@ -9,8 +9,10 @@
 //   * runs the launchers on the op's CUDA stream, with scratch from
 //     allocate_temp sized by the launchers' size queries;
 //   * for the ops that read ids, copies the launchers' TTReport (16 int64
-//     words) into pinned host memory, waits for the stream, and raises the
-//     CPU kernel's InvalidArgument for the first bad id the device found.
+//     words) into pinned host memory and raises the CPU kernel's
+//     InvalidArgument for the first bad id the device found: TTRows without
+//     waiting (an AsyncOpKernel finished from the stream), the ops whose
+//     output sizes come from the device after waiting for the stream.
 //
 // Data-dependent output sizes. TensorFlow allocates an output before a kernel
 // writes it, but U (TTUniqueIds) and n_k (TTRowsGrad) are only known on the
@@ -27,8 +29,9 @@
 //     num_ids ids: 0.6 instead of 8.2 GB in all at FBTT's shape and 1.24M ids); then
 //     LaunchRowsGradCompute (Prepare's scratch, untouched in between) is
 //     queued to fill them; nothing waits for it.
-// TTRows' output [U, D] has a static size; it still reads the report back
-// once (for the bad-id error), like gather_reduce_sum's GPU forward.
+// TTRows' output [U, D] has a static size: it is an AsyncOpKernel whose
+// report is checked on the device's EventMgr thread once the stream has run
+// it (tf_ttemb::ThenCheckReport), like gather_reduce_sum's GPU forward.
 // TTCacheCount reads nothing back: it queues the update under the variables'
 // locks, as TensorFlow's own GPU variable updates do; later readers of the
 // variables run on the same stream, after it.
@@ -37,9 +40,8 @@
 // and TTRowsGrad recomputes the partial products it needs, so it does not
 // read `saved`: a saved tensor from a CPU TTRows gives the same gradient.
 //
-// These kernels have not been run: the GPU machine of this project has no
-// TensorFlow. The launchers themselves are checked there through the ctypes
-// harness (python/gpu_check.py).
+// The suite runs these kernels through TensorFlow on an H200
+// (../shared/tf_gpu/; BENCHMARKS.md).
 
 #if GOOGLE_CUDA
 
@@ -50,7 +52,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <utility>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
@@ -195,6 +200,27 @@ class TTGpuCall {
     return OkStatus();
   }
 
+  // ReadReport without waiting (tf_ttemb::ThenCheckReport): the op's status
+  // is `check`'s and `done` is called once the stream has run what is queued;
+  // the call (report, scratch, staging) lives until then.
+  using ReportCheck = std::function<Status(const launchers::TTReport&)>;
+  static void ThenCheckReport(std::shared_ptr<TTGpuCall> call,
+                              ReportCheck check,
+                              AsyncOpKernel::DoneCallback done) {
+    OpKernelContext* ctx = call->ctx_;
+    const cudaStream_t stream = call->stream_;
+    const Tensor host = call->host_report_;
+    const launchers::TTReport* report = call->device_report();
+    TTGpuCall* raw = call.get();
+    ::tensorflow::tf_ttemb::ThenCheckReport<launchers::TTReport>(
+        ctx, stream, host, report, std::move(call),
+        [raw, check = std::move(check)](const launchers::TTReport& r) {
+          raw->copy_pending_ = false;  // the stream has run the copies
+          return check(r);
+        },
+        std::move(done));
+  }
+
  private:
   Status Allocate(size_t bytes, Tensor* tensor, void** ptr) {
     if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
@@ -330,17 +356,34 @@ Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape,
   return GpuIdsLimit(op, "ids", ids.NumElements());
 }
 
+// Asynchronous (the output's shape is known on the host): the op finishes
+// from the stream when the report has come back (TTGpuCall::ThenCheckReport).
 template <typename T>
-class TTRowsGpuOp : public OpKernel {
+class TTRowsGpuOp : public AsyncOpKernel {
  public:
   using CT = typename CudaTypeOf<T>::type;
 
-  explicit TTRowsGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit TTRowsGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
     OP_REQUIRES_OK(ctx, MakeTTProblem(shape_, &problem_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto call = std::make_shared<TTGpuCall>();
+    TTGpuCall::ReportCheck check;
+    Launch(ctx, call.get(), &check);
+    if (!ctx->status().ok() || !check) {
+      done();
+      return;
+    }
+    TTGpuCall::ThenCheckReport(std::move(call), std::move(check),
+                               std::move(done));
+  }
+
+ private:
+  void Launch(OpKernelContext* ctx, TTGpuCall* call_ptr,
+              TTGpuCall::ReportCheck* check) {
+    TTGpuCall& call = *call_ptr;
     OpInputList cores;
     OP_REQUIRES_OK(ctx, ValidateRowsInputs(ctx, shape_, "TTRows", &cores));
     const Tensor& ids = ctx->input(0);
@@ -354,7 +397,6 @@ class TTRowsGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved));
     if (num_ids == 0) return;
 
-    TTGpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
     const CT* core_ptrs[launchers::kMaxTTCores] = {};
     for (int k = 0; k < shape_.num_cores; ++k) {
@@ -371,12 +413,11 @@ class TTRowsGpuOp : public OpKernel {
                             call.device_report(), scratch, scratch_bytes,
                             call.stream()),
                         "TTRows launch"));
-    launchers::TTReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, GlobalIdsReportStatus(report, shape_));
+    *check = [this](const launchers::TTReport& report) {
+      return GlobalIdsReportStatus(report, shape_);
+    };
   }
 
- private:
   TTShape shape_;
   launchers::TTProblem problem_;
 };
