@@ -61,30 +61,6 @@ constexpr int kRunStages = TTEMB_RUN_STAGES;
 constexpr int kRunSmemBytes = (kBlock / 32) * kRunStages * kRunVectors * 32 * 16;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 
-__device__ __forceinline__ float ToAcc(float x) { return x; }
-__device__ __forceinline__ double ToAcc(double x) { return x; }
-__device__ __forceinline__ float ToAcc(__half x) { return __half2float(x); }
-__device__ __forceinline__ float ToAcc(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T FromAcc(AccT<T> x);
-template <>
-__device__ __forceinline__ float FromAcc<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ double FromAcc<double>(double x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half FromAcc<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromAcc<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
 // V consecutive elements of a row, 16 bytes.
 template <typename T>
 struct alignas(16) Packet {
@@ -99,28 +75,16 @@ __host__ __device__ constexpr int VecOf() {
 
 // Loads the vector starting at element `col` of a row. kAligned: one 16-byte
 // load (row and D are multiples of V). Otherwise element by element, with
-// zeros past the end of the row (col + e >= dim).
-template <typename T, bool kAligned>
+// zeros past the end of the row (col + e >= dim). kReadOnly: through the
+// read-only data cache, for rows no kernel running now writes; false for
+// rows the same kernel updates.
+template <typename T, bool kAligned, bool kReadOnly = true>
 __device__ __forceinline__ Packet<T> LoadVec(const T* __restrict__ p, int64_t col,
                                              int64_t dim) {
   Packet<T> r;
   if (kAligned) {
-    *reinterpret_cast<uint4*>(r.v) = __ldg(reinterpret_cast<const uint4*>(p));
-  } else {
-#pragma unroll
-    for (int e = 0; e < Packet<T>::kSize; ++e) {
-      r.v[e] = col + e < dim ? p[e] : FromAcc<T>(AccT<T>(0));
-    }
-  }
-  return r;
-}
-
-// LoadVec through the coherent path, for rows the same kernel writes.
-template <typename T, bool kAligned>
-__device__ __forceinline__ Packet<T> LoadVecForUpdate(const T* p, int64_t col, int64_t dim) {
-  Packet<T> r;
-  if (kAligned) {
-    *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(p);
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    *reinterpret_cast<uint4*>(r.v) = kReadOnly ? __ldg(q) : *q;
   } else {
 #pragma unroll
     for (int e = 0; e < Packet<T>::kSize; ++e) {
@@ -1057,7 +1021,7 @@ __device__ __forceinline__ void ApplyGradRow(const ReduceArgs<T>& a, int64_t row
     if (kAligned && old != nullptr) {
       RawToAcc<T>(old[i], w);
     } else {
-      const Packet<T> x = LoadVecForUpdate<T, kAligned>(dst, cv * V, a.dim);
+      const Packet<T> x = LoadVec<T, kAligned, /*kReadOnly=*/false>(dst, cv * V, a.dim);
 #pragma unroll
       for (int e = 0; e < V; ++e) w[e] = ToAcc(x.v[e]);
     }

@@ -35,23 +35,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/accumulate.cuh"
 #include "cuda/gather_reduce_sum_update_kernels.cuh"
 
 namespace tf_ttemb {
 namespace gpu {
-
-// The type every sum over T is taken in: float for __half, __nv_bfloat16 and
-// float, double for double.
-template <typename T>
-struct AccumulatorOf {
-  using type = float;
-};
-template <>
-struct AccumulatorOf<double> {
-  using type = double;
-};
-template <typename T>
-using AccT = typename AccumulatorOf<T>::type;
 
 enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2, kMax = 3 };
 

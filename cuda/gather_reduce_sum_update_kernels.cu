@@ -7,6 +7,8 @@
 
 #include "cuda/gather_reduce_sum_update_kernels.cuh"
 
+#include "cuda/accumulate.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -19,30 +21,6 @@ namespace {
 constexpr int kBlock = 256;
 constexpr int kWarpsPerBlock = kBlock / 32;
 constexpr int64_t kMaxBlocks = 65535;
-
-__device__ __forceinline__ float Widen(__half x) { return __half2float(x); }
-__device__ __forceinline__ float Widen(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float Widen(float x) { return x; }
-__device__ __forceinline__ double Widen(double x) { return x; }
-
-template <typename T>
-__device__ __forceinline__ T Narrow(float x);
-template <>
-__device__ __forceinline__ __half Narrow<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ float Narrow<float>(float x) {
-  return x;
-}
-template <typename T>
-__device__ __forceinline__ T Narrow(double x) {
-  return x;
-}
 
 template <typename T, typename Acc, typename Tindex>
 __global__ void __launch_bounds__(kBlock)
@@ -64,13 +42,13 @@ __global__ void __launch_bounds__(kBlock)
     switch (up.optimizer) {
       case RowOptimizer::kSgd:
         for (int64_t d = lane; d < dim; d += 32) {
-          w[d] = Narrow<T>(SgdElement(up, Widen(w[d]), Widen(g[d])));
+          w[d] = FromAcc<T>(SgdElement(up, ToAcc(w[d]), ToAcc(g[d])));
         }
         break;
       case RowOptimizer::kRowwiseAdagrad: {
         Acc square_sum = Acc(0);
         for (int64_t d = lane; d < dim; d += 32) {
-          const Acc x = Widen(g[d]);
+          const Acc x = ToAcc(g[d]);
           square_sum += x * x;
         }
 #pragma unroll
@@ -82,14 +60,14 @@ __global__ void __launch_bounds__(kBlock)
         if (lane == 0) accumulator[r] = a;
         const Acc step = RowwiseStep(up, a);
         for (int64_t d = lane; d < dim; d += 32) {
-          w[d] = Narrow<T>(RowwiseElement(step, Widen(w[d]), Widen(g[d])));
+          w[d] = FromAcc<T>(RowwiseElement(step, ToAcc(w[d]), ToAcc(g[d])));
         }
         break;
       }
       case RowOptimizer::kAdagrad: {
         Acc* a = accumulator + r * dim;
         for (int64_t d = lane; d < dim; d += 32) {
-          w[d] = Narrow<T>(AdagradElement(up, Widen(w[d]), Widen(g[d]), a + d));
+          w[d] = FromAcc<T>(AdagradElement(up, ToAcc(w[d]), ToAcc(g[d]), a + d));
         }
         break;
       }

@@ -41,6 +41,8 @@
 
 #include "cuda/tt_embedding_kernels.cuh"
 
+#include "cuda/accumulate.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -76,41 +78,6 @@ constexpr int64_t kNoBad = std::numeric_limits<int64_t>::max();
     const cudaError_t err_ = (expr);        \
     if (err_ != cudaSuccess) return err_;   \
   } while (0)
-
-template <typename T>
-struct ComputeOf {
-  using type = float;
-};
-template <>
-struct ComputeOf<double> {
-  using type = double;
-};
-template <typename T>
-using CT = typename ComputeOf<T>::type;
-
-__device__ __forceinline__ float ToC(float x) { return x; }
-__device__ __forceinline__ double ToC(double x) { return x; }
-__device__ __forceinline__ float ToC(__half x) { return __half2float(x); }
-__device__ __forceinline__ float ToC(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T FromC(CT<T> x);
-template <>
-__device__ __forceinline__ float FromC<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ double FromC<double>(double x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half FromC<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromC<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -349,7 +316,7 @@ __global__ void __launch_bounds__(kThreads)
                        const TA* __restrict__ prev,        // t == 1: core 0; else P_{t-1}
                        const T* __restrict__ core,         // core t
                        TO* __restrict__ out) {             // P_t [n_t, S_t] or rows [n, D]
-  using C = CT<T>;
+  using C = AccT<T>;
   const bool last = t == g.T - 1;
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t];
   const int64_t mchunks = (M + MM - 1) / MM;
@@ -368,10 +335,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int mm = 0; mm < MM; ++mm) acc[mm] = C(0);
     for (int64_t k = 0; k < K; ++k) {
-      const C bv = ToC(b[k * Nc + c]);
+      const C bv = ToAcc(b[k * Nc + c]);
 #pragma unroll
       for (int mm = 0; mm < MM; ++mm) {
-        if (m0 + mm < M) acc[mm] = fma(ToC(a[(m0 + mm) * K + k]), bv, acc[mm]);
+        if (m0 + mm < M) acc[mm] = fma(ToAcc(a[(m0 + mm) * K + k]), bv, acc[mm]);
       }
     }
     const bool zero = last && !ValidAt(g, ids, i);
@@ -380,7 +347,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int mm = 0; mm < MM; ++mm) {
       if (m0 + mm < M) {
         if constexpr (std::is_same<TO, T>::value) {
-          o[(m0 + mm) * Nc + c] = FromC<T>(zero ? C(0) : acc[mm]);
+          o[(m0 + mm) * Nc + c] = FromAcc<T>(zero ? C(0) : acc[mm]);
         } else {
           o[(m0 + mm) * Nc + c] = acc[mm];
         }
@@ -407,7 +374,7 @@ __global__ void __launch_bounds__(kThreads)
                                const int32_t* __restrict__ row0,
                                const TA* __restrict__ prev, const T* __restrict__ core,
                                TO* __restrict__ out, bool vec4) {
-  using C = CT<T>;
+  using C = AccT<T>;
   extern __shared__ unsigned char smem_raw[];
   C* a_s = reinterpret_cast<C*>(smem_raw);
   const bool last = t == g.T - 1;
@@ -419,7 +386,7 @@ __global__ void __launch_bounds__(kThreads)
     const TA* a = t == 1 ? prev + int64_t{row0[m]} * g.width[0] : prev + m * g.S[t - 1];
     __syncthreads();
     for (int64_t e = threadIdx.x; e < M * K; e += blockDim.x) {
-      a_s[(e / K) * (K + 1) + e % K] = ToC(a[e]);
+      a_s[(e / K) * (K + 1) + e % K] = ToAcc(a[e]);
     }
     __syncthreads();
     const int64_t begin = first_child[m];
@@ -455,7 +422,7 @@ __global__ void __launch_bounds__(kThreads)
           const C av = ar[k];
 #pragma unroll
           for (int cc = 0; cc < NC; ++cc) {
-            if (cc < Nc) acc[cc] = fma(av, ToC(b[k * Nc + cc]), acc[cc]);
+            if (cc < Nc) acc[cc] = fma(av, ToAcc(b[k * Nc + cc]), acc[cc]);
           }
         }
       }
@@ -473,7 +440,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int cc = 0; cc < NC; ++cc) {
         if (cc < Nc) {
           if constexpr (std::is_same<TO, T>::value) {
-            o[cc] = FromC<T>(zero ? C(0) : acc[cc]);
+            o[cc] = FromAcc<T>(zero ? C(0) : acc[cc]);
           } else {
             o[cc] = acc[cc];
           }
@@ -507,9 +474,9 @@ __global__ void __launch_bounds__(kThreads)
                     const int32_t* __restrict__ row0,         // level 0
                     const TA* __restrict__ prev,              // t == 1: core 0; else P_{t-1}
                     const TG* __restrict__ dC,                // [n_t, S_t]
-                    CT<T>* __restrict__ piece_out,            // [pieces, width_t]
+                    AccT<T>* __restrict__ piece_out,            // [pieces, width_t]
                     const int32_t* __restrict__ piece_order) {  // or null (PieceOrderKeys)
-  using C = CT<T>;
+  using C = AccT<T>;
   const bool last = t == g.T - 1;
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], W = g.width[t];
   const int64_t pieces = *piece_count;
@@ -524,7 +491,7 @@ __global__ void __launch_bounds__(kThreads)
         if (last && !ValidAt(g, ids, n)) continue;
         const TA* a = AOf(g, t, prev, par_t, row0, n);
         const TG* d = dC + n * S;
-        for (int64_t m = 0; m < M; ++m) acc = fma(ToC(a[m * K + k]), ToC(d[m * Nc + c]), acc);
+        for (int64_t m = 0; m < M; ++m) acc = fma(ToAcc(a[m * K + k]), ToAcc(d[m * Nc + c]), acc);
       }
       piece_out[pc * W + e] = acc;
     }
@@ -646,8 +613,8 @@ __global__ void __launch_bounds__(kThreads)
                          const int32_t* __restrict__ sorted_items,
                          const int32_t* __restrict__ par_t, const int32_t* __restrict__ row0,
                          const TA* __restrict__ prev, const TG* __restrict__ dC,
-                         CT<T>* __restrict__ piece_out) {
-  using C = CT<T>;
+                         AccT<T>* __restrict__ piece_out) {
+  using C = AccT<T>;
   extern __shared__ __align__(16) unsigned char core_tile_smem[];
   const bool last = t == g.T - 1;
   const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
@@ -677,11 +644,11 @@ __global__ void __launch_bounds__(kThreads)
         const int nv = n_valid_s;
         StageUnrolled<4>(a_s, nv * MK, [&](int e) {
           const int b = e / MK, w = e - b * MK;
-          return ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
+          return ToAcc(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
         });
         StageUnrolled<8>(d_s, nv * MN, [&](int e) {
           const int b = e / MN, w = e - b * MN;
-          return ToC(dC[int64_t{item_s[b]} * S + w]);
+          return ToAcc(dC[int64_t{item_s[b]} * S + w]);
         });
         __syncthreads();
         if (active) {
@@ -728,10 +695,10 @@ template <typename T>
 __global__ void CombinePiecesKernel(int64_t W, const int64_t* __restrict__ row_count,
                                     const int32_t* __restrict__ seg_first_piece,  // [rows + 1]
                                     const int64_t* __restrict__ seg_row,          // [rows]
-                                    const CT<T>* __restrict__ piece_out,
+                                    const AccT<T>* __restrict__ piece_out,
                                     int64_t* __restrict__ indices, T* __restrict__ values,
                                     T* __restrict__ dense) {
-  using C = CT<T>;
+  using C = AccT<T>;
   const int64_t rows = *row_count;
   const int64_t total = rows * W;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
@@ -743,9 +710,9 @@ __global__ void CombinePiecesKernel(int64_t W, const int64_t* __restrict__ row_c
     }
     const int64_t row = seg_row[s];
     if (dense != nullptr) {
-      dense[row * W + w] = FromC<T>(acc);
+      dense[row * W + w] = FromAcc<T>(acc);
     } else {
-      values[e] = FromC<T>(acc);
+      values[e] = FromAcc<T>(acc);
       if (w == 0) indices[s] = row;
     }
   }
@@ -773,8 +740,8 @@ __global__ void __launch_bounds__(kThreads)
                       const int32_t* __restrict__ row_t,    // level t
                       const TG* __restrict__ dC,            // [n_t, S_t]
                       const T* __restrict__ core,           // core t
-                      CT<T>* __restrict__ piece_out) {      // [pieces, S_{t-1}]
-  using C = CT<T>;
+                      AccT<T>* __restrict__ piece_out) {      // [pieces, S_{t-1}]
+  using C = AccT<T>;
   const bool last = t == g.T - 1;
   const int64_t K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
   const int64_t pieces = *piece_count;
@@ -787,7 +754,7 @@ __global__ void __launch_bounds__(kThreads)
         if (last && !ValidAt(g, ids, n)) continue;
         const T* b = core + int64_t{row_t[n]} * g.width[t] + k * Nc;
         const TG* d = dC + n * S + m * Nc;
-        for (int64_t c = 0; c < Nc; ++c) acc = fma(ToC(d[c]), ToC(b[c]), acc);
+        for (int64_t c = 0; c < Nc; ++c) acc = fma(ToAcc(d[c]), ToAcc(b[c]), acc);
       }
       piece_out[pc * Sp + e] = acc;
     }
@@ -806,8 +773,8 @@ __global__ void __launch_bounds__(kThreads)
                            const int64_t* __restrict__ piece_count,
                            const int32_t* __restrict__ piece_pos,
                            const int32_t* __restrict__ row_t, const TG* __restrict__ dC,
-                           const T* __restrict__ core, CT<T>* __restrict__ piece_out) {
-  using C = CT<T>;
+                           const T* __restrict__ core, AccT<T>* __restrict__ piece_out) {
+  using C = AccT<T>;
   extern __shared__ __align__(16) unsigned char parent_tile_smem[];
   const bool last = t == g.T - 1;
   const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
@@ -831,12 +798,12 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = threadIdx.x; e < nv * NM; e += blockDim.x) {
       const int b = e / NM, w = e - b * NM;  // w = m * Nc + c (coalesced reads)
       const int m = w / Nc, c = w - m * Nc;
-      d_s[b * NM + c * M + m] = ToC(dC[int64_t{item_s[b]} * S + w]);
+      d_s[b * NM + c * M + m] = ToAcc(dC[int64_t{item_s[b]} * S + w]);
     }
     for (int e = threadIdx.x; e < nv * NK; e += blockDim.x) {
       const int b = e / NK, w = e - b * NK;  // w = k * Nc + c
       const int k = w / Nc, c = w - k * Nc;
-      b_s[b * NK + c * K + k] = ToC(core[int64_t{row_t[item_s[b]]} * g.width[t] + w]);
+      b_s[b * NK + c * K + k] = ToAcc(core[int64_t{row_t[item_s[b]]} * g.width[t] + w]);
     }
     __syncthreads();
     for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
@@ -973,8 +940,8 @@ __global__ void __launch_bounds__(kThreads)
                           const int64_t* __restrict__ piece_count,
                           const int32_t* __restrict__ piece_pos,
                           const int32_t* __restrict__ row_t, const TG* __restrict__ dC,
-                          const T* __restrict__ core, CT<T>* __restrict__ piece_out) {
-  using C = CT<T>;
+                          const T* __restrict__ core, AccT<T>* __restrict__ piece_out) {
+  using C = AccT<T>;
   const bool last = t == g.T - 1;
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
   const int64_t mchunks = (M + MM - 1) / MM;
@@ -992,10 +959,10 @@ __global__ void __launch_bounds__(kThreads)
         const T* b = core + int64_t{row_t[n]} * g.width[t] + k * Nc;
         const TG* d = dC + n * S;
         for (int64_t c = lane; c < Nc; c += 32) {
-          const C bv = ToC(b[c]);
+          const C bv = ToAcc(b[c]);
 #pragma unroll
           for (int mm = 0; mm < MM; ++mm) {
-            if (m0 + mm < M) acc[mm] = fma(ToC(d[(m0 + mm) * Nc + c]), bv, acc[mm]);
+            if (m0 + mm < M) acc[mm] = fma(ToAcc(d[(m0 + mm) * Nc + c]), bv, acc[mm]);
           }
         }
       }
@@ -1077,8 +1044,8 @@ __global__ void __launch_bounds__(kThreads)
                       const int32_t* __restrict__ row_t,  // level t
                       const TG* __restrict__ dC,          // [n_t, S_t]
                       const T* __restrict__ core,         // core t
-                      CT<T>* __restrict__ child_out) {    // [n_t, M * K]
-  using C = CT<T>;
+                      AccT<T>* __restrict__ child_out) {    // [n_t, M * K]
+  using C = AccT<T>;
   extern __shared__ __align__(16) unsigned char by_row_smem[];
   const bool last = t == g.T - 1;
   const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
@@ -1108,7 +1075,7 @@ __global__ void __launch_bounds__(kThreads)
         const int e = e0 + u * blockDim.x;
         const int c = e % Nc, k0 = (e / Nc) * 4;  // coalesced over c
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[u][i] = e < nb ? ToC(brow[(k0 + i) * Nc + c]) : C(0);
+        for (int i = 0; i < 4; ++i) v[u][i] = e < nb ? ToAcc(brow[(k0 + i) * Nc + c]) : C(0);
       }
 #pragma unroll
       for (int u = 0; u < kStage; ++u) {
@@ -1128,7 +1095,7 @@ __global__ void __launch_bounds__(kThreads)
         const int b = r / m4, m0 = (r - b * m4) * 4;
         const TG* d = dC + int64_t{item_s[e < nd ? b : 0]} * S + c;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[u][i] = e < nd ? ToC(d[(m0 + i) * Nc]) : C(0);
+        for (int i = 0; i < 4; ++i) v[u][i] = e < nd ? ToAcc(d[(m0 + i) * Nc]) : C(0);
       }
 #pragma unroll
       for (int u = 0; u < kStage; ++u) {
@@ -1159,8 +1126,8 @@ __global__ void __launch_bounds__(kThreads)
                             const int32_t* __restrict__ sorted_items,
                             const int32_t* __restrict__ row_t, const int32_t* __restrict__ par_t,
                             const int32_t* __restrict__ row0, const TA* __restrict__ prev,
-                            const T* __restrict__ core, CT<T>* __restrict__ out) {  // P_t
-  using C = CT<T>;
+                            const T* __restrict__ core, AccT<T>* __restrict__ out) {  // P_t
+  using C = AccT<T>;
   extern __shared__ __align__(16) unsigned char fwd_row_smem[];
   const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
   const int Nc = static_cast<int>(g.Nc[t]);
@@ -1178,12 +1145,12 @@ __global__ void __launch_bounds__(kThreads)
     const T* brow = core + int64_t{row_t[sorted_items[s0]]} * W;
     __syncthreads();  // the previous item's readers are done
     if (threadIdx.x < nv) item_s[threadIdx.x] = sorted_items[s0 + threadIdx.x];
-    StageUnrolled<4 * kStage>(b_s, K * Nc, [&](int e) { return ToC(brow[e]); });
+    StageUnrolled<4 * kStage>(b_s, K * Nc, [&](int e) { return ToAcc(brow[e]); });
     __syncthreads();
     for (int e = threadIdx.x; e < nv * MK; e += blockDim.x) {
       const int b = e / MK, w = e - b * MK;  // w = m * K + k
       const int m = w / K, k = w - m * K;
-      a_s[k * RP + b * M + m] = ToC(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
+      a_s[k * RP + b * M + m] = ToAcc(AOf(g, t, prev, par_t, row0, item_s[b])[w]);
     }
     __syncthreads();
     ByRowTiles(a_s, RP, b_s, Nc, K, nv, M, Nc, item_s, S, out);
@@ -1347,7 +1314,7 @@ template <typename TA, typename T, typename TO>
 cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t nmax,
                                const LevelBuffers& b, const TA* prev, const T* core, TO* out,
                                cudaStream_t stream) {
-  using C = CT<T>;
+  using C = AccT<T>;
   const int64_t M = g.M[t];
   const int64_t work_items = nmax;  // upper bound of the items
   if (g.Nc[t] <= 8 && M <= kThreads && ByParentSmemBytes<C>(g, t) <= 32 * 1024) {
@@ -1458,17 +1425,17 @@ cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuf
 
 template <typename T>
 size_t CarveRows(const Geo& g, int64_t chunk, void* base, LevelBuffers* b,
-                 CT<T>* partial[kMaxTTCores]) {
+                 AccT<T>* partial[kMaxTTCores]) {
   Carver c(base);
   CarveLevels(g, chunk, ScanTempBytes(chunk), &c, b);
-  for (int t = 1; t + 1 < g.T; ++t) partial[t] = c.Take<CT<T>>(chunk * g.S[t]);
+  for (int t = 1; t + 1 < g.T; ++t) partial[t] = c.Take<AccT<T>>(chunk * g.S[t]);
   return c.bytes();
 }
 
 template <typename T>
 int64_t RowsChunk(const Geo& g, int64_t max_ids) {
   LevelBuffers b;
-  CT<T>* partial[kMaxTTCores] = {};
+  AccT<T>* partial[kMaxTTCores] = {};
   int64_t chunk = std::max<int64_t>(max_ids, 1);
   while (chunk > kMinRowsChunk && CarveRows<T>(g, chunk, nullptr, &b, partial) > kRowsScratchBudget) {
     chunk = CeilDiv(chunk, 2);
@@ -1537,9 +1504,9 @@ struct GradScratch {
   int32_t* piece_flags = nullptr;
   int32_t* piece_incl = nullptr;
   int32_t* seg_incl = nullptr;
-  CT<T>* partial[kMaxTTCores] = {};   // P_t, t = 1 .. T-2
-  CT<T>* dpartial[kMaxTTCores] = {};  // dP_t, t = 0 .. T-2
-  CT<T>* pieces = nullptr;            // [max over cores of max_pieces * width]
+  AccT<T>* partial[kMaxTTCores] = {};   // P_t, t = 1 .. T-2
+  AccT<T>* dpartial[kMaxTTCores] = {};  // dP_t, t = 0 .. T-2
+  AccT<T>* pieces = nullptr;            // [max over cores of max_pieces * width]
 };
 
 // The scratch of TTRowsGrad has two parts. The index part (levels, sorted items, piece
@@ -1594,9 +1561,9 @@ void CarveGradIndex(const Geo& g, int64_t nmax, Carver* c, GradScratch<T>* s,
 template <typename T>
 void CarveGradWork(const Geo& g, int64_t items, int64_t piece_values, Carver* c,
                    GradScratch<T>* s) {
-  for (int t = 1; t + 1 < g.T; ++t) s->partial[t] = c->Take<CT<T>>(items * g.S[t]);
-  for (int t = 0; t + 1 < g.T; ++t) s->dpartial[t] = c->Take<CT<T>>(items * g.S[t]);
-  s->pieces = c->Take<CT<T>>(piece_values);
+  for (int t = 1; t + 1 < g.T; ++t) s->partial[t] = c->Take<AccT<T>>(items * g.S[t]);
+  for (int t = 0; t + 1 < g.T; ++t) s->dpartial[t] = c->Take<AccT<T>>(items * g.S[t]);
+  s->pieces = c->Take<AccT<T>>(piece_values);
 }
 
 // Bytes of the index part alone (with_work false) or of both parts, the work part at its
@@ -1793,7 +1760,7 @@ size_t RowsScratchBytes(const TTProblem& p, int64_t max_ids) {
   Geo g;
   if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids)) return 0;
   LevelBuffers b;
-  CT<T>* partial[kMaxTTCores] = {};
+  AccT<T>* partial[kMaxTTCores] = {};
   return CarveRows<T>(g, RowsChunk<T>(g, max_ids), nullptr, &b, partial);
 }
 
@@ -1811,7 +1778,7 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
   }
   const int64_t chunk = RowsChunk<T>(g, max_ids);
   LevelBuffers b;
-  CT<T>* partial[kMaxTTCores] = {};
+  AccT<T>* partial[kMaxTTCores] = {};
   if (CarveRows<T>(g, chunk, nullptr, &b, partial) > scratch_bytes) return cudaErrorInvalidValue;
   CarveRows<T>(g, chunk, scratch, &b, partial);
   InitReportKernel<<<1, 1, 0, stream>>>(report);
@@ -1831,12 +1798,12 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
       if (t == 1) {
         err = last ? LaunchLevelForward<T, T, T>(g, t, cids, nmax, b, cores[0], cores[t], out,
                                                  stream)
-                   : LaunchLevelForward<T, T, CT<T>>(g, t, cids, nmax, b, cores[0], cores[t],
+                   : LaunchLevelForward<T, T, AccT<T>>(g, t, cids, nmax, b, cores[0], cores[t],
                                                      partial[t], stream);
       } else {
-        err = last ? LaunchLevelForward<CT<T>, T, T>(g, t, cids, nmax, b, partial[t - 1],
+        err = last ? LaunchLevelForward<AccT<T>, T, T>(g, t, cids, nmax, b, partial[t - 1],
                                                      cores[t], out, stream)
-                   : LaunchLevelForward<CT<T>, T, CT<T>>(g, t, cids, nmax, b, partial[t - 1],
+                   : LaunchLevelForward<AccT<T>, T, AccT<T>>(g, t, cids, nmax, b, partial[t - 1],
                                                          cores[t], partial[t], stream);
       }
       TT_RETURN_IF_ERROR(err);
@@ -1995,7 +1962,7 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
         int64_t unused = 0;
         needs.child_pieces[k] = s.child[k].piece_count;
         needs.child_width[k] = g.S[k - 1];
-        needs.by_row[k] = ByRowItems<CT<T>>(g, k, &unused) > 0;
+        needs.by_row[k] = ByRowItems<AccT<T>>(g, k, &unused) > 0;
       }
     }
     WorkNeedsKernel<<<1, 1, 0, stream>>>(needs, report);
@@ -2016,8 +1983,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
 template <typename TA, typename TG, typename T>
 cudaError_t LaunchCorePieces(const Geo& g, int t, const int64_t* ids, const CoreSort& cs,
                              const LevelBuffers& b, const TA* prev, const TG* dC,
-                             CT<T>* piece_out, cudaStream_t stream) {
-  using C = CT<T>;
+                             AccT<T>* piece_out, cudaStream_t stream) {
+  using C = AccT<T>;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
   const int64_t smem =
       int64_t{kCoreTileItems} * g.M[t] * (g.K[t] + g.Nc[t]) * static_cast<int64_t>(sizeof(C));
@@ -2063,7 +2030,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                                   T* const* core_dense, void* scratch, size_t scratch_bytes,
                                   const TTReport* prepared, void* work, size_t work_bytes,
                                   cudaStream_t stream) {
-  using C = CT<T>;
+  using C = AccT<T>;
   Geo g;
   if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids) || cores == nullptr) {
     return cudaErrorInvalidValue;
