@@ -42,9 +42,16 @@ def our_message(message: str) -> str:
     defined at (most recent call last):" and a stack, or with "{{function_node
     __wrapped__<op>_device_/job:.../device:GPU:0}} "; follow it with
     "\\n\\t [[{{node <op>}}]]" and " [Op:<op>] ..."; and an assertion of the composite
-    (`tf.debugging.Assert`) wraps it in "assertion failed: [...]".
+    (`tf.debugging.Assert`) wraps it in "assertion failed: [...]". A graph in which
+    several ops failed reports "N root error(s) found." and lists them as "(0) CODE:
+    ..."; the first is taken.
     """
     message = re.sub(r"^Graph execution error:\s*", "", message)
+    root = re.match(r"\d+ root error\(s\) found\.\s*", message)
+    if root:
+        errors = re.split(r"\s*\(\d+\) [A-Z_]+:\s*", message[root.end():])
+        message = next(e for e in errors if e.strip())
+        message = re.split(r"\n\s*\d+ successful operations\.", message)[0].rstrip()
     if message.startswith("Detected at node"):
         # The stack's lines are indented; the message is the first line that is not.
         lines = message.split("\n")[1:]
@@ -52,7 +59,11 @@ def our_message(message: str) -> str:
         message = "\n".join(lines[body[0]:]) if body else message
     message = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
     message = message.split(" [Op:")[0]
-    message = re.sub(r"\s*\[\[\{\{(function_)?node [^\n]*\}\}\]\]$", "", message)
+    while True:  # one "[[{{node ...}}]]" line per function the op ran in
+        trimmed = re.sub(r"\s*\[\[\{\{(function_)?node [^\n]*\}\}\]\]$", "", message)
+        if trimmed == message:
+            break
+        message = trimmed
     wrapped = re.fullmatch(r"assertion failed: \[(.*)\]", message, flags=re.S)
     return wrapped.group(1) if wrapped else message
 
