@@ -117,16 +117,25 @@ inline bool IsPadding(Tindex id, const BagAttrs& attrs) {
 // Calls compute(params) with the table of input `input`: the tensor itself,
 // or, for the Resource* ops (FromResource), the variable's tensor read in
 // place under the variable's shared lock, held until compute returns.
+// Returns compute's status, or the variable lookup's error (for
+// AsyncOpKernels, which must not fail through OP_REQUIRES).
+template <typename T, bool FromResource, typename Compute>
+Status WithParamsStatus(OpKernelContext* ctx, int input, Compute compute) {
+  if (!FromResource) return compute(ctx->input(input));
+  core::RefCountPtr<Var> variable;
+  TF_RETURN_IF_ERROR(LookupVariable<T>(ctx, input, &variable));
+  tf_shared_lock lock(*variable->mu());
+  return compute(*variable->tensor());
+}
+
+// WithParamsStatus for a compute that reports through the context.
 template <typename T, bool FromResource, typename Compute>
 void WithParams(OpKernelContext* ctx, int input, Compute compute) {
-  if (!FromResource) {
-    compute(ctx->input(input));
-    return;
-  }
-  core::RefCountPtr<Var> variable;
-  OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, input, &variable));
-  tf_shared_lock lock(*variable->mu());
-  compute(*variable->tensor());
+  OP_REQUIRES_OK(ctx, (WithParamsStatus<T, FromResource>(
+                          ctx, input, [&](const Tensor& params) {
+                            compute(params);
+                            return OkStatus();
+                          })));
 }
 
 // ---------------------------------------------------------------------------

@@ -206,8 +206,9 @@ class GpuCall {
 };
 
 // ComputeAsync of the ops whose output shapes are known on the host: `launch`
-// validates, allocates and queues the work on `call` (failing through the
-// context's status) and sets `check`; the op then finishes from the stream
+// validates, allocates and queues the work on `call` and sets `check`, or
+// returns an error (an AsyncOpKernel must not fail through OP_REQUIRES, which
+// aborts the process there); the op then finishes from the stream
 // (GpuCall::ThenCheckReport), so no TensorFlow thread waits on the GPU. A
 // variable read in place is locked only while the work is queued: later
 // writers run on the same compute stream, after it.
@@ -216,8 +217,8 @@ void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
                      Launch launch) {
   auto call = std::make_shared<GpuCall>();
   GpuCall::ReportCheck check;
-  launch(call.get(), &check);
-  if (!ctx->status().ok() || !check) {
+  OP_REQUIRES_OK_ASYNC(ctx, launch(call.get(), &check), done);
+  if (!check) {  // nothing queued that needs checking
     done();
     return;
   }
@@ -268,15 +269,15 @@ class GatherReduceSumGpuOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     LaunchThenCheck(ctx, std::move(done),
                     [&](GpuCall* call, GpuCall::ReportCheck* check) {
-                      WithParams<T, ParamsFromResource>(
+                      return WithParamsStatus<T, ParamsFromResource>(
                           ctx, 0, [&](const Tensor& params) {
-                            Launch(ctx, params, call, check);
+                            return Launch(ctx, params, call, check);
                           });
                     });
   }
 
  private:
-  void Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
+  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
               GpuCall::ReportCheck* check) {
     GpuCall& call = *call_ptr;
     using CT = typename CudaTypeOf<T>::type;
@@ -285,38 +286,34 @@ class GatherReduceSumGpuOp : public AsyncOpKernel {
     const Tensor& weights = ctx->input(3);
     BagShapes shapes;
     TensorShape output_shape;
-    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits,
+    TF_RETURN_IF_ERROR(ValidateForwardInputs(params, indices, row_splits,
                                               weights, attrs_, &shapes,
                                               &output_shape));
     const bool is_max = attrs_.combiner == Combiner::kMax;
     // argmax holds int32 positions inside a bag; the CPU kernel checks each
     // bag's length, which the GPU kernel cannot see on the host.
-    OP_REQUIRES(ctx,
-                !is_max || shapes.nnz <= std::numeric_limits<int32>::max(),
-                errors::InvalidArgument(
+    if (!(!is_max || shapes.nnz <= std::numeric_limits<int32>::max())) return errors::InvalidArgument(
                     "combiner 'max' on GPU supports at most 2^31 - 1 indices, "
                     "got ",
-                    shapes.nnz));
+                    shapes.nnz);
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
 
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape, &output));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, output_shape, &output));
     Tensor* argmax = nullptr;
-    OP_REQUIRES_OK(
-        ctx, ctx->allocate_output(
+    TF_RETURN_IF_ERROR(ctx->allocate_output(
                  1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
 
-    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    TF_RETURN_IF_ERROR(call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
     const CT* weights_ptr =
         attrs_.has_weights ? DevicePtr<T>(weights) : nullptr;
     int32* argmax_ptr = is_max ? argmax->flat<int32>().data() : nullptr;
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchForward<CT, Tindex>(
+    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchForward<CT, Tindex>(
                             p, DevicePtr<T>(params),
                             indices.flat<Tindex>().data(),
                             row_splits.flat<int64_t>().data(), weights_ptr,
@@ -327,6 +324,7 @@ class GatherReduceSumGpuOp : public AsyncOpKernel {
     *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
       return ReportStatus(report, shapes, num_rows, attrs_);
     };
+    return OkStatus();
   }
 
   BagAttrs attrs_;
@@ -453,30 +451,29 @@ class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     LaunchThenCheck(ctx, std::move(done),
                     [&](GpuCall* call, GpuCall::ReportCheck* check) {
-                      Launch(ctx, call, check);
+                      return Launch(ctx, call, check);
                     });
   }
 
  private:
-  void Launch(OpKernelContext* ctx, GpuCall* call_ptr,
+  Status Launch(OpKernelContext* ctx, GpuCall* call_ptr,
               GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall& call = *call_ptr;
     ParamsGradInputs<T, Tindex> in;
-    OP_REQUIRES_OK(ctx, in.Validate(ctx, attrs_));
+    TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+    TF_RETURN_IF_ERROR(ctx->allocate_output(
                             0, TensorShape({in.num_rows, in.dim}), &output));
-    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    TF_RETURN_IF_ERROR(call.Init(ctx));
     const launchers::BagProblem p =
         MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
     const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
         p, /*dense=*/true, /*fuse_weights_grad=*/false);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
     // Prepare always runs: it checks the ids and row_splits.
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
                             p, in.ids, in.splits, in.weights,
                             call.device_report(), /*dense=*/true,
                             /*fuse_weights_grad=*/false, scratch,
@@ -484,10 +481,9 @@ class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
                         "gather_reduce_sum params grad prepare"));
     if (output->NumElements() > 0) {
       void* placeholder = nullptr;
-      OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
+      TF_RETURN_IF_ERROR(call.AllocatePlaceholder(&placeholder));
       // Safe whatever the ids hold: the launchers never read out of bounds.
-      OP_REQUIRES_OK(
-          ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+      TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
                               p, in.grad, in.ArgmaxOr(placeholder),
                               /*unique_ids=*/nullptr,
                               /*values=*/nullptr, DevicePtr<T>(output),
@@ -500,6 +496,7 @@ class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
     *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
       return ReportStatus(report, shapes, num_rows, attrs_);
     };
+    return OkStatus();
   }
 
   BagAttrs attrs_;
@@ -523,15 +520,15 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     LaunchThenCheck(ctx, std::move(done),
                     [&](GpuCall* call, GpuCall::ReportCheck* check) {
-                      WithParams<T, ParamsFromResource>(
+                      return WithParamsStatus<T, ParamsFromResource>(
                           ctx, 1, [&](const Tensor& params) {
-                            Launch(ctx, params, call, check);
+                            return Launch(ctx, params, call, check);
                           });
                     });
   }
 
  private:
-  void Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
+  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
               GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall& call = *call_ptr;
@@ -541,20 +538,19 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
     const Tensor& weights = ctx->input(4);
     const Tensor& output = ctx->input(5);
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
+    TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}),
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({shapes.nnz}),
                                              &weights_grad));
 
-    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    TF_RETURN_IF_ERROR(call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
+    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
                             p, DevicePtr<T>(grad), DevicePtr<T>(params),
                             indices.flat<Tindex>().data(),
                             row_splits.flat<int64_t>().data(),
@@ -565,6 +561,7 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
     *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
       return ReportStatus(report, shapes, num_rows, attrs_);
     };
+    return OkStatus();
   }
 
   BagAttrs attrs_;

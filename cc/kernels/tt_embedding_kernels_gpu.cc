@@ -371,8 +371,9 @@ class TTRowsGpuOp : public AsyncOpKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     auto call = std::make_shared<TTGpuCall>();
     TTGpuCall::ReportCheck check;
-    Launch(ctx, call.get(), &check);
-    if (!ctx->status().ok() || !check) {
+    // Fails through the status (OP_REQUIRES would abort in an AsyncOpKernel).
+    OP_REQUIRES_OK_ASYNC(ctx, Launch(ctx, call.get(), &check), done);
+    if (!check) {  // no ids: nothing queued
       done();
       return;
     }
@@ -381,23 +382,23 @@ class TTRowsGpuOp : public AsyncOpKernel {
   }
 
  private:
-  void Launch(OpKernelContext* ctx, TTGpuCall* call_ptr,
+  Status Launch(OpKernelContext* ctx, TTGpuCall* call_ptr,
               TTGpuCall::ReportCheck* check) {
     TTGpuCall& call = *call_ptr;
     OpInputList cores;
-    OP_REQUIRES_OK(ctx, ValidateRowsInputs(ctx, shape_, "TTRows", &cores));
+    TF_RETURN_IF_ERROR(ValidateRowsInputs(ctx, shape_, "TTRows", &cores));
     const Tensor& ids = ctx->input(0);
     const int64_t num_ids = ids.NumElements();
     Tensor* rows = nullptr;
     TensorShape rows_shape;
-    OP_REQUIRES_OK(ctx, MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids,
+    TF_RETURN_IF_ERROR(MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids,
                                     shape_.dim, &rows_shape));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, rows_shape, &rows));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, rows_shape, &rows));
     Tensor* saved = nullptr;  // never produced on GPU (see the top comment)
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved));
-    if (num_ids == 0) return;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved));
+    if (num_ids == 0) return OkStatus();
 
-    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
+    TF_RETURN_IF_ERROR(call.Init(ctx, /*with_report=*/true));
     const CT* core_ptrs[launchers::kMaxTTCores] = {};
     for (int k = 0; k < shape_.num_cores; ++k) {
       core_ptrs[k] = DevicePtr<T>(cores[k]);
@@ -405,9 +406,8 @@ class TTRowsGpuOp : public AsyncOpKernel {
     const size_t scratch_bytes =
         launchers::RowsScratchBytes<CT>(problem_, num_ids);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchRows<CT>(
+    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchRows<CT>(
                             problem_, ids.flat<int64_t>().data(), num_ids,
                             /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(rows),
                             call.device_report(), scratch, scratch_bytes,
@@ -416,6 +416,7 @@ class TTRowsGpuOp : public AsyncOpKernel {
     *check = [this](const launchers::TTReport& report) {
       return GlobalIdsReportStatus(report, shape_);
     };
+    return OkStatus();
   }
 
   TTShape shape_;
