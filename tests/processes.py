@@ -47,20 +47,20 @@ def our_message(message: str) -> str:
     ..."; the first is taken.
     """
     message = re.sub(r"^Graph execution error:\s*", "", message)
-    root = re.match(r"\d+ root error\(s\) found\.\s*", message)
-    if root:
-        errors = re.split(r"\s*\(\d+\) [A-Z_]+:\s*", message[root.end():])
-        message = next(e for e in errors if e.strip())
-        message = re.split(r"\n\s*\d+ successful operations\.", message)[0].rstrip()
     if message.startswith("Detected at node"):
         # The stack's lines are indented; the message is the first line that is not.
         lines = message.split("\n")[1:]
         body = [i for i, line in enumerate(lines) if line and not line.startswith(" ")]
         message = "\n".join(lines[body[0]:]) if body else message
+    root = re.match(r"\d+ root error\(s\) found\.\s*", message)
+    if root:
+        errors = re.split(r"\s*\(\d+\) [A-Z_]+:\s*", message[root.end():])
+        message = next(e for e in errors if e.strip())
+        message = re.split(r"\n\s*\d+ successful operations\.", message)[0].rstrip()
     message = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
     message = message.split(" [Op:")[0]
-    while True:  # one "[[{{node ...}}]]" line per function the op ran in
-        trimmed = re.sub(r"\s*\[\[\{\{(function_)?node [^\n]*\}\}\]\]$", "", message)
+    while True:  # "[[{{node ...}}]]" and "[[<tensor name>]]" lines, one per frame
+        trimmed = re.sub(r"\s*\[\[[^\n]*\]\]$", "", message)
         if trimmed == message:
             break
         message = trimmed

@@ -123,12 +123,12 @@ MIRRORED = """
         inputs = {k: (v.astype(dtype) if k == "x" else v) for k, v in data.items()}
         model.fit(inputs, target.astype(dtype), batch_size=B, epochs=1, shuffle=False,
                   verbose=0)
-        # Read on the strategy's first device: every copy of a mirrored weight must agree.
+        # Read on the strategy's first device, with how far the other copies are from it.
         out = []
         for w in model.weights:
             copies = [np.asarray(c) for c in strategy.experimental_local_results(w.value)]
-            assert all(np.array_equal(copies[0], c) for c in copies), w.path
-            out.append((w.path, copies[0]))
+            spread = max(float(np.max(np.abs(c - copies[0]), initial=0.0)) for c in copies)
+            out.append((w.path, copies[0], spread))
         return out
 
     for dtype, opt_name, fused in (("float32", "sgd", False), ("float64", "lazy_adam", True),
@@ -137,11 +137,12 @@ MIRRORED = """
         one = train(single, dtype, opt_name, fused, initial)
         two = train(mirrored, dtype, opt_name, fused, initial)
         rows = {}
-        for (path, ref), (path2, got), start in zip(one, two, initial):
+        for (path, ref, _), (path2, got, spread), start in zip(one, two, initial):
             assert path == path2, (path, path2)
             scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
             rows[path] = {
                 "error": float(np.max(np.abs(got - ref))) / scale if ref.size else 0.0,
+                "copies_differ": spread / scale,
                 "moved": float(np.max(np.abs(ref - start))) if ref.size else None,
             }
             if path == "eb/embeddings":
@@ -285,6 +286,11 @@ def test_mirrored_strategy_matches_one_device(rng, kind):
             assert {path.split("/")[0] for path in weights} == {"eb", "tt_bag", "pkm", "head"}
             for path, row in weights.items():
                 assert row["error"] <= tolerance, (name, path, row)
+                # The replicas' copies agree: bitwise on CPUs; on GPUs TensorFlow's
+                # scatter of the gathered (not deduplicated) IndexedSlices adds the
+                # replicas' rows for one id in no fixed order, so within rounding.
+                assert row["copies_differ"] <= (0.0 if kind == "cpu" else tolerance), (
+                    name, path, row)
                 # Every weight moved (bar the empty variable through which TTEmbeddingBag's
                 # fused update is reached), so equality is not that of untrained models.
                 assert row["moved"] is None or row["moved"] > 1e-4, (name, path, row)

@@ -39,8 +39,10 @@ How the `gather_reduce_sum` section measures:
   allocated and returned to the OS when freed, and the peak is that of live memory, kernel
   scratch included. Elsewhere it falls back to TensorFlow's BFC CPU allocator statistics
   (`TF_CPU_ALLOCATOR_USE_BFC=true`, `tf.config.experimental.get_memory_info`), which count
-  whole allocator chunks and so can overstate a tensor by up to 2x. The output says which
-  method was used.
+  whole allocator chunks and so can overstate a tensor by up to 2x. Where TensorFlow sees a
+  GPU the step runs there and the peak is the GPU allocator's
+  (`tf.config.experimental.get_memory_info("GPU:0")`). The output says which method was
+  used.
 """
 
 from __future__ import annotations
@@ -100,10 +102,14 @@ def _status_kib(field: str) -> Optional[int]:
 
 RSS = "peak resident set size"
 TF_ALLOCATOR = "TensorFlow BFC allocator statistics"
+GPU_ALLOCATOR = "TensorFlow GPU allocator statistics"
 
 
 def memory_method() -> str:
-    """`RSS` where this process may reset its peak RSS (Linux), else `TF_ALLOCATOR`."""
+    """`GPU_ALLOCATOR` where TensorFlow sees a GPU (the steps run there); else `RSS` where
+    this process may reset its peak RSS (Linux), else `TF_ALLOCATOR`."""
+    if tf.config.list_physical_devices("GPU"):
+        return GPU_ALLOCATOR
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")
@@ -114,6 +120,8 @@ def memory_method() -> str:
 
 def memory_worker_env(method: str) -> Dict[str, Optional[str]]:
     """Environment changes that `method` needs in a fresh process (None removes a name)."""
+    if method == GPU_ALLOCATOR:
+        return {}
     if method == RSS:
         # Fixed (not adaptive) mmap threshold: freed buffers >= 64 KiB leave the RSS.
         return {"MALLOC_MMAP_THRESHOLD_": "65536", "TF_CPU_ALLOCATOR_USE_BFC": None}
@@ -125,7 +133,8 @@ def peak_growth_bytes(fn: Callable[[], Any], method: str) -> int:
 
     Args:
       fn: The computation; its result stays alive until the peak is read.
-      method: `RSS` or `TF_ALLOCATOR`, in a process started with `memory_worker_env`.
+      method: `RSS`, `TF_ALLOCATOR` or `GPU_ALLOCATOR`, in a process started with
+        `memory_worker_env`.
 
     Returns:
       The growth in bytes.
@@ -138,10 +147,11 @@ def peak_growth_bytes(fn: Callable[[], Any], method: str) -> int:
         peak = _status_kib("VmHWM")
         del result
         return (peak - before) * 1024
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    device = "GPU:0" if method == GPU_ALLOCATOR else "CPU:0"
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
     result = fn()
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
     del result
     return peak - before
 
@@ -486,6 +496,7 @@ def _print_summary(
     memory_note = {
         RSS: "peak resident set size, allocations of 64 KiB or more unmapped when freed",
         TF_ALLOCATOR: "TensorFlow BFC allocator statistics, which count whole chunks",
+        GPU_ALLOCATOR: "TensorFlow's GPU allocator statistics (get_memory_info('GPU:0'))",
     }[memory]
     print(
         f"Times: median of {args.repeats} steps after a warm-up, tf.function, {allocator}, "
