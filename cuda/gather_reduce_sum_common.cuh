@@ -1,0 +1,498 @@
+// Internal to the gather_reduce_sum CUDA kernels (gather_reduce_sum_forward.cu and
+// gather_reduce_sum_backward.cu): the constants, the device helpers every row kernel
+// uses, the report kernels and the host-side helpers (grids, column layouts, scratch
+// carving, the report's launches). Everything is in an anonymous namespace: each .cu
+// file has its own copy. Not for other callers: the launchers' contract is
+// gather_reduce_sum_kernels.cuh.
+//
+// Column layout shared by every row kernel: a row of D elements is cut into
+// "vectors" of V = 16 / sizeof(T) consecutive elements (one 16-byte load when
+// the row is aligned). A *group* of G lanes (G a power of two <= 32, the
+// smallest that covers the row's vectors, so several groups share a warp when
+// D is small) owns one work item; lane g of the group handles vector
+// chunk * G + g. Rows wider than 32 vectors are cut into `chunks` column
+// chunks, each its own work item. Work items are walked with a grid-stride
+// loop, one item per group at a time.
+
+#ifndef TF_TTEMB_CUDA_GATHER_REDUCE_SUM_COMMON_CUH_
+#define TF_TTEMB_CUDA_GATHER_REDUCE_SUM_COMMON_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "cuda/accumulate.cuh"
+#include "cuda/gather_reduce_sum_kernels.cuh"
+
+namespace tf_ttemb {
+namespace gpu {
+namespace {
+
+constexpr int kBlock = 256;
+// Row vectors each lane has in flight in the gather loops (forward and
+// params-gradient reduction): kUnroll / NV entries of NV vectors.
+constexpr int kUnroll = 8;
+// Params gradient: segments with more entries than this are split into pieces
+// of this many entries, reduced separately and combined in piece order.
+constexpr int64_t kPieceEntries = 256;
+// Forward: with fewer groups than this, bags are split into slices.
+constexpr int64_t kTargetGroups = 16384;
+constexpr int64_t kMinSliceEntries = 64;
+constexpr int64_t kMaxSlices = 1024;
+// Weights gradient: consecutive entries per group.
+constexpr int64_t kWeightsGradEntries = 8;
+// Params-gradient run kernel (ReduceRunsKernel): segments per work item (one
+// per lane), 16-byte row vectors per lane in one step, steps in flight (each
+// warp has a ring of kRunStages steps of dy vectors in shared memory: 8 KB a
+// warp, 64 KB a block) and blocks per SM it is built for. Run 4 measured on
+// the PKM f32 backward (ms): 2 stages, 3 blocks/SM 1.55; 3 stages, 2 blocks/SM
+// (96 KB) 1.84; 3 stages with 4 vectors per lane (kReduceWideNV) 1.62; the
+// same walk with the steps in registers (no ring, 120 registers) 2.34.
+constexpr int kRunSegments = 32;
+#ifndef TTEMB_RUN_VECTORS
+#define TTEMB_RUN_VECTORS 8
+#endif
+constexpr int kRunVectors = TTEMB_RUN_VECTORS;
+#ifndef TTEMB_RUN_STAGES
+#define TTEMB_RUN_STAGES 2
+#endif
+constexpr int kRunStages = TTEMB_RUN_STAGES;
+#ifndef TTEMB_RUN_MIN_BLOCKS
+#define TTEMB_RUN_MIN_BLOCKS 3
+#endif
+constexpr int kRunSmemBytes = (kBlock / 32) * kRunStages * kRunVectors * 32 * 16;
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;
+
+// V consecutive elements of a row, 16 bytes.
+template <typename T>
+struct alignas(16) Packet {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(T));
+  T v[kSize];
+};
+
+template <typename T>
+__host__ __device__ constexpr int VecOf() {
+  return Packet<T>::kSize;
+}
+
+// Loads the vector starting at element `col` of a row. kAligned: one 16-byte
+// load (row and D are multiples of V). Otherwise element by element, with
+// zeros past the end of the row (col + e >= dim). kReadOnly: through the
+// read-only data cache, for rows no kernel running now writes; false for
+// rows the same kernel updates.
+template <typename T, bool kAligned, bool kReadOnly = true>
+__device__ __forceinline__ Packet<T> LoadVec(const T* __restrict__ p, int64_t col,
+                                             int64_t dim) {
+  Packet<T> r;
+  if (kAligned) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    *reinterpret_cast<uint4*>(r.v) = kReadOnly ? __ldg(q) : *q;
+  } else {
+#pragma unroll
+    for (int e = 0; e < Packet<T>::kSize; ++e) {
+      r.v[e] = col + e < dim ? p[e] : FromAcc<T>(AccT<T>(0));
+    }
+  }
+  return r;
+}
+
+template <typename T, bool kAligned>
+__device__ __forceinline__ void StoreVec(T* __restrict__ p, const Packet<T>& x,
+                                         int64_t col, int64_t dim) {
+  if (kAligned) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x.v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < Packet<T>::kSize; ++e) {
+      if (col + e < dim) p[e] = x.v[e];
+    }
+  }
+}
+
+// acc[e] = fma(w, element e, acc[e]) over the V elements held in the raw
+// 16 bytes of a row vector (little-endian, element 0 in the low bits of x):
+// the same values as ToAcc on a Packet, in fewer instructions (for bf16 a
+// shift or a mask per element) and without 16-bit registers.
+__device__ __forceinline__ void FmaRaw(float w, const uint4& r, float (&acc)[4]) {
+  acc[0] = fma(w, __uint_as_float(r.x), acc[0]);
+  acc[1] = fma(w, __uint_as_float(r.y), acc[1]);
+  acc[2] = fma(w, __uint_as_float(r.z), acc[2]);
+  acc[3] = fma(w, __uint_as_float(r.w), acc[3]);
+}
+__device__ __forceinline__ void FmaRaw(double w, const uint4& r, double (&acc)[2]) {
+  acc[0] = fma(w, __hiloint2double(static_cast<int>(r.y), static_cast<int>(r.x)), acc[0]);
+  acc[1] = fma(w, __hiloint2double(static_cast<int>(r.w), static_cast<int>(r.z)), acc[1]);
+}
+__device__ __forceinline__ void FmaRawBf16(float w, const uint4& r, float (&acc)[8]) {
+  const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    acc[2 * k] = fma(w, __uint_as_float(words[k] << 16), acc[2 * k]);
+    acc[2 * k + 1] = fma(w, __uint_as_float(words[k] & 0xffff0000u), acc[2 * k + 1]);
+  }
+}
+__device__ __forceinline__ void FmaRawHalf(float w, const uint4& r, float (&acc)[8]) {
+  const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    __half2 h;
+    memcpy(&h, &words[k], sizeof(h));
+    const float2 f = __half22float2(h);
+    acc[2 * k] = fma(w, f.x, acc[2 * k]);
+    acc[2 * k + 1] = fma(w, f.y, acc[2 * k + 1]);
+  }
+}
+// The V elements held in the raw 16 bytes of a row vector, as AccT<T>.
+template <typename T>
+__device__ __forceinline__ void RawToAcc(const uint4& r, AccT<T> (&f)[VecOf<T>()]) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      f[2 * k] = __uint_as_float(words[k] << 16);
+      f[2 * k + 1] = __uint_as_float(words[k] & 0xffff0000u);
+    }
+  } else if constexpr (std::is_same<T, __half>::value) {
+    const unsigned words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      __half2 h;
+      memcpy(&h, &words[k], sizeof(h));
+      const float2 x = __half22float2(h);
+      f[2 * k] = x.x;
+      f[2 * k + 1] = x.y;
+    }
+  } else if constexpr (std::is_same<T, double>::value) {
+    f[0] = __hiloint2double(static_cast<int>(r.y), static_cast<int>(r.x));
+    f[1] = __hiloint2double(static_cast<int>(r.w), static_cast<int>(r.z));
+  } else {
+    f[0] = __uint_as_float(r.x);
+    f[1] = __uint_as_float(r.y);
+    f[2] = __uint_as_float(r.z);
+    f[3] = __uint_as_float(r.w);
+  }
+}
+
+// The raw 16 bytes of V accumulators rounded to T.
+template <typename T>
+__device__ __forceinline__ uint4 AccToRaw(const AccT<T> (&f)[VecOf<T>()]) {
+  Packet<T> o;
+#pragma unroll
+  for (int e = 0; e < VecOf<T>(); ++e) o.v[e] = FromAcc<T>(f[e]);
+  return *reinterpret_cast<const uint4*>(o.v);
+}
+
+template <typename T>
+__device__ __forceinline__ void FmaRawOf(AccT<T> w, const uint4& r,
+                                         AccT<T> (&acc)[VecOf<T>()]) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    FmaRawBf16(w, r, acc);
+  } else if constexpr (std::is_same<T, __half>::value) {
+    FmaRawHalf(w, r, acc);
+  } else {
+    FmaRaw(w, r, acc);
+  }
+}
+
+template <int V>
+struct Ints {
+  int32_t v[V];
+};
+
+// argmax entries of one vector; -2 (never a position) past the row's end.
+template <int V, bool kAligned>
+__device__ __forceinline__ Ints<V> LoadInts(const int32_t* __restrict__ p, int64_t col,
+                                            int64_t dim) {
+  Ints<V> r;
+  if (kAligned && V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+      const int4 x = __ldg(reinterpret_cast<const int4*>(p) + i);
+      r.v[4 * i] = x.x;
+      r.v[4 * i + 1] = x.y;
+      r.v[4 * i + 2] = x.z;
+      r.v[4 * i + 3] = x.w;
+    }
+  } else if (kAligned && V == 2) {
+    const int2 x = __ldg(reinterpret_cast<const int2*>(p));
+    r.v[0] = x.x;
+    r.v[V - 1] = x.y;
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) r.v[e] = col + e < dim ? p[e] : -2;
+  }
+  return r;
+}
+
+template <int V, bool kAligned>
+__device__ __forceinline__ void StoreInts(int32_t* __restrict__ p, const Ints<V>& x,
+                                          int64_t col, int64_t dim) {
+  if (kAligned && V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V / 4; ++i) {
+      reinterpret_cast<int4*>(p)[i] =
+          make_int4(x.v[4 * i], x.v[4 * i + 1], x.v[4 * i + 2], x.v[4 * i + 3]);
+    }
+  } else if (kAligned && V == 2) {
+    *reinterpret_cast<int2*>(p) = make_int2(x.v[0], x.v[V - 1]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      if (col + e < dim) p[e] = x.v[e];
+    }
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A IntBitsAsAcc(int32_t x);
+template <>
+__device__ __forceinline__ float IntBitsAsAcc<float>(int32_t x) {
+  return __int_as_float(x);
+}
+template <>
+__device__ __forceinline__ double IntBitsAsAcc<double>(int32_t x) {
+  return __longlong_as_double(static_cast<long long>(x));
+}
+__device__ __forceinline__ int32_t AccBitsAsInt(float x) { return __float_as_int(x); }
+__device__ __forceinline__ int32_t AccBitsAsInt(double x) {
+  return static_cast<int32_t>(__double_as_longlong(x));
+}
+
+// As the CPU kernel's: 0 for a zero denominator, and a bag of scale 0 gives +0
+// and zero gradients whatever its rows hold (0 * Inf would be NaN).
+template <typename A>
+__device__ __forceinline__ A BagScale(Combiner combiner, A sum, A sq_sum) {
+  if (combiner == Combiner::kMean) return sum != A(0) ? A(1) / sum : A(0);
+  if (combiner == Combiner::kSqrtn) return sq_sum > A(0) ? A(1) / sqrt(sq_sum) : A(0);
+  return A(1);
+}
+
+// Whether v, at a later position of the bag than the running max m, replaces
+// it: the first entry of the max wins, and NaN is above every number (as in
+// tf.reduce_max and the CPU kernel), so the first NaN entry wins a column
+// holding NaN.
+template <typename A>
+__device__ __forceinline__ bool TakesMax(A v, A m) {
+  return v > m || (isnan(v) && !isnan(m));
+}
+
+// Entries of bag b, clamped to [0, nnz] so that bad splits never lead to an
+// out-of-bounds read.
+__device__ __forceinline__ void BagRange(const int64_t* __restrict__ splits, int64_t b,
+                                         int64_t nnz, int64_t* begin, int64_t* end) {
+  const int64_t lo = min(max(splits[b], int64_t{0}), nnz);
+  *begin = lo;
+  *end = min(max(splits[b + 1], lo), nnz);
+}
+
+// The bag holding entry j: the largest b in [0, B) with splits[b] <= j
+// (always in [0, B), whatever splits holds). B >= 1.
+__device__ __forceinline__ int64_t FindBag(const int64_t* __restrict__ splits,
+                                           int64_t num_bags, int64_t j) {
+  int64_t lo = 0, hi = num_bags;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (splits[mid] <= j) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo > 0 ? lo - 1 : 0;
+}
+
+__device__ __forceinline__ void ReportMin(int64_t* field, int64_t value) {
+  atomicMin(reinterpret_cast<unsigned long long*>(field),
+            static_cast<unsigned long long>(value));
+}
+
+// Lanes of this thread's group, for shuffles within the group.
+__device__ __forceinline__ unsigned GroupMask(int group) {
+  if (group == 32) return 0xffffffffu;
+  const int first = (threadIdx.x & 31) & ~(group - 1);
+  return ((1u << group) - 1u) << first;
+}
+
+// Sum over the lanes of a group in a fixed butterfly order; every lane gets it.
+template <typename A>
+__device__ __forceinline__ A GroupSum(A x, unsigned mask, int group) {
+  for (int offset = group >> 1; offset > 0; offset >>= 1) {
+    x += __shfl_xor_sync(mask, x, offset, group);
+  }
+  return x;
+}
+
+__device__ __forceinline__ void DivMod(int64_t x, int64_t d, int64_t* q, int64_t* r) {
+  if (d == 1) {
+    *q = x;
+    *r = 0;
+  } else {
+    *q = x / d;
+    *r = x - *q * d;
+  }
+}
+
+// Grid-stride walk over work items, one per group of `group` lanes.
+struct GroupWalk {
+  int group;
+  int lane;
+  int64_t first;
+  int64_t stride;
+  __device__ explicit GroupWalk(int g)
+      : group(g),
+        lane(static_cast<int>(threadIdx.x) & (g - 1)),
+        first(static_cast<int64_t>(blockIdx.x) * (kBlock / g) + threadIdx.x / g),
+        stride(static_cast<int64_t>(gridDim.x) * (kBlock / g)) {}
+};
+
+// ---------------------------------------------------------------------------
+// Report kernels.
+
+// One thread per bag b: splits[b + 1] < splits[b] is recorded (first b wins).
+__global__ void CheckSplitsKernel(const int64_t* __restrict__ splits, int64_t num_bags,
+                                  DeviceReport* report) {
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       b < num_bags; b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (splits[b + 1] < splits[b]) ReportMin(&report->first_bad_split, b);
+  }
+}
+
+// One thread per entry: records ids outside [0, N) that are not padding.
+template <typename Tindex>
+__global__ void CheckIdsKernel(const Tindex* __restrict__ ids, int64_t nnz,
+                               int64_t num_rows, bool has_padding, int64_t padding_id,
+                               DeviceReport* report) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < nnz;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if ((id < 0 || id >= num_rows) && !(has_padding && id == padding_id)) {
+      ReportMin(&report->first_bad_index, j);
+    }
+  }
+}
+
+// One thread: fills in the values that go with the positions found.
+template <typename Tindex>
+__global__ void FinishReportKernel(const Tindex* __restrict__ ids, int64_t nnz,
+                                   const int64_t* __restrict__ splits, int64_t num_bags,
+                                   DeviceReport* report) {
+  report->first_split = splits[0];
+  report->last_split = splits[num_bags];
+  const int64_t b = report->first_bad_split;
+  if (b >= 0 && b < num_bags) {
+    report->bad_split_value = splits[b + 1];
+    report->bad_split_prev = splits[b];
+  }
+  const int64_t j = report->first_bad_index;
+  if (ids != nullptr && j >= 0 && j < nnz) {
+    report->bad_index_value = static_cast<int64_t>(ids[j]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int Pow2AtLeast(int64_t x) {
+  int p = 1;
+  while (p < x && p < 32) p <<= 1;
+  return p;
+}
+
+int GridFor(int64_t threads) {
+  return static_cast<int>(std::min(std::max<int64_t>(CeilDiv(threads, kBlock), 1), kMaxBlocks));
+}
+
+// For grid-stride kernels whose items mostly exit at once (pieces when few
+// segments are long, rows that a segment writes): enough warps to fill any GPU
+// several times, without launching a block per item (run 4: 41 + 21 + 13 us
+// for such launches in the PKM backward).
+int GridCapped(int64_t threads) { return std::min(GridFor(threads), 2048); }
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Column layout of a row of `dim` elements of T (see the top of the file).
+struct Columns {
+  int64_t dim_vecs = 0;
+  int64_t chunks = 0;
+  int group = 1;
+  int nv = 1;  // vectors per lane per entry
+};
+
+// nv > 1 only when a full group still has nv vectors per lane to do.
+template <typename T>
+Columns ColumnsFor(int64_t dim, int nv = 1) {
+  Columns c;
+  c.dim_vecs = CeilDiv(dim, VecOf<T>());
+  if (c.dim_vecs == 0) return c;
+  c.group = Pow2AtLeast(c.dim_vecs);
+  c.nv = c.dim_vecs >= 32 * nv ? nv : 1;
+  c.chunks = CeilDiv(c.dim_vecs, c.group * c.nv);
+  return c;
+}
+
+// Carves sub-buffers out of the caller's scratch; with a null base it only
+// counts the bytes (so the size query and the launch share one layout).
+class Carver {
+ public:
+  explicit Carver(void* base)
+      : base_(base == nullptr ? nullptr
+                              : reinterpret_cast<char*>(
+                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
+  template <typename U>
+  U* Take(int64_t count) {
+    offset_ = (offset_ + 255) & ~size_t{255};
+    U* p = base_ == nullptr ? nullptr : reinterpret_cast<U*>(base_ + offset_);
+    offset_ += sizeof(U) * static_cast<size_t>(std::max<int64_t>(count, 0));
+    return p;
+  }
+  // Bytes used, plus room to align an unaligned base.
+  size_t bytes() const { return offset_ + 256; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+#define TTEMB_RETURN_IF_CUDA_ERROR(expr)    \
+  do {                                      \
+    const cudaError_t err_ = (expr);        \
+    if (err_ != cudaSuccess) return err_;   \
+  } while (0)
+
+cudaError_t LastLaunchError() { return cudaGetLastError(); }
+
+cudaError_t InitReport(DeviceReport* report, cudaStream_t stream) {
+  return cudaMemsetAsync(report, 0xff, sizeof(DeviceReport), stream);
+}
+
+cudaError_t CheckSplits(const int64_t* splits, int64_t num_bags, DeviceReport* report,
+                        cudaStream_t stream) {
+  if (num_bags == 0) return cudaSuccess;
+  CheckSplitsKernel<<<GridFor(num_bags), kBlock, 0, stream>>>(splits, num_bags, report);
+  return LastLaunchError();
+}
+
+template <typename Tindex>
+cudaError_t FinishReport(const Tindex* ids, int64_t nnz, const int64_t* splits,
+                         int64_t num_bags, DeviceReport* report, cudaStream_t stream) {
+  FinishReportKernel<Tindex><<<1, 1, 0, stream>>>(ids, nnz, splits, num_bags, report);
+  return LastLaunchError();
+}
+
+bool ValidProblem(const BagProblem& p) {
+  return p.num_rows >= 0 && p.dim >= 0 && p.num_bags >= 0 && p.nnz >= 0 &&
+         !(p.has_weights && p.combiner == Combiner::kMax);
+}
+
+}  // namespace
+}  // namespace gpu
+}  // namespace tf_ttemb
+
+#endif  // TF_TTEMB_CUDA_GATHER_REDUCE_SUM_COMMON_CUH_
