@@ -268,7 +268,8 @@ __device__ __forceinline__ int32_t AccBitsAsInt(double x) {
 template <typename A>
 __device__ __forceinline__ A BagScale(Combiner combiner, A sum, A sq_sum) {
   if (combiner == Combiner::kMean) return sum != A(0) ? A(1) / sum : A(0);
-  if (combiner == Combiner::kSqrtn) return sq_sum > A(0) ? A(1) / sqrt(sq_sum) : A(0);
+  // != 0, not > 0: a NaN weight makes the scale NaN (IEEE), as on the CPU.
+  if (combiner == Combiner::kSqrtn) return sq_sum != A(0) ? A(1) / sqrt(sq_sum) : A(0);
   return A(1);
 }
 

@@ -354,6 +354,32 @@ def test_zero_denominator_gives_zeros_whatever_the_rows_hold(rng, device, combin
     _assert_same(dense_value(dw), want_dw, "weights grad")
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("device", visible_devices())
+def test_nan_weight_makes_its_bag_nan_everywhere(rng, device, combiner, dtype, path):
+    """A NaN weight is not a zero denominator: its bag is NaN (IEEE) on every path; the
+    other bags keep their exact values. (The kernels used to give sqrtn such a bag scale
+    0, so zeros, where the composite gave NaN.)"""
+    implementation, mode = path.split("/")
+    dtype = DTYPES[dtype]
+    bags = _ragged([[0, 1], [3], [1, 3, 0]])
+    params, _ = quantize([[1, -2], [3, 4], [5, 6], [-7, 8]], dtype)
+    w, _ = quantize([NAN, 1, 2, 1, NAN, 1], dtype)
+    up, _ = _small_upstream(rng, bags, 2, dtype)
+    with tf.device(device):
+        if implementation == "sharded":
+            out, _, _ = _sharded(params, bags, w, up, combiner, None)
+        else:
+            out, _, _ = run_op(params, bags, w, up, mode, combiner=combiner, padding_id=None,
+                               implementation=implementation)
+    out = np.asarray(dense_value(out), np.float64)
+    assert np.isnan(out[[0, 2]]).all(), out
+    want_middle = [-7, 8] if combiner == "mean" else [-7 * 2 / 2, 8 * 2 / 2]
+    np.testing.assert_array_equal(out[1], want_middle)
+
+
 def _sharded(params, bags, w, up, combiner, padding_id):
     """sharded_gather_reduce_sum on row shards [0, SHARD_BOUND) and [SHARD_BOUND, N):
     (output, the shards' gradients as one dense [N, D], weights gradient or None)."""

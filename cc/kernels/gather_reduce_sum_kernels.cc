@@ -560,8 +560,9 @@ inline Acc BagScale(Combiner combiner, Acc weight_sum, Acc weight_sq_sum) {
     case Combiner::kMean:
       return weight_sum != Acc(0) ? Acc(1) / weight_sum : Acc(0);
     case Combiner::kSqrtn:
-      return weight_sq_sum > Acc(0) ? Acc(1) / std::sqrt(weight_sq_sum)
-                                    : Acc(0);
+      // != 0, not > 0: a NaN weight makes the scale NaN (IEEE), not 0.
+      return weight_sq_sum != Acc(0) ? Acc(1) / std::sqrt(weight_sq_sum)
+                                     : Acc(0);
     default:
       return Acc(1);
   }
