@@ -30,6 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tf_ttemb import _args
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 __all__ = ["is_sharded", "shards_of", "sharded_gather_reduce_sum"]
@@ -159,7 +160,7 @@ def sharded_gather_reduce_sum(
             params, indices, weights, combiner, padding_id, dense_grad, implementation, name
         )
     padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
-    _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+    _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
     offsets, dim, dtype = _check_shards(shards)
     if dtype not in _grs._VALUE_TYPES:
         raise TypeError(f"params must be float16, bfloat16, float32 or float64, got {dtype.name}")

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tf_ttemb import _args
 from tf_ttemb.ops import gather_reduce_sum as _grs
 from tf_ttemb.ops import quantized as _quantized
 from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
@@ -483,11 +484,6 @@ def _op_types(graph_def: Any) -> set:
     return types
 
 
-def _check_choice(what: str, value: Any, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-
-
 # ----------------------------------------------------------------------------------------
 # Public API.
 
@@ -599,7 +595,7 @@ def export_for_serving(
     >>> served["score"].shape
     TensorShape([2, 1])
     """
-    _check_choice("quantize", quantize, QUANTIZE_MODES)
+    _args.check_choice("quantize", quantize, QUANTIZE_MODES)
     if (
         isinstance(tt_dense_max_mib, bool)
         or not isinstance(tt_dense_max_mib, numbers.Real)
@@ -644,7 +640,7 @@ def export_for_serving(
     if not forms or len(set(forms)) != len(forms):
         raise ValueError(f"forms must be a non-empty list of distinct forms, got {list(forms)}")
     for form in forms:
-        _check_choice("forms entry", form, FORMS)
+        _args.check_choice("forms entry", form, FORMS)
     if not has_bags and forms != ("dense",):
         raise ValueError(
             f"forms {list(forms)} need bag inputs, but the model has none (inputs: "

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tf_ttemb import _args
+
 __all__ = [
     "WEIGHT_DISTS",
     "TTDecomposition",
@@ -62,12 +64,6 @@ _SEARCH_STEPS = 1024
 
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if not _is_int(value) or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _positive_int_list(name: str, values: object) -> list[int]:
@@ -164,8 +160,8 @@ def suggested_shapes(n: int, d: int = 3, exact: bool = False) -> list[int]:
         >>> suggested_shapes(97, 3, exact=True)
         [1, 1, 97]
     """
-    n = _positive_int("n", n, 1)
-    d = _positive_int("d", d, 2)
+    n = _args.positive_int("n", n, 1)
+    d = _args.positive_int("d", d, 2)
     if exact:
         divisors = _divisors(n)
         best = min(
@@ -248,8 +244,8 @@ def resolve_shapes(
         >>> resolve_shapes(1000, 16, [3, 5, 7])
         ([5, 5, 5, 8], [2, 2, 2, 2], [3, 5, 7])
     """
-    n = _positive_int("num_embeddings", num_embeddings)
-    dim = _positive_int("embedding_dim", embedding_dim)
+    n = _args.positive_int("num_embeddings", num_embeddings)
+    dim = _args.positive_int("embedding_dim", embedding_dim)
     p = None if tt_p_shapes is None else _positive_int_list("tt_p_shapes", tt_p_shapes)
     q = None if tt_q_shapes is None else _positive_int_list("tt_q_shapes", tt_q_shapes)
     if _is_int(tt_ranks):
@@ -309,7 +305,7 @@ def resolve_shapes(
 def _rank_list(ranks: int | Sequence[int], num_cores: int) -> list[int]:
     """Inner ranks as a list; one int stands for all T - 1 of them."""
     if _is_int(ranks):
-        return [_positive_int("ranks", ranks)] * (num_cores - 1)
+        return [_args.positive_int("ranks", ranks)] * (num_cores - 1)
     if isinstance(ranks, (Sequence, np.ndarray)) and len(ranks) == 0:
         return []
     return _positive_int_list("ranks", ranks)
@@ -429,7 +425,7 @@ def rows(
         (3, 8)
     """
     p, q, ranks = _check_shapes(p, q, ranks)
-    num_tables = _positive_int("num_tables", num_tables)
+    num_tables = _args.positive_int("num_tables", num_tables)
     blocks = _blocks(cores, p, q, ranks, num_tables)
     ids = np.asarray(ids)
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
@@ -492,11 +488,11 @@ def to_dense(
         (990, 8)
     """
     p, q, ranks = _check_shapes(p_shapes, q_shapes, ranks)
-    num_tables = _positive_int("num_tables", num_tables)
+    num_tables = _args.positive_int("num_tables", num_tables)
     if not _is_int(table) or not 0 <= int(table) < num_tables:
         raise ValueError(f"table must be in [0, {num_tables}), got {table!r}")
     big_p = math.prod(p)
-    n = big_p if num_embeddings is None else _positive_int("num_embeddings", num_embeddings)
+    n = big_p if num_embeddings is None else _args.positive_int("num_embeddings", num_embeddings)
     if n > big_p:
         raise ValueError(f"num_embeddings = {n} must be <= prod(p_shapes) = {big_p}")
     blocks = _blocks(cores, p, q, ranks, num_tables)
@@ -801,7 +797,7 @@ def initial_cores(
             f"got {weight_dist!r}"
         )
     p, q, ranks = resolve_shapes(num_embeddings, embedding_dim, ranks, p, q)
-    num_tables = _positive_int("num_tables", num_tables)
+    num_tables = _args.positive_int("num_tables", num_tables)
     try:
         out_dtype = np.dtype(dtype)
     except TypeError:

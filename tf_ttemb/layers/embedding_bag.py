@@ -8,21 +8,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_ttemb import _args
 from tf_ttemb import distribute as _distribute
 from tf_ttemb import serving as _serving
 from tf_ttemb.ops import gather_reduce_sum as _grs
-
-
-def _positive_int(name: str, value: Any) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return number
 
 
 @keras.saving.register_keras_serializable(package="tf_ttemb")
@@ -104,10 +93,10 @@ class EmbeddingBag(keras.layers.Layer):
         implementation: str = "auto",
         **kwargs: Any,
     ) -> None:
-        input_dim = _positive_int("input_dim", input_dim)
-        output_dim = _positive_int("output_dim", output_dim)
-        _grs._check_choice("combiner", combiner, _grs.COMBINERS)
-        _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        input_dim = _args.positive_int("input_dim", input_dim)
+        output_dim = _args.positive_int("output_dim", output_dim)
+        _args.check_choice("combiner", combiner, _grs.COMBINERS)
+        _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
         if padding_id is not None:
             bad_padding = ValueError(
                 f"padding_id must be None, -1 or an integer in [0, input_dim={input_dim}), "

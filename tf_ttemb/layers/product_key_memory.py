@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import operator
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
@@ -31,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_ttemb import _args
 from tf_ttemb import serving as _serving
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
@@ -44,18 +44,6 @@ _PADDING_SLOT = -1
 
 # Optimizers the layer can apply to the values itself, inside the backward pass.
 VALUES_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return number
 
 
 def _rate(name: str, value: Any) -> float:
@@ -166,7 +154,7 @@ def memory_usage(ids: Any, weights: Any, num_slots: int) -> MemoryStats:
     >>> round(stats.kl_from_uniform, 4)  # log 4 + 0.25 log 0.25 + 0.75 log 0.75
     0.824
     """
-    num_slots = _positive_int("num_slots", num_slots)
+    num_slots = _args.positive_int("num_slots", num_slots)
     ids = np.asarray(ids)
     weights = np.asarray(weights, dtype=np.float64)
     if ids.shape != weights.shape:
@@ -334,13 +322,13 @@ class ProductKeyMemory(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         if output_dim is not None:
-            output_dim = _positive_int("output_dim", output_dim)
-        n_keys = _positive_int("n_keys", n_keys)
-        k_dim = _positive_int("k_dim", k_dim)
+            output_dim = _args.positive_int("output_dim", output_dim)
+        n_keys = _args.positive_int("n_keys", n_keys)
+        k_dim = _args.positive_int("k_dim", k_dim)
         if k_dim % 2:
             raise ValueError(f"k_dim must be even (it is split in two halves), got {k_dim}")
-        heads = _positive_int("heads", heads)
-        knn = _positive_int("knn", knn)
+        heads = _args.positive_int("heads", heads)
+        knn = _args.positive_int("knn", knn)
         if knn > n_keys:
             raise ValueError(f"knn must be <= n_keys = {n_keys}, got knn = {knn}")
         if not isinstance(query_batchnorm, bool):
@@ -350,9 +338,9 @@ class ProductKeyMemory(keras.layers.Layer):
         input_dropout = _rate("input_dropout", input_dropout)
         query_dropout = _rate("query_dropout", query_dropout)
         value_dropout = _rate("value_dropout", value_dropout)
-        _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
         if values_optimizer is not None:
-            _grs._check_choice("values_optimizer", values_optimizer, VALUES_OPTIMIZERS)
+            _args.check_choice("values_optimizer", values_optimizer, VALUES_OPTIMIZERS)
             if dense_grad:
                 raise ValueError(
                     "dense_grad=True has no effect with values_optimizer (the values get no "
@@ -843,7 +831,7 @@ class ProductKeyMemory(keras.layers.Layer):
         True
         """
         if steps is not None:
-            steps = _positive_int("steps", steps)
+            steps = _args.positive_int("steps", steps)
         arrays = (tf.Tensor, np.ndarray)
         one_pair = isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], arrays)
         if isinstance(data, arrays) or one_pair:

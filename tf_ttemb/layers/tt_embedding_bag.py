@@ -21,24 +21,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_ttemb import _args, tt
 from tf_ttemb import serving as _serving
-from tf_ttemb import tt
 from tf_ttemb.ops import gather_reduce_sum as _grs
 from tf_ttemb.ops import tt_embedding as _tte
 
 OPTIMIZERS = ("sgd", "adagrad")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
 
 
 def _positive_float(name: str, value: Any, allow_zero: bool = False) -> float:
@@ -92,15 +80,15 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         implementation: str = "auto",
         **kwargs: Any,
     ) -> None:
-        num_tables = _positive_int("num_tables", num_tables)
-        num_embeddings = _positive_int("num_embeddings", num_embeddings)
-        embedding_dim = _positive_int("embedding_dim", embedding_dim)
+        num_tables = _args.positive_int("num_tables", num_tables)
+        num_embeddings = _args.positive_int("num_embeddings", num_embeddings)
+        embedding_dim = _args.positive_int("embedding_dim", embedding_dim)
         p, q, ranks = tt.resolve_shapes(
             num_embeddings, embedding_dim, tt_ranks, tt_p_shapes, tt_q_shapes
         )
         self._shape = _tte.check_shapes(num_embeddings, p, q, ranks, num_tables)
-        _grs._check_choice("combiner", combiner, _grs.COMBINERS)
-        _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        _args.check_choice("combiner", combiner, _grs.COMBINERS)
+        _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
         if padding_id is not None:
             bad_padding = ValueError(
                 "padding_id must be None, -1 or an integer in "
@@ -114,7 +102,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 raise bad_padding from None
             if not -1 <= padding_id < num_embeddings:
                 raise bad_padding
-        _grs._check_choice(
+        _args.check_choice(
             "optimizer", optimizer.lower() if isinstance(optimizer, str) else optimizer, OPTIMIZERS
         )
         if not isinstance(weight_dist, str) or weight_dist not in tt.WEIGHT_DISTS:
@@ -122,8 +110,8 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 f"weight_dist must be one of {', '.join(repr(w) for w in tt.WEIGHT_DISTS)}, "
                 f"got {weight_dist!r}"
             )
-        cache_size = _positive_int("cache_size", cache_size, minimum=0)
-        hashtbl_size = _positive_int("hashtbl_size", hashtbl_size, minimum=0)
+        cache_size = _args.positive_int("cache_size", cache_size, minimum=0)
+        hashtbl_size = _args.positive_int("hashtbl_size", hashtbl_size, minimum=0)
         if use_cache and cache_size < 1:
             raise ValueError(f"use_cache=True needs cache_size >= 1, got {cache_size!r}")
         if use_cache and hashtbl_size < cache_size:
@@ -132,7 +120,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 f"frequency table ranks the candidates), got {hashtbl_size!r}"
             )
         if seed is not None:
-            seed = _positive_int("seed", seed, minimum=0)
+            seed = _args.positive_int("seed", seed, minimum=0)
         if keras.backend.backend() != "tensorflow":
             raise ValueError(
                 f"{type(self).__name__} needs the TensorFlow backend of Keras, got "

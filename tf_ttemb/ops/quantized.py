@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from tf_ttemb import _args
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 MODES = ("int8", "float16")
@@ -70,7 +71,7 @@ def quantize_rows(table: Any, mode: str) -> QuantizedRows:
     >>> (q.codes * q.scale[:, None] + q.bias[:, None]).tolist()
     [[0.0, 255.0, 100.0], [2.0, 2.0, 2.0]]
     """
-    _grs._check_choice("mode", mode, MODES)
+    _args.check_choice("mode", mode, MODES)
     values = table.numpy() if hasattr(table, "numpy") else np.asarray(table)
     if values.ndim != 2:
         raise ValueError(f"table must be a matrix [N, D], got shape {list(values.shape)}")

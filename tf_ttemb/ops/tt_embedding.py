@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from tf_ttemb import _args
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
@@ -93,18 +94,6 @@ def _int_list(name: str, values: Any, minimum: int = 1) -> tuple:
     return tuple(out)
 
 
-def _positive_int(name: str, value: Any) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return number
-
-
 def check_shapes(
     num_embeddings: int, p_shapes: Any, q_shapes: Any, ranks: Any, num_tables: int = 1
 ) -> TTShape:
@@ -115,8 +104,8 @@ def check_shapes(
         integer, the lists' lengths disagree (T >= 2 cores, T - 1 ranks) or
         `prod(p_shapes) < num_embeddings`.
     """
-    num_embeddings = _positive_int("num_embeddings", num_embeddings)
-    num_tables = _positive_int("num_tables", num_tables)
+    num_embeddings = _args.positive_int("num_embeddings", num_embeddings)
+    num_tables = _args.positive_int("num_tables", num_tables)
     p = _int_list("p_shapes", p_shapes)
     q = _int_list("q_shapes", q_shapes)
     inner = _int_list("ranks", ranks)
@@ -192,7 +181,7 @@ def _tt_library(implementation: str):
 
 def _choose(implementation: str, probe: Any) -> tuple[str, bool]:
     """(resolved implementation, whether XLA/TPU semantics apply)."""
-    _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+    _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
     xla = _grs._in_xla_context() or _grs._on_tpu(probe)
     if implementation == "auto":
         implementation = "composite" if xla else "custom_op"
@@ -687,7 +676,7 @@ def tt_embedding_bag(
     TensorShape([3, 6])
     """
     padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
-    _grs._check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+    _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
     shape = check_shapes(num_embeddings, p_shapes, q_shapes, ranks, num_tables)
     with tf.name_scope(name or "tt_embedding_bag"):
         cores = _check_cores(cores, shape)

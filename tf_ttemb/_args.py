@@ -1,0 +1,52 @@
+"""Checks of Python arguments shared by the package's ops, layers and tools.
+
+One function per kind of argument, so that a bad value gets the same message wherever it is
+passed: the argument's name, what it must be, and the value given.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+
+def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` as an int, if it is an integer (not a bool) of at least `minimum`.
+
+    Args:
+      name: The argument's name, for the message.
+      value: What was passed: a Python or numpy integer, or anything with `__index__`.
+      minimum: The smallest value allowed.
+
+    Returns:
+      The value as a Python int.
+
+    Raises:
+      ValueError: naming the argument, the bound and the value.
+
+    Example:
+      >>> positive_int("dim", 8)
+      8
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def check_choice(what: str, value: Any, allowed: Sequence) -> None:
+    """Raises a ValueError naming `what`, the allowed values and `value` unless `value` is one
+    of `allowed` (for string options, `value` must be a str).
+
+    Example:
+      >>> check_choice("combiner", "sum", ("sum", "mean"))
+    """
+    if (not isinstance(value, str) and all(isinstance(a, str) for a in allowed)) or (
+        value not in allowed
+    ):
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
