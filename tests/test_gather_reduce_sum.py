@@ -134,6 +134,23 @@ def test_dims(rng, dim, combiner, weighted, dtype):
     check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 40, dim)
 
 
+# The CPU forward sums a bag's columns in chunks of up to 8 vectors (8 float lanes, 4
+# double lanes) held in registers, the last vector partial when the lanes do not divide
+# D: every D below takes another (chunks, vectors, tail) path for float32 or float64
+# (and half types load 8 values at a time, partially in the tail).
+VECTOR_PATH_DIMS = [*range(1, 18), 20, 24, 31, 32, 33, 40, 48, 56, 63, 64, 65, 72, 100]
+VECTOR_PATH_DIMS += [127, 128, 129, 255, 256, 257, 1023, 1024, 1025]
+
+
+@pytest.mark.parametrize("combiner,weighted", [("sum", False), ("sum", True), ("sqrtn", True)])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dim", VECTOR_PATH_DIMS)
+def test_forward_vector_paths(rng, dim, dtype, combiner, weighted):
+    """Every column-chunk path of the CPU forward, with short, empty and blocked (> 256) bags."""
+    bags = ragged_bags(rng, [0, 1, 3, 17, 257, 5], 40, tf.int32, padding_id=-1)
+    check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 40, dim)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
