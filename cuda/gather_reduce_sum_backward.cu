@@ -817,6 +817,22 @@ __global__ void __launch_bounds__(kBlock, TTEMB_RUN_MIN_BLOCKS)
   }
 }
 
+// The segment u of piece q: the largest u < num_unique with hot_off[u] <= q.
+template <typename T>
+__device__ __forceinline__ int64_t SegmentOfPiece(const ReduceArgs<T>& a, int64_t q,
+                                                  int64_t num_unique) {
+  int64_t lo = 0, hi = num_unique;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (a.hot_off[mid] <= q) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo - 1;
+}
+
 // Work item = (piece q of a long segment, column chunk): the group reduces
 // kPieceEntries entries into part[q].
 template <typename T, bool kAligned, int NV>
@@ -831,17 +847,7 @@ __global__ void __launch_bounds__(kBlock, 2) ReducePiecesKernel(const ReduceArgs
     int64_t q, chunk;
     DivMod(item, a.chunks, &q, &chunk);
     if (q >= num_pieces) continue;  // uniform across the group
-    // The segment u of piece q: the largest u with hot_off[u] <= q.
-    int64_t lo = 0, hi = num_unique;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) >> 1;
-      if (a.hot_off[mid] <= q) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    const int64_t u = lo - 1;
+    const int64_t u = SegmentOfPiece(a, q, num_unique);
     const int64_t k0 = a.seg_start[u] + (q - a.hot_off[u]) * kPieceEntries;
     const int64_t k1 = min(k0 + kPieceEntries, static_cast<int64_t>(a.seg_start[u + 1]));
     const int64_t base = chunk * a.group * NV + walk.lane;
@@ -880,16 +886,7 @@ __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T
     int64_t q, chunk;
     DivMod(item, a.chunks, &q, &chunk);
     if (q >= num_pieces) continue;  // uniform across the group
-    int64_t lo = 0, hi = num_unique;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) >> 1;
-      if (a.hot_off[mid] <= q) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    const int64_t u = lo - 1;
+    const int64_t u = SegmentOfPiece(a, q, num_unique);
     if (q != a.hot_off[u]) continue;  // not the segment's first piece
     const int64_t base = chunk * a.group * NV + walk.lane;
     A acc[NV][V];

@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "cuda/accumulate.cuh"
+#include "cuda/carver.cuh"
 #include "cuda/gather_reduce_sum_kernels.cuh"
 
 namespace tf_ttemb {
@@ -437,29 +438,6 @@ Columns ColumnsFor(int64_t dim, int nv = 1) {
   c.chunks = CeilDiv(c.dim_vecs, c.group * c.nv);
   return c;
 }
-
-// Carves sub-buffers out of the caller's scratch; with a null base it only
-// counts the bytes (so the size query and the launch share one layout).
-class Carver {
- public:
-  explicit Carver(void* base)
-      : base_(base == nullptr ? nullptr
-                              : reinterpret_cast<char*>(
-                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
-  template <typename U>
-  U* Take(int64_t count) {
-    offset_ = (offset_ + 255) & ~size_t{255};
-    U* p = base_ == nullptr ? nullptr : reinterpret_cast<U*>(base_ + offset_);
-    offset_ += sizeof(U) * static_cast<size_t>(std::max<int64_t>(count, 0));
-    return p;
-  }
-  // Bytes used, plus room to align an unaligned base.
-  size_t bytes() const { return offset_ + 256; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
 
 #define TTEMB_RETURN_IF_CUDA_ERROR(expr)    \
   do {                                      \

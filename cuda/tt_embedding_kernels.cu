@@ -42,6 +42,7 @@
 #include "cuda/tt_embedding_kernels.cuh"
 
 #include "cuda/accumulate.cuh"
+#include "cuda/carver.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -95,29 +96,6 @@ int BitsFor(uint64_t max_value) {
   while (bits < 64 && (max_value >> bits) != 0) ++bits;
   return bits;
 }
-
-// Carves sub-buffers out of the caller's scratch; with a null base it only
-// counts the bytes (so the size query and the launch share one layout).
-class Carver {
- public:
-  explicit Carver(void* base)
-      : base_(base == nullptr ? nullptr
-                              : reinterpret_cast<char*>(
-                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
-  template <typename U>
-  U* Take(int64_t count) {
-    offset_ = (offset_ + 255) & ~size_t{255};
-    U* p = base_ == nullptr ? nullptr : reinterpret_cast<U*>(base_ + offset_);
-    offset_ += sizeof(U) * static_cast<size_t>(std::max<int64_t>(count, 0));
-    return p;
-  }
-  void* TakeBytes(size_t bytes) { return Take<char>(static_cast<int64_t>(bytes)); }
-  size_t bytes() const { return offset_ + 256; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
 
 // ---------------------------------------------------------------------------
 // Geometry of the factorisation, passed to kernels by value.

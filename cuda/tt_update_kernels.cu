@@ -20,6 +20,7 @@
 // whose high half ranks the hits and low half the misses, and a scatter.
 
 #include "cuda/tt_update_kernels.cuh"
+#include "cuda/carver.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -473,29 +474,6 @@ __global__ void PopulateChooseKernel(const int64_t* ranked_ids, const int64_t* r
 
 // ---------------------------------------------------------------------------
 // Host helpers.
-
-// Carves sub-buffers out of the caller's scratch; with a null base it only
-// counts the bytes (so the size query and the launch share one layout).
-class Carver {
- public:
-  explicit Carver(void* base)
-      : base_(base == nullptr ? nullptr
-                              : reinterpret_cast<char*>(
-                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
-  template <typename U>
-  U* Take(int64_t count) {
-    offset_ = (offset_ + 255) & ~size_t{255};
-    U* p = base_ == nullptr ? nullptr : reinterpret_cast<U*>(base_ + offset_);
-    offset_ += sizeof(U) * static_cast<size_t>(std::max<int64_t>(count, 0));
-    return p;
-  }
-  void* TakeBytes(size_t bytes) { return Take<char>(static_cast<int64_t>(bytes)); }
-  size_t bytes() const { return offset_ + 256; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
 
 int FlatBlocks(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(n, kBlock), kMaxFlatBlocks)));
