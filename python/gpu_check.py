@@ -18,7 +18,7 @@ PKM and DLRM shapes against torch.nn.functional.embedding_bag in the same run.
 Prints a table; writes JSON to $OUT/gpu_check.json when OUT is set.
 
 Section "tt" (python3 python/gpu_check.py --only tt; also run after the gather_reduce_sum
-section when --only is not given): TT embedding bags (cuda/tt_embedding_kernels.cu through
+section when --only is not given): TT embedding bags (cuda/tt_embedding_{forward,backward}.cu through
 gpu_harness.tt_embedding_bag / tt_embedding_bag_backward) over 2-5 cores, odd shapes, tables,
 padding, empty bags, Zipf ids, every dtype and combiner, against float64 references; error
 messages; bitwise determinism; benchmarks at FBTT's shape (B = 512 and 65,536, uniform and
@@ -613,7 +613,7 @@ def fmt(x, spec=".3f"):
 
 
 # ---------------------------------------------------------------------------
-# TT embedding bags (cuda/tt_embedding_kernels.cu), section "tt".
+# TT embedding bags (cuda/tt_embedding_{forward,backward}.cu), section "tt".
 
 # name, p, q, ranks, num_tables, num_embeddings (None: prod p), bags, (min, max len),
 # distribution, padding id
