@@ -16,6 +16,7 @@ shapes the result back.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
@@ -158,12 +159,25 @@ def _to_csr(indices: IndicesLike, weights, dtype: tf.DType, xla: bool) -> _Bags:
         raise ValueError(
             f"dense indices must have a known rank >= 1 ([..., L]), got shape {dense_ids.shape}"
         )
-    shape = tf.shape(dense_ids, out_type=tf.int64)
-    batch_shape = shape[:-1]
-    bag_size = shape[-1]
-    num_bags = tf.reduce_prod(batch_shape)
     ids = tf.reshape(dense_ids, [-1])
-    row_splits = tf.range(num_bags + 1, dtype=tf.int64) * bag_size
+    if dense_ids.shape.is_fully_defined():
+        # Static shapes (every eager call): the bag count and size are Python ints, so the
+        # lookup adds two or three ops to the kernel's (the row_splits range and the
+        # reshapes) instead of a dozen, and a [B, L] batch needs no reshape of the output.
+        dims = dense_ids.shape.as_list()
+        bag_size = dims[-1]
+        num_bags = math.prod(dims[:-1])
+        batch_shape = None if len(dims) == 2 else tf.constant(dims[:-1], tf.int64)
+        if bag_size == 0:
+            row_splits = tf.zeros([num_bags + 1], tf.int64)
+        else:
+            row_splits = tf.range(0, (num_bags + 1) * bag_size, bag_size, dtype=tf.int64)
+    else:
+        shape = tf.shape(dense_ids, out_type=tf.int64)
+        batch_shape = shape[:-1]
+        bag_size = shape[-1]
+        num_bags = tf.reduce_prod(batch_shape)
+        row_splits = tf.range(num_bags + 1, dtype=tf.int64) * bag_size
     flat_weights = None
     if weights is not None:
         dense_weights = tf.convert_to_tensor(weights)
@@ -179,7 +193,7 @@ def _to_csr(indices: IndicesLike, weights, dtype: tf.DType, xla: bool) -> _Bags:
         if not static_match:  # only a runtime check can tell
             same = tf.debugging.assert_equal(
                 tf.shape(dense_weights, out_type=tf.int64),
-                shape,
+                tf.shape(dense_ids, out_type=tf.int64),
                 message="weights must have the shape of indices",
             )
             checks = [same] if same is not None else []
