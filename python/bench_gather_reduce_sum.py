@@ -4,6 +4,7 @@ Run from the checkout after `bash configure.sh` (which builds tf_ttemb/_tf_ttemb
 
   .venv/bin/python python/bench_gather_reduce_sum.py                  # the issue's target
   .venv/bin/python python/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
+  .venv/bin/python python/bench_gather_reduce_sum.py --sweep --json sweep.json  # issue 19
   .venv/bin/python python/bench_gather_reduce_sum.py --help
 
 The default case is the target of the issue: a float32 table of N=65,536 rows × D=256,
@@ -392,11 +393,218 @@ def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------------------
+# --sweep: issue 19's shapes, ours against torch, one process per side and shape.
+
+# (num_rows, dim, bags, bag_size): issue 19's table, float32, weighted sum.
+SWEEP_SHAPES: Tuple[Tuple[int, int, int, int], ...] = (
+    (65_536, 256, 2_048, 128),
+    (1_048_576, 64, 8_192, 20),
+    (100_000, 16, 16_384, 40),
+    (262_144, 1_024, 512, 128),
+)
+SWEEP_COLUMNS = ("fwd", "fwd_bwd_sparse", "fwd_bwd_dense")
+
+
+def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Ours: the raw op and the wrapper eagerly on a tensor table, then (as the default
+    run) forward, fwd+bwd with IndexedSlices and fwd+bwd with a dense gradient as
+    tf.functions on a tf.Variable table."""
+    import tensorflow as tf
+
+    util.add_checkout_to_path()
+    import tf_ttemb
+    from tf_ttemb.ops import _loader
+
+    problem = Problem(**spec["problem"])
+    if spec["threads"]:
+        tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
+    arrays = make_arrays(problem)
+    table = tf.constant(arrays["params"])
+    params = tf.Variable(table, name="params")
+    ids = tf.constant(arrays["ids"])
+    weights = tf.constant(arrays["weights"])
+    upstream = tf.constant(arrays["upstream"])
+    flat_ids, flat_weights = tf.reshape(ids, [-1]), tf.reshape(weights, [-1])
+    row_splits = tf.range(problem.bags + 1, dtype=tf.int64) * problem.bag_size
+    lib = _loader.load_op_library()
+
+    def raw():
+        return lib.tf_ttemb_gather_reduce_sum(
+            table, flat_ids, row_splits, flat_weights,
+            combiner="sum", has_weights=True, padding_id=-1, has_padding_id=False,
+        )[0].numpy()
+
+    def wrapper():
+        return tf_ttemb.gather_reduce_sum(table, ids, weights).numpy()
+
+    def step(dense_grad: bool):
+        @tf.function
+        def run(ids, weights, upstream):
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                output = tf_ttemb.gather_reduce_sum(params, ids, weights, dense_grad=dense_grad)
+            return output, tape.gradient(output, [params, weights], output_gradients=upstream)
+
+        return lambda: run(ids, weights, upstream)
+
+    forward = tf.function(lambda ids, weights: tf_ttemb.gather_reduce_sum(params, ids, weights))
+    warmup, repeats = spec["warmup"], spec["repeats"]
+    timings = {}
+    # raw and wrapper alternate in one loop, so that both see the same machine load.
+    raw_samples, wrapper_samples = [], []
+    for _ in range(warmup):
+        raw(), wrapper()
+    for _ in range(repeats):
+        raw_samples.append(util.time_calls(raw, 0, 1).median_ms)
+        wrapper_samples.append(util.time_calls(wrapper, 0, 1).median_ms)
+    for key, samples in (("raw_op", raw_samples), ("wrapper", wrapper_samples)):
+        timings[key] = util.Timing(float(np.median(samples)), min(samples), repeats).to_json()
+    timings["fwd"] = util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json()
+    timings["fwd_bwd_sparse"] = util.time_calls(step(False), warmup, repeats).to_json()
+    timings["fwd_bwd_dense"] = util.time_calls(step(True), warmup, repeats).to_json()
+    return {"ok": True, "timings": timings, "versions": {"tensorflow": tf.__version__}}
+
+
+def _sweep_torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """torch's embedding_bag: forward (no_grad), fwd+bwd with sparse=True and sparse=False.
+    The table is numpy's memory (numpy asks for transparent huge pages on Linux); "fwd
+    torch-alloc" repeats the forward on a copy in torch's own allocation (4 KiB pages
+    unless THP is "always"), the page size TensorFlow's tables get."""
+    import torch
+    import torch.nn.functional as F
+
+    problem = Problem(**spec["problem"])
+    torch.set_num_threads(spec["threads"] or util.usable_cpus())
+    arrays = make_arrays(problem)
+    ids = torch.from_numpy(arrays["ids"])
+    weights = torch.from_numpy(arrays["weights"]).requires_grad_()
+    upstream = torch.from_numpy(arrays["upstream"])
+    tables = {
+        "numpy": torch.nn.Parameter(torch.from_numpy(arrays["params"])),
+        "torch": torch.nn.Parameter(torch.from_numpy(arrays["params"]).clone()),
+    }
+
+    def forward(table):
+        with torch.no_grad():
+            return F.embedding_bag(ids, table, mode="sum", per_sample_weights=weights)
+
+    def step(sparse: bool):
+        table = tables["numpy"]
+
+        def run():
+            table.grad = None
+            weights.grad = None
+            output = F.embedding_bag(
+                ids, table, mode="sum", per_sample_weights=weights, sparse=sparse
+            )
+            output.backward(upstream)
+            return table.grad
+
+        return run
+
+    warmup, repeats = spec["warmup"], spec["repeats"]
+    timings = {
+        "fwd": util.time_calls(lambda: forward(tables["numpy"]), warmup, repeats).to_json(),
+        "fwd_torch_alloc": util.time_calls(
+            lambda: forward(tables["torch"]), warmup, repeats
+        ).to_json(),
+        "fwd_bwd_sparse": util.time_calls(step(True), warmup, repeats).to_json(),
+        "fwd_bwd_dense": util.time_calls(step(False), warmup, repeats).to_json(),
+    }
+    return {"ok": True, "timings": timings, "versions": {"torch": torch.__version__}}
+
+
+def sweep(args: argparse.Namespace) -> Dict[str, Any]:
+    """Runs both workers on every SWEEP_SHAPES case; prints the table with torch / ours."""
+    script = os.path.abspath(__file__)
+    have_torch = importlib.util.find_spec("torch") is not None
+    if not have_torch:
+        util.log("torch is not importable: only our times are printed")
+    rows, cases = [], []
+    for n, (num_rows, dim, bags, bag_size) in enumerate(SWEEP_SHAPES, 1):
+        problem = Problem(num_rows, dim, bags, bag_size, "float32", args.index_dtype, args.seed)
+        base = {
+            "problem": dataclasses.asdict(problem),
+            "threads": args.threads,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+        }
+        util.log(f"[{n}/{len(SWEEP_SHAPES)}] {problem.describe()}")
+        ours = util.run_worker(script, dict(base, impl="sweep_tf"), {})
+        theirs = (
+            util.run_worker(script, dict(base, impl="sweep_torch"), {})
+            if have_torch
+            else {"ok": False, "error": "torch is not importable"}
+        )
+        cases.append({"problem": base["problem"], "ours": ours, "torch": theirs})
+        mine = ours.get("timings", {})
+        other = theirs.get("timings", {})
+
+        def ms(timings, key):
+            return f"{timings[key]['median_ms']:.2f}" if key in timings else "-"
+
+        def cell(key):
+            if key not in mine or key not in other:
+                return f"- / {ms(mine, key)}"
+            ratio = other[key]["median_ms"] / mine[key]["median_ms"]
+            return f"{ms(other, key)} / {ms(mine, key)} = {ratio:.2f}x"
+
+        wrapper_ratio = (
+            f"{mine['wrapper']['median_ms'] / mine['raw_op']['median_ms']:.2f}x"
+            if "wrapper" in mine
+            else "-"
+        )
+        rows.append(
+            [
+                f"{num_rows:,} x {dim}, {bags:,} x {bag_size}",
+                ms(mine, "raw_op"),
+                f"{ms(mine, 'wrapper')} ({wrapper_ratio})",
+                ms(other, "fwd_torch_alloc"),
+                *[cell(key) for key in SWEEP_COLUMNS],
+            ]
+        )
+        for side, result in (("ours", ours), ("torch", theirs)):
+            if not result.get("ok"):
+                util.log(f"  {side} failed: {result.get('error')}")
+    headers = [
+        "N x D, bags x L",
+        "raw op ms",
+        "wrapper ms (/ raw)",
+        "torch fwd, torch-alloc table",
+        "fwd: torch / ours",
+        "fwd+bwd sparse: torch / ours",
+        "fwd+bwd dense: torch / ours",
+    ]
+    threads = args.threads or util.usable_cpus()
+    print(
+        f"gather_reduce_sum sweep: float32, weighted sum, {args.index_dtype} ids, "
+        f"{threads} thread(s), median of {args.repeats} calls (ms); a ratio >= 1 means "
+        "ours is at least as fast as torch"
+    )
+    print(util.format_table(headers, rows))
+    return {
+        "benchmark": "gather_reduce_sum_sweep",
+        "machine": util.machine_info(),
+        "settings": {
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "threads": args.threads,
+            "index_dtype": args.index_dtype,
+        },
+        "cases": cases,
+    }
+
+
 def worker_main(spec: Dict[str, Any]) -> None:
     """Entry point of a worker process: measures one implementation, writes JSON."""
     try:
         if spec["impl"] == "torch":
             result = _torch_worker(spec)
+        elif spec["impl"] == "sweep_tf":
+            result = _sweep_tf_worker(spec)
+        elif spec["impl"] == "sweep_torch":
+            result = _sweep_torch_worker(spec)
         else:
             result = _tf_worker(spec)
     except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
@@ -666,6 +874,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--json", metavar="PATH", help="also write all results and machine information to PATH"
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time issue 19's four float32 shapes (raw op, wrapper, forward, fwd+bwd "
+        "sparse and dense) against torch's embedding_bag and print the ratios; "
+        "honours --repeats, --warmup, --threads, --index-dtype, --seed and --json",
+    )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -676,6 +891,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args._worker:
         worker_main(json.loads(args._worker))
         return 0
+    if args.sweep:
+        document = sweep(args)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(document, f, indent=2)
+            util.log(f"wrote {args.json}")
+        return 0 if all(c["ours"].get("ok") for c in document["cases"]) else 1
 
     problem = Problem(
         num_rows=args.num_rows,
