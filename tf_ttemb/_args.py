@@ -50,3 +50,19 @@ def check_choice(what: str, value: Any, allowed: Sequence) -> None:
         value not in allowed
     ):
         raise ValueError(f"{what} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def check_table_lists(indices: Sequence, weights: Any, num_tables: int) -> None:
+    """For ids given as a list with one entry per table: raises a ValueError unless there
+    are `num_tables` of them, and `weights` is None or a list of as many."""
+    if len(indices) != num_tables:
+        raise ValueError(
+            f"a list of indices needs one entry per table ({num_tables}), got {len(indices)}"
+        )
+    if weights is not None and (
+        not isinstance(weights, (list, tuple)) or len(weights) != num_tables
+    ):
+        raise ValueError(
+            f"with a list of indices, weights must be None or a list of {num_tables} "
+            f"weights, got {type(weights).__name__}"
+        )

@@ -104,17 +104,7 @@ def _per_table(one: Callable, num_tables: int, indices: Any, weights: Any) -> tf
     if num_tables == 1:
         return one(0, indices, weights)
     if isinstance(indices, (list, tuple)):
-        if len(indices) != num_tables:
-            raise ValueError(
-                f"a list of indices needs one entry per table ({num_tables}), got {len(indices)}"
-            )
-        if weights is not None and (
-            not isinstance(weights, (list, tuple)) or len(weights) != num_tables
-        ):
-            raise ValueError(
-                f"with a list of indices, weights must be None or a list of {num_tables} "
-                f"weights, got {type(weights).__name__}"
-            )
+        _args.check_table_lists(indices, weights, num_tables)
         per_weights = [None] * num_tables if weights is None else list(weights)
         return tf.stack([one(t, indices[t], per_weights[t]) for t in range(num_tables)])
     if isinstance(indices, (tf.RaggedTensor, tf.SparseTensor)):

@@ -333,17 +333,7 @@ def _table_bags(
 ) -> _TableBags:
     """Converts the ids of one or several tables to one CSR batch."""
     if isinstance(indices, (list, tuple)):
-        if len(indices) != num_tables:
-            raise ValueError(
-                f"a list of indices needs one entry per table ({num_tables}), got {len(indices)}"
-            )
-        if weights is not None and (
-            not isinstance(weights, (list, tuple)) or len(weights) != num_tables
-        ):
-            raise ValueError(
-                f"with a list of indices, weights must be None or a list of {num_tables} "
-                f"weights, got {type(weights).__name__}"
-            )
+        _args.check_table_lists(indices, weights, num_tables)
         return _list_bags(list(indices), weights, num_tables, dtype, xla)
     if num_tables > 1 and isinstance(indices, (tf.RaggedTensor, tf.SparseTensor)):
         raise ValueError(
