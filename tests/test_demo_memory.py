@@ -7,6 +7,10 @@ measures, one fresh process per step.
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from tf_ttemb import demo
 
 MIB = float(1 << 20)
@@ -50,3 +54,26 @@ def test_a_measurement_below_the_gathered_rows_is_reported_as_not_measured(monke
     assert got == {demo.BASELINE: None, demo.FUSED: 0}
     assert demo._mib(None) == demo.NOT_MEASURED
     assert demo._ratio(None, 5.0) == demo.NOT_MEASURED
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_unset_sizes_follow_the_device_and_explicit_ones_stay(monkeypatch, gpu):
+    monkeypatch.setattr(demo, "gpu_visible", lambda: gpu)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args([])
+    demo.resolve_sizes(args)
+    shape = demo.PkmShape(slots=args.slots, dim=args.dim, heads=args.heads, knn=args.knn)
+    if gpu:
+        # The feature request's case: batch 32 x 512 tokens, 4 heads x 32 knn, dim 1024,
+        # whose plain lookup gathers 8 GiB and whose output is 64 MiB.
+        assert args.headline_tokens == 32 * 512
+        assert demo.gathered_bytes(shape, args.headline_tokens) == 8 << 30
+        assert args.headline_tokens * shape.dim * 4 == 64 << 20
+    else:
+        assert shape == demo.PkmShape() and args.headline_tokens == 1024
+    assert args.headline_tokens in args.tokens
+    explicit = parser.parse_args(["--dim", "24", "--tokens", "8,16", "--headline-tokens", "8"])
+    demo.resolve_sizes(explicit)
+    assert (explicit.dim, explicit.tokens, explicit.headline_tokens) == (24, [8, 16], 8)
+    assert explicit.slots == shape.slots

@@ -782,31 +782,18 @@ def _composite(
                     # Zero for a bag of scale 0, whatever its rows hold (0 * Inf).
                     dot = tf.where(tf.equal(bag_scale, 0), tf.zeros_like(dot), dot)
                 dot = tf.where(tf.equal(bags_c[k], dummy), tf.zeros_like(dot), dot)
-                return grad_acc, weight_grads[0].write(tf.cast(k, tf.int32), dot)
+                # Row k of the [stored_chunks, chunk] buffer (no TensorArray: under XLA on
+                # GPUs its concat came back with the wrong length for half types).
+                return grad_acc, tf.tensor_scatter_nd_update(
+                    weight_grads[0], tf.reshape(k, [1, 1]), tf.cast(dot, dtype)[None, :]
+                )
 
             state = (tf.zeros(grad_shape, acc_dtype),)
             if weights_wanted:
-                state += (
-                    tf.TensorArray(
-                        acc_dtype,
-                        size=tf.cast(num_chunks, tf.int32),
-                        element_shape=tf.TensorShape([chunk if isinstance(chunk, int) else None]),
-                    ),
-                )
+                state += (tf.zeros(chunked_shape, dtype),)
             results = loop(sum_grad_step, state)
             grad_acc = results[0]
-            weights_grad = None
-            if weights_wanted:
-                # A TensorArray of no chunks has nothing to concatenate (its concat fails).
-                def concat_chunks():
-                    return tf.cast(results[1].concat()[:nnz], dtype)
-
-                if isinstance(num_chunks, int):
-                    weights_grad = concat_chunks() if num_chunks else tf.zeros([0], dtype)
-                else:
-                    weights_grad = tf.cond(
-                        num_chunks > 0, concat_chunks, lambda: tf.zeros([0], dtype)
-                    )
+            weights_grad = tf.reshape(results[1], [-1])[:nnz] if weights_wanted else None
 
         if sparse_params_grad:
             params_grad = tf.IndexedSlices(
