@@ -52,7 +52,8 @@ def our_message(message: str) -> str:
         lines = message.split("\n")[1:]
         body = [i for i, line in enumerate(lines) if line and not line.startswith(" ")]
         message = "\n".join(lines[body[0]:]) if body else message
-    root = re.match(r"\d+ root error\(s\) found\.\s*", message)
+    # Searched, not matched: whatever precedes the report (a stack) is dropped with it.
+    root = re.search(r"\d+ root error\(s\) found\.\s*", message)
     if root:
         errors = re.split(r"\s*\(\d+\) [A-Z_]+:\s*", message[root.end():])
         message = next(e for e in errors if e.strip())
