@@ -103,7 +103,10 @@ def main(argv=None) -> int:
         out.close()
         summary = "no ERROR SUMMARY line"
         if os.path.exists(log):
-            found = re.findall(r"ERROR SUMMARY: (\d+) error", read(log))
+            # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards
+            # displayed (N errors, W warnings)".
+            found = re.findall(r"(?:ERROR SUMMARY: |SUMMARY: \d+ hazards? displayed \()(\d+) error",
+                               read(log))
             if found:
                 errors = int(found[-1])
                 total_errors += errors
@@ -118,6 +121,13 @@ def main(argv=None) -> int:
         last = lines[-1] if lines else "(no pytest output)"
         ok = ok and rc == 0
         print(f"shard {i:2d}: rc {rc}; {summary}; pytest: {last}", flush=True)
+        if rc == "timeout":
+            # pytest -q prints one character per finished test: the next one was running.
+            finished = sum(len(re.sub(r"\s*\[\s*\d+%\]$", "", line)) for line in lines
+                           if re.fullmatch(r"[.FEsxX]+\s*(\[\s*\d+%\])?", line))
+            running = shard[finished] if finished < len(shard) else "(after the last test)"
+            print(f"          {finished} of {len(shard)} finished; running: {running}",
+                  flush=True)
         if os.path.exists(log):
             # Where the errors are: the kernels they name, and the first failed tests.
             text = read(log)

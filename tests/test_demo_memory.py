@@ -77,3 +77,21 @@ def test_unset_sizes_follow_the_device_and_explicit_ones_stay(monkeypatch, gpu):
     demo.resolve_sizes(explicit)
     assert (explicit.dim, explicit.tokens, explicit.headline_tokens) == (24, [8, 16], 8)
     assert explicit.slots == shape.slots
+
+
+def test_densified_sums_indexed_slices_a_slice_at_a_time(monkeypatch):
+    """The demo densifies the plain lookup's 2^31-element gradient in slices of rows (TF's
+    GPU segment sum aborts past int32): the result is the whole sum, repeated rows added."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal((1000, 3))
+    indices = rng.integers(0, 17, 1000)
+    want = np.zeros((17, 3))
+    np.add.at(want, indices, values)
+    slices = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([17, 3]))
+    np.testing.assert_allclose(demo._densified(slices).numpy(), want, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(demo, "DENSIFY_ELEMENTS", 90)  # slices of 30 rows, the last partial
+    np.testing.assert_allclose(demo._densified(slices).numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(demo._densified(tf.constant(want)).numpy(), want)
