@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_ttemb import _demo_lm as lm
 from tf_ttemb import demo
+from tf_ttemb.demo import pkm_lm as lm
 
 needs_memory = pytest.mark.skipif(
     lm._memory_layer_class() is None, reason="tf_ttemb.layers.ProductKeyMemory is not there yet"

@@ -11,7 +11,9 @@ import argparse
 
 import pytest
 
-from tf_ttemb import demo
+from tf_ttemb import demo as demo_cli
+from tf_ttemb.demo import _util
+from tf_ttemb.demo import gather_reduce_sum as demo
 
 MIB = float(1 << 20)
 
@@ -52,15 +54,15 @@ def test_a_measurement_below_the_gathered_rows_is_reported_as_not_measured(monke
     records = demo._run_memory_worker(shape, [4], 0, demo.memory_method(), lambda _: None)
     got = {r["lookup"]: r["bytes"] for r in records}
     assert got == {demo.BASELINE: None, demo.FUSED: 0}
-    assert demo._mib(None) == demo.NOT_MEASURED
-    assert demo._ratio(None, 5.0) == demo.NOT_MEASURED
+    assert _util.mib(None) == _util.NOT_MEASURED
+    assert _util.ratio(None, 5.0) == _util.NOT_MEASURED
 
 
 @pytest.mark.parametrize("gpu", [False, True])
 def test_unset_sizes_follow_the_device_and_explicit_ones_stay(monkeypatch, gpu):
-    monkeypatch.setattr(demo, "gpu_visible", lambda: gpu)
+    monkeypatch.setattr(_util, "gpu_visible", lambda: gpu)
     parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
+    demo_cli.add_arguments(parser)
     args = parser.parse_args([])
     demo.resolve_sizes(args)
     shape = demo.PkmShape(slots=args.slots, dim=args.dim, heads=args.heads, knn=args.knn)

@@ -7,7 +7,8 @@ import argparse
 import numpy as np
 import pytest
 
-from tf_ttemb import demo
+from tf_ttemb import demo as demo_cli
+from tf_ttemb.demo import tt_quality as demo
 
 
 def _task(**overrides) -> demo.CtrTask:
@@ -193,11 +194,11 @@ def test_ctr_model_trains_with_too_few_examples_raises():
 
 def test_section_options():
     parser = argparse.ArgumentParser()
-    demo.add_arguments(parser)
+    demo_cli.add_arguments(parser)
     args = parser.parse_args(["--sections", "tt_quality"])
     assert args.sections == ["tt_quality"]
     assert args.tt_rows == 1_000_000 and args.tt_ranks == [4, 16, 64]
     args = parser.parse_args(["--sections", "tt_quality", "--tt-ranks", "2,8", "--quick"])
     assert args.tt_ranks == [2, 8]
-    demo.apply_quick(args)
+    demo_cli.apply_quick(args)
     assert args.tt_rows < 1_000_000 and args.tt_steps < demo.TrainConfig.steps

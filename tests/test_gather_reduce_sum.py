@@ -529,9 +529,8 @@ def test_jit_compile_other_dtypes(rng, combiner, weighted, dtype):
     )
 
 
-def _grs_module():
-    # tf_ttemb.ops re-exports the function under the module's name, so go through sys.modules.
-    return importlib.import_module("tf_ttemb.ops.gather_reduce_sum")
+def _composite_module():
+    return importlib.import_module("tf_ttemb.ops.composite")
 
 
 CHUNK_CASES = [
@@ -549,7 +548,7 @@ CHUNK_CASES = [
 )
 def test_composite_across_many_chunks(rng, monkeypatch, combiner, weighted, form, mode):
     """A tiny chunk budget makes the composite loop over many chunks, the last one partial."""
-    monkeypatch.setattr(_grs_module(), "COMPOSITE_CHUNK_BYTES", 40)
+    monkeypatch.setattr(_composite_module(), "COMPOSITE_CHUNK_BYTES", 40)
     if form == "dense2d":
         bags = dense_bags(rng, (7, 9), 11, tf.int32, padding_id=-1)
     else:

@@ -1,6 +1,6 @@
 """GatherReduceSumSparseApply: the gather_reduce_sum backward with the optimizer fused in.
 
-`tf_ttemb.ops.gather_reduce_sum.gather_reduce_sum_sparse_apply` looks rows up like
+`tf_ttemb.ops.sparse_apply.gather_reduce_sum_sparse_apply` looks rows up like
 `gather_reduce_sum`; a gradient through it applies SGD, row-wise Adagrad or Adagrad to
 the rows read, in place. Checked against an independent float64 numpy reference of
 "gradient, then update" (`reference.params_grad` + the update rule written here), for
@@ -31,7 +31,7 @@ from bags import (
     weights_like,
 )
 from tf_ttemb.ops import _loader
-from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum_sparse_apply
+from tf_ttemb.ops.sparse_apply import gather_reduce_sum_sparse_apply
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad"]

@@ -16,7 +16,7 @@ import tensorflow as tf
 from bags import RTOL
 from processes import built_with_cuda, our_message, run_fresh_python
 from tf_ttemb.ops import _loader
-from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum_sparse_apply
+from tf_ttemb.ops.sparse_apply import gather_reduce_sum_sparse_apply
 
 pytestmark = pytest.mark.gpu
 

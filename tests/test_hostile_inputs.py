@@ -400,7 +400,7 @@ def _sharded(params, bags, w, up, combiner, padding_id):
 def _sparse_apply_sgd(params, bags, w, up, combiner, padding_id):
     """gather_reduce_sum_sparse_apply with SGD at rate 1: (output, the params gradient
     that the update applied, weights gradient)."""
-    from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum_sparse_apply
+    from tf_ttemb.ops.sparse_apply import gather_reduce_sum_sparse_apply
 
     table = tf.Variable(params)
     trigger = tf.Variable(tf.zeros([0]))

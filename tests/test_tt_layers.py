@@ -8,6 +8,7 @@ test_tt_embedding.py.
 from __future__ import annotations
 
 import doctest
+import importlib
 import json
 import math
 import pathlib
@@ -142,7 +143,8 @@ def test_full_weight(rng, cls, implementation):
 
 
 def test_full_weight_in_chunks(rng, monkeypatch):
-    monkeypatch.setattr(tf_ttemb.ops.gather_reduce_sum, "COMPOSITE_CHUNK_BYTES", 4 * 8 * 7)
+    monkeypatch.setattr(importlib.import_module("tf_ttemb.ops.composite"), "COMPOSITE_CHUNK_BYTES",
+                        4 * 8 * 7)
     layer = make_layer(rng, "4cores-d8", TableBatchedTTEmbeddingBag, num_tables=2)
     np.testing.assert_allclose(layer.full_weight().numpy(), layer_tables(layer), rtol=1e-5,
                                atol=1e-6)

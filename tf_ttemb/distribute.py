@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_ttemb import _args
+from tf_ttemb.ops import _bags, _common
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 __all__ = ["is_sharded", "shards_of", "sharded_gather_reduce_sum"]
@@ -159,20 +160,20 @@ def sharded_gather_reduce_sum(
         return _grs.gather_reduce_sum(
             params, indices, weights, combiner, padding_id, dense_grad, implementation, name
         )
-    padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
-    _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+    padding_id = _common.check_lookup_args(combiner, weights, padding_id)
+    _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
     offsets, dim, dtype = _check_shards(shards)
-    if dtype not in _grs._VALUE_TYPES:
+    if dtype not in _common.VALUE_TYPES:
         raise TypeError(f"params must be float16, bfloat16, float32 or float64, got {dtype.name}")
     with tf.name_scope(name or "sharded_gather_reduce_sum"):
-        bags = _grs._to_csr(indices, weights, dtype, xla=False)
-        acc_dtype = tf.float32 if dtype in _grs._HALF_TYPES else dtype
+        bags = _bags.to_csr(indices, weights, dtype, xla=False)
+        acc_dtype = tf.float32 if dtype in _common.HALF_TYPES else dtype
         ids = tf.cast(bags.ids, tf.int64)
         num_rows = offsets[-1]
         valid = (ids >= 0) & (ids < num_rows)
         if padding_id is not None:
             valid &= ids != padding_id
-        with tf.control_dependencies(_grs._bounds_check(ids, tf.constant(num_rows, tf.int64),
+        with tf.control_dependencies(_bags.bounds_check(ids, tf.constant(num_rows, tf.int64),
                                                         padding_id)):
             valid = tf.identity(valid)
         inverse = None

@@ -22,21 +22,20 @@ top-k) is traced as Keras traces it, with `training=False`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from tf_ttemb import _args
-from tf_ttemb.ops import gather_reduce_sum as _grs
+from tf_ttemb import _args, _serving_hook, layers
+from tf_ttemb._serving_hook import serving_table  # noqa: F401 (the layers call it; kept here too)
+from tf_ttemb.ops import _bags
 from tf_ttemb.ops import quantized as _quantized
 from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
 from tf_ttemb.ops.tt_embedding import tt_embedding_bag
@@ -239,8 +238,6 @@ def _tt_rows_table(layer: Any, shape: tuple, dense_nbytes: int) -> ServingTable:
 
 
 def _make_table(layer: Any, quantize: str | None, tt_dense_max_bytes: float) -> ServingTable:
-    from tf_ttemb import layers  # the layers import this module
-
     if isinstance(layer, layers.EmbeddingBag):
         table = layer.embeddings
         shape = (layer.input_dim, layer.output_dim)
@@ -281,36 +278,6 @@ class _ExportSession:
                 table = _make_table(layer, self.quantize, self.tt_dense_max_bytes)
             self.tables[key] = (layer, table)
         return self.tables[key][1]
-
-
-_STATE = threading.local()
-
-
-@contextlib.contextmanager
-def _exporting(session: _ExportSession):
-    previous = getattr(_STATE, "session", None)
-    _STATE.session = session
-    try:
-        yield session
-    finally:
-        _STATE.session = previous
-
-
-def serving_table(layer: Any) -> ServingTable | None:
-    """The table `export_for_serving` substitutes for `layer`'s, while it traces a model.
-
-    tf_ttemb's layers call this at the start of their table read: it returns None at any
-    other time (and in other threads), and the layer reads its table as usual.
-
-    Args:
-      layer: An `EmbeddingBag`, `TTEmbeddingBag`, `TableBatchedTTEmbeddingBag` or
-        `ProductKeyMemory`.
-
-    Returns:
-      The `ServingTable` whose `lookup` the layer uses instead of its own, or None.
-    """
-    session = getattr(_STATE, "session", None)
-    return None if session is None else session.table_for(layer)
 
 
 # ----------------------------------------------------------------------------------------
@@ -365,7 +332,7 @@ class _Input:
         """
         if not (self.bag and form == "sparse" and self.declared != "sparse"):
             return value
-        with tf.control_dependencies(_grs._sparse_bounds_check(value)):
+        with tf.control_dependencies(_bags.sparse_bounds_check(value)):
             ordered = tf.sparse.reorder(value)
         return tf.RaggedTensor.from_value_rowids(
             ordered.values, ordered.indices[:, 0], nrows=value.dense_shape[0]
@@ -643,7 +610,7 @@ def export_for_serving(
     signature_keys: dict = {}
     output_keys: tuple = ()
     variables: dict = {}
-    with _exporting(session):
+    with _serving_hook.exporting(session):
         for form in forms:
             structured = tf.nest.pack_sequence_as(args, [item.spec(form) for item in inputs])
 

@@ -8,9 +8,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_ttemb import _args
+from tf_ttemb import _args, _serving_hook
 from tf_ttemb import distribute as _distribute
-from tf_ttemb import serving as _serving
+from tf_ttemb.ops import _common
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
 
@@ -95,8 +95,8 @@ class EmbeddingBag(keras.layers.Layer):
     ) -> None:
         input_dim = _args.positive_int("input_dim", input_dim)
         output_dim = _args.positive_int("output_dim", output_dim)
-        _args.check_choice("combiner", combiner, _grs.COMBINERS)
-        _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        _args.check_choice("combiner", combiner, _common.COMBINERS)
+        _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
         if padding_id is not None:
             bad_padding = ValueError(
                 f"padding_id must be None, -1 or an integer in [0, input_dim={input_dim}), "
@@ -147,7 +147,7 @@ class EmbeddingBag(keras.layers.Layer):
         """Combines the embeddings of each bag of `indices`; see the class docstring."""
         if self.combiner == "max" and weights is not None:
             raise ValueError("combiner 'max' does not take weights")
-        substitute = _serving.serving_table(self)
+        substitute = _serving_hook.serving_table(self)
         if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
             output = substitute.lookup(indices, weights, self.combiner, self.padding_id)
             return tf.cast(output, self.compute_dtype)

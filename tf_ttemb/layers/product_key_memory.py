@@ -30,9 +30,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_ttemb import _args
-from tf_ttemb import serving as _serving
+from tf_ttemb import _args, _serving_hook
+from tf_ttemb.ops import _common
 from tf_ttemb.ops import gather_reduce_sum as _grs
+from tf_ttemb.ops import sparse_apply as _sparse_apply
 
 # PyTorch's BatchNorm1d defaults (momentum 0.1 weighs the new batch) in Keras' convention
 # (momentum weighs the moving statistic).
@@ -338,7 +339,7 @@ class ProductKeyMemory(keras.layers.Layer):
         input_dropout = _rate("input_dropout", input_dropout)
         query_dropout = _rate("query_dropout", query_dropout)
         value_dropout = _rate("value_dropout", value_dropout)
-        _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
         if values_optimizer is not None:
             _args.check_choice("values_optimizer", values_optimizer, VALUES_OPTIMIZERS)
             if dense_grad:
@@ -517,7 +518,7 @@ class ProductKeyMemory(keras.layers.Layer):
         else:
             static = False
         mask = tf.cast(mask, tf.bool)
-        if not static and not _grs._in_xla_context():
+        if not static and not _common.in_xla_context():
             # Shapes unknown while tracing: a mask of the same size but another shape
             # would reshape silently. (XLA compiles assertions away.)
             with tf.control_dependencies([
@@ -627,7 +628,7 @@ class ProductKeyMemory(keras.layers.Layer):
         `update_values` (values_optimizer, not inference) a gradient through the read
         updates the slots read, by the fused op or by the unfused fallback.
         """
-        substitute = _serving.serving_table(self)
+        substitute = _serving_hook.serving_table(self)
         if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
             return substitute.lookup(ids, tf.cast(weights, self.values.dtype), "sum", padding_id)
         if update_values:
@@ -650,8 +651,8 @@ class ProductKeyMemory(keras.layers.Layer):
         """
         return (
             self.implementation != "composite"
-            and not _grs._in_xla_context()
-            and _grs._resource_variable(self.values) is not None
+            and not _common.in_xla_context()
+            and _common.resource_variable(self.values) is not None
         )
 
     def _read_and_update(
@@ -665,10 +666,10 @@ class ProductKeyMemory(keras.layers.Layer):
                 "update their copies of the values apart); use values_optimizer=None and a "
                 "Keras optimizer"
             )
-        trigger = tf.convert_to_tensor(_grs._resource_variable(self.values_update_trigger))
+        trigger = tf.convert_to_tensor(_common.resource_variable(self.values_update_trigger))
         accumulator = getattr(self, "values_accumulator", None)
         if self._fused_values_update():
-            return _grs.gather_reduce_sum_sparse_apply(
+            return _sparse_apply.gather_reduce_sum_sparse_apply(
                 self.values,
                 ids,
                 weights,
@@ -682,10 +683,10 @@ class ProductKeyMemory(keras.layers.Layer):
             )
         # Unfused: the values gradient of gather_reduce_sum, then the same update in
         # TensorFlow ops, applied by the gradient of an identity on the values.
-        variable = _grs._resource_variable(self.values)
+        variable = _common.resource_variable(self.values)
         variable = self.values if variable is None else variable
         if accumulator is not None:
-            state = _grs._resource_variable(accumulator)
+            state = _common.resource_variable(accumulator)
             accumulator = accumulator if state is None else state
         optimizer = self.values_optimizer
         learning_rate, epsilon = self.values_learning_rate, self.values_epsilon
@@ -912,7 +913,7 @@ def _apply_values_update(
     if isinstance(grad, tf.IndexedSlices):
         indices = tf.cast(grad.indices, tf.int64)
         values = tf.cast(grad.values, dtype)
-        if not _grs._in_xla_context():  # tf.unique does not compile
+        if not _common.in_xla_context():  # tf.unique does not compile
             indices, position = tf.unique(indices)
             values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
         else:  # densify: the Adagrads need each row once

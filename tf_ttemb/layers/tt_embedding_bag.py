@@ -21,9 +21,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_ttemb import _args, tt
-from tf_ttemb import serving as _serving
-from tf_ttemb.ops import gather_reduce_sum as _grs
+from tf_ttemb import _args, _serving_hook, tt
+from tf_ttemb.ops import _common, composite
 from tf_ttemb.ops import tt_embedding as _tte
 
 OPTIMIZERS = ("sgd", "adagrad")
@@ -51,7 +50,7 @@ def _in_place(variable: Any) -> Any:
     A distributed variable outside replica context (Keras calls a model once there under
     a strategy's scope) has no single resource to read; the ops then read its value.
     """
-    resource = _grs._resource_variable(variable)
+    resource = _common.resource_variable(variable)
     return variable if resource is None else resource
 
 
@@ -87,8 +86,8 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
             num_embeddings, embedding_dim, tt_ranks, tt_p_shapes, tt_q_shapes
         )
         self._shape = _tte.check_shapes(num_embeddings, p, q, ranks, num_tables)
-        _args.check_choice("combiner", combiner, _grs.COMBINERS)
-        _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+        _args.check_choice("combiner", combiner, _common.COMBINERS)
+        _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
         if padding_id is not None:
             bad_padding = ValueError(
                 "padding_id must be None, -1 or an integer in "
@@ -231,7 +230,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
     def _lookup(self, indices: Any, weights: Any, training: Any) -> tf.Tensor:
         if self.combiner == "max" and weights is not None:
             raise ValueError("combiner 'max' does not take weights")
-        substitute = _serving.serving_table(self)
+        substitute = _serving_hook.serving_table(self)
         if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
             output = substitute.lookup(indices, weights, self.combiner, self.padding_id)
             return tf.cast(output, self.compute_dtype)
@@ -244,7 +243,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
             if _is_training(training):
                 frequency_table = (self.freq_keys, self.freq_counts)
         if fused:
-            trigger = tf.convert_to_tensor(_grs._resource_variable(self.update_trigger))
+            trigger = tf.convert_to_tensor(_common.resource_variable(self.update_trigger))
             accumulators = getattr(self, "core_accumulators", [None] * len(cores))
             cores = [self._fused(c, a, trigger) for c, a in zip(cores, accumulators)]
             if self.use_cache:
@@ -279,8 +278,8 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         gradient touches and returns an empty gradient for `trigger`, the empty trainable
         variable through which every tape reaches this backward pass.
         """
-        variable = _grs._resource_variable(variable)
-        accumulator = None if accumulator is None else _grs._resource_variable(accumulator)
+        variable = _common.resource_variable(variable)
+        accumulator = None if accumulator is None else _common.resource_variable(accumulator)
         value = tf.convert_to_tensor(variable)
         learning_rate, eps = self.learning_rate, self.eps
 
@@ -383,7 +382,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         if not self.built:
             self.build()
         shape = self._shape
-        chunk = max(1, _grs.COMPOSITE_CHUNK_BYTES // (4 * self.embedding_dim))
+        chunk = max(1, composite.COMPOSITE_CHUNK_BYTES // (4 * self.embedding_dim))
         cache_ids = cache_rows = None
         if self.use_cache:
             cache_ids = tf.convert_to_tensor(self.cache_ids)
@@ -502,7 +501,7 @@ def _apply_update(variable, accumulator, grad, learning_rate: float, eps: float)
     if isinstance(grad, tf.IndexedSlices):
         indices = tf.cast(grad.indices, tf.int64)
         values = tf.cast(grad.values, dtype)
-        if not _grs._in_xla_context():  # tf.unique does not compile
+        if not _common.in_xla_context():  # tf.unique does not compile
             indices, position = tf.unique(indices)
             values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
         elif accumulator is not None:  # Adagrad needs each row once: densify

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_ttemb import _args
-from tf_ttemb.ops import gather_reduce_sum as _grs
+from tf_ttemb.ops import _bags, _common, composite
 
 MODES = ("int8", "float16")
 
@@ -108,7 +108,7 @@ def dequantize_rows(table: QuantizedRows, ids: tf.Tensor) -> tf.Tensor:
 
 def quantized_gather_reduce_sum(
     table: QuantizedRows,
-    indices: _grs.IndicesLike,
+    indices: _common.IndicesLike,
     weights: Any = None,
     combiner: str = "sum",
     padding_id: int | None = None,
@@ -152,16 +152,16 @@ def quantized_gather_reduce_sum(
            [   0. ,    0. ],
            [-100. ,  155. ]], dtype=float32)
     """
-    padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
+    padding_id = _common.check_lookup_args(combiner, weights, padding_id)
     with tf.name_scope(name or "quantized_gather_reduce_sum"):
         codes = table.codes
         shape = tf.TensorShape(codes.shape)
         if shape.rank is not None and shape.rank != 2:
             raise ValueError(f"codes must be a matrix [N, D], got shape {shape}")
-        bags = _grs._to_csr(indices, weights, tf.float32, xla=False)
+        bags = _bags.to_csr(indices, weights, tf.float32, xla=False)
         ids = tf.cast(bags.ids, tf.int64)
         num_rows = tf.shape(codes, out_type=tf.int64)[0]
-        with tf.control_dependencies(_grs._bounds_check(ids, num_rows, padding_id)):
+        with tf.control_dependencies(_bags.bounds_check(ids, num_rows, padding_id)):
             ids = tf.identity(ids)
         valid = (ids >= 0) & (ids < num_rows)
         if padding_id is not None:
@@ -169,7 +169,7 @@ def quantized_gather_reduce_sum(
         unique_ids, slots = tf.unique(tf.where(valid, ids, tf.zeros_like(ids)), tf.int64)
         rows = dequantize_rows(table, unique_ids)  # [U, D], U = 0 when there are no entries
         slots = tf.where(valid, slots, tf.constant(-1, tf.int64))
-        output = _grs._composite_with_gradient(
+        output = composite.composite_with_gradient(
             rows, bags._replace(ids=slots), combiner, -1, dense_grad=True, xla=False
         )
         if bags.batch_shape is not None:

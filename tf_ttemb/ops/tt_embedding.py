@@ -28,14 +28,13 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from tf_ttemb import _args
-from tf_ttemb.ops import _loader
-from tf_ttemb.ops import gather_reduce_sum as _grs
+from tf_ttemb.ops import _bags, _common, _custom_op, _loader, composite
 
 # Marks an empty cache slot in `cache_ids` (larger than every valid global id, so the
 # sorted cache ids keep empty slots at the end).
 EMPTY_CACHE_ID = 2**63 - 1
 
-IndicesLike = _grs.IndicesLike
+IndicesLike = _common.IndicesLike
 
 
 class TTShape(NamedTuple):
@@ -146,7 +145,7 @@ def _check_cores(cores: Any, shape: TTShape) -> list:
         if not hasattr(core, "dtype") or not hasattr(core, "shape"):
             core = cores[k] = tf.convert_to_tensor(core)
         core_dtype = tf.as_dtype(core.dtype)
-        if core_dtype not in _grs._VALUE_TYPES:
+        if core_dtype not in _common.VALUE_TYPES:
             raise TypeError(
                 f"cores must be float16, bfloat16, float32 or float64, got {core_dtype.name} "
                 f"for cores[{k}]"
@@ -181,8 +180,8 @@ def _tt_library(implementation: str):
 
 def _choose(implementation: str, probe: Any) -> tuple[str, bool]:
     """(resolved implementation, whether XLA/TPU semantics apply)."""
-    _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
-    xla = _grs._in_xla_context() or _grs._on_tpu(probe)
+    _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
+    xla = _common.in_xla_context() or _common.on_tpu(probe)
     if implementation == "auto":
         implementation = "composite" if xla else "custom_op"
     return implementation, xla
@@ -226,7 +225,7 @@ def _composite_rows(cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
     compute in float32 and return rows in their dtype.
     """
     dtype = tf.as_dtype(cores[0].dtype)
-    compute = tf.float32 if dtype in _grs._HALF_TYPES else dtype
+    compute = tf.float32 if dtype in _common.HALF_TYPES else dtype
     stride = shape.rows_per_table
     table = ids // stride
     local = ids % stride
@@ -281,7 +280,7 @@ tf.no_gradient("TfTtemb>TTCacheCount")
 
 def _read_rows(table: Any, positions: tf.Tensor) -> tf.Tensor:
     """Rows of a tensor or variable (a sparse read: the gradient is IndexedSlices)."""
-    variable = _grs._resource_variable(table)
+    variable = _common.resource_variable(table)
     if variable is not None:
         return variable.sparse_read(positions)
     return tf.gather(table, positions)
@@ -316,7 +315,7 @@ def _rows_with_cache(
 
 
 class _TableBags(NamedTuple):
-    bags: Any  # _grs._Bags over all tables' bags
+    bags: Any  # _bags.Bags over all tables' bags
     table_splits: tf.Tensor  # [num_tables + 1] int64: entries of each table
     finish: Any  # [num_bags, D] -> the output in the caller's layout
 
@@ -340,7 +339,7 @@ def _table_bags(
             f"with num_tables = {num_tables}, ragged or sparse indices must be a list of "
             f"{num_tables} tensors (one per table), got one {type(indices).__name__}"
         )
-    bags = _grs._to_csr(indices, weights, dtype, xla)
+    bags = _bags.to_csr(indices, weights, dtype, xla)
     nnz = tf.shape(bags.ids, out_type=tf.int64)[0]
     if num_tables == 1:
         table_splits = tf.stack([tf.constant(0, tf.int64), nnz])
@@ -383,7 +382,7 @@ def _table_bags(
 def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xla: bool):
     parts = []
     for t, ids in enumerate(indices):
-        part = _grs._to_csr(ids, None if weights is None else weights[t], dtype, xla)
+        part = _bags.to_csr(ids, None if weights is None else weights[t], dtype, xla)
         if part.batch_shape is not None and part.static_batch_shape.rank != 1:
             raise ValueError(
                 f"dense indices of table {t} must be [B, L], got shape "
@@ -423,7 +422,7 @@ def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xl
         positions = tf.range(tf.shape(ids, out_type=tf.int64)[0], dtype=tf.int64)
         return tf.searchsorted(row_splits[1:], positions, side="right", out_type=tf.int64)
 
-    bags = _grs._Bags(
+    bags = _bags.Bags(
         ids, row_splits, flat_weights, segment_ids, None, tf.TensorShape([None])
     )
 
@@ -463,7 +462,7 @@ def _count(frequency_table, global_ids: tf.Tensor, xla: bool) -> list:
         raise _loader.OpLibraryNotFoundError(
             "The op library has no TTCacheCount op: rebuild it with `bash configure.sh`."
         )
-    keys, counts = (_grs._resource_variable(v) for v in frequency_table)
+    keys, counts = (_common.resource_variable(v) for v in frequency_table)
     if keys is None or counts is None:
         raise ValueError("frequency_table must be a pair of int64 variables (keys, counts)")
     op = lib.tf_ttemb_tt_cache_count(keys.handle, counts.handle, global_ids)
@@ -494,7 +493,7 @@ def _custom_op_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
     )
     with tf.control_dependencies(counted):
         rows = tf.identity(rows)
-    return _grs._custom_op(
+    return _custom_op.custom_op(
         rows,
         bags._replace(ids=slots),
         combiner,
@@ -508,7 +507,7 @@ def _composite_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
     bags = table_bags.bags
     ids64 = tf.cast(bags.ids, tf.int64)
     num_rows = tf.constant(shape.num_embeddings, tf.int64)
-    checks = [] if xla else _grs._bounds_check(ids64, num_rows, padding_id)
+    checks = [] if xla else _bags.bounds_check(ids64, num_rows, padding_id)
     with tf.control_dependencies(checks):
         ids64 = tf.identity(ids64)
     valid = (ids64 >= 0) & (ids64 < num_rows)
@@ -536,7 +535,7 @@ def _composite_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
     )
     with tf.control_dependencies(counted):
         rows = tf.identity(rows)
-    return _grs._composite_with_gradient(
+    return composite.composite_with_gradient(
         rows,
         bags._replace(ids=tf.cast(slots, bags.ids.dtype)),
         combiner,
@@ -551,12 +550,12 @@ def _check_cache(cache_ids: Any, cache_rows: Any, dtype: tf.DType, dim: int) -> 
         raise ValueError("cache_ids and cache_rows must be given together (or neither)")
     if cache_ids is None:
         return None, None
-    if _grs._resource_variable(cache_ids) is None:
+    if _common.resource_variable(cache_ids) is None:
         cache_ids = tf.convert_to_tensor(cache_ids)
     ids_dtype = tf.as_dtype(cache_ids.dtype)
     if ids_dtype != tf.int64:
         raise TypeError(f"cache_ids must be int64, got {ids_dtype.name}")
-    if _grs._resource_variable(cache_rows) is None:
+    if _common.resource_variable(cache_rows) is None:
         cache_rows = tf.convert_to_tensor(cache_rows)
     if tf.as_dtype(cache_rows.dtype) != dtype:
         raise TypeError(
@@ -665,8 +664,8 @@ def tt_embedding_bag(
     >>> out.shape
     TensorShape([3, 6])
     """
-    padding_id = _grs.check_lookup_args(combiner, weights, padding_id)
-    _args.check_choice("implementation", implementation, _grs.IMPLEMENTATIONS)
+    padding_id = _common.check_lookup_args(combiner, weights, padding_id)
+    _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
     shape = check_shapes(num_embeddings, p_shapes, q_shapes, ranks, num_tables)
     with tf.name_scope(name or "tt_embedding_bag"):
         cores = _check_cores(cores, shape)
@@ -732,7 +731,7 @@ def tt_rows(
         ids = tf.convert_to_tensor(ids)
         if ids.shape.rank is not None and ids.shape.rank != 1:
             raise ValueError(f"ids must be a vector [n], got shape {ids.shape}")
-        ids = tf.cast(_grs._int_ids(ids, "ids"), tf.int64)
+        ids = tf.cast(_common.int_ids(ids, "ids"), tf.int64)
         if implementation == "custom_op":
             return _custom_rows(_tt_library(implementation), cores, ids, shape)
         limit = shape.num_tables * shape.rows_per_table

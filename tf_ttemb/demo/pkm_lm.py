@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_ttemb
-from tf_ttemb import demo
+from tf_ttemb.demo import _util
 
 VOCAB = 256  # bytes
 VALIDATION_BUCKETS = 10  # a file is a validation file when crc32(name) % 10 == 0
@@ -727,7 +727,7 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
         ]
         for name, r in results.items()
     ]
-    print(demo.format_table(headers, rows))
+    print(_util.format_table(headers, rows))
     stats = results.get(MEMORY, {}).get("memory_stats")
     if stats:
         print(

@@ -1,0 +1,150 @@
+"""What every lookup of tf_ttemb shares: the choices, the dtype sets, the argument checks,
+the resource-variable probe and the XLA/TPU probes.
+
+Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribute`,
+`tf_ttemb.serving` and the layers); not an API.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from tf_ttemb import _args
+
+COMBINERS = ("sum", "mean", "sqrtn", "max")
+
+
+IMPLEMENTATIONS = ("auto", "custom_op", "composite")
+
+
+HALF_TYPES = (tf.float16, tf.bfloat16)
+
+
+VALUE_TYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+IndicesLike = tf.Tensor | tf.RaggedTensor | tf.SparseTensor | Sequence
+
+
+def int_ids(ids: tf.Tensor, what: str) -> tf.Tensor:
+    if ids.dtype in (tf.int32, tf.int64):
+        return ids
+    if ids.dtype.is_integer:
+        return tf.cast(ids, tf.int64)
+    raise TypeError(f"{what} must be an integer tensor, got dtype {ids.dtype.name}")
+
+
+def static_or_dynamic(static: int | None, dynamic: tf.Tensor):
+    return static if static is not None else dynamic
+
+
+def in_xla_context() -> bool:
+    """Whether ops built now will be compiled by XLA (e.g. in `tf.function(jit_compile=True)`).
+
+    TensorFlow has no public API for this; `tf.__internal__.get_enclosing_xla_context` is the
+    narrowest one it exports (TensorFlow's own losses use it), so it is isolated here.
+    """
+    if tf.executing_eagerly():
+        return False
+    get_context = getattr(tf.__internal__, "get_enclosing_xla_context", None)
+    return get_context is not None and get_context() is not None
+
+
+def on_tpu(params: tf.Tensor) -> bool:
+    """Whether the computation runs on a TPU (TPUStrategy, or params placed on a TPU)."""
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        if isinstance(
+            strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)
+        ):
+            return True
+    device = getattr(params, "device", "") or ""
+    return ":TPU:" in device
+
+
+def check_lookup_args(combiner: str, weights: Any, padding_id: Any) -> int | None:
+    """Checks the arguments every lookup of the package shares; returns padding_id as an int.
+
+    Raises ValueError naming the argument: a combiner not in COMBINERS, weights with
+    "max", or a padding_id that is not None or an integer in int64's range.
+    """
+    _args.check_choice("combiner", combiner, COMBINERS)
+    if combiner == "max" and weights is not None:
+        raise ValueError("combiner 'max' does not take weights")
+    if padding_id is None:
+        return None
+    try:
+        if isinstance(padding_id, bool):
+            raise TypeError
+        value = operator.index(padding_id)
+    except TypeError:
+        raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"padding_id must be in int64's range [-2**63, 2**63), got {value}")
+    return value
+
+
+def check_table(shape: tf.TensorShape, dtype: tf.DType, what: str = "params") -> None:
+    """Raises a ValueError unless `shape` is that of a matrix [N, D] (or of unknown rank),
+    and a TypeError unless `dtype` is one of VALUE_TYPES."""
+    if shape.rank is not None and shape.rank != 2:
+        raise ValueError(f"{what} must be a matrix [N, D], got shape {shape}")
+    if dtype not in VALUE_TYPES:
+        raise TypeError(f"{what} must be float16, bfloat16, float32 or float64, got {dtype.name}")
+
+
+def resource_variable(params) -> Optional[tf.Variable]:
+    """The resource variable behind `params` (a `tf.Variable` or a Keras variable), or None.
+
+    Reading a variable as a tensor copies the whole table once the variable has been
+    updated sparsely (TensorFlow then keeps it in copy-on-read mode), so the custom op
+    reads such variables in place through their handle instead. A Keras variable that is
+    being autocast (mixed precision) is read as a tensor in its compute dtype.
+    """
+    if not isinstance(params, tf.Variable):
+        try:
+            params = params.value  # a Keras variable wraps a tf.Variable
+        except AttributeError:
+            return None
+        if not isinstance(params, tf.Variable):
+            return None
+    if isinstance(params, tf.distribute.DistributedValues):
+        return replica_local_variable(params)
+    try:
+        handle = params.handle
+    except (AttributeError, ValueError):
+        return None
+    if not isinstance(handle, tf.Tensor) or handle.dtype != tf.resource:
+        return None
+    return params
+
+
+def replica_local_variable(variable) -> Optional[tf.Variable]:
+    """The component of a distributed variable (MirroredVariable, ...) this replica reads.
+
+    Inside `strategy.run` a distributed variable's `handle` is the handle of the replica's
+    own copy; the copy itself is the one among `strategy.experimental_local_results` with
+    that very handle. Reading through that copy's handle lets the custom op read the
+    replica's table in place, and gradients w.r.t. the distributed variable (which tapes
+    take w.r.t. that same handle) flow to it. Elsewhere (cross-replica context, packed
+    variables) this gives None and the caller reads the variable as a tensor, which a
+    distributed variable resolves to the right copy.
+    """
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    try:
+        handle = variable.handle
+    except (AttributeError, ValueError):
+        return None
+    for component in tf.distribute.get_strategy().experimental_local_results(variable):
+        if (
+            isinstance(component, tf.Variable)
+            and not isinstance(component, tf.distribute.DistributedValues)
+            and getattr(component, "handle", None) is handle
+        ):
+            return component
+    return None

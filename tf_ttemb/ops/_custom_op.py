@@ -1,0 +1,178 @@
+"""The custom-op path of `gather_reduce_sum`: calls into the `TfTtemb>GatherReduceSum` op
+family (`docs/gather_reduce_sum_contract.md`) and the gradients registered for it.
+
+Private to the package; not an API.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tf_ttemb.ops import _bags, _loader
+
+
+def op_attrs(combiner, has_weights: bool, padding_id: int | None) -> dict:
+    return {
+        "combiner": combiner,
+        "has_weights": has_weights,
+        "padding_id": -1 if padding_id is None else padding_id,
+        "has_padding_id": padding_id is not None,
+    }
+
+
+def _attrs_of(op) -> dict:
+    return {
+        key: op.get_attr(key) for key in ("combiner", "has_weights", "padding_id", "has_padding_id")
+    }
+
+
+def _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs):
+    params_shape = tf.shape(params, out_type=tf.int64)
+    unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
+        grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+    )
+    return tf.IndexedSlices(values, unique_ids, dense_shape=params_shape)
+
+
+def _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs):
+    if not attrs["has_weights"]:
+        return None
+    return lib.tf_ttemb_gather_reduce_sum_weights_grad(
+        grad, params, ids, row_splits, weights, output, **attrs
+    )
+
+
+@tf.RegisterGradient("TfTtemb>GatherReduceSum")
+def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
+    """Gradients of GatherReduceSum: IndexedSlices over sorted unique ids, weights, None."""
+    lib = _loader.load_op_library()
+    attrs = _attrs_of(op)
+    params, ids, row_splits, weights = op.inputs[:4]
+    output, argmax = op.outputs[:2]
+    if _use_fused_backward(attrs):
+        unique_ids, values, weights_grad = lib.tf_ttemb_gather_reduce_sum_fused_grad(
+            grad, params, ids, row_splits, weights, output, dense_grad=False, **attrs
+        )
+        params_shape = tf.shape(params, out_type=tf.int64)
+        return tf.IndexedSlices(values, unique_ids, params_shape), None, None, weights_grad
+    params_grad = _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs)
+    weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs)
+    return params_grad, None, None, weights_grad
+
+
+def _use_fused_backward(attrs: dict) -> bool:
+    """Whether the weighted backward can use the one-pass fused gradient op.
+
+    It computes the params and weights gradients together, reading each table row once
+    in id order instead of gathering it again per entry (CPU and GPU kernels).
+    """
+    return attrs["has_weights"] and attrs["combiner"] != "max"
+
+
+@tf.RegisterGradient("TfTtemb>ResourceGatherReduceSum")
+def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad):
+    """Gradients of ResourceGatherReduceSum, as for GatherReduceSum, w.r.t. the handle."""
+    lib = _loader.load_op_library()
+    attrs = _attrs_of(op)
+    handle, ids, row_splits, weights = op.inputs[:4]
+    output, argmax = op.outputs[:2]
+    params_shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
+    if _use_fused_backward(attrs):
+        dense_grad = op.get_attr("dense_grad")
+        unique_ids, values, weights_grad = lib.tf_ttemb_resource_gather_reduce_sum_fused_grad(
+            grad, handle, ids, row_splits, weights, output, dense_grad=dense_grad, **attrs
+        )
+        if dense_grad:
+            return values, None, None, weights_grad
+        return tf.IndexedSlices(values, unique_ids, params_shape), None, None, weights_grad
+    if op.get_attr("dense_grad"):
+        params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
+            grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+        )
+    else:
+        unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
+            grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+        )
+        params_grad = tf.IndexedSlices(values, unique_ids, dense_shape=params_shape)
+    weights_grad = None
+    if attrs["has_weights"]:
+        weights_grad = lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
+            grad, handle, ids, row_splits, weights, output, **attrs
+        )
+    return params_grad, None, None, weights_grad
+
+
+def custom_op_on_variable(
+    variable: tf.Variable,
+    bags: _bags.Bags,
+    combiner: str,
+    padding_id: Optional[int],
+    dense_grad: bool,
+) -> tf.Tensor:
+    lib = _loader.load_op_library()
+    has_weights = bags.weights is not None
+    attrs = op_attrs(combiner, has_weights, padding_id)
+    weights = bags.weights if has_weights else tf.zeros([0], variable.dtype)
+    # A read of no rows, through the public API, tells every active GradientTape that
+    # the variable was used (the op below reads it through its handle, which tapes do
+    # not see as a variable access) and costs nothing.
+    variable.sparse_read(tf.zeros([0], tf.int32))
+    output, _ = lib.tf_ttemb_resource_gather_reduce_sum(
+        variable.handle, bags.ids, bags.row_splits, weights, dense_grad=dense_grad, **attrs
+    )
+    return output
+
+
+def custom_op(
+    params: tf.Tensor, bags: _bags.Bags, combiner: str, padding_id: int | None, dense_grad: bool
+) -> tf.Tensor:
+    lib = _loader.load_op_library()
+    has_weights = bags.weights is not None
+    attrs = op_attrs(combiner, has_weights, padding_id)
+    weights = bags.weights if has_weights else tf.zeros([0], params.dtype)
+    ids, row_splits = bags.ids, bags.row_splits
+    if not dense_grad:
+        output, _ = lib.tf_ttemb_gather_reduce_sum(params, ids, row_splits, weights, **attrs)
+        return output
+
+    # The op has no attr for the gradient's form, so the dense-gradient variant replaces
+    # the registered (sparse) gradient with one that calls GatherReduceSumDenseGrad.
+    @tf.custom_gradient
+    def forward(params, weights):
+        # stop_gradient: the registered gradient is replaced, so an eager tape need not
+        # record the inner op.
+        output, argmax = lib.tf_ttemb_gather_reduce_sum(
+            tf.stop_gradient(params), ids, row_splits, tf.stop_gradient(weights), **attrs
+        )
+
+        def grad(dy):
+            if _use_fused_backward(attrs):
+                _, params_grad, weights_grad = lib.tf_ttemb_gather_reduce_sum_fused_grad(
+                    dy, params, ids, row_splits, weights, output, dense_grad=True, **attrs
+                )
+                return params_grad, weights_grad
+            params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
+                dy,
+                ids,
+                row_splits,
+                weights,
+                argmax,
+                tf.shape(params, out_type=tf.int64)[0],
+                **attrs,
+            )
+            weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, dy, attrs)
+            return params_grad, weights_grad
+
+        return output, grad
+
+    return forward(params, weights)
+
+
+tf.no_gradient("TfTtemb>GatherReduceSumGrad")
+tf.no_gradient("TfTtemb>GatherReduceSumFusedGrad")
+tf.no_gradient("TfTtemb>ResourceGatherReduceSumFusedGrad")
+tf.no_gradient("TfTtemb>ResourceGatherReduceSumWeightsGrad")
+tf.no_gradient("TfTtemb>GatherReduceSumDenseGrad")
+tf.no_gradient("TfTtemb>GatherReduceSumWeightsGrad")
