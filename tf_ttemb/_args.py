@@ -10,6 +10,35 @@ import operator
 from typing import Any, Sequence
 
 
+def as_integer(value: Any) -> int | None:
+    """`value` as a Python int if it is an integer (a Python or numpy integer, anything
+    with `__index__`, not a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def layer_padding_id(value: Any, rows_name: str, rows: int) -> int | None:
+    """A layer's `padding_id`: None, -1 (an id that is never a row) or a row in [0, rows),
+    whose embedding training then leaves untouched. Returns it as an int (or None).
+
+    Raises:
+      ValueError: naming the argument, the table's row count and the value.
+    """
+    if value is None:
+        return None
+    number = as_integer(value)
+    if number is None or not -1 <= number < rows:
+        raise ValueError(
+            f"padding_id must be None, -1 or an integer in [0, {rows_name}={rows}), "
+            f"got {value!r}"
+        )
+    return number
+
+
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
     """`value` as an int, if it is an integer (not a bool) of at least `minimum`.
 
@@ -28,13 +57,8 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
       >>> positive_int("dim", 8)
       8
     """
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if number < minimum:
+    number = as_integer(value)
+    if number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return number
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_ttemb import _args
 from tf_ttemb.ops import _bags, _common
 from tf_ttemb.ops import gather_reduce_sum as _grs
 
@@ -160,11 +159,9 @@ def sharded_gather_reduce_sum(
         return _grs.gather_reduce_sum(
             params, indices, weights, combiner, padding_id, dense_grad, implementation, name
         )
-    padding_id = _common.check_lookup_args(combiner, weights, padding_id)
-    _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
+    padding_id = _common.check_lookup_args(combiner, weights, padding_id, implementation)
     offsets, dim, dtype = _check_shards(shards)
-    if dtype not in _common.VALUE_TYPES:
-        raise TypeError(f"params must be float16, bfloat16, float32 or float64, got {dtype.name}")
+    _common.check_table(tf.TensorShape([None, dim]), dtype)
     with tf.name_scope(name or "sharded_gather_reduce_sum"):
         bags = _bags.to_csr(indices, weights, dtype, xla=False)
         acc_dtype = tf.float32 if dtype in _common.HALF_TYPES else dtype

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import keras
@@ -97,19 +96,7 @@ class EmbeddingBag(keras.layers.Layer):
         output_dim = _args.positive_int("output_dim", output_dim)
         _args.check_choice("combiner", combiner, _common.COMBINERS)
         _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
-        if padding_id is not None:
-            bad_padding = ValueError(
-                f"padding_id must be None, -1 or an integer in [0, input_dim={input_dim}), "
-                f"got {padding_id!r}"
-            )
-            try:
-                if isinstance(padding_id, bool):
-                    raise TypeError
-                padding_id = operator.index(padding_id)
-            except TypeError:
-                raise bad_padding from None
-            if not -1 <= padding_id < input_dim:
-                raise bad_padding
+        padding_id = _args.layer_padding_id(padding_id, "input_dim", input_dim)
         if keras.backend.backend() != "tensorflow":
             raise ValueError(
                 "EmbeddingBag needs the TensorFlow backend of Keras, got "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,19 +87,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         self._shape = _tte.check_shapes(num_embeddings, p, q, ranks, num_tables)
         _args.check_choice("combiner", combiner, _common.COMBINERS)
         _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
-        if padding_id is not None:
-            bad_padding = ValueError(
-                "padding_id must be None, -1 or an integer in "
-                f"[0, num_embeddings={num_embeddings}), got {padding_id!r}"
-            )
-            try:
-                if isinstance(padding_id, bool):
-                    raise TypeError
-                padding_id = operator.index(padding_id)
-            except TypeError:
-                raise bad_padding from None
-            if not -1 <= padding_id < num_embeddings:
-                raise bad_padding
+        padding_id = _args.layer_padding_id(padding_id, "num_embeddings", num_embeddings)
         _args.check_choice(
             "optimizer", optimizer.lower() if isinstance(optimizer, str) else optimizer, OPTIMIZERS
         )

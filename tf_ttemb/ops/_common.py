@@ -7,7 +7,6 @@ Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribu
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -66,23 +65,25 @@ def on_tpu(params: tf.Tensor) -> bool:
     return ":TPU:" in device
 
 
-def check_lookup_args(combiner: str, weights: Any, padding_id: Any) -> int | None:
+def check_lookup_args(
+    combiner: str, weights: Any, padding_id: Any, implementation: str | None = None
+) -> int | None:
     """Checks the arguments every lookup of the package shares; returns padding_id as an int.
 
     Raises ValueError naming the argument: a combiner not in COMBINERS, weights with
-    "max", or a padding_id that is not None or an integer in int64's range.
+    "max", a padding_id that is not None or an integer in int64's range, or (when given)
+    an implementation not in IMPLEMENTATIONS.
     """
     _args.check_choice("combiner", combiner, COMBINERS)
+    if implementation is not None:
+        _args.check_choice("implementation", implementation, IMPLEMENTATIONS)
     if combiner == "max" and weights is not None:
         raise ValueError("combiner 'max' does not take weights")
     if padding_id is None:
         return None
-    try:
-        if isinstance(padding_id, bool):
-            raise TypeError
-        value = operator.index(padding_id)
-    except TypeError:
-        raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}") from None
+    value = _args.as_integer(padding_id)
+    if value is None:
+        raise ValueError(f"padding_id must be an integer or None, got {padding_id!r}")
     if not -(2**63) <= value < 2**63:
         raise ValueError(f"padding_id must be in int64's range [-2**63, 2**63), got {value}")
     return value

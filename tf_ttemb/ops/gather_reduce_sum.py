@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_ttemb import _args
 from tf_ttemb.ops import _bags, _common, _custom_op, composite
 from tf_ttemb.ops.sparse_apply import gather_reduce_sum_sparse_apply
 
@@ -116,8 +115,7 @@ def gather_reduce_sum(
     array([[ 3.5,  6. ],
            [10. , 12. ]], dtype=float32)
     """
-    padding_id = _common.check_lookup_args(combiner, weights, padding_id)
-    _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
+    padding_id = _common.check_lookup_args(combiner, weights, padding_id, implementation)
     with tf.name_scope(name or "gather_reduce_sum"):
         variable = _common.resource_variable(params)
         if variable is None:

@@ -664,8 +664,7 @@ def tt_embedding_bag(
     >>> out.shape
     TensorShape([3, 6])
     """
-    padding_id = _common.check_lookup_args(combiner, weights, padding_id)
-    _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
+    padding_id = _common.check_lookup_args(combiner, weights, padding_id, implementation)
     shape = check_shapes(num_embeddings, p_shapes, q_shapes, ranks, num_tables)
     with tf.name_scope(name or "tt_embedding_bag"):
         cores = _check_cores(cores, shape)
