@@ -457,7 +457,7 @@ def bench_graph(make_fn, iters):
             make_fn(i)
         graphs.append(g)
     ms = bench(lambda i: graphs[i % 3].replay(), iters)
-    del graphs
+    graphs = None
     return ms
 
 
@@ -555,7 +555,7 @@ def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backwar
     for k in ("fwd", "bwd", "fwd_bwd"):
         t, o = r.get(f"torch_{k}_ms"), r.get(f"ours_{k}_ms")
         r[f"speedup_{k}"] = t / o if t and o else None
-    del p_leaf, leaves
+    p_leaf = leaves = None
     torch.cuda.empty_cache()
     return r
 
@@ -944,7 +944,6 @@ def tt_executed_flops(state):
     s = state.shape
     u = int(state.num_unique.item())
     g = state.unique[:u]
-    P = s.rows_per_table
     strides = [math.prod(s.p[k + 1:]) for k in range(s.num_cores)]
     total = 0
     m = s.q[0]
@@ -1048,7 +1047,7 @@ def tt_bench_shape(name, bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 
             t, o = res.get(f"torch_{k}_ms"), res.get(f"ours_{k}_ms")
             res[f"torch_{k}_us_per_lookup"] = t * 1e3 / nnz if t else None
             res[f"speedup_vs_torch_{k}"] = t / o if t and o else None
-    del states
+    states = None
     torch.cuda.empty_cache()
     return res
 
@@ -1531,13 +1530,13 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
         # Counting one batch (training's job, not the forward's), on copies of the table.
         k2, c2 = keys.clone(), counts.clone()
         timed(row, "count_per_batch", lambda i: gh.tt_cache_count(sets[i % 3], k2, c2, N), it)
-        del states, sts_u, k2, c2
+        states = sts_u = k2 = c2 = None
         if row.get("fwd_nocache_ms") and row.get("fwd_cache_ms"):
             row["speedup_cache"] = row["fwd_nocache_ms"] / row["fwd_cache_ms"]
             row["target_3x_met"] = row["speedup_cache"] >= 3.0
         res["cases"].append(row)
         log(json.dumps(row))
-        del sets
+        sets = None
         torch.cuda.empty_cache()
     return res
 
@@ -1731,7 +1730,7 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     timed(res, "exact_fwd", lambda i: host_fwd(i, U=sizes[i % 3][0]), iters)
     timed(res, "exact_fwd_bwd", lambda i: host_fwd_bwd(i, U=sizes[i % 3][0],
                                                        counts=sizes[i % 3][1]), iters)
-    del sets
+    sets = None
     torch.cuda.empty_cache()
     return res
 

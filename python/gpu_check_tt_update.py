@@ -884,7 +884,7 @@ def bench_update(gen):
                     r["ms_eager_one_launch"] = time_ms(lambda: sparse_update(
                         opt, all_sets[0], LR, EPS))
                 out.append(r)
-                del all_sets
+                all_sets = None
                 torch.cuda.empty_cache()
     return out
 
