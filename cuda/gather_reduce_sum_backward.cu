@@ -176,8 +176,8 @@ __global__ void __launch_bounds__(kBlock) WeightsGradKernel(const WeightsGradArg
 #pragma unroll 4
       for (int64_t cv = walk.lane; cv < a.dim_vecs; cv += a.group) {
         const int64_t col = cv * V;
-        const Packet<T> dy = LoadVec<T, kAligned>(dy_row + col, col, a.dim);
-        const Packet<T> pr = LoadVec<T, kAligned>(p_row + col, col, a.dim);
+        const Pack<T> dy = LoadVec<T, kAligned>(dy_row + col, col, a.dim);
+        const Pack<T> pr = LoadVec<T, kAligned>(p_row + col, col, a.dim);
 #pragma unroll
         for (int e = 0; e < V; ++e) dot = fma(ToAcc(dy.v[e]), ToAcc(pr.v[e]), dot);
       }

@@ -26,8 +26,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "cuda/accumulate.cuh"
-#include "cuda/carver.cuh"
+#include "cuda/common.cuh"
 #include "cuda/gather_reduce_sum_kernels.cuh"
 
 namespace tf_ttemb {
@@ -69,33 +68,21 @@ constexpr int kRunStages = TTEMB_RUN_STAGES;
 constexpr int kRunSmemBytes = (kBlock / 32) * kRunStages * kRunVectors * 32 * 16;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 
-// V consecutive elements of a row, 16 bytes.
-template <typename T>
-struct alignas(16) Packet {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(T));
-  T v[kSize];
-};
-
-template <typename T>
-__host__ __device__ constexpr int VecOf() {
-  return Packet<T>::kSize;
-}
-
 // Loads the vector starting at element `col` of a row. kAligned: one 16-byte
 // load (row and D are multiples of V). Otherwise element by element, with
 // zeros past the end of the row (col + e >= dim). kReadOnly: through the
 // read-only data cache, for rows no kernel running now writes; false for
 // rows the same kernel updates.
 template <typename T, bool kAligned, bool kReadOnly = true>
-__device__ __forceinline__ Packet<T> LoadVec(const T* __restrict__ p, int64_t col,
+__device__ __forceinline__ Pack<T> LoadVec(const T* __restrict__ p, int64_t col,
                                              int64_t dim) {
-  Packet<T> r;
+  Pack<T> r;
   if (kAligned) {
     const uint4* q = reinterpret_cast<const uint4*>(p);
     *reinterpret_cast<uint4*>(r.v) = kReadOnly ? __ldg(q) : *q;
   } else {
 #pragma unroll
-    for (int e = 0; e < Packet<T>::kSize; ++e) {
+    for (int e = 0; e < Pack<T>::kSize; ++e) {
       r.v[e] = col + e < dim ? p[e] : FromAcc<T>(AccT<T>(0));
     }
   }
@@ -103,13 +90,13 @@ __device__ __forceinline__ Packet<T> LoadVec(const T* __restrict__ p, int64_t co
 }
 
 template <typename T, bool kAligned>
-__device__ __forceinline__ void StoreVec(T* __restrict__ p, const Packet<T>& x,
+__device__ __forceinline__ void StoreVec(T* __restrict__ p, const Pack<T>& x,
                                          int64_t col, int64_t dim) {
   if (kAligned) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x.v);
   } else {
 #pragma unroll
-    for (int e = 0; e < Packet<T>::kSize; ++e) {
+    for (int e = 0; e < Pack<T>::kSize; ++e) {
       if (col + e < dim) p[e] = x.v[e];
     }
   }
@@ -117,7 +104,7 @@ __device__ __forceinline__ void StoreVec(T* __restrict__ p, const Packet<T>& x,
 
 // acc[e] = fma(w, element e, acc[e]) over the V elements held in the raw
 // 16 bytes of a row vector (little-endian, element 0 in the low bits of x):
-// the same values as ToAcc on a Packet, in fewer instructions (for bf16 a
+// the same values as ToAcc on a Pack, in fewer instructions (for bf16 a
 // shift or a mask per element) and without 16-bit registers.
 __device__ __forceinline__ void FmaRaw(float w, const uint4& r, float (&acc)[4]) {
   acc[0] = fma(w, __uint_as_float(r.x), acc[0]);
@@ -182,7 +169,7 @@ __device__ __forceinline__ void RawToAcc(const uint4& r, AccT<T> (&f)[VecOf<T>()
 // The raw 16 bytes of V accumulators rounded to T.
 template <typename T>
 __device__ __forceinline__ uint4 AccToRaw(const AccT<T> (&f)[VecOf<T>()]) {
-  Packet<T> o;
+  Pack<T> o;
 #pragma unroll
   for (int e = 0; e < VecOf<T>(); ++e) o.v[e] = FromAcc<T>(f[e]);
   return *reinterpret_cast<const uint4*>(o.v);
@@ -399,25 +386,13 @@ __global__ void FinishReportKernel(const Tindex* __restrict__ ids, int64_t nnz,
 // ---------------------------------------------------------------------------
 // Host side.
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int Pow2AtLeast(int64_t x) {
-  int p = 1;
-  while (p < x && p < 32) p <<= 1;
-  return p;
-}
-
-int GridFor(int64_t threads) {
-  return static_cast<int>(std::min(std::max<int64_t>(CeilDiv(threads, kBlock), 1), kMaxBlocks));
-}
+int GridFor(int64_t threads) { return GridBlocks(threads, kBlock, kMaxBlocks); }
 
 // For grid-stride kernels whose items mostly exit at once (pieces when few
 // segments are long, rows that a segment writes): enough warps to fill any GPU
 // several times, without launching a block per item (run 4: 41 + 21 + 13 us
 // for such launches in the PKM backward).
 int GridCapped(int64_t threads) { return std::min(GridFor(threads), 2048); }
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // Column layout of a row of `dim` elements of T (see the top of the file).
 struct Columns {
@@ -433,17 +408,11 @@ Columns ColumnsFor(int64_t dim, int nv = 1) {
   Columns c;
   c.dim_vecs = CeilDiv(dim, VecOf<T>());
   if (c.dim_vecs == 0) return c;
-  c.group = Pow2AtLeast(c.dim_vecs);
+  c.group = Pow2AtLeast(c.dim_vecs, 32);
   c.nv = c.dim_vecs >= 32 * nv ? nv : 1;
   c.chunks = CeilDiv(c.dim_vecs, c.group * c.nv);
   return c;
 }
-
-#define TTEMB_RETURN_IF_CUDA_ERROR(expr)    \
-  do {                                      \
-    const cudaError_t err_ = (expr);        \
-    if (err_ != cudaSuccess) return err_;   \
-  } while (0)
 
 cudaError_t LastLaunchError() { return cudaGetLastError(); }
 

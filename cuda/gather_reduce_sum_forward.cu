@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kBlock, 2)
     }
     if constexpr (!kWarpIds) load_ids(s0);
     for (int64_t j0 = s0; !kWarpIds && j0 < s1; j0 += U) {
-      Packet<T> x[U][NV];
+      Pack<T> x[U][NV];
       unsigned loaded = 0;
       A wc[U];
 #pragma unroll
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kBlock, 2)
       if (cv >= a.dim_vecs) continue;
       const int64_t col = cv * V;
       if (a.slices == 1) {
-        Packet<T> o;
+        Pack<T> o;
         if (kMax) {
           Ints<V> pp;
 #pragma unroll

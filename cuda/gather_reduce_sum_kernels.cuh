@@ -35,11 +35,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/accumulate.cuh"
+#include "cuda/common_types.h"
 #include "cuda/gather_reduce_sum_update_kernels.cuh"
 
 namespace tf_ttemb {
 namespace gpu {
+
+using ::tf_ttemb::AccT;
 
 enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2, kMax = 3 };
 

@@ -76,7 +76,7 @@ __device__ __forceinline__ void ReduceEntries(const ReduceArgs<T>& a, int64_t k0
   for (int64_t k = k0; k < k1; k += U) {
     int32_t cur_bag[U];
     A cur_info[U];
-    Packet<T> dy[U][NV];
+    Pack<T> dy[U][NV];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       cur_bag[u] = bag[u];
@@ -140,7 +140,7 @@ __device__ __forceinline__ void LoadParamsRow(const ReduceArgs<T>& a, int64_t ro
   for (int i = 0; i < NV; ++i) {
     const int64_t cv = base + i * a.group;
     if (a.params != nullptr && cv < a.dim_vecs) {
-      const Packet<T> x = LoadVec<T, kAligned>(a.params + row * a.dim + cv * V, cv * V, a.dim);
+      const Pack<T> x = LoadVec<T, kAligned>(a.params + row * a.dim + cv * V, cv * V, a.dim);
 #pragma unroll
       for (int e = 0; e < V; ++e) prow[i][e] = ToAcc(x.v[e]);
     } else {
@@ -203,7 +203,7 @@ __device__ __forceinline__ void ApplyGradRow(const ReduceArgs<T>& a, int64_t row
     if (kAligned && old != nullptr) {
       RawToAcc<T>(old[i], w);
     } else {
-      const Packet<T> x = LoadVec<T, kAligned, /*kReadOnly=*/false>(dst, cv * V, a.dim);
+      const Pack<T> x = LoadVec<T, kAligned, /*kReadOnly=*/false>(dst, cv * V, a.dim);
 #pragma unroll
       for (int e = 0; e < V; ++e) w[e] = ToAcc(x.v[e]);
     }
@@ -225,7 +225,7 @@ __device__ __forceinline__ void ApplyGradRow(const ReduceArgs<T>& a, int64_t row
         break;
       }
     }
-    Packet<T> o;
+    Pack<T> o;
 #pragma unroll
     for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(w[e]);
     StoreVec<T, kAligned>(dst, o, cv * V, a.dim);
@@ -248,7 +248,7 @@ __device__ __forceinline__ void WriteGradRow(const ReduceArgs<T>& a, int64_t u, 
   for (int i = 0; i < NV; ++i) {
     const int64_t cv = base + i * a.group;
     if (cv >= a.dim_vecs) continue;
-    Packet<T> o;
+    Pack<T> o;
 #pragma unroll
     for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[i][e]);
     StoreVec<T, kAligned>(dst + cv * V, o, cv * V, a.dim);
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kBlock, kNarrowMinBlocks)
     };
     load_info(k0);
     for (int64_t k = k0; k < k1; k += E) {
-      Packet<T> dy[E];
+      Pack<T> dy[E];
       A cur[E];
 #pragma unroll
       for (int j = 0; j < E; ++j) {
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(kBlock, kNarrowMinBlocks)
       ApplyGradRow<T, kAligned, 1>(a, row, cv, a.group, GroupMask(a.group), walk.lane == 0, acc1);
     } else if (active) {
       T* dst = a.values != nullptr ? a.values + u * a.dim : a.dense + row * a.dim;
-      Packet<T> o;
+      Pack<T> o;
 #pragma unroll
       for (int e = 0; e < V; ++e) o.v[e] = FromAcc<T>(acc[e]);
       StoreVec<T, kAligned>(dst + cv * V, o, cv * V, a.dim);
@@ -765,7 +765,7 @@ __global__ void ZeroUntouchedRowsKernel(T* __restrict__ dense,  // [N, D]
                                         int group) {
   constexpr int V = VecOf<T>();
   const GroupWalk walk(group);
-  Packet<T> zero;
+  Pack<T> zero;
 #pragma unroll
   for (int e = 0; e < V; ++e) zero.v[e] = FromAcc<T>(AccT<T>(0));
   for (int64_t row = walk.first; row < num_rows; row += walk.stride) {

@@ -7,7 +7,7 @@
 
 #include "cuda/gather_reduce_sum_update_kernels.cuh"
 
-#include "cuda/accumulate.cuh"
+#include "cuda/common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -468,15 +468,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 // Lanes per piece of the register-direct kernels: the tiles rounded up to a power of two, at
 // most a warp.
-int RegGroup(int64_t tiles) {
-  int group = 1;
-  while (group < tiles && group < 32) group *= 2;
-  return group;
-}
+int RegGroup(int64_t tiles) { return Pow2AtLeast(tiles, 32); }
 
 // The same for wide B (Nc >= 32): warp w of the block owns the outputs (rows
 // m0 .. m0+MM-1, k) in turn; its lanes split the columns c (coalesced loads of
@@ -1073,50 +1067,50 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
   const int64_t nmax = max_ids;
   LevelBuffers& b = s.levels;
   InitReportKernel<<<1, 1, 0, stream>>>(report);
-  TT_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, 0, std::max<int64_t>(max_ids, 1),
                                         b.counts);
-  TT_RETURN_IF_ERROR(cudaGetLastError());
-  TT_RETURN_IF_ERROR(cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
   if (nmax > 0) {
     CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, ids, b.counts, 0, report);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
-    TT_RETURN_IF_ERROR(BuildLevels(g, ids, nmax, &b, stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(BuildLevels(g, ids, nmax, &b, stream));
     for (int k = 0; k < g.T; ++k) {
       CoreSort& cs = s.core[k];
       const int64_t sentinel = g.tables * g.p[k];
       RowKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, k, b.counts, nmax, b.row[k],
                                                             sentinel, s.keys_in, s.vals_in);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       size_t bytes = b.cub_bytes;
-      TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
           b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.sorted_items,
-          static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel)), stream));
+          static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
       PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
           s.keys_out, nmax, sentinel, CorePieceItems(g, k), s.piece_flags, b.flags);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       bytes = b.cub_bytes;
-      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
+      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
                                                        s.piece_incl, static_cast<int>(nmax),
                                                        stream));
       bytes = b.cub_bytes;
-      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
+      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
                                                        static_cast<int>(nmax), stream));
       PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
           s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
           cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, &report->core_rows[k]);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       PieceEndKernel<<<1, 1, 0, stream>>>(g, k, b.counts, cs.piece_count, cs.piece_pos);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       if (cs.piece_order != nullptr) {
         PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kThreads, 0, stream>>>(
             cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax,
             s.keys_in, s.vals_in);
-        TT_RETURN_IF_ERROR(cudaGetLastError());
+        TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
         bytes = b.cub_bytes;
-        TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+        TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
             b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.piece_order,
-            static_cast<int>(cs.max_pieces), 0, BitsFor(static_cast<uint64_t>(nmax)), stream));
+            static_cast<int>(cs.max_pieces), 0, BitsFor(static_cast<uint64_t>(nmax), 64), stream));
       }
     }
     for (int t = 1; t < g.T; ++t) {
@@ -1124,23 +1118,23 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       const int64_t sentinel = nmax;
       ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
                                                                sentinel, s.keys_out);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
           s.keys_out, nmax, sentinel, kChildPieceItems, s.piece_flags, b.flags);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       size_t bytes = b.cub_bytes;
-      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
+      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
                                                        s.piece_incl, static_cast<int>(nmax),
                                                        stream));
       bytes = b.cub_bytes;
-      TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
+      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
                                                        static_cast<int>(nmax), stream));
       PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
           s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
           cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, cs.row_count);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       PieceEndKernel<<<1, 1, 0, stream>>>(g, t, b.counts, cs.piece_count, cs.piece_pos);
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     }
     WorkNeeds needs;
     needs.T = g.T;
@@ -1156,11 +1150,11 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       }
     }
     WorkNeedsKernel<<<1, 1, 0, stream>>>(needs, report);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   } else {
     for (int k = 0; k < g.T; ++k) {
-      TT_RETURN_IF_ERROR(cudaMemsetAsync(s.core[k].piece_count, 0, sizeof(int64_t), stream));
-      TT_RETURN_IF_ERROR(cudaMemsetAsync(s.core[k].row_count, 0, sizeof(int64_t), stream));
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.core[k].piece_count, 0, sizeof(int64_t), stream));
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.core[k].row_count, 0, sizeof(int64_t), stream));
     }
   }
   FinishReportKernel<<<1, 1, 0, stream>>>(ids, num_ids, max_ids, report);
@@ -1246,7 +1240,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   if (dense) {
     for (int k = 0; k < g.T; ++k) {
       if (core_dense[k] == nullptr) return cudaErrorInvalidValue;
-      TT_RETURN_IF_ERROR(cudaMemsetAsync(
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
           core_dense[k], 0, sizeof(T) * static_cast<size_t>(g.tables * g.p[k] * g.width[k]),
           stream));
     }
@@ -1273,7 +1267,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                 g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
                 b.par[t], b.row[0], s.partial[t - 1], cores[t], s.partial[t]);
       }
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       continue;
     }
     cudaError_t err =
@@ -1281,7 +1275,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                                              s.partial[t], stream)
                : LaunchLevelForward<C, T, C>(g, t, ids, nmax, b, s.partial[t - 1], cores[t],
                                              s.partial[t], stream);
-    TT_RETURN_IF_ERROR(err);
+    TTEMB_RETURN_IF_CUDA_ERROR(err);
   }
   auto combine = [&](int k) -> cudaError_t {
     const CoreSort& cs = s.core[k];
@@ -1398,7 +1392,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
           }
         }
       }
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       if (by_row) {
         ChildCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
             g, t, ids, g.S[t - 1], &b.counts[t], ch.seg_first_piece, ch.piece_pos, s.pieces,
@@ -1407,7 +1401,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
         ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
             g.S[t - 1], &b.counts[t], ch.seg_first_piece, s.pieces, s.dpartial[t - 1]);
       }
-      TT_RETURN_IF_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     }
     const CoreSort& cs = s.core[t];
     cudaError_t err;
@@ -1423,8 +1417,8 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       err = LaunchCorePieces<C, C, T>(g, t, ids, cs, b, s.partial[t - 1], s.dpartial[t],
                                       s.pieces, stream);
     }
-    TT_RETURN_IF_ERROR(err);
-    TT_RETURN_IF_ERROR(combine(t));
+    TTEMB_RETURN_IF_CUDA_ERROR(err);
+    TTEMB_RETURN_IF_CUDA_ERROR(combine(t));
   }
   // Core 0: sum of dP_0 over the level-0 items of each row.
   {
@@ -1433,8 +1427,8 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
     const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[0] + 31) / 32) * 32));
     Core0PieceKernel<C><<<grid, threads, 0, stream>>>(g.width[0], cs.piece_count, cs.piece_pos,
                                                       cs.sorted_items, s.dpartial[0], s.pieces);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
-    TT_RETURN_IF_ERROR(combine(0));
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(combine(0));
   }
   return cudaSuccess;
 }

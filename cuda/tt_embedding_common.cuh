@@ -56,8 +56,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "cuda/accumulate.cuh"
-#include "cuda/carver.cuh"
+#include "cuda/common.cuh"
 #include "cuda/tt_embedding_kernels.cuh"
 
 namespace tf_ttemb {
@@ -80,27 +79,13 @@ constexpr size_t kRowsScratchBudget = size_t{512} << 20;
 constexpr int64_t kMinRowsChunk = 4096;
 constexpr int64_t kNoBad = std::numeric_limits<int64_t>::max();
 
-#define TT_RETURN_IF_ERROR(expr)            \
-  do {                                      \
-    const cudaError_t err_ = (expr);        \
-    if (err_ != cudaSuccess) return err_;   \
-  } while (0)
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 template <typename U>
 struct TypeTag {
   using type = U;
 };
 
 int GridFor(int64_t work, int threads = kThreads) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(work, threads), kMaxGridBlocks)));
-}
-
-int BitsFor(uint64_t max_value) {
-  int bits = 1;
-  while (bits < 64 && (max_value >> bits) != 0) ++bits;
-  return bits;
+  return GridBlocks(work, threads, kMaxGridBlocks);
 }
 
 // ---------------------------------------------------------------------------
@@ -477,7 +462,7 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t 
   if (g.Nc[t] <= 8 && M <= kThreads && ByParentSmemBytes<C>(g, t) <= 32 * 1024) {
     FirstChildKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, b.par[t],
                                                              b.first_child);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     // Blocks of a multiple of M threads, at least 64 and at most kThreads.
     const int threads = static_cast<int>(std::max<int64_t>(M, (std::min<int64_t>(kThreads, std::max<int64_t>(64, M * 4)) / M) * M));
     const int smem = static_cast<int>(ByParentSmemBytes<C>(g, t));
@@ -560,19 +545,19 @@ cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuf
   for (int t = 0; t + 1 < g.T; ++t) {
     LevelFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, ids, b->counts, nmax,
                                                              b->flags);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = b->cub_bytes;
-    TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(b->cub_temp, bytes, b->flags, b->incl[t],
+    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b->cub_temp, bytes, b->flags, b->incl[t],
                                                      static_cast<int>(nmax), stream));
     LevelHeadsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(t, b->counts, nmax, b->flags,
                                                              b->incl[t], b->heads[t], b->counts);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   for (int t = 0; t < g.T; ++t) {
     LevelMetaKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
         g, t, ids, b->counts, t + 1 < g.T ? b->heads[t] : nullptr,
         t > 0 ? b->incl[t - 1] : nullptr, b->row[t], b->par[t]);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   return cudaSuccess;
 }

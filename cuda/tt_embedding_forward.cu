@@ -132,25 +132,25 @@ cudaError_t LaunchUniqueIds(const UniqueIdsProblem& p, const Tindex* ids,
   if (CarveUnique(p.nnz, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
   CarveUnique(p.nnz, scratch, &s);
   InitReportKernel<<<1, 1, 0, stream>>>(report);
-  TT_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   if (p.nnz > 0) {
     const int64_t sentinel = p.num_tables * p.stride;
     UniqueKeysKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
         p, ids, table_splits, sentinel, s.keys_in, s.vals_in, report);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = s.cub_bytes;
-    TT_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
         s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
-        static_cast<int>(p.nnz), 0, BitsFor(static_cast<uint64_t>(sentinel)), stream));
+        static_cast<int>(p.nnz), 0, BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
     UniqueFlagsKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(p.nnz, s.keys_out,
                                                                       sentinel, s.flags);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     bytes = s.cub_bytes;
-    TT_RETURN_IF_ERROR(cub::DeviceScan::InclusiveSum(s.cub_temp, bytes, s.flags, s.incl,
+    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(s.cub_temp, bytes, s.flags, s.incl,
                                                      static_cast<int>(p.nnz), stream));
     UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
         p.nnz, s.keys_out, s.vals_out, s.flags, s.incl, sentinel, unique_ids, slots);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   UniqueFinishKernel<Tindex><<<1, 1, 0, stream>>>(ids, p.nnz, s.incl, report);
   return cudaGetLastError();
@@ -183,15 +183,15 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
   if (CarveRows<T>(g, chunk, nullptr, &b, partial) > scratch_bytes) return cudaErrorInvalidValue;
   CarveRows<T>(g, chunk, scratch, &b, partial);
   InitReportKernel<<<1, 1, 0, stream>>>(report);
-  TT_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   for (int64_t begin = 0; begin < max_ids; begin += chunk) {
     const int64_t nmax = std::min(chunk, max_ids - begin);
     const int64_t* cids = ids + begin;
     ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, begin, chunk, b.counts);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, cids, b.counts, begin, report);
-    TT_RETURN_IF_ERROR(cudaGetLastError());
-    TT_RETURN_IF_ERROR(BuildLevels(g, cids, nmax, &b, stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(BuildLevels(g, cids, nmax, &b, stream));
     T* out = rows + begin * g.D;
     for (int t = 1; t < g.T; ++t) {
       const bool last = t == g.T - 1;
@@ -207,7 +207,7 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
                    : LaunchLevelForward<AccT<T>, T, AccT<T>>(g, t, cids, nmax, b, partial[t - 1],
                                                          cores[t], partial[t], stream);
       }
-      TT_RETURN_IF_ERROR(err);
+      TTEMB_RETURN_IF_CUDA_ERROR(err);
     }
   }
   FinishReportKernel<<<1, 1, 0, stream>>>(ids, num_ids, max_ids, report);

@@ -20,7 +20,7 @@
 // whose high half ranks the hits and low half the misses, and a scatter.
 
 #include "cuda/tt_update_kernels.cuh"
-#include "cuda/carver.cuh"
+#include "cuda/common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,44 +42,10 @@ constexpr int kBlock = 256;
 constexpr int64_t kMaxRowBlocks = 2048;
 constexpr int64_t kMaxFlatBlocks = 4096;
 
-#define TTUPD_RETURN_IF_ERROR(expr)         \
-  do {                                      \
-    const cudaError_t err_ = (expr);        \
-    if (err_ != cudaSuccess) return err_;   \
-  } while (0)
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // ---------------------------------------------------------------------------
-// Element types: load to the compute type, round back when stored.
-
-template <typename T>
-struct Math {
-  using C = float;
-  static __device__ __forceinline__ C Load(T x) { return static_cast<C>(x); }
-  static __device__ __forceinline__ T Store(C x) { return static_cast<T>(x); }
-};
-template <>
-struct Math<__half> {
-  using C = float;
-  static __device__ __forceinline__ C Load(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half Store(C x) { return __float2half_rn(x); }
-};
-template <>
-struct Math<__nv_bfloat16> {
-  using C = float;
-  static __device__ __forceinline__ C Load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 Store(C x) { return __float2bfloat16_rn(x); }
-};
-template <>
-struct Math<double> {
-  using C = double;
-  static __device__ __forceinline__ C Load(double x) { return x; }
-  static __device__ __forceinline__ double Store(C x) { return x; }
-};
-
-// Correctly rounded operations that the compiler may not contract into FMAs,
-// so that each step rounds like the separate TF ops of the layer.
+// Element math. ToAcc / FromAcc (cuda/common.cuh) load to the compute type AccT<T> and
+// round back when stored; these correctly rounded operations may not be contracted into
+// FMAs by the compiler, so that each step rounds like the separate TF ops of the layer.
 __device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
@@ -92,11 +58,6 @@ __device__ __forceinline__ double Div(double a, double b) { return __ddiv_rn(a, 
 __device__ __forceinline__ double Sqrt(double a) { return __dsqrt_rn(a); }
 
 template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> LoadPack(const T* p) {
   return *reinterpret_cast<const Pack<T, V>*>(p);
 }
@@ -104,13 +65,6 @@ template <typename T, int V>
 __device__ __forceinline__ void StorePack(T* p, const Pack<T, V>& x) {
   *reinterpret_cast<Pack<T, V>*>(p) = x;
 }
-
-template <typename T>
-struct VecOf {
-  static constexpr int value = static_cast<int>(16 / sizeof(T));
-};
-
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // How a row kernel maps threads to the rows of one problem.
 struct RowPlan {
@@ -123,10 +77,10 @@ struct RowPlan {
 template <typename T>
 RowPlan PlanRows(int64_t n, int64_t width, bool aligned) {
   RowPlan plan;
-  constexpr int V = VecOf<T>::value;
+  constexpr int V = VecOf<T>();
   plan.vec = aligned && width % V == 0 ? V : 1;
   plan.vecs = width / plan.vec;
-  while (plan.group < plan.vecs && plan.group < kBlock) plan.group *= 2;
+  plan.group = Pow2AtLeast(plan.vecs, kBlock);
   const int64_t rows_per_block = kBlock / plan.group;
   plan.blocks = n > 0 && width > 0 ? std::min(CeilDiv(n, rows_per_block), kMaxRowBlocks) : 0;
   return plan;
@@ -156,17 +110,16 @@ template <typename T>
 struct UpdateParams {
   UpdateSlice<T> s[kMaxUpdateSlices];
   int num;
-  typename Math<T>::C lr;
-  typename Math<T>::C eps;
+  AccT<T> lr;
+  AccT<T> eps;
 };
 
 // One row's vectors lane, lane + group, ... of the update.
 template <typename T, int V, bool kAdagrad>
 __device__ __forceinline__ void UpdateRow(T* var, T* accum, const T* grad, int64_t vecs,
-                                          int lane, int group, typename Math<T>::C lr,
-                                          typename Math<T>::C eps) {
-  using M = Math<T>;
-  using C = typename M::C;
+                                          int lane, int group, AccT<T> lr,
+                                          AccT<T> eps) {
+  using C = AccT<T>;
   for (int64_t c = lane; c < vecs; c += group) {
     const Pack<T, V> g = LoadPack<T, V>(grad + c * V);
     Pack<T, V> w = LoadPack<T, V>(var + c * V);
@@ -174,17 +127,17 @@ __device__ __forceinline__ void UpdateRow(T* var, T* accum, const T* grad, int64
       Pack<T, V> a = LoadPack<T, V>(accum + c * V);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const C gk = M::Load(g.v[k]);
-        a.v[k] = M::Store(Add(M::Load(a.v[k]), Mul(gk, gk)));
+        const C gk = ToAcc(g.v[k]);
+        a.v[k] = FromAcc<T>(Add(ToAcc(a.v[k]), Mul(gk, gk)));
         // The new state as stored (rounded to T), as the layer reads it back.
-        const C step = Div(Mul(lr, gk), Add(Sqrt(M::Load(a.v[k])), eps));
-        w.v[k] = M::Store(Sub(M::Load(w.v[k]), step));
+        const C step = Div(Mul(lr, gk), Add(Sqrt(ToAcc(a.v[k])), eps));
+        w.v[k] = FromAcc<T>(Sub(ToAcc(w.v[k]), step));
       }
       StorePack<T, V>(accum + c * V, a);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        w.v[k] = M::Store(Sub(M::Load(w.v[k]), Mul(lr, M::Load(g.v[k]))));
+        w.v[k] = FromAcc<T>(Sub(ToAcc(w.v[k]), Mul(lr, ToAcc(g.v[k]))));
       }
     }
     StorePack<T, V>(var + c * V, w);
@@ -213,7 +166,7 @@ __global__ void __launch_bounds__(kBlock) SparseUpdateKernel(const UpdateParams<
     T* accum = kAdagrad ? s.accum + r * s.width : nullptr;
     const T* grad = s.grad + i * s.width;
     if (s.vec > 1) {
-      UpdateRow<T, VecOf<T>::value, kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
+      UpdateRow<T, VecOf<T>(), kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
     } else {
       UpdateRow<T, 1, kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
     }
@@ -231,7 +184,7 @@ __device__ __forceinline__ void CopyRow(const T* src, T* dst, int64_t vecs, int 
       x = LoadPack<T, V>(src + c * V);
     } else {
 #pragma unroll
-      for (int k = 0; k < V; ++k) x.v[k] = Math<T>::Store(0);
+      for (int k = 0; k < V; ++k) x.v[k] = FromAcc<T>(AccT<T>(0));
     }
     StorePack<T, V>(dst + c * V, x);
   }
@@ -256,7 +209,7 @@ __global__ void __launch_bounds__(kBlock)
     }
     T* dst = out + j * width;
     if (vec > 1) {
-      CopyRow<T, VecOf<T>::value>(src, dst, vecs, lane, group);
+      CopyRow<T, VecOf<T>()>(src, dst, vecs, lane, group);
     } else {
       CopyRow<T, 1>(src, dst, vecs, lane, group);
     }
@@ -475,15 +428,9 @@ __global__ void PopulateChooseKernel(const int64_t* ranked_ids, const int64_t* r
 // ---------------------------------------------------------------------------
 // Host helpers.
 
-int FlatBlocks(int64_t n) {
-  return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(n, kBlock), kMaxFlatBlocks)));
-}
+int FlatBlocks(int64_t n) { return GridBlocks(n, kBlock, kMaxFlatBlocks); }
 
-int EndBit(uint64_t max_value) {
-  int bits = 1;
-  while (bits < 32 && (max_value >> bits) != 0) ++bits;
-  return bits;
-}
+int EndBit(uint64_t max_value) { return BitsFor(max_value, 32); }
 
 // Bits of the id sort: enough for every id below id_bound (0: all 64).
 int IdBits(int64_t id_bound) {
@@ -571,16 +518,16 @@ cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids,
                       int64_t* hit_pos, int64_t* num_hits, int64_t* num_misses,
                       const LookupBuffers& b, cudaStream_t stream) {
   if (n == 0) {
-    if (num_hits != nullptr) TTUPD_RETURN_IF_ERROR(cudaMemsetAsync(num_hits, 0, 8, stream));
-    if (num_misses != nullptr) TTUPD_RETURN_IF_ERROR(cudaMemsetAsync(num_misses, 0, 8, stream));
+    if (num_hits != nullptr) TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_hits, 0, 8, stream));
+    if (num_misses != nullptr) TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_misses, 0, 8, stream));
     return cudaSuccess;
   }
   const int blocks = FlatBlocks(n);
   LookupFlagsKernel<<<blocks, kBlock, 0, stream>>>(ids, n, cache_ids, cache_size, position,
                                                     b.flags);
-  TTUPD_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t cub_bytes = b.cub_bytes;
-  TTUPD_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(b.cub, cub_bytes, b.flags, b.ranks,
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::ExclusiveSum(b.cub, cub_bytes, b.flags, b.ranks,
                                                       static_cast<int>(n), stream));
   LookupScatterKernel<<<blocks, kBlock, 0, stream>>>(ids, n, position, b.flags, b.ranks,
                                                       miss_pad_id, miss_rank, miss_ids, miss_at,
@@ -643,7 +590,7 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer, const SparseUpdateSlic
     return cudaErrorInvalidValue;
   }
   const bool adagrad = optimizer == SparseOptimizer::kAdagrad;
-  using C = typename Math<T>::C;
+  using C = AccT<T>;
   UpdateParams<T> p{};
   p.num = 0;
   p.lr = static_cast<C>(learning_rate);
@@ -730,23 +677,23 @@ cudaError_t LaunchCacheCount(const int64_t* ids, int64_t n, int64_t id_bound, in
   const CountBuffers b = CarveCount(carver, n, num_sets, id_bits);
   const int items = static_cast<int>(n);
   size_t cub_bytes = b.cub_bytes;
-  TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortKeys(b.cub, cub_bytes, ids, b.sorted, items, 0,
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortKeys(b.cub, cub_bytes, ids, b.sorted, items, 0,
                                                        id_bits, stream));
   cub_bytes = b.cub_bytes;
-  TTUPD_RETURN_IF_ERROR(cub::DeviceRunLengthEncode::Encode(
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRunLengthEncode::Encode(
       b.cub, cub_bytes, b.sorted, b.unique, b.run_length, b.num_runs, items, stream));
   SetKeysKernel<<<FlatBlocks(n), kBlock, 0, stream>>>(b.unique, b.num_runs, n,
                                                        static_cast<uint64_t>(num_sets),
                                                        b.set_key_in, b.run_in);
-  TTUPD_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   cub_bytes = b.cub_bytes;
-  TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
       b.cub, cub_bytes, b.set_key_in, b.set_key, b.run_in, b.run, items, 0,
       EndBit(static_cast<uint64_t>(num_sets)), stream));
-  TTUPD_RETURN_IF_ERROR(cudaMemsetAsync(
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       b.set_start, 0, sizeof(int32_t) * 2 * static_cast<size_t>(num_sets + 1), stream));
   SetBoundsKernel<<<FlatBlocks(n), kBlock, 0, stream>>>(b.set_key, n, b.set_start, b.set_end);
-  TTUPD_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   const int64_t warps_per_block = kBlock / 32;
   const unsigned blocks =
       static_cast<unsigned>(std::min(CeilDiv(num_sets, warps_per_block), int64_t{65535}));
@@ -812,21 +759,21 @@ cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int6
   if (table_size > 0) {
     PopulatePrepKernel<<<FlatBlocks(table_size), kBlock, 0, stream>>>(keys, counts, table_size,
                                                                        b.ids_in, b.counts_in);
-    TTUPD_RETURN_IF_ERROR(cudaGetLastError());
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     // Ascending ids, then a stable sort by descending count: count desc, id asc.
     size_t cub_bytes = b.cub_bytes;
-    TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
         b.cub, cub_bytes, b.ids_in, b.ids_by_id, b.counts_in, b.counts_by_id, h, 0, 64, stream));
     cub_bytes = b.cub_bytes;
-    TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairsDescending(
+    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairsDescending(
         b.cub, cub_bytes, b.counts_by_id, b.counts_ranked, b.ids_by_id, b.ids_ranked, h, 0, 64,
         stream));
   }
   PopulateChooseKernel<<<FlatBlocks(cache_size), kBlock, 0, stream>>>(
       b.ids_ranked, b.counts_ranked, table_size, cache_size, b.chosen);
-  TTUPD_RETURN_IF_ERROR(cudaGetLastError());
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t cub_bytes = b.cub_bytes;
-  TTUPD_RETURN_IF_ERROR(cub::DeviceRadixSort::SortKeys(
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortKeys(
       b.cub, cub_bytes, b.chosen, new_ids, static_cast<int>(cache_size), 0, 64, stream));
   return RunLookup(new_ids, cache_size, old_ids, cache_size, fresh_pad_id, src, fresh_rank,
                    fresh_ids, fresh_at, nullptr, nullptr, b.num_stay, num_fresh, b.lookup,
