@@ -183,7 +183,7 @@ def test_fused_and_two_op_backward_agree(rng, monkeypatch, combiner, dense_grad,
     gradients agree bit for bit on either device (same summation order); so do the
     weights gradients on the CPU, while on the GPU the fused kernel sums each entry's dot
     product by column chunks and the weights-gradient kernel by lanes (float32 rounding)."""
-    from tf_ttemb.ops import gather_reduce_sum as grs_module
+    from tf_ttemb.ops import _custom_op as grs_module
 
     num_rows, dim = 31, 6
     bags = make_bags(rng, "ragged", num_rows, tf.int32, padding_id=2)
