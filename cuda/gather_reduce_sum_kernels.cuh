@@ -42,8 +42,7 @@ namespace tf_ttemb {
 namespace gpu {
 
 using ::tf_ttemb::AccT;
-
-enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2, kMax = 3 };
+using ::tf_ttemb::Combiner;
 
 // Sizes and attributes of one call.
 struct BagProblem {

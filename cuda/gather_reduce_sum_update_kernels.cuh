@@ -31,10 +31,12 @@
 
 #include <cstdint>
 
+#include "cuda/common_types.h"
+
 namespace tf_ttemb {
 namespace gpu {
 
-enum class RowOptimizer : int { kSgd = 0, kRowwiseAdagrad = 1, kAdagrad = 2 };
+using ::tf_ttemb::RowOptimizer;
 
 template <typename Acc>
 struct RowUpdate {

@@ -219,15 +219,7 @@ __global__ void __launch_bounds__(kBlock)
 // ---------------------------------------------------------------------------
 // Frequency counting.
 
-// The CPU kernel's set hash (splitmix64's finaliser).
-__device__ __forceinline__ uint64_t MixId(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
+// The set hash is the CPU kernel's: MixId of cuda/common_types.h.
 
 // Set of each run (num_sets for negative ids and for i >= num_runs, which
 // sorts them after every real set), and the run's index as the sort value.

@@ -235,13 +235,13 @@ Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
                                  " is not in [0, ", num_rows, ")");
 }
 
-const char* SparseOptimizerName(SparseOptimizer optimizer) {
+const char* RowOptimizerName(RowOptimizer optimizer) {
   switch (optimizer) {
-    case SparseOptimizer::kRowwiseAdagrad:
+    case RowOptimizer::kRowwiseAdagrad:
       return "rowwise_adagrad";
-    case SparseOptimizer::kAdagrad:
+    case RowOptimizer::kAdagrad:
       return "adagrad";
-    case SparseOptimizer::kSgd:
+    case RowOptimizer::kSgd:
       break;
   }
   return "sgd";
@@ -253,11 +253,11 @@ Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
   std::string name;
   TF_RETURN_IF_ERROR(ctx->GetAttr("optimizer", &name));
   if (name == "sgd") {
-    attrs->optimizer = SparseOptimizer::kSgd;
+    attrs->optimizer = RowOptimizer::kSgd;
   } else if (name == "rowwise_adagrad") {
-    attrs->optimizer = SparseOptimizer::kRowwiseAdagrad;
+    attrs->optimizer = RowOptimizer::kRowwiseAdagrad;
   } else if (name == "adagrad") {
-    attrs->optimizer = SparseOptimizer::kAdagrad;
+    attrs->optimizer = RowOptimizer::kAdagrad;
   } else {
     return errors::InvalidArgument(
         "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '",
@@ -265,7 +265,7 @@ Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
   }
   int num_accumulators = 0;
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_accumulators", &num_accumulators));
-  const int expected = attrs->optimizer == SparseOptimizer::kSgd ? 0 : 1;
+  const int expected = attrs->optimizer == RowOptimizer::kSgd ? 0 : 1;
   if (num_accumulators != expected) {
     return errors::InvalidArgument("optimizer '", name, "' takes ", expected,
                                    " accumulator variable(s), got ",
@@ -335,13 +335,13 @@ Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
   }
   if (accumulator != nullptr) {
     const TensorShape expected =
-        attrs.optimizer == SparseOptimizer::kRowwiseAdagrad
+        attrs.optimizer == RowOptimizer::kRowwiseAdagrad
             ? TensorShape({num_rows})
             : TensorShape({num_rows, dim});
     if (accumulator->shape() != expected) {
       return errors::InvalidArgument(
           "accumulator must have shape ", expected.DebugString(),
-          " for optimizer '", SparseOptimizerName(attrs.optimizer),
+          " for optimizer '", RowOptimizerName(attrs.optimizer),
           "' and params of shape ", params.shape().DebugString(), ", got ",
           accumulator->shape().DebugString());
     }
@@ -588,11 +588,11 @@ inline Acc RoundedSquare(Acc w) {
 // types); otherwise rounded first (the forward's for float and double, as the
 // compiler built the loop it replaced, so that outputs keep their bits).
 template <bool kFusedSquare, typename T, typename Tindex>
-inline typename AccumulatorType<T>::type BagScaleOf(const Tindex* ids,
+inline AccT<T> BagScaleOf(const Tindex* ids,
                                                     const T* weights,
                                                     int64_t begin, int64_t end,
                                                     const BagAttrs& attrs) {
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
   if (attrs.combiner != Combiner::kMean && attrs.combiner != Combiner::kSqrtn) {
     return Acc(1);
   }
@@ -634,7 +634,7 @@ inline typename AccumulatorType<T>::type BagScaleOf(const Tindex* ids,
 }
 
 template <typename T, typename Tindex>
-inline typename AccumulatorType<T>::type ComputeBagScale(
+inline AccT<T> ComputeBagScale(
     const Tindex* ids, const T* weights, int64_t begin, int64_t end,
     const BagAttrs& attrs) {
   return BagScaleOf<true>(ids, weights, begin, end, attrs);
@@ -886,7 +886,7 @@ void ForwardMaxBags(const T* params,        // [N, D]
                     int64_t bag_end,
                     T* out,           // [B, D]
                     int32* argmax) {  // [B, D]
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
   std::vector<Acc> acc(dim);
   for (int64_t b = bag_begin; b < bag_end; ++b) {
     const int64_t begin = splits[b], end = splits[b + 1];
@@ -921,7 +921,7 @@ void ForwardSumBags(const T* params,        // [N, D]
                     int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
                     int64_t bag_end,
                     T* out) {  // [B, D]
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
   // A bag's (or a block's) column sums; Acc-typed outputs take them in place.
   std::vector<Acc> scratch(std::is_same<T, Acc>::value ? 0 : dim);
   std::optional<BlockedSum<Acc>> blocks;  // bags longer than kSumBlock
@@ -1155,7 +1155,7 @@ template <typename T, typename Tindex>
 void ComputeBagScales(thread::ThreadPool* pool, const Tindex* ids,
                       const T* weights, const int64_t* splits, int64_t num_bags,
                       const BagAttrs& attrs,
-                      std::vector<typename AccumulatorType<T>::type>* scales) {
+                      std::vector<AccT<T>>* scales) {
   scales->resize(num_bags);
   auto* out = scales->data();
   ForBalancedBlocks(pool, splits, num_bags, 1, [&](int64_t begin, int64_t end) {
@@ -1172,10 +1172,10 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
                           const T* weights,      // [nnz] or null
                           const int32* argmax,   // [B, D] or null
                           const int64_t* splits,
-                          const typename AccumulatorType<T>::type* scales,
+                          const AccT<T>* scales,
                           int64_t dim,
-                          typename AccumulatorType<T>::type* acc) {
-  using Acc = typename AccumulatorType<T>::type;
+                          AccT<T>* acc) {
+  using Acc = AccT<T>;
   std::fill(acc, acc + dim, Acc(0));
   const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
   for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
@@ -1203,7 +1203,7 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
 // so nothing of a call lives in the OpKernel object).
 template <typename T, typename Tindex>
 struct ParamsGradCall {
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
   BagShapes shapes;
   int64_t num_rows = 0;
   int64_t dim = 0;
@@ -1363,7 +1363,7 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
 
  private:
   void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
-    using Acc = typename AccumulatorType<T>::type;
+    using Acc = AccT<T>;
     const Tensor& grad = ctx->input(0);
     const Tensor& indices = ctx->input(2);
     const Tensor& row_splits = ctx->input(3);
@@ -1460,7 +1460,7 @@ class GatherReduceSumFusedGradOp : public OpKernel {
 
  private:
   void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
-    using Acc = typename AccumulatorType<T>::type;
+    using Acc = AccT<T>;
     const Tensor& grad = ctx->input(0);
     const Tensor& indices = ctx->input(2);
     const Tensor& row_splits = ctx->input(3);
@@ -1602,7 +1602,7 @@ Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
 template <typename T, typename Tindex>
 class GatherReduceSumSparseApplyOp : public OpKernel {
  public:
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
 
   explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
@@ -1685,7 +1685,7 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     const int64_t num_unique = s.num_unique();
     const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
     const BagAttrs attrs = bag;
-    const SparseOptimizer optimizer = attrs_.optimizer;
+    const RowOptimizer optimizer = attrs_.optimizer;
     ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim,
                       [&](int64_t begin, int64_t end) {
       std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
@@ -1729,7 +1729,7 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
         }
         ApplyRow(optimizer, lr, eps, g.data(), dim, row,
                  state == nullptr ? nullptr
-                 : optimizer == SparseOptimizer::kRowwiseAdagrad
+                 : optimizer == RowOptimizer::kRowwiseAdagrad
                      ? state + id
                      : state + id * dim);
       }
@@ -1738,15 +1738,15 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
 
   // Applies the optimizer to one row `row` [D] with its summed gradient
   // `g` [D] and its accumulator (`a` [1] row-wise, [D] element-wise).
-  static void ApplyRow(SparseOptimizer optimizer, Acc lr, Acc eps,
+  static void ApplyRow(RowOptimizer optimizer, Acc lr, Acc eps,
                        const Acc* g, int64_t dim, T* row, Acc* a) {
     switch (optimizer) {
-      case SparseOptimizer::kSgd:
+      case RowOptimizer::kSgd:
         for (int64_t d = 0; d < dim; ++d) {
           row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d]);
         }
         return;
-      case SparseOptimizer::kRowwiseAdagrad: {
+      case RowOptimizer::kRowwiseAdagrad: {
         Acc square_sum = 0;
         for (int64_t d = 0; d < dim; ++d) square_sum += g[d] * g[d];
         a[0] += square_sum / static_cast<Acc>(dim);
@@ -1758,7 +1758,7 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
         }
         return;
       }
-      case SparseOptimizer::kAdagrad:
+      case RowOptimizer::kAdagrad:
         for (int64_t d = 0; d < dim; ++d) {
           a[d] += g[d] * g[d];
           const Acc denominator = std::sqrt(a[d]) + eps;

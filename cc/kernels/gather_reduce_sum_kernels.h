@@ -1,5 +1,4 @@
-// Shared pieces of the gather_reduce_sum kernels: attrs, validation and the
-// accumulation type. Used by the CPU kernels and by the GPU op glue, so that
+// Shared pieces of the gather_reduce_sum kernels: attrs and validation. Used by the CPU kernels and by the GPU op glue, so that
 // both reject bad input with the same messages.
 
 #ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
@@ -11,6 +10,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/common_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
@@ -21,7 +21,11 @@
 namespace tensorflow {
 namespace tf_ttemb {
 
-enum class Combiner { kSum, kMean, kSqrtn, kMax };
+// Shared with the CUDA launchers (cuda/common_types.h): the combiner and
+// optimizer choices, and AccT<T>, float32 for half types and T otherwise.
+using ::tf_ttemb::AccT;
+using ::tf_ttemb::Combiner;
+using ::tf_ttemb::RowOptimizer;
 
 // Attributes common to every op of the family, parsed once in the kernel
 // constructor.
@@ -35,16 +39,6 @@ struct BagAttrs {
 Status ParseCombiner(const std::string& name, Combiner* combiner);
 Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
 const char* CombinerName(Combiner combiner);
-
-// Float32 accumulation for half types, the type itself otherwise.
-template <typename T>
-struct AccumulatorType {
-  using type = float;
-};
-template <>
-struct AccumulatorType<double> {
-  using type = double;
-};
 
 // Shapes of the CSR inputs. `num_bags` and `nnz` are set on success.
 struct BagShapes {
@@ -143,16 +137,14 @@ void WithParams(OpKernelContext* ctx, int input, Compute compute) {
 // glue (attrs, variable lookup and locking, host-side checks), so that both
 // devices take the same inputs and reject bad ones with the same messages.
 
-enum class SparseOptimizer { kSgd, kRowwiseAdagrad, kAdagrad };
-
-const char* SparseOptimizerName(SparseOptimizer optimizer);
+const char* RowOptimizerName(RowOptimizer optimizer);
 
 // Attrs of the op, parsed once in the kernel constructor: the bag attrs, the
 // optimizer, its accumulator count and Tacc (which must be `acc_type`, the
 // accumulation type of the params dtype).
 struct SparseApplyAttrs {
   BagAttrs bag;
-  SparseOptimizer optimizer = SparseOptimizer::kSgd;
+  RowOptimizer optimizer = RowOptimizer::kSgd;
 };
 Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
                            DataType acc_type, SparseApplyAttrs* attrs);
@@ -178,7 +170,7 @@ void WithLockedSparseApplyVariables(OpKernelContext* ctx,
   core::RefCountPtr<Var> params_var;
   OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
   core::RefCountPtr<Var> acc_var;
-  if (attrs.optimizer != SparseOptimizer::kSgd) {
+  if (attrs.optimizer != RowOptimizer::kSgd) {
     OP_REQUIRES_OK(ctx, LookupTypedVariable(ctx, 9, DataTypeToEnum<Acc>::value,
                                             "accumulator", &acc_var));
     OP_REQUIRES(ctx, acc_var.get() != params_var.get(),

@@ -63,20 +63,6 @@ P* NonEmptyOr(P* data, int64_t num_elements, void* placeholder) {
   return num_elements > 0 ? data : static_cast<P*>(placeholder);
 }
 
-launchers::Combiner ToGpu(Combiner combiner) {
-  switch (combiner) {
-    case Combiner::kMean:
-      return launchers::Combiner::kMean;
-    case Combiner::kSqrtn:
-      return launchers::Combiner::kSqrtn;
-    case Combiner::kMax:
-      return launchers::Combiner::kMax;
-    case Combiner::kSum:
-      break;
-  }
-  return launchers::Combiner::kSum;
-}
-
 launchers::BagProblem MakeProblem(const BagAttrs& attrs,
                                   const BagShapes& shapes, int64_t num_rows,
                                   int64_t dim) {
@@ -85,7 +71,7 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs,
   p.dim = dim;
   p.num_bags = shapes.num_bags;
   p.nnz = shapes.nnz;
-  p.combiner = ToGpu(attrs.combiner);
+  p.combiner = attrs.combiner;
   p.has_weights = attrs.has_weights;
   p.has_padding_id = attrs.has_padding_id;
   p.padding_id = attrs.padding_id;
@@ -699,22 +685,10 @@ Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var,
   return OkStatus();
 }
 
-launchers::RowOptimizer ToGpu(SparseOptimizer optimizer) {
-  switch (optimizer) {
-    case SparseOptimizer::kRowwiseAdagrad:
-      return launchers::RowOptimizer::kRowwiseAdagrad;
-    case SparseOptimizer::kAdagrad:
-      return launchers::RowOptimizer::kAdagrad;
-    case SparseOptimizer::kSgd:
-      break;
-  }
-  return launchers::RowOptimizer::kSgd;
-}
-
 template <typename T, typename Tindex>
 class GatherReduceSumSparseApplyGpuOp : public OpKernel {
  public:
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
 
   explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
@@ -807,7 +781,7 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
                        : static_cast<const int32*>(placeholder);
     }
     launchers::RowUpdate<Acc> update;
-    update.optimizer = ToGpu(attrs_.optimizer);
+    update.optimizer = attrs_.optimizer;
     update.learning_rate = lr;
     update.epsilon = eps;
     update.num_rows = num_rows;

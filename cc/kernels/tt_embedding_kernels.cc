@@ -857,7 +857,7 @@ class TTUniqueIdsOp : public OpKernel {
 template <typename T>
 class TTRowsOp : public OpKernel {
  public:
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
 
   explicit TTRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
@@ -946,7 +946,7 @@ class TTRowsOp : public OpKernel {
 template <typename T>
 class TTRowsGradOp : public OpKernel {
  public:
-  using Acc = typename AccumulatorType<T>::type;
+  using Acc = AccT<T>;
 
   explicit TTRowsGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
@@ -1157,15 +1157,8 @@ Status EnsureExclusive(OpKernelContext* ctx, Var* var) {
   return OkStatus();
 }
 
-// Fixed 64-bit mixer (splitmix64's finaliser): which set an id belongs to.
-inline uint64_t MixId(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
+// Which set an id belongs to (cuda/common_types.h, shared with the GPU).
+using ::tf_ttemb::MixId;
 
 class TTCacheCountOp : public OpKernel {
  public:
