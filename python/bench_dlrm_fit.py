@@ -55,8 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="steps per timed epoch")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs (after one warm-up)")
     parser.add_argument("--distinct-batches", type=int, default=8)
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke sizes: 4 tables of 10,000 x 16, batch 256, 5 steps")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke sizes: 4 tables of 10,000 x 16, batch 256, 5 steps",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -107,8 +110,9 @@ def build_model(args, kind: str) -> keras.Model:
     for width in HIDDEN:
         x = keras.layers.Dense(width, activation="relu")(x)
     model = keras.Model(inputs, keras.layers.Dense(1)(x))
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.BinaryCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -128,11 +132,14 @@ class EpochTimer(keras.callbacks.Callback):
 def train(args, kind: str, data: tf.data.Dataset) -> dict:
     model = build_model(args, kind)
     timer = EpochTimer()
-    history = model.fit(data, epochs=1 + args.epochs, steps_per_epoch=args.steps,
-                        callbacks=[timer], verbose=0)
+    history = model.fit(
+        data, epochs=1 + args.epochs, steps_per_epoch=args.steps, callbacks=[timer], verbose=0
+    )
     timed = timer.seconds[1:]
-    return {"steps_per_s": args.steps * len(timed) / sum(timed),
-            "loss": [float(x) for x in history.history["loss"]]}
+    return {
+        "steps_per_s": args.steps * len(timed) / sum(timed),
+        "loss": [float(x) for x in history.history["loss"]],
+    }
 
 
 def main(argv=None) -> int:
@@ -143,19 +150,25 @@ def main(argv=None) -> int:
     for kind in ("tf_ttemb", "keras", "keras", "tf_ttemb"):
         result = train(args, kind, data)
         runs[kind].append(result)
-        print(f"{kind:8s} {result['steps_per_s']:8.2f} steps/s, loss "
-              + " -> ".join(f"{x:.4f}" for x in result["loss"]), flush=True)
+        print(
+            f"{kind:8s} {result['steps_per_s']:8.2f} steps/s, loss "
+            + " -> ".join(f"{x:.4f}" for x in result["loss"]),
+            flush=True,
+        )
     best = {kind: max(r["steps_per_s"] for r in rs) for kind, rs in runs.items()}
     ratio = best["tf_ttemb"] / best["keras"]
-    print(f"device {device}: {args.tables} tables {args.rows:,} x {args.dim}, batch "
-          f"{args.batch:,} x bags of {args.bag}, MLP {'-'.join(map(str, HIDDEN))}-1, SGD: "
-          f"tf_ttemb {best['tf_ttemb']:.2f} steps/s, keras Embedding {best['keras']:.2f} "
-          f"steps/s = {ratio:.2f}x (target >= 2x: {'PASS' if ratio >= 2 else 'MISS'})",
-          flush=True)
+    print(
+        f"device {device}: {args.tables} tables {args.rows:,} x {args.dim}, batch "
+        f"{args.batch:,} x bags of {args.bag}, MLP {'-'.join(map(str, HIDDEN))}-1, SGD: "
+        f"tf_ttemb {best['tf_ttemb']:.2f} steps/s, keras Embedding {best['keras']:.2f} "
+        f"steps/s = {ratio:.2f}x (target >= 2x: {'PASS' if ratio >= 2 else 'MISS'})",
+        flush=True,
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": device, "runs": runs, "ratio": ratio}, f,
-                      indent=1)
+            json.dump(
+                {"args": vars(args), "device": device, "runs": runs, "ratio": ratio}, f, indent=1
+            )
     return 0
 
 

@@ -61,9 +61,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 import _bench_util as util
+import numpy as np
 
 IMPLS: Dict[str, str] = {
     "custom_op": "tf_ttemb custom op",
@@ -431,8 +430,14 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     def raw():
         return lib.tf_ttemb_gather_reduce_sum(
-            table, flat_ids, row_splits, flat_weights,
-            combiner="sum", has_weights=True, padding_id=-1, has_padding_id=False,
+            table,
+            flat_ids,
+            row_splits,
+            flat_weights,
+            combiner="sum",
+            has_weights=True,
+            padding_id=-1,
+            has_padding_id=False,
         )[0].numpy()
 
     def wrapper():

@@ -46,8 +46,9 @@ import tensorflow as tf
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["dlrm", "pkm"], default="dlrm")
-    parser.add_argument("--replicas", choices=["auto", "two_gpus", "one_gpu_split", "cpu"],
-                        default="auto")
+    parser.add_argument(
+        "--replicas", choices=["auto", "two_gpus", "one_gpu_split", "cpu"], default="auto"
+    )
     parser.add_argument("--rows", type=int, default=1_000_000, help="dlrm: rows per table")
     parser.add_argument("--batch", type=int, default=None, help="global batch")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
@@ -66,7 +67,8 @@ def configure(kind: str):
     if kind == "one_gpu_split":
         half = 60 * 1024  # MiB each
         tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=half)] * 2)
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=half)] * 2
+        )
         return kind, ["/gpu:0", "/gpu:1"], tf.distribute.ReductionToOneDevice("/gpu:0")
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -80,8 +82,11 @@ def make_data(args, rng):
         x = {f"t{t}": ids[t] for t in range(8)}
         return x, rng.random((batch, 1)).astype("float32"), batch
     batch = args.batch or 4096
-    return {"x": rng.standard_normal((batch, 512)).astype("float32")}, rng.standard_normal(
-        (batch, 1024)).astype("float32"), batch
+    return (
+        {"x": rng.standard_normal((batch, 512)).astype("float32")},
+        rng.standard_normal((batch, 1024)).astype("float32"),
+        batch,
+    )
 
 
 def build(args, strategy):
@@ -93,8 +98,7 @@ def build(args, strategy):
         keras.utils.set_random_seed(1)
         if args.model == "dlrm":
             inputs = [keras.Input((20,), dtype="int64", name=f"t{t}") for t in range(8)]
-            feats = [EmbeddingBag(args.rows, 64, name=f"table{t}")(i)
-                     for t, i in enumerate(inputs)]
+            feats = [EmbeddingBag(args.rows, 64, name=f"table{t}")(i) for t, i in enumerate(inputs)]
             h = keras.layers.Concatenate()(feats)
             h = keras.layers.Dense(512, activation="relu")(h)
             h = keras.layers.Dense(256, activation="relu")(h)
@@ -103,8 +107,9 @@ def build(args, strategy):
             loss = "mse"
         else:
             x = keras.Input((512,), name="x")
-            out = ProductKeyMemory(1024, n_keys=512, k_dim=256, heads=4, knn=32,
-                                   query_batchnorm=False, name="pkm")(x)
+            out = ProductKeyMemory(
+                1024, n_keys=512, k_dim=256, heads=4, knn=32, query_batchnorm=False, name="pkm"
+            )(x)
             model = keras.Model(x, out)
             loss = "mse"
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
@@ -137,12 +142,14 @@ def gradient_bytes(args, x, batch, replicas: int) -> dict:
             if ids is None:
                 unique = min(share * 4 * 32, n)
             else:
-                unique = np.unique(ids[r * share:(r + 1) * share]).size
+                unique = np.unique(ids[r * share : (r + 1) * share]).size
             gathered += unique * (d * 4 + 8)
             dense += n * d * 4
     dense_weights = replicas * dense_params * 4
-    return {"indexed_slices_gathered": gathered + dense_weights,
-            "sparse_as_dense": dense + dense_weights}
+    return {
+        "indexed_slices_gathered": gathered + dense_weights,
+        "sparse_as_dense": dense + dense_weights,
+    }
 
 
 def main(argv=None) -> int:
@@ -153,21 +160,38 @@ def main(argv=None) -> int:
     x, y, batch = make_data(args, rng)
     one = steps_per_second(args, tf.distribute.OneDeviceStrategy(devices[0]), x, y, batch)
     two = steps_per_second(
-        args, tf.distribute.MirroredStrategy(devices, cross_device_ops=cross), x, y, batch)
+        args, tf.distribute.MirroredStrategy(devices, cross_device_ops=cross), x, y, batch
+    )
     grads = gradient_bytes(args, x, batch, 2)
-    note = "" if kind == "two_gpus" else (
-        "  (not a scaling figure: the two replicas share one device)")
+    note = (
+        ""
+        if kind == "two_gpus"
+        else ("  (not a scaling figure: the two replicas share one device)")
+    )
     print(f"{args.model}: global batch {batch}; replicas on {kind} {devices}")
     print(f"  1 replica  {one:8.2f} steps/s")
     print(f"  2 replicas {two:8.2f} steps/s   speed-up {two / one:.2f}x{note}")
-    print(f"  gradient bytes per step: IndexedSlices gathered "
-          f"{grads['indexed_slices_gathered'] / 2**20:,.1f} MiB, sparse_as_dense "
-          f"{grads['sparse_as_dense'] / 2**20:,.1f} MiB "
-          f"({grads['sparse_as_dense'] / grads['indexed_slices_gathered']:.1f}x more)")
+    print(
+        f"  gradient bytes per step: IndexedSlices gathered "
+        f"{grads['indexed_slices_gathered'] / 2**20:,.1f} MiB, sparse_as_dense "
+        f"{grads['sparse_as_dense'] / 2**20:,.1f} MiB "
+        f"({grads['sparse_as_dense'] / grads['indexed_slices_gathered']:.1f}x more)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "kind": kind, "devices": devices, "batch": batch,
-                       "steps_per_s_1": one, "steps_per_s_2": two, **grads}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "kind": kind,
+                    "devices": devices,
+                    "batch": batch,
+                    "steps_per_s_1": one,
+                    "steps_per_s_2": two,
+                    **grads,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

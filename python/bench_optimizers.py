@@ -57,9 +57,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
-
 import _bench_util as util
+import numpy as np
 
 OPTIMIZERS: Dict[str, str] = {
     "keras_adam": "keras Adam",

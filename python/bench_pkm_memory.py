@@ -69,9 +69,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-import numpy as np
-
 import _bench_util as util
+import numpy as np
 
 VARIANTS: Dict[str, str] = {
     "fused": "PKM, values update fused in the op",
@@ -132,9 +131,7 @@ def arithmetic(shape: Shape) -> Dict[str, int]:
         "output_bytes": shape.tokens * shape.dim * f32,
         "values_table_bytes": shape.slots * shape.dim * f32,
         # Deduplicated values gradient: at most one row per slot, at most one per read.
-        "fused_values_grad_max_bytes": min(shape.slots, shape.tokens * shape.bag)
-        * shape.dim
-        * f32,
+        "fused_values_grad_max_bytes": min(shape.slots, shape.tokens * shape.bag) * shape.dim * f32,
     }
 
 
@@ -277,8 +274,11 @@ def _time_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
                 samples[variant][kind].append((time.perf_counter() - start) * 1e3)
     timings = {
         variant: {
-            kind: {"median_ms": float(np.median(values)), "min_ms": float(np.min(values)),
-                   "repeats": len(values)}
+            kind: {
+                "median_ms": float(np.median(values)),
+                "min_ms": float(np.min(values)),
+                "repeats": len(values),
+            }
             for kind, values in kinds.items()
         }
         for variant, kinds in samples.items()
@@ -314,8 +314,10 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     ids, _ = layer.lookup(x, training=True)
     values_rows = int(tf.size(tf.unique(tf.reshape(ids, [-1])).y))
     after = _table_probe(tf, shape, layer.values)
-    checks = {"output": output_print,
-              "values_change": [after[0] - before[0], abs(after[0] - before[0])]}
+    checks = {
+        "output": output_print,
+        "values_change": [after[0] - before[0], abs(after[0] - before[0])],
+    }
     meter.start()
     output = forward(x)
     forward_growth = meter.growth_bytes()
@@ -356,8 +358,9 @@ def _table_probe(tf: Any, shape: Shape, values: Any) -> list:
     for start in range(0, shape.slots, chunk):
         # sparse_read: a gather in place (a slice would copy the whole table once the
         # variable is in copy-on-read mode).
-        rows = tf.cast(values.value.sparse_read(tf.range(start, min(start + chunk, shape.slots))),
-                       tf.float64)
+        rows = tf.cast(
+            values.value.sparse_read(tf.range(start, min(start + chunk, shape.slots))), tf.float64
+        )
         projected = tf.linalg.matvec(rows, col_probe).numpy()
         total += float(np.dot(projected, row_probe[start : start + chunk]))
     return [total, 0.0]
@@ -370,8 +373,12 @@ def _table_probe(tf: Any, shape: Shape, values: Any) -> list:
 def measure(args: argparse.Namespace, shape: Shape) -> Dict[str, Dict[str, Any]]:
     script = os.path.abspath(__file__)
     results: Dict[str, Dict[str, Any]] = {}
-    base = {"shape": dataclasses.asdict(shape), "repeats": args.repeats,
-            "memory_steps": args.memory_steps, "optimizer": args.optimizer}
+    base = {
+        "shape": dataclasses.asdict(shape),
+        "repeats": args.repeats,
+        "memory_steps": args.memory_steps,
+        "optimizer": args.optimizer,
+    }
     for i, variant in enumerate(args.variants, 1):
         label = f"[{i}/{len(args.variants)}] {VARIANTS[variant]}"
         util.log(f"{label}: peak memory ...")
@@ -409,9 +416,7 @@ def _agreement(results: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]
         if not base or not prints:
             worst[variant] = None
             continue
-        worst[variant] = max(
-            abs(prints[k][0] - base[k][0]) / max(base[k][1], 1e-300) for k in base
-        )
+        worst[variant] = max(abs(prints[k][0] - base[k][0]) / max(base[k][1], 1e-300) for k in base)
     return worst
 
 
@@ -440,8 +445,17 @@ def report(
     lines = [f"PKM memory benchmark: {shape.describe()}", ""]
     agreement = _agreement(results)
     base = results.get(BASELINE, {})
-    headers = ["variant", "step peak MiB", "fwd peak MiB", "held MiB", "U",
-               "step ms (min)", "fwd ms (min)", "vs materialised", "agreement"]
+    headers = [
+        "variant",
+        "step peak MiB",
+        "fwd peak MiB",
+        "held MiB",
+        "U",
+        "step ms (min)",
+        "fwd ms (min)",
+        "vs materialised",
+        "agreement",
+    ]
     rows = []
     for variant, result in results.items():
         if not result.get("ok"):
@@ -454,24 +468,27 @@ def report(
                 f"{base['time']['step']['median_ms'] / result['time']['step']['median_ms']:.1f}x"
                 " time"
             )
-        rows.append([
-            VARIANTS[variant],
-            _mib(result["step_growth_bytes"]),
-            _mib(result["forward_growth_bytes"]),
-            _mib(result["held_total_bytes"]),
-            f"{result['values_grad_rows']:,}",
-            _ms(result["time"]["step"]),
-            _ms(result["time"]["forward"]),
-            ratio,
-            "-" if agreement[variant] is None else f"{agreement[variant]:.1e}",
-        ])
+        rows.append(
+            [
+                VARIANTS[variant],
+                _mib(result["step_growth_bytes"]),
+                _mib(result["forward_growth_bytes"]),
+                _mib(result["held_total_bytes"]),
+                f"{result['values_grad_rows']:,}",
+                _ms(result["time"]["step"]),
+                _ms(result["time"]["forward"]),
+                ratio,
+                "-" if agreement[variant] is None else f"{agreement[variant]:.1e}",
+            ]
+        )
     lines.append(util.format_table(headers, rows))
     method = next((r["rss_method"] for r in results.values() if r.get("ok")), "-")
     lines += [
         "",
         f"peak = growth of the resident set size over one step above the level with the layer "
         f"built ({method}); held = the step's outputs and gradients; U = distinct slots read "
-        f"(rows of the values gradient where one is built); times are medians (min) of the step as a tf.function; load average "
+        f"(rows of the values gradient where one is built); times are medians (min) of the "
+        f"step as a tf.function; load average "
         f"{load['before']} before, {load['after']} after ({util.usable_cpus()} usable CPUs).",
     ]
 
@@ -563,26 +580,40 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--batch", type=_positive, default=4, help="sequences (default: 4)")
     parser.add_argument("--seq", type=_positive, default=512, help="tokens each (default: 512)")
-    parser.add_argument("--full-batch", type=_positive, default=32,
-                        help="batch of the request's shape, arithmetic only (default: 32)")
-    parser.add_argument("--dim", type=_positive, default=1024,
-                        help="input and value size (default: 1024)")
+    parser.add_argument(
+        "--full-batch",
+        type=_positive,
+        default=32,
+        help="batch of the request's shape, arithmetic only (default: 32)",
+    )
+    parser.add_argument(
+        "--dim", type=_positive, default=1024, help="input and value size (default: 1024)"
+    )
     parser.add_argument("--n-keys", type=_positive, default=512, help="default: 512")
     parser.add_argument("--k-dim", type=_positive, default=256, help="default: 256")
     parser.add_argument("--heads", type=_positive, default=4, help="default: 4")
     parser.add_argument("--knn", type=_positive, default=32, help="default: 32")
-    parser.add_argument("--repeats", type=_positive, default=5,
-                        help="timed calls per variant (default: 5)")
-    parser.add_argument("--memory-steps", type=_positive, default=2,
-                        help="measured steps per variant, max reported (default: 2)")
+    parser.add_argument(
+        "--repeats", type=_positive, default=5, help="timed calls per variant (default: 5)"
+    )
+    parser.add_argument(
+        "--memory-steps",
+        type=_positive,
+        default=2,
+        help="measured steps per variant, max reported (default: 2)",
+    )
     parser.add_argument(
         "--variants",
         type=lambda text: util.parse_list(text, list(VARIANTS)),
         default=list(VARIANTS),
         help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)",
     )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad",
-                        help="the values optimizer of every variant (default: rowwise_adagrad)")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="rowwise_adagrad",
+        help="the values optimizer of every variant (default: rowwise_adagrad)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -594,8 +625,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args._worker:
         worker_main(json.loads(args._worker))
         return 0
-    common = dict(dim=args.dim, n_keys=args.n_keys, k_dim=args.k_dim, heads=args.heads,
-                  knn=args.knn, seed=args.seed)
+    common = dict(
+        dim=args.dim,
+        n_keys=args.n_keys,
+        k_dim=args.k_dim,
+        heads=args.heads,
+        knn=args.knn,
+        seed=args.seed,
+    )
     shape = Shape(batch=args.batch, seq=args.seq, **common)
     full = Shape(batch=args.full_batch, seq=args.seq, **common)
     util.log(f"PKM memory benchmark: {shape.describe()}")
@@ -605,9 +642,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text, document = report(shape, full, results, load, args.optimizer)
     print(text)
     if args.json:
-        document["settings"] = {"repeats": args.repeats, "memory_steps": args.memory_steps,
-                                "variants": args.variants, "optimizer": args.optimizer,
-                                "learning_rate": LEARNING_RATE}
+        document["settings"] = {
+            "repeats": args.repeats,
+            "memory_steps": args.memory_steps,
+            "variants": args.variants,
+            "optimizer": args.optimizer,
+            "learning_rate": LEARNING_RATE,
+        }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(document, f, indent=2)
         util.log(f"wrote {args.json}")

@@ -113,11 +113,18 @@ def main(argv=None) -> int:
     def apply(optimizer):
         def run():
             wgrad = lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-                grad=grad, params=table.handle, indices=ids, row_splits=splits,
-                weights=weights, output=output, argmax=argmax, learning_rate=lr,
+                grad=grad,
+                params=table.handle,
+                indices=ids,
+                row_splits=splits,
+                weights=weights,
+                output=output,
+                argmax=argmax,
+                learning_rate=lr,
                 epsilon=eps,
                 accumulators=[] if optimizer == "sgd" else [accumulators[optimizer].handle],
-                optimizer=optimizer, **attrs,
+                optimizer=optimizer,
+                **attrs,
             )
             return tf.cast(wgrad[0], tf.float32)
 
@@ -141,9 +148,10 @@ def main(argv=None) -> int:
                 )[1]
 
         per_call = _bench_util.time_calls(lambda: once().numpy(), 2, args.repeats).median_ms
-        in_graph = _bench_util.time_calls(
-            lambda: many().numpy(), 2, max(3, args.repeats // 3)
-        ).median_ms / args.steps
+        in_graph = (
+            _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 3)).median_ms
+            / args.steps
+        )
         results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph}
         print(f"{name:18s} per call {per_call:8.3f} ms   in graph {in_graph:8.3f} ms", flush=True)
 
@@ -156,8 +164,16 @@ def main(argv=None) -> int:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": device, "results": results,
-                       "apply_sgd_over_backward": ratio}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "device": device,
+                    "results": results,
+                    "apply_sgd_over_backward": ratio,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

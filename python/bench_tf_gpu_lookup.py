@@ -47,8 +47,7 @@ tf = tf_ttemb = None  # imported by main(): the torch worker must not load Tenso
 
 # name, rows, dim, bags, L, dtype, targets (ms; None: no target)
 CASES = [
-    ("dlrm", 10_000_000, 64, 8192, 20, "float32",
-     {"fwd_in_graph": 0.07, "fwd_bwd_per_call": 0.5}),
+    ("dlrm", 10_000_000, 64, 8192, 20, "float32", {"fwd_in_graph": 0.07, "fwd_bwd_per_call": 0.5}),
     ("pkm", 262_144, 1024, 16_384, 128, "float32", {"fwd_bwd_per_call": 4.0}),
     ("pkm", 262_144, 1024, 16_384, 128, "bfloat16", {"fwd_bwd_per_call": 2.5}),
 ]
@@ -84,8 +83,11 @@ def time_tf(args, rows, dim, bags, length, dtype, rng) -> dict:
             tape.watch(weights)
             out = tf_ttemb.gather_reduce_sum(table, ids, weights)
         g_table, g_w = tape.gradient(out, [table, weights], output_gradients=upstream)
-        return (tf.cast(g_table.values[0, 0], tf.float32) + tf.cast(g_w[0, 0], tf.float32)
-                + tf.cast(out[0, 0], tf.float32))
+        return (
+            tf.cast(g_table.values[0, 0], tf.float32)
+            + tf.cast(g_w[0, 0], tf.float32)
+            + tf.cast(out[0, 0], tf.float32)
+        )
 
     with tf.device("/GPU:0"):
         once = tf.function(fwd)
@@ -93,16 +95,21 @@ def time_tf(args, rows, dim, bags, length, dtype, rng) -> dict:
 
         @tf.function
         def many():
-            return tf.while_loop(lambda i, acc: i < args.steps,
-                                 lambda i, acc: (i + 1, acc + fwd()),
-                                 (tf.constant(0), tf.constant(0.0)))[1]
+            return tf.while_loop(
+                lambda i, acc: i < args.steps,
+                lambda i, acc: (i + 1, acc + fwd()),
+                (tf.constant(0), tf.constant(0.0)),
+            )[1]
 
     out = {
         "fwd_per_call": _bench_util.time_calls(lambda: once().numpy(), 3, args.repeats).median_ms,
-        "fwd_in_graph": _bench_util.time_calls(lambda: many().numpy(), 2,
-                                               max(3, args.repeats // 3)).median_ms / args.steps,
-        "fwd_bwd_per_call": _bench_util.time_calls(lambda: both().numpy(), 3,
-                                                   args.repeats).median_ms,
+        "fwd_in_graph": _bench_util.time_calls(
+            lambda: many().numpy(), 2, max(3, args.repeats // 3)
+        ).median_ms
+        / args.steps,
+        "fwd_bwd_per_call": _bench_util.time_calls(
+            lambda: both().numpy(), 3, args.repeats
+        ).median_ms,
     }
     out["gathered_tb_s"] = bags * length * dim * dt.size / (out["fwd_in_graph"] * 1e-3) / 1e12
     return out
@@ -124,8 +131,9 @@ def _torch_times(repeats, rows, dim, bags, length, dtype, seed):
     upstream = torch.randn(bags, dim, device="cuda", dtype=dt)
 
     def fwd():
-        return torch.nn.functional.embedding_bag(ids, table, mode="sum",
-                                                 per_sample_weights=weights, sparse=True)
+        return torch.nn.functional.embedding_bag(
+            ids, table, mode="sum", per_sample_weights=weights, sparse=True
+        )
 
     def fwd_bwd():
         out = fwd()
@@ -154,10 +162,23 @@ def _torch_times(repeats, rows, dim, bags, length, dtype, seed):
 def time_torch(args, rows, dim, bags, length, dtype, seed):
     """torch's times for a case, from a child process (None when torch or CUDA is not
     there, or the child fails: its error is printed)."""
-    spec = json.dumps({"repeats": args.repeats, "rows": rows, "dim": dim, "bags": bags,
-                       "length": length, "dtype": dtype, "seed": seed})
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-worker", spec],
-                          capture_output=True, text=True, timeout=300)
+    spec = json.dumps(
+        {
+            "repeats": args.repeats,
+            "rows": rows,
+            "dim": dim,
+            "bags": bags,
+            "length": length,
+            "dtype": dtype,
+            "seed": seed,
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--torch-worker", spec],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "null"))]
     if proc.returncode != 0 or not lines:
         print(f"torch worker failed ({proc.returncode}): {proc.stderr[-500:]}", flush=True)
@@ -184,9 +205,11 @@ def time_tt(args, bags, length, seed) -> dict:
 
         @tf.function
         def many():
-            return tf.while_loop(lambda i, acc: i < args.steps,
-                                 lambda i, acc: (i + 1, acc + steps["fwd"](ids)[0, 0]),
-                                 (tf.constant(0), tf.constant(0.0)))[1]
+            return tf.while_loop(
+                lambda i, acc: i < args.steps,
+                lambda i, acc: (i + 1, acc + steps["fwd"](ids)[0, 0]),
+                (tf.constant(0), tf.constant(0.0)),
+            )[1]
 
         def step():
             return sgd_step(ids, upstream)[0][0, 0]
@@ -194,17 +217,26 @@ def time_tt(args, bags, length, seed) -> dict:
     lookups = bags * length
     per_lookup = 1e3 / lookups  # ms per call -> microseconds per lookup
     fwd_ms = _bench_util.time_calls(lambda: fwd().numpy(), 3, args.repeats).median_ms
-    many_ms = _bench_util.time_calls(lambda: many().numpy(), 2,
-                                     max(3, args.repeats // 3)).median_ms / args.steps
+    many_ms = (
+        _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 3)).median_ms
+        / args.steps
+    )
     step_ms = _bench_util.time_calls(lambda: step().numpy(), 3, args.repeats).median_ms
-    return {"fwd_per_call_ms": fwd_ms, "fwd_in_graph_ms": many_ms, "step_per_call_ms": step_ms,
-            "fwd_per_call_us": fwd_ms * per_lookup, "fwd_in_graph_us": many_ms * per_lookup,
-            "step_per_call_us": step_ms * per_lookup}
+    return {
+        "fwd_per_call_ms": fwd_ms,
+        "fwd_in_graph_ms": many_ms,
+        "step_per_call_ms": step_ms,
+        "fwd_per_call_us": fwd_ms * per_lookup,
+        "fwd_in_graph_us": many_ms * per_lookup,
+        "step_per_call_us": step_ms * per_lookup,
+    }
 
 
 def _verdicts(times, targets):
-    return ", ".join(f"{k} {times[k]:.4g} <= {v} {'PASS' if times[k] <= v else 'MISS'}"
-                     for k, v in targets.items())
+    return ", ".join(
+        f"{k} {times[k]:.4g} <= {v} {'PASS' if times[k] <= v else 'MISS'}"
+        for k, v in targets.items()
+    )
 
 
 def main(argv=None) -> int:
@@ -215,6 +247,7 @@ def main(argv=None) -> int:
         print(json.dumps(_torch_times(**spec)), flush=True)
         return 0
     import tensorflow as tf
+
     import tf_ttemb
 
     if not tf.config.list_physical_devices("GPU"):
@@ -224,25 +257,42 @@ def main(argv=None) -> int:
     for index, (name, rows, dim, bags, length, dtype, targets) in enumerate(CASES):
         tf_times = time_tf(args, rows, dim, bags, length, dtype, rng)
         torch_times = time_torch(args, rows, dim, bags, length, dtype, seed=index)
-        row = {"case": name, "rows": rows, "dim": dim, "bags": bags, "L": length,
-               "dtype": dtype, "tf": tf_times, "torch": torch_times, "targets": targets}
+        row = {
+            "case": name,
+            "rows": rows,
+            "dim": dim,
+            "bags": bags,
+            "L": length,
+            "dtype": dtype,
+            "tf": tf_times,
+            "torch": torch_times,
+            "targets": targets,
+        }
         results.append(row)
-        torch_text = ("torch fwd {fwd:.3f} / fwd+bwd {fwd_bwd:.3f} ms".format(**torch_times)
-                      if torch_times else "torch: not available")
-        print(f"{name} {rows}x{dim} {bags}x{length} {dtype}: fwd per call "
-              f"{tf_times['fwd_per_call']:.3f} ms, in graph {tf_times['fwd_in_graph']:.3f} ms "
-              f"({tf_times['gathered_tb_s']:.2f} TB/s), fwd+bwd per call "
-              f"{tf_times['fwd_bwd_per_call']:.3f} ms; {torch_text}; "
-              f"{_verdicts(tf_times, targets)}", flush=True)
+        torch_text = (
+            "torch fwd {fwd:.3f} / fwd+bwd {fwd_bwd:.3f} ms".format(**torch_times)
+            if torch_times
+            else "torch: not available"
+        )
+        print(
+            f"{name} {rows}x{dim} {bags}x{length} {dtype}: fwd per call "
+            f"{tf_times['fwd_per_call']:.3f} ms, in graph {tf_times['fwd_in_graph']:.3f} ms "
+            f"({tf_times['gathered_tb_s']:.2f} TB/s), fwd+bwd per call "
+            f"{tf_times['fwd_bwd_per_call']:.3f} ms; {torch_text}; "
+            f"{_verdicts(tf_times, targets)}",
+            flush=True,
+        )
     for name, bags, length, targets in TT_CASES:
         times = time_tt(args, bags, length, seed=bags)
-        results.append({"case": name, "bags": bags, "L": length, "tf": times,
-                        "targets": targets})
-        print(f"{name} FBTT shape {bags}x{length}: fwd per call {times['fwd_per_call_ms']:.3f} "
-              f"ms ({times['fwd_per_call_us']:.4f} us/lookup), in graph "
-              f"{times['fwd_in_graph_ms']:.3f} ms ({times['fwd_in_graph_us']:.4f}), fused-SGD "
-              f"step per call {times['step_per_call_ms']:.3f} ms "
-              f"({times['step_per_call_us']:.4f}); {_verdicts(times, targets)}", flush=True)
+        results.append({"case": name, "bags": bags, "L": length, "tf": times, "targets": targets})
+        print(
+            f"{name} FBTT shape {bags}x{length}: fwd per call {times['fwd_per_call_ms']:.3f} "
+            f"ms ({times['fwd_per_call_us']:.4f} us/lookup), in graph "
+            f"{times['fwd_in_graph_ms']:.3f} ms ({times['fwd_in_graph_us']:.4f}), fused-SGD "
+            f"step per call {times['step_per_call_ms']:.3f} ms "
+            f"({times['step_per_call_us']:.4f}); {_verdicts(times, targets)}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

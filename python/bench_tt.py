@@ -84,9 +84,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 import _bench_util as util
+import numpy as np
 
 util.add_checkout_to_path()
 
@@ -306,7 +305,9 @@ class DenseTables:
         if key not in self._tables:
             self._tables = {}  # keep one table alive at a time
             self._tables[key] = self.tf.Variable(
-                self.tf.random.stateless_uniform(key, seed=[self.seed, 7], minval=-0.05, maxval=0.05)
+                self.tf.random.stateless_uniform(
+                    key, seed=[self.seed, 7], minval=-0.05, maxval=0.05
+                )
             )
         return self._tables[key]
 
@@ -507,7 +508,9 @@ def report(
         "of the float64 numpy reference tf_ttemb.tt.rows.",
     ]
     if skipped:
-        lines.append("SGD (TTEmbeddingBag sparse=True fused update) not measured: " + "; ".join(skipped))
+        lines.append(
+            "SGD (TTEmbeddingBag sparse=True fused update) not measured: " + "; ".join(skipped)
+        )
     lines += notes
     lines.append("")
     for check in checks.values():
@@ -608,7 +611,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--repeats", type=_positive_int, default=None, help="timed calls (default: 20, --quick 5)"
     )
     parser.add_argument(
-        "--warmup", type=_non_negative_int, default=None, help="warm-up calls (default: 3, --quick 2)"
+        "--warmup",
+        type=_non_negative_int,
+        default=None,
+        help="warm-up calls (default: 3, --quick 2)",
     )
     parser.add_argument(
         "--threads",
@@ -623,9 +629,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="largest dense comparison table in MiB (default: %(default)s)",
     )
     parser.add_argument(
-        "--matmul-size", type=_positive_int, default=2048, help="matmul ceiling size (default: 2048)"
+        "--matmul-size",
+        type=_positive_int,
+        default=2048,
+        help="matmul ceiling size (default: 2048)",
     )
-    parser.add_argument("--no-dense", dest="dense", action="store_false", help="skip the dense table")
+    parser.add_argument(
+        "--no-dense", dest="dense", action="store_false", help="skip the dense table"
+    )
     parser.add_argument(
         "--no-fused-sgd", dest="fused_sgd", action="store_false", help="skip the fused SGD step"
     )
@@ -693,7 +704,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         document = {
             "benchmark": "tt_embedding_bag",
             "machine": util.machine_info(),
-            "versions": {"tensorflow": tf.__version__, "numpy": np.__version__, "tf_ttemb": tf_ttemb.__version__},
+            "versions": {
+                "tensorflow": tf.__version__,
+                "numpy": np.__version__,
+                "tf_ttemb": tf_ttemb.__version__,
+            },
             "settings": {
                 key: getattr(args, key)
                 for key in (

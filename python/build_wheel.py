@@ -71,7 +71,7 @@ def package_version(package_dir: str) -> str:
     with open(path, encoding="utf-8") as f:
         match = re.search(r'^__version__\s*=\s*"([^"]+)"', f.read(), re.M)
     if not match:
-        raise WheelError(f"no __version__ = \"...\" line in {path}")
+        raise WheelError(f'no __version__ = "..." line in {path}')
     return match.group(1)
 
 

@@ -31,8 +31,7 @@ SKIPPED = ("Placeholder", "Const", "NoOp", "Identity", "ReadVariableOp")
 
 def count_ops(fn, *specs) -> collections.Counter:
     graph = tf.function(fn).get_concrete_function(*specs).graph
-    return collections.Counter(op.type for op in graph.get_operations()
-                               if op.type not in SKIPPED)
+    return collections.Counter(op.type for op in graph.get_operations() if op.type not in SKIPPED)
 
 
 def main(argv=None) -> int:
@@ -52,8 +51,10 @@ def main(argv=None) -> int:
 
     forms = {
         "dense [B, L]": (tf.TensorSpec([64, 20], tf.int64), tf.TensorSpec([64, 20], tf.float32)),
-        "ragged": (tf.RaggedTensorSpec([64, None], tf.int64, ragged_rank=1),
-                   tf.RaggedTensorSpec([64, None], tf.float32, ragged_rank=1)),
+        "ragged": (
+            tf.RaggedTensorSpec([64, None], tf.int64, ragged_rank=1),
+            tf.RaggedTensorSpec([64, None], tf.float32, ragged_rank=1),
+        ),
     }
     results = {}
     for form, specs in forms.items():

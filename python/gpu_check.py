@@ -18,9 +18,9 @@ PKM and DLRM shapes against torch.nn.functional.embedding_bag in the same run.
 Prints a table; writes JSON to $OUT/gpu_check.json when OUT is set.
 
 Section "tt" (python3 python/gpu_check.py --only tt; also run after the gather_reduce_sum
-section when --only is not given): TT embedding bags (cuda/tt_embedding_{forward,backward}.cu through
-gpu_harness.tt_embedding_bag / tt_embedding_bag_backward) over 2-5 cores, odd shapes, tables,
-padding, empty bags, Zipf ids, every dtype and combiner, against float64 references; error
+section when --only is not given): TT embedding bags (cuda/tt_embedding_{forward,backward}.cu
+through gpu_harness.tt_embedding_bag / tt_embedding_bag_backward) over 2-5 cores, odd shapes,
+tables, padding, empty bags, Zipf ids, every dtype and combiner, against float64 references; error
 messages; bitwise determinism; benchmarks at FBTT's shape (B = 512 and 65,536, uniform and
 Zipf) with the TT-math and executed FLOP rates and a plain torch TT (gather core slices +
 bmm, autograd) in the same run. JSON to $OUT/gpu_check_tt.json.
@@ -66,8 +66,14 @@ COMBINERS = ["sum", "mean", "sqrtn", "max"]
 RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-30, torch.float32: 1e-30, torch.float64: 0.0}
 DEVICE = "cuda"  # a dry run on a machine without a GPU sets "cpu"
-SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
-         torch.float64: "f64", torch.int32: "i32", torch.int64: "i64"}
+SHORT = {
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 # name, N, D, (min len, max len), B, distribution, padding id
 CONFIGS = [
@@ -83,8 +89,15 @@ CONFIGS = [
     ("no-bags", 10, 16, (0, 0), 0, "uniform", None),
     ("zero-den", 40, 8, (2, 2), 6, "uniform", None),
 ]
-SMALL_CONFIGS = ["d3-pad-oob", "d64-pad", "d127-zipf", "long-bags", "hot-rows", "zero-den",
-                 "empty-bags"]
+SMALL_CONFIGS = [
+    "d3-pad-oob",
+    "d64-pad",
+    "d127-zipf",
+    "long-bags",
+    "hot-rows",
+    "zero-den",
+    "empty-bags",
+]
 
 
 def log(*a):
@@ -93,6 +106,7 @@ def log(*a):
 
 # ---------------------------------------------------------------------------
 # Inputs.
+
 
 def make_ids(n, num_rows, dist, dtype, gen, device, perm=None):
     """perm: a fixed popularity order for Zipf ids (the id of rank r is perm[r]); None draws
@@ -139,12 +153,20 @@ def make_case(config, dtype, itype, combiner, weighted, seed, device=None):
             weights[2], weights[3] = 0.0, 0.0  # bag 1: all weights 0
     grad = torch.randn(bags, dim, generator=gen, dtype=torch.float64)
     to = lambda t: None if t is None else t.to(dtype).to(device)  # noqa: E731
-    return dict(params=to(params), ids=ids.to(device), offsets=offsets.to(device),
-                weights=to(weights), grad=to(grad), padding_id=pad, combiner=combiner)
+    return dict(
+        params=to(params),
+        ids=ids.to(device),
+        offsets=offsets.to(device),
+        weights=to(weights),
+        grad=to(grad),
+        padding_id=pad,
+        combiner=combiner,
+    )
 
 
 # ---------------------------------------------------------------------------
 # float64 references (CPU).
+
 
 def reference(case, out_kernel=None):
     params = case["params"].cpu().double()
@@ -167,7 +189,9 @@ def reference(case, out_kernel=None):
     w = w_in.cpu().double()[vidx] if w_in is not None else torch.ones(m, dtype=torch.float64)
     ref = {}
     idx2 = vb[:, None].expand(-1, dim)
-    count = torch.zeros(bags, dtype=torch.float64).index_add_(0, vb, torch.ones(m, dtype=torch.float64))
+    count = torch.zeros(bags, dtype=torch.float64).index_add_(
+        0, vb, torch.ones(m, dtype=torch.float64)
+    )
     if combiner == "max":
         out = torch.full((bags, dim), -math.inf, dtype=torch.float64)
         out.scatter_reduce_(0, idx2, e, "amax", include_self=True)
@@ -190,13 +214,14 @@ def reference(case, out_kernel=None):
             scale = torch.ones(bags, dtype=torch.float64)
         out = torch.zeros(bags, dim, dtype=torch.float64).index_add_(0, vb, w[:, None] * e)
         out_abs = torch.zeros(bags, dim, dtype=torch.float64).index_add_(
-            0, vb, w.abs()[:, None] * e.abs())
+            0, vb, w.abs()[:, None] * e.abs()
+        )
         ref["out"], ref["out_abs"] = out * scale[:, None], out_abs * scale.abs()[:, None]
         coef = scale[vb] * w
         contrib = coef[:, None] * grad[vb]
         contrib_abs = coef.abs()[:, None] * grad[vb].abs()
         if w_in is not None:
-            o = (out_kernel.cpu().double() if out_kernel is not None else ref["out"])
+            o = out_kernel.cpu().double() if out_kernel is not None else ref["out"]
             dot = (e * grad[vb]).sum(1)
             dot_abs = (e.abs() * grad[vb].abs()).sum(1)
             dyout = (grad * o).sum(1)
@@ -238,13 +263,22 @@ def close(got, ref, ref_abs, dtype):
 # ---------------------------------------------------------------------------
 # Checks.
 
+
 def check_case(config, dtype, itype, combiner, weighted, seed):
     case = make_case(config, dtype, itype, combiner, weighted, seed)
-    res = {"config": config[0], "dtype": SHORT[dtype], "itype": SHORT[itype],
-           "combiner": combiner, "weighted": weighted, "failures": [], "worst": {}}
+    res = {
+        "config": config[0],
+        "dtype": SHORT[dtype],
+        "itype": SHORT[itype],
+        "combiner": combiner,
+        "weighted": weighted,
+        "failures": [],
+        "worst": {},
+    }
     fail = res["failures"]
-    p, ids, off, w, dy, pad = (case[k] for k in ("params", "ids", "offsets", "weights", "grad",
-                                                  "padding_id"))
+    p, ids, off, w, dy, pad = (
+        case[k] for k in ("params", "ids", "offsets", "weights", "grad", "padding_id")
+    )
     out, argmax = gh.gather_reduce_sum_with_argmax(p, ids, off, w, combiner, pad)
     ref = reference(case, out_kernel=out)
     ok, ratio = close(out, ref["out"], ref["out_abs"], dtype)
@@ -295,7 +329,7 @@ def sweep_cases(small):
     for config in configs:
         for dtype in dtypes:
             for combiner in COMBINERS:
-                for weighted in ((False, True) if combiner != "max" else (False,)):
+                for weighted in (False, True) if combiner != "max" else (False,):
                     for itype in INDEX_DTYPES:
                         cases.append((config, dtype, itype, combiner, weighted))
     if small:  # one id dtype per case, alternating
@@ -313,13 +347,22 @@ def run_sweep(small, max_cases=None):
         try:
             r = check_case(config, dtype, itype, combiner, weighted, seed)
         except Exception as exc:  # noqa: BLE001 -- reported, not hidden
-            r = {"config": config[0], "dtype": SHORT[dtype], "itype": SHORT[itype],
-                 "combiner": combiner, "weighted": weighted,
-                 "failures": [f"exception: {exc!r}"], "trace": traceback.format_exc()}
+            r = {
+                "config": config[0],
+                "dtype": SHORT[dtype],
+                "itype": SHORT[itype],
+                "combiner": combiner,
+                "weighted": weighted,
+                "failures": [f"exception: {exc!r}"],
+                "trace": traceback.format_exc(),
+            }
         results.append(r)
         if r["failures"]:
-            log("FAIL", {k: r[k] for k in ("config", "dtype", "itype", "combiner", "weighted")},
-                r["failures"])
+            log(
+                "FAIL",
+                {k: r[k] for k in ("config", "dtype", "itype", "combiner", "weighted")},
+                r["failures"],
+            )
             if "trace" in r:
                 log(r["trace"])
     return results
@@ -338,23 +381,32 @@ def check_determinism(small):
         for n_rows, dim, bags, length in shapes:
             config = ("det", n_rows, dim, (length, length), bags, "zipf", None)
             case = make_case(config, dtype, torch.int64, "sqrtn", True, 1234)
-            p, ids, off, w, dy = (case[k] for k in ("params", "ids", "offsets", "weights",
-                                                     "grad"))
+            p, ids, off, w, dy = (case[k] for k in ("params", "ids", "offsets", "weights", "grad"))
             runs = []
             for _ in range(3):
                 fwd = gh.gather_reduce_sum(p, ids, off, w, "sqrtn")
                 dense, dw = gh.gather_reduce_sum_backward(p, ids, off, w, dy, "sqrtn")
-                (uid, vals), dw2 = gh.gather_reduce_sum_backward(p, ids, off, w, dy, "sqrtn",
-                                                                  dense=False)
+                (uid, vals), dw2 = gh.gather_reduce_sum_backward(
+                    p, ids, off, w, dy, "sqrtn", dense=False
+                )
                 dws = gh.weights_grad(p, ids, off, w, dy, fwd, "sqrtn")
-                runs.append([bits(fwd), bits(dense), bits(dw), uid, bits(vals), bits(dw2),
-                             bits(dws)])
+                runs.append(
+                    [bits(fwd), bits(dense), bits(dw), uid, bits(vals), bits(dw2), bits(dws)]
+                )
             same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
             hot = int(torch.bincount(ids.long()).max())
-            out.append({"dtype": SHORT[dtype], "shape": [n_rows, dim, bags, length],
-                        "hottest_row_entries": hot, "bitwise_identical": same})
-            log(f"determinism {SHORT[dtype]} N={n_rows} D={dim} B={bags}x{length} "
-                f"hottest row {hot} entries: {'identical' if same else 'DIFFERENT'}")
+            out.append(
+                {
+                    "dtype": SHORT[dtype],
+                    "shape": [n_rows, dim, bags, length],
+                    "hottest_row_entries": hot,
+                    "bitwise_identical": same,
+                }
+            )
+            log(
+                f"determinism {SHORT[dtype]} N={n_rows} D={dim} B={bags}x{length} "
+                f"hottest row {hot} entries: {'identical' if same else 'DIFFERENT'}"
+            )
     return out
 
 
@@ -379,41 +431,80 @@ def check_errors():
         ids = torch.tensor([1, 2, 3, 4, 5, 10, 6, -3, 7, big], dtype=itype, device=dev)
         ids_pad = torch.tensor([1, -1, 3, -3, 5, 9, 6, 10, 7, 1], dtype=itype, device=dev)
         cases = [
-            ("forward", lambda: gh.gather_reduce_sum(params, ids, off),
-             "indices[5] = 10 is not in [0, 10)"),
-            ("forward padding", lambda: gh.gather_reduce_sum(params, ids_pad, off, padding_id=-1),
-             "indices[3] = -3 is not in [0, 10) and is not padding_id (-1)"),
-            ("forward max", lambda: gh.gather_reduce_sum(params, ids, off, combiner="max"),
-             "indices[5] = 10 is not in [0, 10)"),
-            ("params grad dense", lambda: gh.gather_reduce_sum_backward(params, ids, off, w, dy),
-             "indices[5] = 10 is not in [0, 10)"),
-            ("params grad dedup",
-             lambda: gh.gather_reduce_sum_backward(params, ids, off, None, dy, dense=False),
-             "indices[5] = 10 is not in [0, 10)"),
-            ("weights grad", lambda: gh.weights_grad(params, ids, off, w, dy),
-             "indices[5] = 10 is not in [0, 10)"),
-            ("huge id", lambda: gh.gather_reduce_sum(params, ids[9:], off * 0 + torch.tensor(
-                [0, 0, 1], device=dev)), f"indices[0] = {big} is not in [0, 10)"),
-            ("row_splits[0]", lambda: gh.gather_reduce_sum(
-                params, ids[:3], torch.tensor([1, 2, 3], device=dev)),
-             "row_splits[0] = 1 must be 0"),
-            ("row_splits decreasing", lambda: gh.gather_reduce_sum(
-                params, ids[:5], torch.tensor([0, 3, 2, 5], device=dev)),
-             "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3"),
-            ("row_splits last", lambda: gh.gather_reduce_sum(
-                params, ids[:5], torch.tensor([0, 3, 4], device=dev)),
-             "row_splits[2] = 4 must equal the number of indices (5)"),
-            ("row_splits decreasing grad", lambda: gh.gather_reduce_sum_backward(
-                params, ids[:5], torch.tensor([0, 3, 2, 5], device=dev), None,
-                torch.randn(3, 8, device=dev)),
-             "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3"),
-            ("max with weights", lambda: gh.gather_reduce_sum(params, ids, off, w, "max"),
-             "combiner 'max' does not take weights"),
+            (
+                "forward",
+                lambda: gh.gather_reduce_sum(params, ids, off),
+                "indices[5] = 10 is not in [0, 10)",
+            ),
+            (
+                "forward padding",
+                lambda: gh.gather_reduce_sum(params, ids_pad, off, padding_id=-1),
+                "indices[3] = -3 is not in [0, 10) and is not padding_id (-1)",
+            ),
+            (
+                "forward max",
+                lambda: gh.gather_reduce_sum(params, ids, off, combiner="max"),
+                "indices[5] = 10 is not in [0, 10)",
+            ),
+            (
+                "params grad dense",
+                lambda: gh.gather_reduce_sum_backward(params, ids, off, w, dy),
+                "indices[5] = 10 is not in [0, 10)",
+            ),
+            (
+                "params grad dedup",
+                lambda: gh.gather_reduce_sum_backward(params, ids, off, None, dy, dense=False),
+                "indices[5] = 10 is not in [0, 10)",
+            ),
+            (
+                "weights grad",
+                lambda: gh.weights_grad(params, ids, off, w, dy),
+                "indices[5] = 10 is not in [0, 10)",
+            ),
+            (
+                "huge id",
+                lambda: gh.gather_reduce_sum(
+                    params, ids[9:], off * 0 + torch.tensor([0, 0, 1], device=dev)
+                ),
+                f"indices[0] = {big} is not in [0, 10)",
+            ),
+            (
+                "row_splits[0]",
+                lambda: gh.gather_reduce_sum(params, ids[:3], torch.tensor([1, 2, 3], device=dev)),
+                "row_splits[0] = 1 must be 0",
+            ),
+            (
+                "row_splits decreasing",
+                lambda: gh.gather_reduce_sum(
+                    params, ids[:5], torch.tensor([0, 3, 2, 5], device=dev)
+                ),
+                "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3",
+            ),
+            (
+                "row_splits last",
+                lambda: gh.gather_reduce_sum(params, ids[:5], torch.tensor([0, 3, 4], device=dev)),
+                "row_splits[2] = 4 must equal the number of indices (5)",
+            ),
+            (
+                "row_splits decreasing grad",
+                lambda: gh.gather_reduce_sum_backward(
+                    params,
+                    ids[:5],
+                    torch.tensor([0, 3, 2, 5], device=dev),
+                    None,
+                    torch.randn(3, 8, device=dev),
+                ),
+                "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3",
+            ),
+            (
+                "max with weights",
+                lambda: gh.gather_reduce_sum(params, ids, off, w, "max"),
+                "combiner 'max' does not take weights",
+            ),
         ]
         for name, fn, msg in cases:
             ok, got = expect_error(fn, msg)
-            results.append({"itype": SHORT[itype], "case": name, "ok": ok, "got": got,
-                            "want": msg})
+            results.append({"itype": SHORT[itype], "case": name, "ok": ok, "got": got, "want": msg})
             if not ok:
                 log(f"FAIL error check {name} {SHORT[itype]}: got {got!r}, want {msg!r}")
     torch.cuda.synchronize()
@@ -422,6 +513,7 @@ def check_errors():
 
 # ---------------------------------------------------------------------------
 # Benchmarks.
+
 
 def bench(fn, iters, warmup=3):
     """Median of CUDA-event timings in ms; fn(i) gets the iteration number."""
@@ -493,8 +585,16 @@ def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backwar
         sets.append((ids, w, dy))
     off = torch.arange(0, nnz + 1, length, device=dev)
     gathered = nnz * dim * params.element_size()
-    r = {"shape": name, "N": n_rows, "D": dim, "bags": bags, "bag_len": length,
-         "dtype": SHORT[dtype], "weighted": weighted, "gathered_bytes": gathered}
+    r = {
+        "shape": name,
+        "N": n_rows,
+        "D": dim,
+        "bags": bags,
+        "bag_len": length,
+        "dtype": SHORT[dtype],
+        "weighted": weighted,
+        "gathered_bytes": gathered,
+    }
     dense = backward_form == "dense-fused"
 
     def ours_fwd(i):
@@ -526,8 +626,9 @@ def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backwar
         F.embedding_bag(ids, params, off[:-1], mode="sum", per_sample_weights=w)
 
     p_leaf = params.detach().clone().requires_grad_(True)
-    leaves = [w.detach().clone().requires_grad_(True) if w is not None else None
-              for _, w, _ in sets]
+    leaves = [
+        w.detach().clone().requires_grad_(True) if w is not None else None for _, w, _ in sets
+    ]
 
     def torch_fwd_bwd(i):
         ids, _, dy = sets[i % 3]
@@ -545,13 +646,19 @@ def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backwar
     timed(r, "torch_fwd_bwd", torch_fwd_bwd, iters)
     if r.get("torch_fwd_bwd_ms") and r.get("torch_fwd_ms"):
         # torch's backward alone: its fwd+bwd less its forward, from the same timing mode.
-        mode = "graph" if r.get("torch_fwd_bwd_graph_ms") and r.get("torch_fwd_graph_ms") \
-            else "eager"
+        mode = (
+            "graph" if r.get("torch_fwd_bwd_graph_ms") and r.get("torch_fwd_graph_ms") else "eager"
+        )
         r["torch_bwd_ms"] = r[f"torch_fwd_bwd_{mode}_ms"] - r[f"torch_fwd_{mode}_ms"]
     r["ours_fwd_TBps"] = gathered / r["ours_fwd_ms"] / 1e9 if r.get("ours_fwd_ms") else None
     r["torch_fwd_TBps"] = gathered / r["torch_fwd_ms"] / 1e9 if r.get("torch_fwd_ms") else None
-    r["ours_bwd_form"] = ("dense [N, D] + fused weights grad" if dense and weighted
-                          else "dense [N, D]" if dense else "deduplicated [U, D] (reads U back)")
+    r["ours_bwd_form"] = (
+        "dense [N, D] + fused weights grad"
+        if dense and weighted
+        else "dense [N, D]"
+        if dense
+        else "deduplicated [U, D] (reads U back)"
+    )
     for k in ("fwd", "bwd", "fwd_bwd"):
         t, o = r.get(f"torch_{k}_ms"), r.get(f"ours_{k}_ms")
         r[f"speedup_{k}"] = t / o if t and o else None
@@ -571,8 +678,12 @@ def run_benchmarks():
         try:
             r = bench_shape(*spec)
         except Exception as exc:  # noqa: BLE001
-            r = {"shape": spec[0], "dtype": SHORT[spec[5]], "error": repr(exc)[:300],
-                 "trace": traceback.format_exc()}
+            r = {
+                "shape": spec[0],
+                "dtype": SHORT[spec[5]],
+                "error": repr(exc)[:300],
+                "trace": traceback.format_exc(),
+            }
         rows.append(r)
         log(json.dumps(r))
     return rows
@@ -602,14 +713,14 @@ def copy_bandwidth():
 
 def build(lib_dir):
     t0 = time.time()
-    subprocess.run(["bash", str(REPO / "python" / "build_gpu_harness.sh"), str(lib_dir)],
-                   check=True)
+    subprocess.run(
+        ["bash", str(REPO / "python" / "build_gpu_harness.sh"), str(lib_dir)], check=True
+    )
     return time.time() - t0
 
 
 def fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
-
 
 
 # ---------------------------------------------------------------------------
@@ -625,8 +736,7 @@ TT_CONFIGS = [
     ("q-ones-odd-ranks", [6, 7, 3], [1, 4, 1], [3, 5], 1, None, 40, (1, 9), "zipf", 11),
     ("N<prodp-pad", [10, 10], [2, 2], [5], 1, 73, 40, (0, 8), "uniform", 72),
     ("tables-pad", [4, 5, 6], [2, 2, 2], [3, 3], 3, 97, 60, (0, 10), "zipf", -1),
-    ("5core", [2, 3, 2, 3, 2], [2, 1, 2, 1, 2], [3, 2, 3, 2], 1, None, 30, (0, 8), "uniform",
-     None),
+    ("5core", [2, 3, 2, 3, 2], [2, 1, 2, 1, 2], [3, 2, 3, 2], 1, None, 30, (0, 8), "uniform", None),
     ("empty-bags", [4, 5], [2, 2], [3], 1, None, 6, (0, 0), "uniform", None),
     ("hot-zipf-long", [20, 30], [4, 8], [16], 1, None, 48, (100, 300), "zipf", None),
     # FBTT's q and ranks on small p: full 4 x 4 tiles in the tiled core/parent gradient kernels.
@@ -634,15 +744,33 @@ TT_CONFIGS = [
     # Wide B (Nc >= 32) with M % 4 == 0: the parent gradient by core row, at the last level
     # (rows' gradient in the table's dtype, tables, padding) and at a middle level.
     ("wide-last-tables-pad", [6, 5], [4, 32], [8], 2, 29, 40, (0, 12), "zipf", 3),
-    ("4core-wide-mid", [3, 4, 5, 6], [4, 1, 8, 2], [4, 8, 4], 1, None, 40, (0, 10), "uniform",
-     None),
+    (
+        "4core-wide-mid",
+        [3, 4, 5, 6],
+        [4, 1, 8, 2],
+        [4, 8, 4],
+        1,
+        None,
+        40,
+        (0, 10),
+        "uniform",
+        None,
+    ),
     # ~88K distinct ids: the last core's gradient has > 4,096 pieces, which run in the order
     # of their parents (PieceOrderKeysKernel).
-    ("ordered-pieces", [40, 50, 60], [2, 2, 2], [4, 4], 1, None, 8000, (10, 30), "uniform",
-     None),
+    ("ordered-pieces", [40, 50, 60], [2, 2, 2], [4, 4], 1, None, 8000, (10, 30), "uniform", None),
 ]
-TT_SMALL = ["2core", "3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags", "q-ones-odd-ranks",
-            "fbtt-r32", "wide-last-tables-pad", "4core-wide-mid"]
+TT_SMALL = [
+    "2core",
+    "3core-zipf",
+    "4core-odd-pad",
+    "tables-pad",
+    "empty-bags",
+    "q-ones-odd-ranks",
+    "fbtt-r32",
+    "wide-last-tables-pad",
+    "4core-wide-mid",
+]
 
 
 def tt_rows_torch(cores, p, q, r, num_tables, gids):
@@ -650,7 +778,7 @@ def tt_rows_torch(cores, p, q, r, num_tables, gids):
     differentiable): the plain reimplementation used as reference and as a baseline."""
     T = len(p)
     P = math.prod(p)
-    strides = [math.prod(p[k + 1:]) for k in range(T)]
+    strides = [math.prod(p[k + 1 :]) for k in range(T)]
     n = gids.numel()
     tab = gids // P
     loc = gids % P
@@ -672,8 +800,10 @@ def tt_make_case(config, dtype, itype, combiner, weighted, seed):
     cores64 = []
     for k in range(len(p)):
         scale = (1.0 / r[k]) ** 0.5
-        cores64.append(torch.randn(tables * p[k], r[k] * q[k] * r[k + 1], generator=gen,
-                                   dtype=torch.float64) * scale)
+        cores64.append(
+            torch.randn(tables * p[k], r[k] * q[k] * r[k + 1], generator=gen, dtype=torch.float64)
+            * scale
+        )
     lengths = torch.randint(lo, hi + 1, (bags,), generator=gen)
     offsets = torch.zeros(bags + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
@@ -697,11 +827,23 @@ def tt_make_case(config, dtype, itype, combiner, weighted, seed):
             weights = (torch.rand(nnz, generator=gen, dtype=torch.float64) + 0.25) * sign
     dy = torch.randn(bags, math.prod(q), generator=gen, dtype=torch.float64)
     cores = [c.to(dtype).to(DEVICE) for c in cores64]
-    return dict(p=p, q=q, ranks=ranks, r=r, tables=tables, n_emb=n_emb, pad=pad,
-                cores=cores, ids=ids.to(itype).to(DEVICE), gids=gids, offsets=offsets.to(DEVICE),
-                splits=splits.to(DEVICE),
-                weights=None if weights is None else weights.to(dtype).to(DEVICE),
-                grad=dy.to(dtype).to(DEVICE), combiner=combiner)
+    return dict(
+        p=p,
+        q=q,
+        ranks=ranks,
+        r=r,
+        tables=tables,
+        n_emb=n_emb,
+        pad=pad,
+        cores=cores,
+        ids=ids.to(itype).to(DEVICE),
+        gids=gids,
+        offsets=offsets.to(DEVICE),
+        splits=splits.to(DEVICE),
+        weights=None if weights is None else weights.to(dtype).to(DEVICE),
+        grad=dy.to(dtype).to(DEVICE),
+        combiner=combiner,
+    )
 
 
 def tt_reference(c, out_kernel=None):
@@ -714,8 +856,15 @@ def tt_reference(c, out_kernel=None):
     cores_abs = [x.detach().abs().requires_grad_(True) for x in cores]
     table = tt_rows_torch(cores, p, q, r, tables, all_ids)
     table_abs = tt_rows_torch(cores_abs, p, q, r, tables, all_ids)
-    case = dict(params=table.detach(), ids=c["gids"], offsets=c["offsets"].cpu(),
-                weights=c["weights"], grad=c["grad"], padding_id=-1, combiner=c["combiner"])
+    case = dict(
+        params=table.detach(),
+        ids=c["gids"],
+        offsets=c["offsets"].cpu(),
+        weights=c["weights"],
+        grad=c["grad"],
+        padding_id=-1,
+        combiner=c["combiner"],
+    )
     ref = reference(case, out_kernel=out_kernel)
     case_abs = dict(case, params=table_abs.detach())
     ref_abs = reference(case_abs)
@@ -726,21 +875,36 @@ def tt_reference(c, out_kernel=None):
         ref["dw_abs"] = ref_abs["dw_abs"]
     # Core rows any valid entry touches.
     vg = ref["unique"]
-    strides = [math.prod(p[k + 1:]) for k in range(len(p))]
-    ref["touched"] = [torch.unique((vg // P) * p[k] + (vg % P // strides[k]) % p[k])
-                      for k in range(len(p))]
+    strides = [math.prod(p[k + 1 :]) for k in range(len(p))]
+    ref["touched"] = [
+        torch.unique((vg // P) * p[k] + (vg % P // strides[k]) % p[k]) for k in range(len(p))
+    ]
     return ref
 
 
 def tt_call_kwargs(c):
-    return dict(weights=c["weights"], combiner=c["combiner"], num_tables=c["tables"],
-                table_splits=c["splits"], padding_id=c["pad"], num_embeddings=c["n_emb"])
+    return dict(
+        weights=c["weights"],
+        combiner=c["combiner"],
+        num_tables=c["tables"],
+        table_splits=c["splits"],
+        padding_id=c["pad"],
+        num_embeddings=c["n_emb"],
+    )
 
 
 def tt_check_case(config, dtype, itype, combiner, weighted, seed):
     c = tt_make_case(config, dtype, itype, combiner, weighted, seed)
-    res = {"section": "tt", "config": config[0], "dtype": SHORT[dtype], "itype": SHORT[itype],
-           "combiner": combiner, "weighted": weighted, "failures": [], "worst": {}}
+    res = {
+        "section": "tt",
+        "config": config[0],
+        "dtype": SHORT[dtype],
+        "itype": SHORT[itype],
+        "combiner": combiner,
+        "weighted": weighted,
+        "failures": [],
+        "worst": {},
+    }
     fail = res["failures"]
     args = (c["cores"], c["p"], c["q"], c["ranks"], c["ids"], c["offsets"])
     out, state = gh.tt_embedding_bag_forward(*args, **tt_call_kwargs(c))
@@ -827,13 +991,23 @@ def tt_run_sweep(small, max_cases=None):
         try:
             r = tt_check_case(config, dtype, itype, combiner, weighted, seed)
         except Exception as exc:  # noqa: BLE001 -- reported, not hidden
-            r = {"section": "tt", "config": config[0], "dtype": SHORT[dtype],
-                 "itype": SHORT[itype], "combiner": combiner, "weighted": weighted,
-                 "failures": [f"exception: {exc!r}"], "trace": traceback.format_exc()}
+            r = {
+                "section": "tt",
+                "config": config[0],
+                "dtype": SHORT[dtype],
+                "itype": SHORT[itype],
+                "combiner": combiner,
+                "weighted": weighted,
+                "failures": [f"exception: {exc!r}"],
+                "trace": traceback.format_exc(),
+            }
         results.append(r)
         if r["failures"]:
-            log("FAIL tt", {k: r[k] for k in ("config", "dtype", "itype", "combiner",
-                                               "weighted")}, r["failures"])
+            log(
+                "FAIL tt",
+                {k: r[k] for k in ("config", "dtype", "itype", "combiner", "weighted")},
+                r["failures"],
+            )
             if "trace" in r:
                 log(r["trace"])
     return results
@@ -841,8 +1015,9 @@ def tt_run_sweep(small, max_cases=None):
 
 def tt_check_determinism(small):
     results = []
-    p, q, ranks = ([50, 60, 70], [4, 4, 4], [16, 16]) if not small else ([9, 8, 7], [2, 4, 2],
-                                                                           [5, 3])
+    p, q, ranks = (
+        ([50, 60, 70], [4, 4, 4], [16, 16]) if not small else ([9, 8, 7], [2, 4, 2], [5, 3])
+    )
     bags, length = (2048, 20) if not small else (32, 10)
     for dtype in (torch.float32, torch.bfloat16):
         config = ("det", p, q, ranks, 1, None, bags, (length, length), "zipf", None)
@@ -853,14 +1028,26 @@ def tt_check_determinism(small):
             out, state = gh.tt_embedding_bag_forward(*args, **tt_call_kwargs(c))
             dense, dw = gh.tt_embedding_bag_backward_from(state, c["grad"], dense=True)
             compact, _ = gh.tt_embedding_bag_backward_from(state, c["grad"], dense=False)
-            runs.append([bits(out), bits(dw)] + [bits(x) for x in dense]
-                        + [x for pair in compact for x in (pair[0], bits(pair[1]))])
+            runs.append(
+                [bits(out), bits(dw)]
+                + [bits(x) for x in dense]
+                + [x for pair in compact for x in (pair[0], bits(pair[1]))]
+            )
         same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
         hot = int(torch.bincount(c["ids"].long()).max())
-        results.append({"section": "tt", "dtype": SHORT[dtype], "shape": [p, q, ranks, bags, length],
-                    "hottest_row_entries": hot, "bitwise_identical": same})
-        log(f"tt determinism {SHORT[dtype]} p={p} B={bags}x{length} hottest id {hot} entries: "
-            f"{'identical' if same else 'DIFFERENT'}")
+        results.append(
+            {
+                "section": "tt",
+                "dtype": SHORT[dtype],
+                "shape": [p, q, ranks, bags, length],
+                "hottest_row_entries": hot,
+                "bitwise_identical": same,
+            }
+        )
+        log(
+            f"tt determinism {SHORT[dtype]} p={p} B={bags}x{length} hottest id {hot} entries: "
+            f"{'identical' if same else 'DIFFERENT'}"
+        )
     return results
 
 
@@ -869,30 +1056,51 @@ def tt_check_errors():
     dev = "cuda"
     p, q, ranks = [4, 5], [2, 2], [3]
     gen = torch.Generator(device=dev).manual_seed(5)
-    cores = [torch.randn(4, 6, device=dev, generator=gen),
-             torch.randn(5, 6, device=dev, generator=gen)]
+    cores = [
+        torch.randn(4, 6, device=dev, generator=gen),
+        torch.randn(5, 6, device=dev, generator=gen),
+    ]
     off = torch.tensor([0, 4, 10], device=dev)
     shape = gh.TTShape(p, q, ranks)
     for itype in INDEX_DTYPES:
         ids = torch.tensor([1, 2, 3, 4, 5, 20, 6, -3, 7, 19], dtype=itype, device=dev)
         ids_pad = torch.tensor([1, -1, 3, -3, 5, 9, 6, 10, 7, 1], dtype=itype, device=dev)
         cases = [
-            ("bag forward", lambda: gh.tt_embedding_bag(cores, p, q, ranks, ids, off),
-             "indices[5] = 20 is not in [0, 20)"),
-            ("bag forward num_embeddings", lambda: gh.tt_embedding_bag(
-                cores, p, q, ranks, ids, off, num_embeddings=6),
-             "indices[5] = 20 is not in [0, 6)"),
-            ("bag forward padding", lambda: gh.tt_embedding_bag(
-                cores, p, q, ranks, ids_pad, off, padding_id=-1),
-             "indices[3] = -3 is not in [0, 20) and is not padding_id (-1)"),
-            ("bag backward", lambda: gh.tt_embedding_bag_backward(
-                cores, p, q, ranks, ids, off, torch.randn(2, 4, device=dev)),
-             "indices[5] = 20 is not in [0, 20)"),
+            (
+                "bag forward",
+                lambda: gh.tt_embedding_bag(cores, p, q, ranks, ids, off),
+                "indices[5] = 20 is not in [0, 20)",
+            ),
+            (
+                "bag forward num_embeddings",
+                lambda: gh.tt_embedding_bag(cores, p, q, ranks, ids, off, num_embeddings=6),
+                "indices[5] = 20 is not in [0, 6)",
+            ),
+            (
+                "bag forward padding",
+                lambda: gh.tt_embedding_bag(cores, p, q, ranks, ids_pad, off, padding_id=-1),
+                "indices[3] = -3 is not in [0, 20) and is not padding_id (-1)",
+            ),
+            (
+                "bag backward",
+                lambda: gh.tt_embedding_bag_backward(
+                    cores, p, q, ranks, ids, off, torch.randn(2, 4, device=dev)
+                ),
+                "indices[5] = 20 is not in [0, 20)",
+            ),
         ]
         for name, fn, msg in cases:
             ok, got = expect_error(fn, msg)
-            results.append({"section": "tt", "itype": SHORT[itype], "case": name, "ok": ok,
-                            "got": got, "want": msg})
+            results.append(
+                {
+                    "section": "tt",
+                    "itype": SHORT[itype],
+                    "case": name,
+                    "ok": ok,
+                    "got": got,
+                    "want": msg,
+                }
+            )
             if not ok:
                 log(f"FAIL tt error check {name} {SHORT[itype]}: got {got!r}, want {msg!r}")
 
@@ -906,11 +1114,14 @@ def tt_check_errors():
         _, rep = gh.tt_rows_grad(shape, cores, gids, torch.randn(4, 4, device=dev))
         gh._tt_raise_global(rep, 20)
 
-    for name, fn, msg in [("rows", rows_bad, "ids[3] = 20 is not in [0, 20)"),
-                          ("rows grad", rows_grad_bad, "ids[2] = 25 is not in [0, 20)")]:
+    for name, fn, msg in [
+        ("rows", rows_bad, "ids[3] = 20 is not in [0, 20)"),
+        ("rows grad", rows_grad_bad, "ids[2] = 25 is not in [0, 20)"),
+    ]:
         ok, got = expect_error(fn, msg)
-        results.append({"section": "tt", "itype": "i64", "case": name, "ok": ok, "got": got,
-                        "want": msg})
+        results.append(
+            {"section": "tt", "itype": "i64", "case": name, "ok": ok, "got": got, "want": msg}
+        )
         if not ok:
             log(f"FAIL tt error check {name}: got {got!r}, want {msg!r}")
     torch.cuda.synchronize()
@@ -921,9 +1132,14 @@ def fp32_peak_tflops():
     """SMs x 128 FP32 lanes x 2 FLOP per FMA x max SM clock (nvidia-smi)."""
     props = torch.cuda.get_device_properties(0)
     try:
-        mhz = float(subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, check=True).stdout.split()[0])
+        mhz = float(
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[0]
+        )
     except Exception:  # noqa: BLE001
         mhz = 1980.0
     return props.multi_processor_count * 128 * 2 * mhz * 1e6 / 1e12, mhz
@@ -944,11 +1160,13 @@ def tt_executed_flops(state):
     s = state.shape
     u = int(state.num_unique.item())
     g = state.unique[:u]
-    strides = [math.prod(s.p[k + 1:]) for k in range(s.num_cores)]
+    strides = [math.prod(s.p[k + 1 :]) for k in range(s.num_cores)]
     total = 0
     m = s.q[0]
     for t in range(1, s.num_cores):
-        items = u if t == s.num_cores - 1 else int(torch.unique_consecutive(g // strides[t]).numel())
+        items = (
+            u if t == s.num_cores - 1 else int(torch.unique_consecutive(g // strides[t]).numel())
+        )
         total += items * 2 * m * s.r[t] * s.q[t] * s.r[t + 1]
         m *= s.q[t]
     return total, u
@@ -963,8 +1181,10 @@ def tt_bench_inputs(bags, length, dist, p, q, ranks, num_sets=3):
     r = [1] + list(ranks) + [1]
     gen = torch.Generator(device=dev).manual_seed(11)
     n_rows = math.prod(p)
-    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen)
-             * (1 / r[k]) ** 0.5 for k in range(len(p))]
+    cores = [
+        torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen) * (1 / r[k]) ** 0.5
+        for k in range(len(p))
+    ]
     nnz = bags * length
     sets = []
     cgen = torch.Generator().manual_seed(12)
@@ -977,34 +1197,48 @@ def tt_bench_inputs(bags, length, dist, p, q, ranks, num_sets=3):
     return cores, sets, off, splits
 
 
-def tt_bench_shape(name, bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4),
-                   ranks=(32, 32), torch_ref=True):
+def tt_bench_shape(
+    name, bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), ranks=(32, 32), torch_ref=True
+):
     dev = "cuda"
     p, q, ranks = list(p), list(q), list(ranks)
     r = [1] + ranks + [1]
     cores, sets, off, splits = tt_bench_inputs(bags, length, dist, p, q, ranks)
     nnz = bags * length
     D = math.prod(q)
-    res = {"section": "tt", "shape": name, "bags": bags, "bag_len": length, "lookups": nnz,
-           "dist": dist, "p": p, "q": q, "ranks": ranks, "dtype": "f32"}
+    res = {
+        "section": "tt",
+        "shape": name,
+        "bags": bags,
+        "bag_len": length,
+        "lookups": nnz,
+        "dist": dist,
+        "p": p,
+        "q": q,
+        "ranks": ranks,
+        "dtype": "f32",
+    }
     states = {}
 
     def fwd(i):
         ids, _ = sets[i % 3]
-        out, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits,
-                                              check=False)
+        out, st = gh.tt_embedding_bag_forward(
+            cores, p, q, ranks, ids, off, table_splits=splits, check=False
+        )
         states[i % 3] = st
 
     def fwd_bwd(i):
         ids, dy = sets[i % 3]
-        out, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits,
-                                              check=False)
+        out, st = gh.tt_embedding_bag_forward(
+            cores, p, q, ranks, ids, off, table_splits=splits, check=False
+        )
         gh.tt_embedding_bag_backward_from(st, dy, dense=True, check=False)
 
     def fwd_bwd_checked(i):
         ids, dy = sets[i % 3]
-        out, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits,
-                                              check=True)
+        out, st = gh.tt_embedding_bag_forward(
+            cores, p, q, ranks, ids, off, table_splits=splits, check=True
+        )
         gh.tt_embedding_bag_backward_from(st, dy, dense=True, check=True)
 
     timed(res, "ours_fwd", fwd, iters)
@@ -1065,8 +1299,12 @@ def tt_run_benchmarks():
         try:
             r = tt_bench_shape(*spec)
         except Exception as exc:  # noqa: BLE001
-            r = {"section": "tt", "shape": spec[0], "error": repr(exc)[:300],
-                 "trace": traceback.format_exc()}
+            r = {
+                "section": "tt",
+                "shape": spec[0],
+                "error": repr(exc)[:300],
+                "trace": traceback.format_exc(),
+            }
         r["fp32_peak_TFLOPs"] = peak
         r["max_sm_clock_MHz"] = mhz
         if r.get("fwd_TFLOPs_tt_math"):
@@ -1081,10 +1319,10 @@ def tt_run_benchmarks():
         targets["fbtt_fwd_bwd_us_per_lookup<=0.02"] = a["fwd_bwd_us_per_lookup"]
     b = by.get("B=65536", {})
     if b.get("fwd_fraction_of_peak_tt_math"):
-        targets["B65536_fwd_fraction_of_fp32_peak>=0.40 (tt math)"] = \
-            b["fwd_fraction_of_peak_tt_math"]
-        targets["B65536_fwd_fraction_of_fp32_peak (executed)"] = \
-            b["fwd_fraction_of_peak_executed"]
+        targets["B65536_fwd_fraction_of_fp32_peak>=0.40 (tt math)"] = b[
+            "fwd_fraction_of_peak_tt_math"
+        ]
+        targets["B65536_fwd_fraction_of_fp32_peak (executed)"] = b["fwd_fraction_of_peak_executed"]
     for small in ("FBTT B=512", "B=65536"):
         u, z = by.get(small, {}), by.get(small + " zipf", {})
         for k in ("fwd", "fwd_bwd"):
@@ -1126,16 +1364,20 @@ def tt_check_rows_grad_work(small):
             base = torch.randint(0, tables * P, (n_base,), generator=gen)
             ids = torch.cat([base, base.flip(0), base[::3]])
             n = ids.numel()
-            cores64 = [torch.randn(tables * p[k], r[k] * q[k] * r[k + 1], generator=gen,
-                                   dtype=torch.float64) * (1.0 / r[k]) ** 0.5
-                       for k in range(len(p))]
+            cores64 = [
+                torch.randn(
+                    tables * p[k], r[k] * q[k] * r[k + 1], generator=gen, dtype=torch.float64
+                )
+                * (1.0 / r[k]) ** 0.5
+                for k in range(len(p))
+            ]
             grad64 = torch.randn(n, D, generator=gen, dtype=torch.float64)
             leaves = [x.clone().requires_grad_(True) for x in cores64]
             leaves_abs = [x.abs().requires_grad_(True) for x in cores64]
-            want = torch.autograd.grad(tt_rows_torch(leaves, p, q, r, tables, ids), leaves,
-                                       grad64)
-            want_abs = torch.autograd.grad(tt_rows_torch(leaves_abs, p, q, r, tables, ids),
-                                           leaves_abs, grad64.abs())
+            want = torch.autograd.grad(tt_rows_torch(leaves, p, q, r, tables, ids), leaves, grad64)
+            want_abs = torch.autograd.grad(
+                tt_rows_torch(leaves_abs, p, q, r, tables, ids), leaves_abs, grad64.abs()
+            )
             shape = gh.TTShape(p, q, ranks, tables)
             cores = [x.to(dtype).to(DEVICE) for x in cores64]
             ids_d = ids.to(DEVICE)
@@ -1144,7 +1386,7 @@ def tt_check_rows_grad_work(small):
             compact, rep = gh.tt_rows_grad(shape, cores, ids_d, grad, dense=False)
             fail = []
             worst = 0.0
-            strides = [math.prod(p[k + 1:]) for k in range(len(p))]
+            strides = [math.prod(p[k + 1 :]) for k in range(len(p))]
             for k in range(len(p)):
                 ok, ratio = close(dense[k], want[k], want_abs[k], dtype)
                 worst = max(worst, ratio)
@@ -1158,20 +1400,34 @@ def tt_check_rows_grad_work(small):
                     fail.append(f"core {k} compact != dense bitwise")
             sizes = gh.tt_rows_grad_bytes(shape, dtype, n, rep.cpu())
             uq = torch.unique(ids).to(DEVICE)
-            _, rep_u = gh.tt_rows_grad(shape, cores, uq,
-                                       torch.randn(uq.numel(), D, dtype=torch.float64,
-                                                   generator=gen).to(dtype).to(DEVICE),
-                                       dense=False)
+            _, rep_u = gh.tt_rows_grad(
+                shape,
+                cores,
+                uq,
+                torch.randn(uq.numel(), D, dtype=torch.float64, generator=gen).to(dtype).to(DEVICE),
+                dense=False,
+            )
             sizes_u = gh.tt_rows_grad_bytes(shape, dtype, uq.numel(), rep_u.cpu())
             upper = gh.tt_rows_grad_bytes(shape, dtype, n)
-            res = {"section": "tt", "check": "rows_grad_work", "shape": name,
-                   "dtype": SHORT[dtype], "ids": n, "distinct": uq.numel(),
-                   "worst": worst, "failures": fail, "bytes_upper_bound": upper,
-                   "bytes_any_order": sizes, "bytes_sorted_distinct": sizes_u}
+            res = {
+                "section": "tt",
+                "check": "rows_grad_work",
+                "shape": name,
+                "dtype": SHORT[dtype],
+                "ids": n,
+                "distinct": uq.numel(),
+                "worst": worst,
+                "failures": fail,
+                "bytes_upper_bound": upper,
+                "bytes_any_order": sizes,
+                "bytes_sorted_distinct": sizes_u,
+            }
             results.append(res)
-            log(f"tt rows_grad work {name} {SHORT[dtype]}: {'ok' if not fail else fail} "
+            log(
+                f"tt rows_grad work {name} {SHORT[dtype]}: {'ok' if not fail else fail} "
                 f"worst {worst:.3g}; work bytes: upper bound {upper['work']}, these ids "
-                f"{sizes['work']}, their {uq.numel()} sorted distinct ids {sizes_u['work']}")
+                f"{sizes['work']}, their {uq.numel()} sorted distinct ids {sizes_u['work']}"
+            )
     return results
 
 
@@ -1199,8 +1455,9 @@ def tt_rows_grad_memory():
             before = torch.cuda.memory_allocated()
             grads, rep = gh.tt_rows_grad(shape, cores, uq, drows, dense=dense)
             torch.cuda.synchronize()
-            res["peak_MB_" + ("one_buffer_dense" if dense else "two_buffers_compact")] = \
-                (torch.cuda.max_memory_allocated() - before) / 2**20
+            res["peak_MB_" + ("one_buffer_dense" if dense else "two_buffers_compact")] = (
+                torch.cuda.max_memory_allocated() - before
+            ) / 2**20
             if not dense:
                 sizes = gh.tt_rows_grad_bytes(shape, torch.float32, u, rep.cpu())
                 res["index_MB"] = sizes["index"] / 2**20
@@ -1227,12 +1484,14 @@ def tt_main(args, report):
     n_work = sum(bool(r["failures"]) for r in report["tt_rows_grad_work"])
     n_err = sum(not r["ok"] for r in report["tt_errors"])
     n_det = sum(not r["bitwise_identical"] for r in report["tt_determinism"])
-    log(f"tt sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
+    log(
+        f"tt sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
         f"({report['tt_sweep_s']:.1f} s); error messages: "
         f"{len(report['tt_errors']) - n_err}/{len(report['tt_errors'])}; determinism: "
         f"{len(report['tt_determinism']) - n_det}/{len(report['tt_determinism'])}; "
         f"rows-grad work layouts: {len(report['tt_rows_grad_work']) - n_work}/"
-        f"{len(report['tt_rows_grad_work'])}")
+        f"{len(report['tt_rows_grad_work'])}"
+    )
     worst = {}
     for r in sweep:
         for k, v in r.get("worst", {}).items():
@@ -1252,8 +1511,16 @@ def tt_main(args, report):
 # references and against the uncached forward, then the issue's cache target at FBTT's
 # shape. JSON to $OUT/gpu_check_tt_cache.json.
 
-TT_CACHE_CONFIGS = ["2core", "3core-zipf", "4core-odd-pad", "q-ones-odd-ranks", "N<prodp-pad",
-                    "tables-pad", "empty-bags", "hot-zipf-long"]
+TT_CACHE_CONFIGS = [
+    "2core",
+    "3core-zipf",
+    "4core-odd-pad",
+    "q-ones-odd-ranks",
+    "N<prodp-pad",
+    "tables-pad",
+    "empty-bags",
+    "hot-zipf-long",
+]
 TT_CACHE_SMALL = ["3core-zipf", "4core-odd-pad", "tables-pad", "empty-bags"]
 
 
@@ -1271,8 +1538,9 @@ def tt_cache_populate_case(c, frac, seed):
     counts = torch.zeros(table, dtype=torch.int64, device=DEVICE)
     gen = torch.Generator().manual_seed(seed + 77)
     n_extra = max(8, gids.numel() // 2)
-    extra = (torch.randint(0, c["tables"], (n_extra,), generator=gen) * P
-             + torch.randint(0, c["n_emb"], (n_extra,), generator=gen))
+    extra = torch.randint(0, c["tables"], (n_extra,), generator=gen) * P + torch.randint(
+        0, c["n_emb"], (n_extra,), generator=gen
+    )
     gh.tt_cache_count(gids.to(DEVICE), keys, counts, M)
     gh.tt_cache_count(extra.to(DEVICE), keys, counts, M)
     shape = gh.TTShape(c["p"], c["q"], c["ranks"], c["tables"])
@@ -1282,9 +1550,17 @@ def tt_cache_populate_case(c, frac, seed):
 
 def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
     c = tt_make_case(config, dtype, itype, combiner, weighted, seed)
-    res = {"section": "tt_cache", "config": config[0], "dtype": SHORT[dtype],
-           "itype": SHORT[itype], "combiner": combiner, "weighted": weighted, "frac": frac,
-           "failures": [], "worst": {}}
+    res = {
+        "section": "tt_cache",
+        "config": config[0],
+        "dtype": SHORT[dtype],
+        "itype": SHORT[itype],
+        "combiner": combiner,
+        "weighted": weighted,
+        "frac": frac,
+        "failures": [],
+        "worst": {},
+    }
     fail = res["failures"]
     cache_ids, cache_rows = tt_cache_populate_case(c, frac, seed)
     args = (c["cores"], c["p"], c["q"], c["ranks"], c["ids"], c["offsets"])
@@ -1304,12 +1580,13 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
     # The cache: its rows are the TT rows of its ids (float64 from the cores), empty slots 0.
     cids = cache_ids.cpu()
     held = cids != gh.EMPTY_CACHE_ID
-    if bool((cids[held][1:] <= cids[held][:-1]).any()) or bool(held[int(held.sum()):].any()):
+    if bool((cids[held][1:] <= cids[held][:-1]).any()) or bool(held[int(held.sum()) :].any()):
         fail.append("cache ids not sorted / empty slots not at the end")
     cores64 = [x.detach().cpu().double() for x in c["cores"]]
     want = tt_rows_torch(cores64, c["p"], c["q"], c["r"], c["tables"], cids[held])
-    want_abs = tt_rows_torch([x.abs() for x in cores64], c["p"], c["q"], c["r"], c["tables"],
-                             cids[held])
+    want_abs = tt_rows_torch(
+        [x.abs() for x in cores64], c["p"], c["q"], c["r"], c["tables"], cids[held]
+    )
     ok, ratio = close(cache_rows[held.to(cache_rows.device)], want, want_abs, dtype)
     res["worst"]["cache_rows_vs_f64"] = ratio
     if not ok:
@@ -1325,21 +1602,26 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
         fail.append("unique ids tail not EMPTY_CACHE_ID")
     hits = int(torch.isin(uniq, cids[held]).sum())
     counts = st.lookup["counts"].cpu().tolist()
-    res.update(unique=u, cache_size=int(cids.numel()), cached=int(held.sum()), hits=counts[0],
-               misses=counts[1])
+    res.update(
+        unique=u,
+        cache_size=int(cids.numel()),
+        cached=int(held.sum()),
+        hits=counts[0],
+        misses=counts[1],
+    )
     if counts != [hits, u - hits]:
         fail.append(f"lookup counts {counts}, want {[hits, u - hits]}")
     # The stitched rows equal the uncached TTRows rows (to tolerance).
     if u:
         rows_ref = tt_rows_torch(cores64, c["p"], c["q"], c["r"], c["tables"], uniq)
-        rows_abs = tt_rows_torch([x.abs() for x in cores64], c["p"], c["q"], c["r"],
-                                 c["tables"], uniq)
+        rows_abs = tt_rows_torch(
+            [x.abs() for x in cores64], c["p"], c["q"], c["r"], c["tables"], uniq
+        )
         ok, ratio = close(st.rows[:u], rows_ref, rows_abs, dtype)
         res["worst"]["rows_vs_f64"] = ratio
         if not ok:
             fail.append(f"stitched rows ({ratio:.3g})")
-        res["rows_bitwise_vs_uncached"] = bool(torch.equal(bits(st.rows[:u]),
-                                                           bits(st_u.rows[:u])))
+        res["rows_bitwise_vs_uncached"] = bool(torch.equal(bits(st.rows[:u]), bits(st_u.rows[:u])))
     return res
 
 
@@ -1354,8 +1636,7 @@ def tt_cache_sweep(small, max_cases=None):
         for dtype in dtypes:
             for combiner, weighted in combos:
                 frac = (0.5, 1.5, 0.1)[i % 3]
-                cases.append((config, dtype, INDEX_DTYPES[(i // 2) % 2], combiner, weighted,
-                              frac))
+                cases.append((config, dtype, INDEX_DTYPES[(i // 2) % 2], combiner, weighted, frac))
                 i += 1
     if max_cases and len(cases) > max_cases:
         step = len(cases) / max_cases
@@ -1366,13 +1647,22 @@ def tt_cache_sweep(small, max_cases=None):
         try:
             r = tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac)
         except Exception as exc:  # noqa: BLE001 -- reported, not hidden
-            r = {"section": "tt_cache", "config": config[0], "dtype": SHORT[dtype],
-                 "combiner": combiner, "frac": frac, "failures": [f"exception: {exc!r}"],
-                 "trace": traceback.format_exc()}
+            r = {
+                "section": "tt_cache",
+                "config": config[0],
+                "dtype": SHORT[dtype],
+                "combiner": combiner,
+                "frac": frac,
+                "failures": [f"exception: {exc!r}"],
+                "trace": traceback.format_exc(),
+            }
         results.append(r)
         if r["failures"]:
-            log("FAIL tt_cache", {k: r.get(k) for k in ("config", "dtype", "combiner", "frac")},
-                r["failures"])
+            log(
+                "FAIL tt_cache",
+                {k: r.get(k) for k in ("config", "dtype", "combiner", "frac")},
+                r["failures"],
+            )
             if "trace" in r:
                 log(r["trace"])
     return results
@@ -1386,8 +1676,12 @@ def _tt_ref_bags64(cores, p, q, r, ids, bags, length, chunk=65536):
     c64 = [x.double() for x in cores]
     outs = []
     for cs in (c64, [x.abs() for x in c64]):
-        rows = torch.cat([tt_rows_torch(cs, p, q, r, 1, uniq[i:i + chunk])
-                          for i in range(0, uniq.numel(), chunk)])
+        rows = torch.cat(
+            [
+                tt_rows_torch(cs, p, q, r, 1, uniq[i : i + chunk])
+                for i in range(0, uniq.numel(), chunk)
+            ]
+        )
         bag_of = torch.arange(ids.numel(), device=ids.device) // length
         out = torch.zeros(bags, rows.shape[1], dtype=torch.float64, device=ids.device)
         outs.append(out.index_add_(0, bag_of, rows[inv]).cpu())
@@ -1408,21 +1702,35 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
     C = N // 100
     H = 2 * C
     gen = torch.Generator(device=dev).manual_seed(11)
-    cores = [torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen)
-             * (1 / r[k]) ** 0.5 for k in range(len(p))]
+    cores = [
+        torch.randn(p[k], r[k] * q[k] * r[k + 1], device=dev, generator=gen) * (1 / r[k]) ** 0.5
+        for k in range(len(p))
+    ]
     shape = gh.TTShape(p, q, ranks)
     cgen = torch.Generator().manual_seed(13)
     perm = torch.randperm(N, generator=cgen)
-    res = {"section": "tt_cache", "p": p, "q": q, "ranks": ranks, "dtype": "f32",
-           "bag_len": length, "rows": N, "cache_size": C, "freq_table": H,
-           "counted_batches": counted_batches, "counted_batch_lookups": 65536 * length,
-           "dist": "zipf(1.1), fixed popularity order", "cases": []}
+    res = {
+        "section": "tt_cache",
+        "p": p,
+        "q": q,
+        "ranks": ranks,
+        "dtype": "f32",
+        "bag_len": length,
+        "rows": N,
+        "cache_size": C,
+        "freq_table": H,
+        "counted_batches": counted_batches,
+        "counted_batch_lookups": 65536 * length,
+        "dist": "zipf(1.1), fixed popularity order",
+        "cases": [],
+    }
     t0 = time.time()
     keys = torch.full((H,), -1, dtype=torch.int64, device=dev)
     counts = torch.zeros(H, dtype=torch.int64, device=dev)
     for _ in range(counted_batches):
-        gh.tt_cache_count(make_ids(65536 * length, N, "zipf", torch.int64, cgen, dev, perm),
-                          keys, counts, N)
+        gh.tt_cache_count(
+            make_ids(65536 * length, N, "zipf", torch.int64, cgen, dev, perm), keys, counts, N
+        )
     cache_ids, cache_rows, pop = gh.tt_cache_fill(shape, cores, keys, counts, C)
     torch.cuda.synchronize()
     held = cache_ids != gh.EMPTY_CACHE_ID
@@ -1432,11 +1740,17 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
     # Time of filling the cache (populate + TT rows of all fresh ids + select), from empty.
     empty_ids = torch.full((C,), gh.EMPTY_CACHE_ID, dtype=torch.int64, device=dev)
     empty_rows = torch.zeros(C, D, device=dev)
-    timed(res, "populate_from_empty", lambda i: gh.tt_cache_fill(
-        shape, cores, keys, counts, C, empty_ids, empty_rows), 10)
-    log(f"tt_cache: cache of {res['cached_rows']} rows ({res['cached_in_true_top1pct']} of them "
+    timed(
+        res,
+        "populate_from_empty",
+        lambda i: gh.tt_cache_fill(shape, cores, keys, counts, C, empty_ids, empty_rows),
+        10,
+    )
+    log(
+        f"tt_cache: cache of {res['cached_rows']} rows ({res['cached_in_true_top1pct']} of them "
         f"in the true hottest 1%), populated from {counted_batches} counted batches "
-        f"({res['setup_s']:.1f} s); populate from empty {fmt(res.get('populate_from_empty_ms'))} ms")
+        f"({res['setup_s']:.1f} s); populate from empty {fmt(res.get('populate_from_empty_ms'))} ms"
+    )
     for B, it in zip(B_list, iters):
         nnz = B * length
         sets = [make_ids(nnz, N, "zipf", torch.int64, cgen, dev, perm) for _ in range(3)]
@@ -1444,11 +1758,12 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
         splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
         row = {"B": B, "lookups": nnz}
         # Correctness at the bench shape (set 0): cached vs uncached vs float64.
-        out_c, st = gh.tt_embedding_bag_forward_cached(cores, p, q, ranks, sets[0], off,
-                                                       cache_ids, cache_rows,
-                                                       table_splits=splits, check=True)
-        out_u, st_u = gh.tt_embedding_bag_forward(cores, p, q, ranks, sets[0], off,
-                                                  table_splits=splits, check=True)
+        out_c, st = gh.tt_embedding_bag_forward_cached(
+            cores, p, q, ranks, sets[0], off, cache_ids, cache_rows, table_splits=splits, check=True
+        )
+        out_u, st_u = gh.tt_embedding_bag_forward(
+            cores, p, q, ranks, sets[0], off, table_splits=splits, check=True
+        )
         ref, ref_abs = _tt_ref_bags64(cores, p, q, r, sets[0], B, length)
         ok1, ratio1 = close(out_c, ref, ref_abs, torch.float32)
         ok2, ratio2 = close(out_c, out_u.detach().cpu().double(), ref_abs, torch.float32)
@@ -1456,50 +1771,102 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
         hits, misses = st.lookup["counts"].cpu().tolist()
         pos = st.lookup["position"]
         entry_hit = pos[st.slots.long()] >= 0
-        row.update(check_ok=ok1 and ok2 and hits + misses == u, worst_vs_f64=ratio1,
-                   worst_vs_uncached=ratio2,
-                   bitwise_vs_uncached=bool(torch.equal(bits(out_c), bits(out_u))),
-                   unique=u, unique_hits=hits, unique_misses=misses,
-                   unique_hit_rate=hits / max(u, 1),
-                   lookup_hit_rate=float(entry_hit.double().mean()),
-                   oracle_lookup_hit_rate=float(torch.isin(sets[0], perm[:C].to(dev))
-                                                .double().mean()))
+        row.update(
+            check_ok=ok1 and ok2 and hits + misses == u,
+            worst_vs_f64=ratio1,
+            worst_vs_uncached=ratio2,
+            bitwise_vs_uncached=bool(torch.equal(bits(out_c), bits(out_u))),
+            unique=u,
+            unique_hits=hits,
+            unique_misses=misses,
+            unique_hit_rate=hits / max(u, 1),
+            lookup_hit_rate=float(entry_hit.double().mean()),
+            oracle_lookup_hit_rate=float(torch.isin(sets[0], perm[:C].to(dev)).double().mean()),
+        )
         del ref, ref_abs, st_u, entry_hit
         # Whole forwards.
         fwd_u = lambda i: gh.tt_embedding_bag_forward(  # noqa: E731
-            cores, p, q, ranks, sets[i % 3], off, table_splits=splits, check=False)
+            cores, p, q, ranks, sets[i % 3], off, table_splits=splits, check=False
+        )
         fwd_c = lambda i: gh.tt_embedding_bag_forward_cached(  # noqa: E731
-            cores, p, q, ranks, sets[i % 3], off, cache_ids, cache_rows, table_splits=splits,
-            check=False)
+            cores,
+            p,
+            q,
+            ranks,
+            sets[i % 3],
+            off,
+            cache_ids,
+            cache_rows,
+            table_splits=splits,
+            check=False,
+        )
         timed(row, "fwd_nocache", fwd_u, it)
         timed(row, "fwd_cache", fwd_c, it)
         # Pieces of the cached forward, each alone on the intermediates of its input set.
-        states = [gh.tt_embedding_bag_forward_cached(
-            cores, p, q, ranks, s, off, cache_ids, cache_rows, table_splits=splits,
-            check=False)[1] for s in sets]
-        sts_u = [gh.tt_embedding_bag_forward(cores, p, q, ranks, s, off, table_splits=splits,
-                                             check=False)[1] for s in sets]
+        states = [
+            gh.tt_embedding_bag_forward_cached(
+                cores, p, q, ranks, s, off, cache_ids, cache_rows, table_splits=splits, check=False
+            )[1]
+            for s in sets
+        ]
+        sts_u = [
+            gh.tt_embedding_bag_forward(
+                cores, p, q, ranks, s, off, table_splits=splits, check=False
+            )[1]
+            for s in sets
+        ]
         n_emb = N
-        timed(row, "part_unique_ids", lambda i: gh.tt_unique_ids_async(
-            sets[i % 3], splits, n_emb, N, None, unique_fill=gh.EMPTY_CACHE_ID), it)
-        timed(row, "part_lookup", lambda i: gh.tt_cache_lookup(states[i % 3].unique, cache_ids),
-              it)
-        timed(row, "part_rows_misses", lambda i: gh.tt_rows_async(
-            shape, cores, states[i % 3].lookup["miss_ids"], states[i % 3].num_miss), it)
-        timed(row, "part_rows_all_unique", lambda i: gh.tt_rows_async(
-            shape, cores, sts_u[i % 3].unique, sts_u[i % 3].num_unique), it)
-        timed(row, "part_stitch", lambda i: gh.tt_select_rows(
-            cache_rows, states[i % 3].lookup["position"], states[i % 3].miss_rows,
-            states[i % 3].lookup["miss_rank"]), it)
-        timed(row, "part_bag_reduce", lambda i: gh.forward_async(
-            states[i % 3].rows, states[i % 3].slots, off, None, "sum", padding_id=-1), it)
+        timed(
+            row,
+            "part_unique_ids",
+            lambda i: gh.tt_unique_ids_async(
+                sets[i % 3], splits, n_emb, N, None, unique_fill=gh.EMPTY_CACHE_ID
+            ),
+            it,
+        )
+        timed(row, "part_lookup", lambda i: gh.tt_cache_lookup(states[i % 3].unique, cache_ids), it)
+        timed(
+            row,
+            "part_rows_misses",
+            lambda i: gh.tt_rows_async(
+                shape, cores, states[i % 3].lookup["miss_ids"], states[i % 3].num_miss
+            ),
+            it,
+        )
+        timed(
+            row,
+            "part_rows_all_unique",
+            lambda i: gh.tt_rows_async(shape, cores, sts_u[i % 3].unique, sts_u[i % 3].num_unique),
+            it,
+        )
+        timed(
+            row,
+            "part_stitch",
+            lambda i: gh.tt_select_rows(
+                cache_rows,
+                states[i % 3].lookup["position"],
+                states[i % 3].miss_rows,
+                states[i % 3].lookup["miss_rank"],
+            ),
+            it,
+        )
+        timed(
+            row,
+            "part_bag_reduce",
+            lambda i: gh.forward_async(
+                states[i % 3].rows, states[i % 3].slots, off, None, "sum", padding_id=-1
+            ),
+            it,
+        )
         # Distinct level-1 prefixes (id // p_2: the products of level 1) among all unique ids
         # and among the misses: the TT work the misses still need at that level.
-        row["level1_prefixes_unique"] = int(torch.unique(
-            sts_u[0].unique[:int(sts_u[0].num_unique.item())] // p[2]).numel())
+        row["level1_prefixes_unique"] = int(
+            torch.unique(sts_u[0].unique[: int(sts_u[0].num_unique.item())] // p[2]).numel()
+        )
         nm0 = int(states[0].num_miss.item())
-        row["level1_prefixes_misses"] = int(torch.unique(
-            states[0].lookup["miss_ids"][:nm0] // p[2]).numel())
+        row["level1_prefixes_misses"] = int(
+            torch.unique(states[0].lookup["miss_ids"][:nm0] // p[2]).numel()
+        )
         # The same forwards with U and the misses known on the host (as the TF glue has them
         # after its one read-back): buffers and the stitch sized exactly, not by nnz.
         sizes = []
@@ -1522,9 +1889,17 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
 
         timed(row, "fwd_nocache_exact", fwd_u_exact, it)
         timed(row, "fwd_cache_exact", fwd_c_exact, it)
-        timed(row, "part_stitch_exact", lambda i: gh.tt_select_rows(
-            cache_rows, states[i % 3].lookup["position"][:sizes[i % 3][0]],
-            states[i % 3].miss_rows, states[i % 3].lookup["miss_rank"][:sizes[i % 3][0]]), it)
+        timed(
+            row,
+            "part_stitch_exact",
+            lambda i: gh.tt_select_rows(
+                cache_rows,
+                states[i % 3].lookup["position"][: sizes[i % 3][0]],
+                states[i % 3].miss_rows,
+                states[i % 3].lookup["miss_rank"][: sizes[i % 3][0]],
+            ),
+            it,
+        )
         if row.get("fwd_nocache_exact_ms") and row.get("fwd_cache_exact_ms"):
             row["speedup_cache_exact"] = row["fwd_nocache_exact_ms"] / row["fwd_cache_exact_ms"]
         # Counting one batch (training's job, not the forward's), on copies of the table.
@@ -1550,10 +1925,12 @@ def tt_cache_main(args, report):
     report["tt_cache_sweep"] = sweep
     n_fail = sum(bool(r["failures"]) for r in sweep)
     n_bits = sum(bool(r.get("bitwise_vs_uncached")) for r in sweep)
-    log(f"tt_cache sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
+    log(
+        f"tt_cache sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
         f"({report['tt_cache_sweep_s']:.1f} s); output bitwise equal to the uncached forward "
         f"in {n_bits}/{len(sweep)}; hits/unique "
-        + ", ".join(f"{r.get('hits')}/{r.get('unique')}" for r in sweep[:12]))
+        + ", ".join(f"{r.get('hits')}/{r.get('unique')}" for r in sweep[:12])
+    )
     worst = {}
     for r in sweep:
         for k, v in r.get("worst", {}).items():
@@ -1572,7 +1949,8 @@ def tt_cache_main(args, report):
         cases = bench.get("cases", [])
         passed = passed and "error" not in bench and all(c["check_ok"] for c in cases)
         for c in cases:
-            log(f"tt_cache B={c['B']}: unique {c['unique']}, unique hit rate "
+            log(
+                f"tt_cache B={c['B']}: unique {c['unique']}, unique hit rate "
                 f"{c['unique_hit_rate']:.3f}, lookup hit rate {c['lookup_hit_rate']:.3f} "
                 f"(oracle {c['oracle_lookup_hit_rate']:.3f}); fwd no cache "
                 f"{fmt(c.get('fwd_nocache_ms'), '.4f')} ms, with cache "
@@ -1582,9 +1960,15 @@ def tt_cache_main(args, report):
                 f"{fmt(c.get('speedup_cache_exact'), '.2f')}x; level-1 prefixes "
                 f"{c.get('level1_prefixes_unique')} / misses {c.get('level1_prefixes_misses')}; "
                 f"count/batch {fmt(c.get('count_per_batch_ms'), '.4f')} ms; parts "
-                + ", ".join(f"{k[5:-3]} {c[k]:.4f}" for k in sorted(c)
-                            if k.startswith("part_") and k.endswith("_ms") and
-                            not k.endswith(("_eager_ms", "_graph_ms")) and c[k] is not None))
+                + ", ".join(
+                    f"{k[5:-3]} {c[k]:.4f}"
+                    for k in sorted(c)
+                    if k.startswith("part_")
+                    and k.endswith("_ms")
+                    and not k.endswith(("_eager_ms", "_graph_ms"))
+                    and c[k] is not None
+                )
+            )
     return passed
 
 
@@ -1609,6 +1993,7 @@ def tt_cache_main(args, report):
 #          checks (after TTRows and the bag forward; after the bag backward, whose TF form is
 #          the sparse gradient sized by a read-back); eager medians.
 
+
 def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), ranks=(32, 32)):
     p, q, ranks = list(p), list(q), list(ranks)
     # tt_bench_shape's inputs: the same cores, ids and dy.
@@ -1620,8 +2005,18 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     pinned2 = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
     pinned_bag = torch.empty(gh._REPORT_WORDS, dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.current_stream()
-    res = {"section": "tt_zipf", "bags": bags, "bag_len": length, "lookups": nnz,
-           "dist": dist, "p": p, "q": q, "ranks": ranks, "dtype": "f32", "iters": iters}
+    res = {
+        "section": "tt_zipf",
+        "bags": bags,
+        "bag_len": length,
+        "lookups": nnz,
+        "dist": dist,
+        "p": p,
+        "q": q,
+        "ranks": ranks,
+        "dtype": "f32",
+        "iters": iters,
+    }
 
     def readback(report, host):
         host.copy_(report, non_blocking=True)
@@ -1645,18 +2040,27 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     def host_fwd_bwd(i, syncs=False, U=None, counts=None):
         _, dy = sets[i % 3]
         out, uq, rows, slots = host_fwd(i, syncs, U)
-        drows, _, _, grep = gh.backward_async(rows, slots, off, None, dy, "sum", padding_id=-1,
-                                              dense=True)
+        drows, _, _, grep = gh.backward_async(
+            rows, slots, off, None, dy, "sum", padding_id=-1, dense=True
+        )
         if syncs:
             readback(grep, pinned_bag)
-        grads, _ = gh.tt_rows_grad(shape, cores, uq, drows, dense=False, counts=counts,
-                                   host_report=None if counts is not None else pinned2)
+        grads, _ = gh.tt_rows_grad(
+            shape,
+            cores,
+            uq,
+            drows,
+            dense=False,
+            counts=counts,
+            host_report=None if counts is not None else pinned2,
+        )
         return out, grads, uq.numel()
 
     def dev_fwd(i):
         ids, _ = sets[i % 3]
-        return gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits,
-                                           check=False)
+        return gh.tt_embedding_bag_forward(
+            cores, p, q, ranks, ids, off, table_splits=splits, check=False
+        )
 
     def dev_fwd_bwd(i):
         _, dy = sets[i % 3]
@@ -1671,8 +2075,9 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     ok = True
     try:
         for i in range(3):
-            out_d, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, sets[i][0], off,
-                                                    table_splits=splits, check=True)
+            out_d, st = gh.tt_embedding_bag_forward(
+                cores, p, q, ranks, sets[i][0], off, table_splits=splits, check=True
+            )
             gd, _ = gh.tt_embedding_bag_backward_from(st, sets[i][1], dense=True, check=True)
             u_dev = int(st.num_unique.item())
             out_h, gs, U = host_fwd_bwd(i)
@@ -1682,14 +2087,23 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
             out_e, ge, _ = host_fwd_bwd(i, U=U, counts=counts)
             torch.cuda.synchronize()
             scale = max(float(out_d.abs().max()), 1e-30)
-            c = {"set": i, "unique": U, "unique_dev": u_dev, "core_rows": counts,
-                 "out_bitwise": bool(torch.equal(out_h, out_d)),
-                 "out_max_rel": float((out_h - out_d).abs().max()) / scale,
-                 "exact_bitwise_vs_host": bool(torch.equal(out_e, out_h)) and bool(
-                     torch.equal(out_s, out_h)) and all(
-                     torch.equal(a[0], b[0]) and torch.equal(a[0], e[0]) and
-                     torch.equal(a[1], b[1]) and torch.equal(a[1], e[1])
-                     for a, b, e in zip(gs, gs2, ge))}
+            c = {
+                "set": i,
+                "unique": U,
+                "unique_dev": u_dev,
+                "core_rows": counts,
+                "out_bitwise": bool(torch.equal(out_h, out_d)),
+                "out_max_rel": float((out_h - out_d).abs().max()) / scale,
+                "exact_bitwise_vs_host": bool(torch.equal(out_e, out_h))
+                and bool(torch.equal(out_s, out_h))
+                and all(
+                    torch.equal(a[0], b[0])
+                    and torch.equal(a[0], e[0])
+                    and torch.equal(a[1], b[1])
+                    and torch.equal(a[1], e[1])
+                    for a, b, e in zip(gs, gs2, ge)
+                ),
+            }
             grad_bitwise, grad_rel, rows_ok = True, 0.0, True
             for k, (idx, vals) in enumerate(gs):
                 dk = gd[k]
@@ -1698,15 +2112,20 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
                 sel = dk[idx]
                 grad_bitwise = grad_bitwise and bool(torch.equal(sel, vals))
                 gscale = max(float(dk.abs().max()), 1e-30)
-                grad_rel = max(grad_rel, float((sel - vals).abs().max()) / gscale if idx.numel()
-                               else 0.0)
+                grad_rel = max(
+                    grad_rel, float((sel - vals).abs().max()) / gscale if idx.numel() else 0.0
+                )
                 rest = dk.clone()
                 rest[idx] = 0
                 rows_ok = rows_ok and bool((rest == 0).all())
             c.update(grad_bitwise=grad_bitwise, grad_max_rel=grad_rel, grad_rows_ok=rows_ok)
-            c["ok"] = (U == u_dev and (c["out_bitwise"] or c["out_max_rel"] <= 1e-6) and
-                       (grad_bitwise or grad_rel <= 1e-6) and rows_ok and
-                       c["exact_bitwise_vs_host"])
+            c["ok"] = (
+                U == u_dev
+                and (c["out_bitwise"] or c["out_max_rel"] <= 1e-6)
+                and (grad_bitwise or grad_rel <= 1e-6)
+                and rows_ok
+                and c["exact_bitwise_vs_host"]
+            )
             ok = ok and c["ok"]
             checks.append(c)
             del out_d, st, gd, out_h, gs, out_s, gs2, out_e, ge
@@ -1728,8 +2147,12 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     timed(res, "tfsync_fwd", lambda i: host_fwd(i, syncs=True), iters, graph=False)
     timed(res, "tfsync_fwd_bwd", lambda i: host_fwd_bwd(i, syncs=True), iters, graph=False)
     timed(res, "exact_fwd", lambda i: host_fwd(i, U=sizes[i % 3][0]), iters)
-    timed(res, "exact_fwd_bwd", lambda i: host_fwd_bwd(i, U=sizes[i % 3][0],
-                                                       counts=sizes[i % 3][1]), iters)
+    timed(
+        res,
+        "exact_fwd_bwd",
+        lambda i: host_fwd_bwd(i, U=sizes[i % 3][0], counts=sizes[i % 3][1]),
+        iters,
+    )
     sets = None
     torch.cuda.empty_cache()
     return res
@@ -1746,8 +2169,14 @@ def tt_zipf_main(args, report):
             try:
                 r = tt_zipf_case(bags, 20, dist, iters)
             except Exception as exc:  # noqa: BLE001
-                r = {"section": "tt_zipf", "bags": bags, "dist": dist, "check_ok": False,
-                     "error": repr(exc)[:300], "trace": traceback.format_exc()}
+                r = {
+                    "section": "tt_zipf",
+                    "bags": bags,
+                    "dist": dist,
+                    "check_ok": False,
+                    "error": repr(exc)[:300],
+                    "trace": traceback.format_exc(),
+                }
                 log(r["trace"])
             r["case_s"] = time.time() - t0
             log(json.dumps(r))
@@ -1755,10 +2184,14 @@ def tt_zipf_main(args, report):
     report["tt_zipf"] = cases
     by = {(c["bags"], c["dist"]): c for c in cases}
     targets = {}
-    log("tt_zipf (FBTT shape, f32, bag 20, sum; ms; dev/exact: graph replay medians, "
-        "host/tfsync: eager CUDA-event medians with the host read-backs inside)")
-    log(f"{'B':>6s} {'path':7s} {'uni fwd':>8s} {'zipf fwd':>8s} {'x':>5s} "
-        f"{'uni f+b':>8s} {'zipf f+b':>8s} {'x':>5s}  (eager uni/zipf fwd, f+b)")
+    log(
+        "tt_zipf (FBTT shape, f32, bag 20, sum; ms; dev/exact: graph replay medians, "
+        "host/tfsync: eager CUDA-event medians with the host read-backs inside)"
+    )
+    log(
+        f"{'B':>6s} {'path':7s} {'uni fwd':>8s} {'zipf fwd':>8s} {'x':>5s} "
+        f"{'uni f+b':>8s} {'zipf f+b':>8s} {'x':>5s}  (eager uni/zipf fwd, f+b)"
+    )
     for bags in (65536, 512):
         u, z = by.get((bags, "uniform"), {}), by.get((bags, "zipf"), {})
         for path in TT_ZIPF_PATHS:
@@ -1768,22 +2201,31 @@ def tt_zipf_main(args, report):
                 x = a / b if a and b else None
                 targets[f"B={bags} {path} {k} zipf speedup (>=2)"] = x
                 cells += [fmt(a, ".4f"), fmt(b, ".4f"), fmt(x, ".2f")]
-            eager = " ".join(fmt(c.get(f"{path}_{k}_eager_ms"), ".4f")
-                             for k in ("fwd", "fwd_bwd") for c in (u, z))
-            log(f"{bags:6d} {path:7s} {cells[0]:>8s} {cells[1]:>8s} {cells[2]:>5s} "
-                f"{cells[3]:>8s} {cells[4]:>8s} {cells[5]:>5s}  ({eager})")
-        log(f"       unique ids: uniform {u.get('unique_ids')}, zipf {z.get('unique_ids')}; "
+            eager = " ".join(
+                fmt(c.get(f"{path}_{k}_eager_ms"), ".4f")
+                for k in ("fwd", "fwd_bwd")
+                for c in (u, z)
+            )
+            log(
+                f"{bags:6d} {path:7s} {cells[0]:>8s} {cells[1]:>8s} {cells[2]:>5s} "
+                f"{cells[3]:>8s} {cells[4]:>8s} {cells[5]:>5s}  ({eager})"
+            )
+        log(
+            f"       unique ids: uniform {u.get('unique_ids')}, zipf {z.get('unique_ids')}; "
             f"core rows n_k: {u.get('core_rows')} / {z.get('core_rows')}; checks "
-            f"{u.get('check_ok')} / {z.get('check_ok')}")
+            f"{u.get('check_ok')} / {z.get('check_ok')}"
+        )
     report["tt_zipf_targets"] = targets
     log(json.dumps({"tt_zipf_targets": targets}))
     for c in cases:
         for ch in c.get("checks", []):
-            log(f"  check B={c['bags']} {c['dist']} set {ch['set']}: U {ch['unique']} "
+            log(
+                f"  check B={c['bags']} {c['dist']} set {ch['set']}: U {ch['unique']} "
                 f"(device {ch['unique_dev']}), out bitwise {ch['out_bitwise']} "
                 f"(rel {ch['out_max_rel']:.2g}), grads bitwise {ch['grad_bitwise']} (rel "
                 f"{ch['grad_max_rel']:.2g}), other rows zero {ch['grad_rows_ok']}, exact/tfsync "
-                f"bitwise vs host {ch['exact_bitwise_vs_host']}")
+                f"bitwise vs host {ch['exact_bitwise_vs_host']}"
+            )
     return all(c.get("check_ok") for c in cases)
 
 
@@ -1794,11 +2236,14 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--max-cases", type=int, help="cap the sweep at this many cases")
     ap.add_argument("--profile", action="store_true", help="only run the PKM shapes once")
-    ap.add_argument("--only", choices=["grs", "tt", "tt_cache", "tt_zipf"],
-                    help="run one section: grs (gather_reduce_sum), tt (TT embedding bags), "
-                         "tt_cache (TT forward with the device row cache) or tt_zipf (the "
-                         "Zipf target along the TF ops' host-sizes path); the last two are "
-                         "not run by default")
+    ap.add_argument(
+        "--only",
+        choices=["grs", "tt", "tt_cache", "tt_zipf"],
+        help="run one section: grs (gather_reduce_sum), tt (TT embedding bags), "
+        "tt_cache (TT forward with the device row cache) or tt_zipf (the "
+        "Zipf target along the TF ops' host-sizes path); the last two are "
+        "not run by default",
+    )
     args = ap.parse_args()
 
     report = {"argv": sys.argv, "host": platform.node()}
@@ -1874,9 +2319,11 @@ def main():
             json.dump(report, f, indent=1, default=str)
 
     log("")
-    log(f"sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed ({report['sweep_s']:.1f} s); "
+    log(
+        f"sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed ({report['sweep_s']:.1f} s); "
         f"error messages: {len(report['errors']) - n_err_fail}/{len(report['errors'])}; "
-        f"determinism: {len(report['determinism']) - n_det_fail}/{len(report['determinism'])}")
+        f"determinism: {len(report['determinism']) - n_det_fail}/{len(report['determinism'])}"
+    )
     worst = {}
     for r in sweep:
         for k, v in r.get("worst", {}).items():
@@ -1886,21 +2333,27 @@ def main():
         log(f"  worst |err| / sum|terms|  {dt:5s} {k:28s} {v:.3g}")
     if "bench" in report:
         log(f"device-to-device copy: {report['copy_TBps']:.2f} TB/s (read + write)")
-        log(f"{'shape':6s} {'dtype':5s} {'ours fwd':>9s} {'TB/s':>5s} {'torch fwd':>9s} "
+        log(
+            f"{'shape':6s} {'dtype':5s} {'ours fwd':>9s} {'TB/s':>5s} {'torch fwd':>9s} "
             f"{'x':>5s} {'ours bwd':>9s} {'torch bwd':>9s} {'x':>5s} {'ours f+b':>9s} "
-            f"{'torch f+b':>9s} {'x':>5s}  backward form")
+            f"{'torch f+b':>9s} {'x':>5s}  backward form"
+        )
         for r in report["bench"]:
             if "error" in r:
                 log(f"{r['shape']:6s} {r['dtype']:5s} error {r['error']}")
                 continue
-            log(f"{r['shape']:6s} {r['dtype']:5s} {fmt(r.get('ours_fwd_ms')):>9s} "
+            log(
+                f"{r['shape']:6s} {r['dtype']:5s} {fmt(r.get('ours_fwd_ms')):>9s} "
                 f"{fmt(r.get('ours_fwd_TBps'), '.2f'):>5s} {fmt(r.get('torch_fwd_ms')):>9s} "
                 f"{fmt(r.get('speedup_fwd'), '.2f'):>5s} {fmt(r.get('ours_bwd_ms')):>9s} "
                 f"{fmt(r.get('torch_bwd_ms')):>9s} {fmt(r.get('speedup_bwd'), '.2f'):>5s} "
                 f"{fmt(r.get('ours_fwd_bwd_ms')):>9s} {fmt(r.get('torch_fwd_bwd_ms')):>9s} "
-                f"{fmt(r.get('speedup_fwd_bwd'), '.2f'):>5s}  {r['ours_bwd_form']}")
-        log("(graph-replay medians where capturable, else eager; *_checked in the JSON add "
-            "the read-back of the device report)")
+                f"{fmt(r.get('speedup_fwd_bwd'), '.2f'):>5s}  {r['ours_bwd_form']}"
+            )
+        log(
+            "(graph-replay medians where capturable, else eager; *_checked in the JSON add "
+            "the read-back of the device report)"
+        )
     log("PASSED" if passed else "FAILED")
     return 0 if passed else 1
 

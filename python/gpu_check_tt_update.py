@@ -61,6 +61,7 @@ def log(*a):
 # ---------------------------------------------------------------------------
 # Python model of the CPU TTCacheCount kernel (cc/kernels/tt_embedding_kernels.cc).
 
+
 def mix_id(x: int) -> int:
     x &= M64
     x ^= x >> 30
@@ -103,10 +104,11 @@ def count_ref(keys: np.ndarray, counts: np.ndarray, ids: np.ndarray) -> None:
             counts[smallest] += m
 
 
-def zipf_ids(rng: np.random.Generator, n: int, num_ids: int, a: float = 1.1,
-             pad_frac: float = 0.0) -> np.ndarray:
+def zipf_ids(
+    rng: np.random.Generator, n: int, num_ids: int, a: float = 1.1, pad_frac: float = 0.0
+) -> np.ndarray:
     ranks = np.arange(1, num_ids + 1, dtype=np.float64)
-    probs = ranks ** -a
+    probs = ranks**-a
     probs /= probs.sum()
     perm = rng.permutation(num_ids)
     ids = perm[rng.choice(num_ids, size=n, p=probs)].astype(np.int64)
@@ -132,17 +134,26 @@ def crosscheck_cpu_op() -> int:
             ids = zipf_ids(rng, int(rng.integers(0, 3000)), 20 * size + 7, pad_frac=0.1)
             tte._count((keys_v, counts_v), tf.constant(ids), False)
             count_ref(keys, counts, ids)
-            same = (np.array_equal(keys, keys_v.numpy())
-                    and np.array_equal(counts, counts_v.numpy()))
+            same = np.array_equal(keys, keys_v.numpy()) and np.array_equal(counts, counts_v.numpy())
             fails += not same
-            log(f"crosscheck H={size:5d} batch {batch}: n={len(ids):5d} "
-                f"{'equal' if same else 'DIFFERENT'}")
+            log(
+                f"crosscheck H={size:5d} batch {batch}: n={len(ids):5d} "
+                f"{'equal' if same else 'DIFFERENT'}"
+            )
     # cache_populate of the layer against populate_ref (ids, and which rows stay).
     from tf_ttemb.layers import TTEmbeddingBag
 
     for table, c in [(64, 16), (1000, 100), (300, 300)]:
-        layer = TTEmbeddingBag(997, 8, tt_ranks=3, use_cache=True, cache_size=c,
-                               hashtbl_size=table, seed=3, implementation="custom_op")
+        layer = TTEmbeddingBag(
+            997,
+            8,
+            tt_ranks=3,
+            use_cache=True,
+            cache_size=c,
+            hashtbl_size=table,
+            seed=3,
+            implementation="custom_op",
+        )
         layer.build()
         keys = rng.integers(0, 997, table).astype(np.int64)
         keys = np.unique(keys)
@@ -160,14 +171,19 @@ def crosscheck_cpu_op() -> int:
         ref = populate_ref(keys, counts, old_ids, 0)
         new_rows = layer.cache_rows.numpy()
         stays = ref["src"] >= 0
-        same = (np.array_equal(layer.cache_ids.numpy(), ref["new_ids"])
-                and np.array_equal(new_rows[stays], markers[ref["src"][stays]])
-                and np.all(new_rows[ref["new_ids"] == EMPTY] == 0)
-                and not np.any(np.all(new_rows[ref["fresh_rank"] >= 0][:, None, :]
-                                      == markers[None, :, :], axis=2)))
+        same = (
+            np.array_equal(layer.cache_ids.numpy(), ref["new_ids"])
+            and np.array_equal(new_rows[stays], markers[ref["src"][stays]])
+            and np.all(new_rows[ref["new_ids"] == EMPTY] == 0)
+            and not np.any(
+                np.all(new_rows[ref["fresh_rank"] >= 0][:, None, :] == markers[None, :, :], axis=2)
+            )
+        )
         fails += not same
-        log(f"crosscheck populate H={table} C={c}: stay {int(stays.sum())}, fresh "
-            f"{int(ref['num_fresh'][0])}: {'equal' if same else 'DIFFERENT'}")
+        log(
+            f"crosscheck populate H={table} C={c}: stay {int(stays.sum())}, fresh "
+            f"{int(ref['num_fresh'][0])}: {'equal' if same else 'DIFFERENT'}"
+        )
     log("PASSED" if not fails else "FAILED")
     return 1 if fails else 0
 
@@ -198,8 +214,13 @@ class Slice(ctypes.Structure):
 def load(path):
     global LIB
     lib = ctypes.CDLL(str(path))
-    vp, sz, i32, i64, f64 = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int64,
-                             ctypes.c_double)
+    vp, sz, i32, i64, f64 = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_double,
+    )
     sigs = {
         "ttupd_max_slices": (i32, []),
         "ttupd_error_string": (ctypes.c_char_p, [i32]),
@@ -208,11 +229,15 @@ def load(path):
         "ttupd_cache_count_scratch_bytes": (sz, [i64, i64, i64]),
         "ttupd_cache_count": (i32, [vp, i64, i64, vp, vp, i64, vp, sz, vp]),
         "ttupd_cache_lookup_scratch_bytes": (sz, [i64]),
-        "ttupd_cache_lookup": (i32, [vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, sz,
-                                     vp]),
+        "ttupd_cache_lookup": (
+            i32,
+            [vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        ),
         "ttupd_cache_populate_scratch_bytes": (sz, [i64, i64]),
-        "ttupd_cache_populate": (i32, [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp,
-                                       sz, vp]),
+        "ttupd_cache_populate": (
+            i32,
+            [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        ),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -252,6 +277,7 @@ def scratch(nbytes):
 
 # -- launch wrappers ---------------------------------------------------------
 
+
 def sparse_update(opt, slices, lr, eps):
     """slices: list of dicts var, accum, rows, grad, num_valid (tensors or None)."""
     arr = (Slice * max(1, len(slices)))()
@@ -265,8 +291,10 @@ def sparse_update(opt, slices, lr, eps):
         arr[k].width = s["var"].shape[1]
         arr[k].n = s["rows"].numel()
     dtype = slices[0]["var"].dtype
-    check(LIB.ttupd_sparse_update(code_of(dtype), opt, arr, len(slices), lr, eps, stream()),
-          "sparse_update")
+    check(
+        LIB.ttupd_sparse_update(code_of(dtype), opt, arr, len(slices), lr, eps, stream()),
+        "sparse_update",
+    )
 
 
 def select_rows(a, sel_a, b=None, sel_b=None, width=None, out=None):
@@ -274,9 +302,22 @@ def select_rows(a, sel_a, b=None, sel_b=None, width=None, out=None):
     width = a.shape[1] if width is None else width
     if out is None:
         out = torch.full((n, width), float("nan"), dtype=a.dtype, device="cuda")
-    check(LIB.ttupd_select_rows(code_of(a.dtype), n, width, ptr(a), a.shape[0], ptr(sel_a),
-                                ptr(b), 0 if b is None else b.shape[0], ptr(sel_b), ptr(out),
-                                stream()), "select_rows")
+    check(
+        LIB.ttupd_select_rows(
+            code_of(a.dtype),
+            n,
+            width,
+            ptr(a),
+            a.shape[0],
+            ptr(sel_a),
+            ptr(b),
+            0 if b is None else b.shape[0],
+            ptr(sel_b),
+            ptr(out),
+            stream(),
+        ),
+        "select_rows",
+    )
     return out
 
 
@@ -284,8 +325,12 @@ def cache_count(ids, keys, counts, id_bound=0):
     n, h = ids.numel(), keys.numel()
     nbytes = LIB.ttupd_cache_count_scratch_bytes(n, h, id_bound)
     buf = scratch(nbytes)
-    check(LIB.ttupd_cache_count(ptr(ids), n, id_bound, ptr(keys), ptr(counts), h,
-                                buf.data_ptr(), nbytes, stream()), "cache_count")
+    check(
+        LIB.ttupd_cache_count(
+            ptr(ids), n, id_bound, ptr(keys), ptr(counts), h, buf.data_ptr(), nbytes, stream()
+        ),
+        "cache_count",
+    )
 
 
 def i64_poison(n):
@@ -301,31 +346,61 @@ def cache_lookup(ids, cache_ids, pad=0, with_hits=True, out=None):
         out["counts"] = i64_poison(2)
     nbytes = LIB.ttupd_cache_lookup_scratch_bytes(n)
     buf = scratch(nbytes)
-    check(LIB.ttupd_cache_lookup(ptr(ids), n, ptr(cache_ids), cache_ids.numel(), pad,
-                                 ptr(out["position"]), ptr(out["miss_rank"]),
-                                 ptr(out["miss_ids"]), ptr(out["miss_at"]), ptr(out.get("hit_at")),
-                                 ptr(out.get("hit_pos")), ptr(out["counts"]), buf.data_ptr(),
-                                 nbytes, stream()), "cache_lookup")
+    check(
+        LIB.ttupd_cache_lookup(
+            ptr(ids),
+            n,
+            ptr(cache_ids),
+            cache_ids.numel(),
+            pad,
+            ptr(out["position"]),
+            ptr(out["miss_rank"]),
+            ptr(out["miss_ids"]),
+            ptr(out["miss_at"]),
+            ptr(out.get("hit_at")),
+            ptr(out.get("hit_pos")),
+            ptr(out["counts"]),
+            buf.data_ptr(),
+            nbytes,
+            stream(),
+        ),
+        "cache_lookup",
+    )
     return out
 
 
 def cache_populate(keys, counts, old_ids, pad=0, out=None):
     c = old_ids.numel()
     if out is None:
-        out = {k: i64_poison(c)
-               for k in ["new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at"]}
+        out = {k: i64_poison(c) for k in ["new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at"]}
         out["num_fresh"] = i64_poison(1)
     nbytes = LIB.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
     buf = scratch(nbytes)
-    check(LIB.ttupd_cache_populate(ptr(keys), ptr(counts), keys.numel(), ptr(old_ids), c, pad,
-                                   ptr(out["new_ids"]), ptr(out["src"]), ptr(out["fresh_rank"]),
-                                   ptr(out["fresh_ids"]), ptr(out["fresh_at"]),
-                                   ptr(out["num_fresh"]), buf.data_ptr(), nbytes, stream()),
-          "cache_populate")
+    check(
+        LIB.ttupd_cache_populate(
+            ptr(keys),
+            ptr(counts),
+            keys.numel(),
+            ptr(old_ids),
+            c,
+            pad,
+            ptr(out["new_ids"]),
+            ptr(out["src"]),
+            ptr(out["fresh_rank"]),
+            ptr(out["fresh_ids"]),
+            ptr(out["fresh_at"]),
+            ptr(out["num_fresh"]),
+            buf.data_ptr(),
+            nbytes,
+            stream(),
+        ),
+        "cache_populate",
+    )
     return out
 
 
 # -- references ------------------------------------------------------------------
+
 
 def to_np_compute(t):
     """A CPU numpy copy in the compute type (float64 for double, else float32)."""
@@ -416,7 +491,10 @@ def lookup_ref(ids, cache_ids, pad):
     position = np.where(hit, pos, -1)
     miss_rank = np.where(miss, np.cumsum(miss) - 1, -1)
     hit_at, miss_at = np.nonzero(hit)[0], np.nonzero(miss)[0]
-    fill = lambda a, v: np.concatenate([a, np.full(n - len(a), v, np.int64)]).astype(np.int64)
+
+    def fill(a, v):
+        return np.concatenate([a, np.full(n - len(a), v, np.int64)]).astype(np.int64)
+
     return {
         "position": position.astype(np.int64),
         "miss_rank": miss_rank.astype(np.int64),
@@ -443,7 +521,10 @@ def populate_ref(keys, counts, old_ids, pad):
     stays = real & (old_ids[position] == new_ids)
     fresh = real & ~stays
     fresh_at = np.nonzero(fresh)[0]
-    fill = lambda a, v: np.concatenate([a, np.full(size - len(a), v, np.int64)]).astype(np.int64)
+
+    def fill(a, v):
+        return np.concatenate([a, np.full(size - len(a), v, np.int64)]).astype(np.int64)
+
     return {
         "new_ids": new_ids.astype(np.int64),
         "src": np.where(stays, position, -1).astype(np.int64),
@@ -496,9 +577,18 @@ def check_update_case(name, dtype, opt, p, n, width, gen, skipped=False, device_
         err = max(err, rel_err(acc.cpu(), ref_a))
     touched = (got_v != var0).any(dim=1).sum().item()
     ok = bitwise and err <= TOL[dtype]
-    return {"name": name, "dtype": SHORT[dtype], "opt": OPT_NAMES[opt], "p": p, "n": n,
-            "width": width, "ok": ok, "bitwise_vs_op_model": bitwise, "rel_err_f64": err,
-            "rows_changed": touched}
+    return {
+        "name": name,
+        "dtype": SHORT[dtype],
+        "opt": OPT_NAMES[opt],
+        "p": p,
+        "n": n,
+        "width": width,
+        "ok": ok,
+        "bitwise_vs_op_model": bitwise,
+        "rel_err_f64": err,
+        "rows_changed": touched,
+    }
 
 
 def check_updates(small, gen):
@@ -515,24 +605,32 @@ def check_updates(small, gen):
                         continue
                     res.append(check_update_case("all-rows", dtype, opt, p, p, width, gen))
                     if p == ps[-1]:
-                        res.append(check_update_case("subset", dtype, opt, p, p // 3 + 1,
-                                                     width, gen))
+                        res.append(
+                            check_update_case("subset", dtype, opt, p, p // 3 + 1, width, gen)
+                        )
             res.append(check_update_case("skipped", dtype, opt, 300, 120, 33, gen, skipped=True))
-            res.append(check_update_case("device-count", dtype, opt, 500, 400, 64, gen,
-                                         device_count=123))
+            res.append(
+                check_update_case("device-count", dtype, opt, 500, 400, 64, gen, device_count=123)
+            )
     # Grid-stride: far more rows than the capped grid covers at once.
     if not small:
         for opt in (SGD, ADAGRAD):
-            res.append(check_update_case("beyond-grid", torch.float32, opt, 2_000_000, 1_500_000,
-                                         3, gen))
-            res.append(check_update_case("beyond-grid", torch.float32, opt, 600_000, 500_000,
-                                         64, gen))
+            res.append(
+                check_update_case("beyond-grid", torch.float32, opt, 2_000_000, 1_500_000, 3, gen)
+            )
+            res.append(
+                check_update_case("beyond-grid", torch.float32, opt, 600_000, 500_000, 64, gen)
+            )
     # Several variables in one launch: FBTT-like cores and a cache slice with misses (-1).
     for dtype in DTYPES:
         for opt in (SGD, ADAGRAD):
             slices, refs = [], []
-            shapes = [(200, 128, 200), (220, 4096 if not small else 96, 220), (250, 128, 250),
-                      (300, 64, 90)]
+            shapes = [
+                (200, 128, 200),
+                (220, 4096 if not small else 96, 220),
+                (250, 128, 250),
+                (300, 64, 90),
+            ]
             for k, (p, w, n) in enumerate(shapes):
                 if k == 3:
                     rows = torch.full((n,), -1, dtype=torch.int64)
@@ -545,8 +643,10 @@ def check_updates(small, gen):
                 acc = make_var(gen, p, w, dtype, positive=True) if opt == ADAGRAD else None
                 grad = make_var(gen, n, w, dtype)
                 rows_d = rows.cuda()
-                refs.append(update_ref_exact(var, acc, rows_d, grad, opt, LR, EPS)
-                            + update_ref_f64(var, acc, rows_d, grad, opt, LR, EPS))
+                refs.append(
+                    update_ref_exact(var, acc, rows_d, grad, opt, LR, EPS)
+                    + update_ref_f64(var, acc, rows_d, grad, opt, LR, EPS)
+                )
                 slices.append(dict(var=var, accum=acc, rows=rows_d, grad=grad))
             sparse_update(opt, slices, LR, EPS)
             torch.cuda.synchronize()
@@ -557,16 +657,23 @@ def check_updates(small, gen):
                 if s["accum"] is not None:
                     bitwise &= bits_equal(s["accum"].cpu(), ea)
                     err = max(err, rel_err(s["accum"].cpu(), ra))
-            res.append({"name": "multi-slice", "dtype": SHORT[dtype], "opt": OPT_NAMES[opt],
-                        "ok": bitwise and err <= TOL[dtype], "bitwise_vs_op_model": bitwise,
-                        "rel_err_f64": err})
+            res.append(
+                {
+                    "name": "multi-slice",
+                    "dtype": SHORT[dtype],
+                    "opt": OPT_NAMES[opt],
+                    "ok": bitwise and err <= TOL[dtype],
+                    "bitwise_vs_op_model": bitwise,
+                    "rel_err_f64": err,
+                }
+            )
     return res
 
 
 def check_select(small, gen):
     res = []
     for dtype in DTYPES:
-        for width in ([1, 3, 33, 4096] if not small else [3, 33]):
+        for width in [1, 3, 33, 4096] if not small else [3, 33]:
             na, nb, n = 57, 41, 300
             a = make_var(gen, na, width, dtype)
             b = make_var(gen, nb, width, dtype)
@@ -574,8 +681,9 @@ def check_select(small, gen):
             sel_a[torch.rand(n, generator=gen) < 0.4] = -1
             sel_b = torch.randint(-1, nb + 3, (n,), generator=gen)
             for use_b in (True, False):
-                out = select_rows(a, sel_a.cuda(), b if use_b else None,
-                                  sel_b.cuda() if use_b else None)
+                out = select_rows(
+                    a, sel_a.cuda(), b if use_b else None, sel_b.cuda() if use_b else None
+                )
                 torch.cuda.synchronize()
                 ref = torch.zeros(n, width, dtype=dtype)
                 ac, bc = a.cpu(), b.cpu()
@@ -587,8 +695,15 @@ def check_select(small, gen):
                     elif use_b and 0 <= ib < nb:
                         ref[j] = bc[ib]
                 ok = bits_equal(out.cpu(), ref)
-                res.append({"name": "select", "dtype": SHORT[dtype], "width": width,
-                            "with_b": use_b, "ok": ok})
+                res.append(
+                    {
+                        "name": "select",
+                        "dtype": SHORT[dtype],
+                        "width": width,
+                        "with_b": use_b,
+                        "ok": ok,
+                    }
+                )
     return res
 
 
@@ -613,12 +728,21 @@ def check_count(small, gen, rng):
                 bound = 30 * size + 13 if start == "empty" else 0
                 cache_count(torch.from_numpy(ids).cuda(), keys_d, counts_d, bound)
                 count_ref(keys, counts, ids)
-                same = (np.array_equal(keys_d.cpu().numpy(), keys)
-                        and np.array_equal(counts_d.cpu().numpy(), counts))
+                same = np.array_equal(keys_d.cpu().numpy(), keys) and np.array_equal(
+                    counts_d.cpu().numpy(), counts
+                )
                 ok &= same
                 steps.append((n, bool(same)))
-            res.append({"name": "count", "table": size, "start": start, "ok": ok,
-                        "batches": steps, "filled": int((keys >= 0).sum())})
+            res.append(
+                {
+                    "name": "count",
+                    "table": size,
+                    "start": start,
+                    "ok": ok,
+                    "batches": steps,
+                    "filled": int((keys >= 0).sum()),
+                }
+            )
     return res
 
 
@@ -636,12 +760,22 @@ def check_lookup(small, gen, rng):
             ids[1] = -1 if n < 100 else ids[1]  # a skipped id (neither hit nor miss)
             ids = np.sort(ids)
         for pad in (0, -5):
-            out = cache_lookup(torch.from_numpy(ids).cuda(), torch.from_numpy(cache_ids).cuda(),
-                               pad)
+            out = cache_lookup(
+                torch.from_numpy(ids).cuda(), torch.from_numpy(cache_ids).cuda(), pad
+            )
             ref = lookup_ref(ids, cache_ids, pad)
             bad = [k for k in ref if not np.array_equal(out[k].cpu().numpy(), ref[k])]
-            res.append({"name": "lookup", "n": n, "cache": c, "pad": pad, "ok": not bad,
-                        "mismatch": bad, "hits": int(ref["counts"][0])})
+            res.append(
+                {
+                    "name": "lookup",
+                    "n": n,
+                    "cache": c,
+                    "pad": pad,
+                    "ok": not bad,
+                    "mismatch": bad,
+                    "hits": int(ref["counts"][0]),
+                }
+            )
     # Skipped ids: EMPTY in the query.
     ids = np.array([3, 5, 8, EMPTY], np.int64)
     cache_ids = np.array([5, 9, EMPTY], np.int64)
@@ -666,17 +800,33 @@ def check_populate(small, gen, rng):
             counts = rng.integers(0, 6, table).astype(np.int64)  # many ties and zeros
             counts[keys < 0] = rng.integers(0, 3, int((keys < 0).sum()))
             live = keys[(keys >= 0) & (counts > 0)]
-            old = rng.choice(np.concatenate([live, np.arange(5 * table + 3, 5 * table + 50)]),
-                             size=min(c, len(live) + 40), replace=False).astype(np.int64)
+            old = rng.choice(
+                np.concatenate([live, np.arange(5 * table + 3, 5 * table + 50)]),
+                size=min(c, len(live) + 40),
+                replace=False,
+            ).astype(np.int64)
             old = np.sort(old)[: c if variant == 0 else c // 2]
             old_ids = np.concatenate([old, np.full(c - len(old), EMPTY, np.int64)])
-            out = cache_populate(torch.from_numpy(keys).cuda(), torch.from_numpy(counts).cuda(),
-                                 torch.from_numpy(old_ids).cuda(), pad=0)
+            out = cache_populate(
+                torch.from_numpy(keys).cuda(),
+                torch.from_numpy(counts).cuda(),
+                torch.from_numpy(old_ids).cuda(),
+                pad=0,
+            )
             ref = populate_ref(keys, counts, old_ids, 0)
             bad = [k for k in ref if not np.array_equal(out[k].cpu().numpy(), ref[k])]
-            res.append({"name": "populate", "table": table, "cache": c, "variant": variant,
-                        "ok": not bad, "mismatch": bad, "fresh": int(ref["num_fresh"][0]),
-                        "stay": int((ref["src"] >= 0).sum())})
+            res.append(
+                {
+                    "name": "populate",
+                    "table": table,
+                    "cache": c,
+                    "variant": variant,
+                    "ok": not bad,
+                    "mismatch": bad,
+                    "fresh": int(ref["num_fresh"][0]),
+                    "stay": int((ref["src"] >= 0).sum()),
+                }
+            )
     return res
 
 
@@ -725,8 +875,12 @@ def check_chain(small, gen, rng):
             miss_rows = dense[lk["miss_ids"]]
             rows = select_rows(cache_rows, lk["position"], miss_rows, lk["miss_rank"])
             grad = make_var(gen, len(uniq), dim, dtype)
-            sparse_update(ADAGRAD, [dict(var=cache_rows, accum=cache_acc, rows=lk["position"],
-                                         grad=grad)], LR, EPS)
+            sparse_update(
+                ADAGRAD,
+                [dict(var=cache_rows, accum=cache_acc, rows=lk["position"], grad=grad)],
+                LR,
+                EPS,
+            )
             miss_grad = select_rows(grad, lk["miss_at"])
             torch.cuda.synchronize()
             # Reference forward, update and split.
@@ -734,8 +888,9 @@ def check_chain(small, gen, rng):
             hit = lr_["position"] >= 0
             ref_rows = dense.cpu()[torch.from_numpy(uniq)].clone()
             ref_rows[torch.from_numpy(hit)] = r_rows[torch.from_numpy(lr_["position"][hit])]
-            r_rows, r_acc = update_ref_exact(r_rows, r_acc, torch.from_numpy(lr_["position"]),
-                                             grad.cpu(), ADAGRAD, LR, EPS)
+            r_rows, r_acc = update_ref_exact(
+                r_rows, r_acc, torch.from_numpy(lr_["position"]), grad.cpu(), ADAGRAD, LR, EPS
+            )
             nm = int(lr_["counts"][1])
             ref_mg = torch.zeros(len(uniq), dim, dtype=dtype)
             ref_mg[:nm] = grad.cpu()[torch.from_numpy(lr_["miss_at"][:nm])]
@@ -750,8 +905,7 @@ def check_chain(small, gen, rng):
             }
             bad = [k for k, v in checks.items() if not v]
             ok &= not bad
-            notes.append({"step": step, "hits": int(lr_["counts"][0]), "misses": nm,
-                          "bad": bad})
+            notes.append({"step": step, "hits": int(lr_["counts"][0]), "misses": nm, "bad": bad})
         res.append({"name": "chain", "dtype": SHORT[dtype], "ok": ok, "steps": notes})
     return res
 
@@ -769,8 +923,9 @@ def check_determinism(gen, rng):
             v, a = var.clone(), acc.clone()
             sparse_update(ADAGRAD, [dict(var=v, accum=a, rows=rows, grad=grad)], LR, EPS)
             outs.append((v, a))
-        same = (bits_equal(outs[0][0].cpu(), outs[1][0].cpu())
-                and bits_equal(outs[0][1].cpu(), outs[1][1].cpu()))
+        same = bits_equal(outs[0][0].cpu(), outs[1][0].cpu()) and bits_equal(
+            outs[0][1].cpu(), outs[1][1].cpu()
+        )
         res.append({"name": "update", "dtype": SHORT[dtype], "ok": bool(same)})
     ids = torch.from_numpy(zipf_ids(rng, 200_000, 1_000_000, pad_frac=0.05)).cuda()
     outs = []
@@ -780,18 +935,27 @@ def check_determinism(gen, rng):
         cache_count(ids, k, c, 1_000_000)
         cache_count(ids[:50_000], k, c, 1_000_000)
         outs.append((k, c))
-    res.append({"name": "count", "ok": bool(torch.equal(outs[0][0], outs[1][0])
-                                             and torch.equal(outs[0][1], outs[1][1]))})
-    pops = [cache_populate(outs[0][0], outs[0][1],
-                           torch.full((3000,), EMPTY, dtype=torch.int64, device="cuda"))
-            for _ in range(2)]
-    res.append({"name": "populate", "ok": all(torch.equal(pops[0][k], pops[1][k])
-                                              for k in pops[0])})
+    res.append(
+        {
+            "name": "count",
+            "ok": bool(torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])),
+        }
+    )
+    pops = [
+        cache_populate(
+            outs[0][0], outs[0][1], torch.full((3000,), EMPTY, dtype=torch.int64, device="cuda")
+        )
+        for _ in range(2)
+    ]
+    res.append(
+        {"name": "populate", "ok": all(torch.equal(pops[0][k], pops[1][k]) for k in pops[0])}
+    )
     return res
 
 
 # ---------------------------------------------------------------------------
 # Benchmarks.
+
 
 def time_ms(fn, reps=50, warmup=5):
     for _ in range(warmup):
@@ -858,13 +1022,17 @@ def bench_update(gen):
                     for p, w, n in cores:
                         rows = rand_rows(gen, p, n).cuda()
                         var = torch.randn(p, w, dtype=dtype, device="cuda")
-                        acc = (torch.rand(p, w, dtype=dtype, device="cuda") + 0.1
-                               if opt == ADAGRAD else None)
+                        acc = (
+                            torch.rand(p, w, dtype=dtype, device="cuda") + 0.1
+                            if opt == ADAGRAD
+                            else None
+                        )
                         grad = torch.randn(n, w, dtype=dtype, device="cuda")
                         slices.append(dict(var=var, accum=acc, rows=rows, grad=grad))
                     all_sets.append(slices)
-                bytes_moved = sum(n * w * es * (3 if opt == SGD else 5) + n * 8
-                                  for p, w, n in cores)
+                bytes_moved = sum(
+                    n * w * es * (3 if opt == SGD else 5) + n * 8 for p, w, n in cores
+                )
 
                 def one_launch():
                     for slices in all_sets:
@@ -876,13 +1044,20 @@ def bench_update(gen):
                             sparse_update(opt, [s], LR, EPS)
 
                 ms, mode = time_graph_ms(one_launch, per=sets)
-                r = {"shape": name, "dtype": SHORT[dtype], "opt": OPT_NAMES[opt], "ms": ms,
-                     "GBps": bytes_moved / (ms * 1e-3) / 1e9, "bytes": bytes_moved,
-                     "timing": mode}
+                r = {
+                    "shape": name,
+                    "dtype": SHORT[dtype],
+                    "opt": OPT_NAMES[opt],
+                    "ms": ms,
+                    "GBps": bytes_moved / (ms * 1e-3) / 1e9,
+                    "bytes": bytes_moved,
+                    "timing": mode,
+                }
                 if len(cores) > 1:
                     r["ms_one_launch_per_core"] = time_graph_ms(per_core, per=sets)[0]
-                    r["ms_eager_one_launch"] = time_ms(lambda: sparse_update(
-                        opt, all_sets[0], LR, EPS))
+                    r["ms_eager_one_launch"] = time_ms(
+                        lambda: sparse_update(opt, all_sets[0], LR, EPS)
+                    )
                 out.append(r)
                 all_sets = None
                 torch.cuda.empty_cache()
@@ -896,10 +1071,12 @@ def bench_cache(rng):
     cache = rows_total // 100
     table = 2 * cache
     dim = 64
-    for label, nnz, dist in [("B512xL20-uniform", 10240, "uniform"),
-                             ("B512xL20-zipf", 10240, "zipf"),
-                             ("B65536xL20-zipf", 1_310_720, "zipf"),
-                             ("B65536xL20-uniform", 1_310_720, "uniform")]:
+    for label, nnz, dist in [
+        ("B512xL20-uniform", 10240, "uniform"),
+        ("B512xL20-zipf", 10240, "zipf"),
+        ("B65536xL20-zipf", 1_310_720, "zipf"),
+        ("B65536xL20-uniform", 1_310_720, "uniform"),
+    ]:
         # One fixed Zipf popularity order (as a real workload has), fresh draws per batch.
         perm = rng.permutation(rows_total)
         probs = np.arange(1, rows_total + 1, dtype=np.float64) ** -1.1
@@ -908,17 +1085,22 @@ def bench_cache(rng):
         def batch():
             if dist == "uniform":
                 return torch.from_numpy(rng.integers(0, rows_total, nnz).astype(np.int64)).cuda()
-            return torch.from_numpy(perm[rng.choice(rows_total, nnz, p=probs)]
-                                    .astype(np.int64)).cuda()
+            return torch.from_numpy(
+                perm[rng.choice(rows_total, nnz, p=probs)].astype(np.int64)
+            ).cuda()
 
         keys = torch.full((table,), -1, dtype=torch.int64, device="cuda")
         counts = torch.zeros(table, dtype=torch.int64, device="cuda")
         for _ in range(4):  # earlier batches fill the table; the timed batch is a new one
             cache_count(batch(), keys, counts, rows_total)
         raw_d = batch()
-        scratch(max(LIB.ttupd_cache_count_scratch_bytes(nnz, table, 0),
-                    LIB.ttupd_cache_populate_scratch_bytes(table, cache),
-                    LIB.ttupd_cache_lookup_scratch_bytes(nnz)))
+        scratch(
+            max(
+                LIB.ttupd_cache_count_scratch_bytes(nnz, table, 0),
+                LIB.ttupd_cache_populate_scratch_bytes(table, cache),
+                LIB.ttupd_cache_lookup_scratch_bytes(nnz),
+            )
+        )
         k2, c2 = keys.clone(), counts.clone()
         t_count, _ = time_graph_ms(lambda: cache_count(raw_d, k2, c2, rows_total), 20)
         t_count64, _ = time_graph_ms(lambda: cache_count(raw_d, k2, c2, 0), 20)
@@ -933,18 +1115,36 @@ def bench_cache(rng):
         cache_rows = torch.randn(cache, dim, device="cuda")
         miss_rows = torch.randn(uniq.numel(), dim, device="cuda")
         out_rows = torch.empty(uniq.numel(), dim, device="cuda")
-        t_stitch, _ = time_graph_ms(lambda: select_rows(cache_rows, lk["position"], miss_rows,
-                                                        lk["miss_rank"], out=out_rows), 30)
+        t_stitch, _ = time_graph_ms(
+            lambda: select_rows(
+                cache_rows, lk["position"], miss_rows, lk["miss_rank"], out=out_rows
+            ),
+            30,
+        )
         t_torch, _ = time_graph_ms(lambda: torch.searchsorted(cache_ids, uniq), 30)
-        out.append({"case": label, "nnz": nnz, "unique": uniq.numel(), "cache": cache,
-                    "table": table, "hits": hits, "count_ms": t_count,
-                    "count_64bit_sort_ms": t_count64, "populate_ms": t_pop,
-                    "lookup_ms": t_lookup, "stitch_ms": t_stitch, "dim": dim,
-                    "torch_searchsorted_ms": t_torch, "timing": mode})
+        out.append(
+            {
+                "case": label,
+                "nnz": nnz,
+                "unique": uniq.numel(),
+                "cache": cache,
+                "table": table,
+                "hits": hits,
+                "count_ms": t_count,
+                "count_64bit_sort_ms": t_count64,
+                "populate_ms": t_pop,
+                "lookup_ms": t_lookup,
+                "stitch_ms": t_stitch,
+                "dim": dim,
+                "torch_searchsorted_ms": t_torch,
+                "timing": mode,
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------------------
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -952,39 +1152,53 @@ def main():
     ap.add_argument("--small", action="store_true", help="small sweep, no benchmarks")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--bench-only", action="store_true", help="benchmarks, no checks")
-    ap.add_argument("--crosscheck-cpu-op", action="store_true",
-                    help="compare the Python TTCacheCount model with the TF CPU op (no GPU)")
+    ap.add_argument(
+        "--crosscheck-cpu-op",
+        action="store_true",
+        help="compare the Python TTCacheCount model with the TF CPU op (no GPU)",
+    )
     args = ap.parse_args()
     if args.crosscheck_cpu_op:
         return crosscheck_cpu_op()
 
     global torch, DTYPES, SHORT, TOL
     import torch as _torch
+
     torch = _torch
     DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-    SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
-             torch.float64: "f64"}
-    TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6,
-           torch.float64: 1e-13}
-    lib = args.lib or os.environ.get("TF_TTEMB_GPU_HARNESS",
-                                     REPO / "build" / "gpu_harness" / "libtf_ttemb_gpu_harness.so")
+    SHORT = {
+        torch.float16: "f16",
+        torch.bfloat16: "bf16",
+        torch.float32: "f32",
+        torch.float64: "f64",
+    }
+    TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6, torch.float64: 1e-13}
+    lib = args.lib or os.environ.get(
+        "TF_TTEMB_GPU_HARNESS", REPO / "build" / "gpu_harness" / "libtf_ttemb_gpu_harness.so"
+    )
     load(lib)
     gen = torch.Generator().manual_seed(1234)
     rng = np.random.default_rng(4321)
     props = torch.cuda.get_device_properties(0)
-    report = {"argv": sys.argv, "host": platform.node(), "gpu": props.name,
-              "torch": torch.__version__}
+    report = {
+        "argv": sys.argv,
+        "host": platform.node(),
+        "gpu": props.name,
+        "torch": torch.__version__,
+    }
     log(f"GPU {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
 
-    groups = [("update", lambda: check_updates(args.small, gen)),
-              ("select", lambda: check_select(args.small, gen)),
-              ("count", lambda: check_count(args.small, gen, rng)),
-              ("lookup", lambda: check_lookup(args.small, gen, rng)),
-              ("populate", lambda: check_populate(args.small, gen, rng)),
-              ("chain", lambda: check_chain(args.small, gen, rng)),
-              ("determinism", lambda: check_determinism(gen, rng))]
+    groups = [
+        ("update", lambda: check_updates(args.small, gen)),
+        ("select", lambda: check_select(args.small, gen)),
+        ("count", lambda: check_count(args.small, gen, rng)),
+        ("lookup", lambda: check_lookup(args.small, gen, rng)),
+        ("populate", lambda: check_populate(args.small, gen, rng)),
+        ("chain", lambda: check_chain(args.small, gen, rng)),
+        ("determinism", lambda: check_determinism(gen, rng)),
+    ]
     passed = True
-    for name, fn in ([] if args.bench_only else groups):
+    for name, fn in [] if args.bench_only else groups:
         t0 = time.time()
         try:
             res = fn()
@@ -1000,11 +1214,14 @@ def main():
             for r in res:
                 k = r["dtype"]
                 worst[k] = max(worst.get(k, 0.0), r["rel_err_f64"])
-            extra = "; worst rel err vs f64: " + ", ".join(f"{k} {v:.2g}"
-                                                          for k, v in sorted(worst.items()))
+            extra = "; worst rel err vs f64: " + ", ".join(
+                f"{k} {v:.2g}" for k, v in sorted(worst.items())
+            )
             rows = [r for r in res if r["name"] == "all-rows" and r["dtype"] in ("f32", "f64")]
-            extra += (f"; f32/f64 all-rows cases with every row changed: "
-                      f"{sum(r['rows_changed'] == r['p'] for r in rows)}/{len(rows)}")
+            extra += (
+                f"; f32/f64 all-rows cases with every row changed: "
+                f"{sum(r['rows_changed'] == r['p'] for r in rows)}/{len(rows)}"
+            )
         log(f"{name:12s} {n_ok}/{len(res)} passed ({time.time() - t0:.1f} s){extra}")
         for r in res:
             if not r["ok"]:
@@ -1017,23 +1234,37 @@ def main():
         log(f"{'shape':14s} {'dtype':5s} {'opt':8s} {'ms':>9s} {'GB/s':>7s}  per-core launches")
         for r in report["bench_update"]:
             pc = r.get("ms_one_launch_per_core")
-            log(f"{r['shape']:14s} {r['dtype']:5s} {r['opt']:8s} {r['ms']:9.4f} "
+            log(
+                f"{r['shape']:14s} {r['dtype']:5s} {r['opt']:8s} {r['ms']:9.4f} "
                 f"{r['GBps']:7.0f}  {'' if pc is None else f'{pc:.4f} ms'} ({r['timing']})"
-                + (f"; eager one launch {r['ms_eager_one_launch']:.4f} ms"
-                   if 'ms_eager_one_launch' in r else ""))
+                + (
+                    f"; eager one launch {r['ms_eager_one_launch']:.4f} ms"
+                    if "ms_eager_one_launch" in r
+                    else ""
+                )
+            )
         report["bench_cache"] = bench_cache(rng)
-        log(f"{'case':20s} {'unique':>8s} {'hits':>8s} {'count':>8s} {'count64':>8s} "
-            f"{'populate':>8s} {'lookup':>8s} {'stitch':>8s} {'torch ss':>8s}  (ms)")
+        log(
+            f"{'case':20s} {'unique':>8s} {'hits':>8s} {'count':>8s} {'count64':>8s} "
+            f"{'populate':>8s} {'lookup':>8s} {'stitch':>8s} {'torch ss':>8s}  (ms)"
+        )
         for r in report["bench_cache"]:
-            log(f"{r['case']:20s} {r['unique']:8d} {r['hits']:8d} {r['count_ms']:8.4f} "
+            log(
+                f"{r['case']:20s} {r['unique']:8d} {r['hits']:8d} {r['count_ms']:8.4f} "
                 f"{r['count_64bit_sort_ms']:8.4f} "
                 f"{r['populate_ms']:8.4f} {r['lookup_ms']:8.4f} {r['stitch_ms']:8.4f} "
-                f"{r['torch_searchsorted_ms']:8.4f}")
+                f"{r['torch_searchsorted_ms']:8.4f}"
+            )
     report["passed"] = passed
     out_dir = os.environ.get("OUT")
     if out_dir:
-        name = ("tt_update_small.json" if args.small else
-                "tt_update_bench.json" if args.bench_only else "tt_update.json")
+        name = (
+            "tt_update_small.json"
+            if args.small
+            else "tt_update_bench.json"
+            if args.bench_only
+            else "tt_update.json"
+        )
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(report, f, indent=1, default=str)
     log("PASSED" if passed else "FAILED")

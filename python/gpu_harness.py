@@ -187,8 +187,16 @@ class _Call:
     def raise_for(self, report: torch.Tensor) -> list:
         """Reads a report back (waits for the stream) and raises the CPU op's message."""
         r = report.cpu().tolist()
-        (first_bad_index, bad_value, first_bad_split, split_value, split_prev, first_split,
-         last_split, _) = r
+        (
+            first_bad_index,
+            bad_value,
+            first_bad_split,
+            split_value,
+            split_prev,
+            first_split,
+            last_split,
+            _,
+        ) = r
         p = self.problem
         if first_split != 0:
             raise ValueError(f"row_splits[0] = {first_split} must be 0")
@@ -218,37 +226,61 @@ def forward_async(params, ids, offsets, weights=None, combiner="sum", padding_id
     p = c.problem
     out = _poison(torch.empty(p.num_bags, p.dim, dtype=params.dtype, device=c.device))
     argmax = _poison(
-        torch.empty(p.num_bags if combiner == "max" else 0, p.dim, dtype=torch.int32,
-                    device=c.device)
+        torch.empty(
+            p.num_bags if combiner == "max" else 0, p.dim, dtype=torch.int32, device=c.device
+        )
     )
     nbytes = lib.ttemb_forward_scratch_bytes(c.dtype, c.itype, ctypes.byref(p))
     scratch = c.scratch(nbytes)
     report = c.report()
     code = lib.ttemb_forward(
-        c.dtype, c.itype, ctypes.byref(p), _ptr(c.params), _ptr(c.ids), c.offsets.data_ptr(),
-        _ptr(c.weights), _ptr(out), _ptr(argmax), report.data_ptr(), scratch.data_ptr(),
-        scratch.numel(), _stream(),
+        c.dtype,
+        c.itype,
+        ctypes.byref(p),
+        _ptr(c.params),
+        _ptr(c.ids),
+        c.offsets.data_ptr(),
+        _ptr(c.weights),
+        _ptr(out),
+        _ptr(argmax),
+        report.data_ptr(),
+        scratch.data_ptr(),
+        scratch.numel(),
+        _stream(),
     )
     _check_cuda(code, "forward")
     return out, argmax, c, report
 
 
-def gather_reduce_sum_with_argmax(params, ids, offsets, weights=None, combiner="sum",
-                                  padding_id=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def gather_reduce_sum_with_argmax(
+    params, ids, offsets, weights=None, combiner="sum", padding_id=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Forward; returns (out [B, D], argmax) and raises ValueError for bad input."""
     out, argmax, c, report = forward_async(params, ids, offsets, weights, combiner, padding_id)
     c.raise_for(report)
     return out, argmax
 
 
-def gather_reduce_sum(params, ids, offsets, weights=None, combiner="sum",
-                      padding_id=None) -> torch.Tensor:
+def gather_reduce_sum(
+    params, ids, offsets, weights=None, combiner="sum", padding_id=None
+) -> torch.Tensor:
     """Fused embedding bag: [B, D] from params [N, D], ids [nnz], offsets [B + 1]."""
     return gather_reduce_sum_with_argmax(params, ids, offsets, weights, combiner, padding_id)[0]
 
 
-def backward_async(params, ids, offsets, weights, grad_out, combiner="sum", padding_id=None,
-                   dense=True, output=None, argmax=None, fuse_weights_grad=True):
+def backward_async(
+    params,
+    ids,
+    offsets,
+    weights,
+    grad_out,
+    combiner="sum",
+    padding_id=None,
+    dense=True,
+    output=None,
+    argmax=None,
+    fuse_weights_grad=True,
+):
     """Launches the params gradient (and the fused weights gradient when weights are given).
 
     output: the forward result (needed for the weights gradient of mean and sqrtn);
@@ -267,13 +299,23 @@ def backward_async(params, ids, offsets, weights, grad_out, combiner="sum", padd
         raise ValueError("combiner 'max' needs the forward argmax")
     if fused and combiner in ("mean", "sqrtn") and output is None:
         raise ValueError("the weights gradient of mean and sqrtn needs the forward output")
-    nbytes = lib.ttemb_params_grad_scratch_bytes(c.dtype, c.itype, ctypes.byref(p), int(dense),
-                                                 int(fused))
+    nbytes = lib.ttemb_params_grad_scratch_bytes(
+        c.dtype, c.itype, ctypes.byref(p), int(dense), int(fused)
+    )
     scratch = c.scratch(nbytes)
     report = c.report()
     code = lib.ttemb_params_grad_prepare(
-        c.dtype, c.itype, ctypes.byref(p), _ptr(c.ids), c.offsets.data_ptr(), _ptr(c.weights),
-        report.data_ptr(), int(dense), int(fused), scratch.data_ptr(), scratch.numel(),
+        c.dtype,
+        c.itype,
+        ctypes.byref(p),
+        _ptr(c.ids),
+        c.offsets.data_ptr(),
+        _ptr(c.weights),
+        report.data_ptr(),
+        int(dense),
+        int(fused),
+        scratch.data_ptr(),
+        scratch.numel(),
         _stream(),
     )
     _check_cuda(code, "params grad prepare")
@@ -291,21 +333,30 @@ def backward_async(params, ids, offsets, weights, grad_out, combiner="sum", padd
         weights_grad = _poison(torch.empty_like(c.weights))
     out_c = None if output is None else output.contiguous()
     code = lib.ttemb_params_grad_reduce(
-        c.dtype, c.itype, ctypes.byref(p), _ptr(grad_out),
-        None if argmax is None else _out_ptr(argmax), _ptr(unique_ids),
+        c.dtype,
+        c.itype,
+        ctypes.byref(p),
+        _ptr(grad_out),
+        None if argmax is None else _out_ptr(argmax),
+        _ptr(unique_ids),
         None if dense else _out_ptr(values),
         _out_ptr(grad_params) if dense else None,
-        _ptr(c.params) if fused else None, _ptr(out_c) if fused else None,
-        _ptr(c.weights) if fused else None, _ptr(weights_grad),
-        scratch.data_ptr(), scratch.numel(), _stream(),
+        _ptr(c.params) if fused else None,
+        _ptr(out_c) if fused else None,
+        _ptr(c.weights) if fused else None,
+        _ptr(weights_grad),
+        scratch.data_ptr(),
+        scratch.numel(),
+        _stream(),
     )
     _check_cuda(code, "params grad reduce")
     result = grad_params if dense else (unique_ids, values)
     return result, weights_grad, c, report
 
 
-def weights_grad(params, ids, offsets, weights, grad_out, output=None, combiner="sum",
-                 padding_id=None) -> torch.Tensor:
+def weights_grad(
+    params, ids, offsets, weights, grad_out, output=None, combiner="sum", padding_id=None
+) -> torch.Tensor:
     """Gradient w.r.t. the weights by the stand-alone kernel (the TF op's path)."""
     lib = load()
     c = _Call(params, ids, offsets, weights, combiner, padding_id)
@@ -319,18 +370,29 @@ def weights_grad(params, ids, offsets, weights, grad_out, output=None, combiner=
     scratch = c.scratch(nbytes)
     report = c.report()
     code = lib.ttemb_weights_grad(
-        c.dtype, c.itype, ctypes.byref(p), _ptr(grad_out.contiguous()), _ptr(c.params),
-        _ptr(c.ids), c.offsets.data_ptr(), _ptr(c.weights),
-        None if output is None else _ptr(output.contiguous()), _ptr(dw), report.data_ptr(),
-        scratch.data_ptr(), scratch.numel(), _stream(),
+        c.dtype,
+        c.itype,
+        ctypes.byref(p),
+        _ptr(grad_out.contiguous()),
+        _ptr(c.params),
+        _ptr(c.ids),
+        c.offsets.data_ptr(),
+        _ptr(c.weights),
+        None if output is None else _ptr(output.contiguous()),
+        _ptr(dw),
+        report.data_ptr(),
+        scratch.data_ptr(),
+        scratch.numel(),
+        _stream(),
     )
     _check_cuda(code, "weights grad")
     c.raise_for(report)
     return dw
 
 
-def gather_reduce_sum_backward(params, ids, offsets, weights, grad_out, combiner="sum",
-                               padding_id=None, dense=True):
+def gather_reduce_sum_backward(
+    params, ids, offsets, weights, grad_out, combiner="sum", padding_id=None, dense=True
+):
     """Gradients of gather_reduce_sum: (params_grad, weights_grad).
 
     params_grad is a dense [N, D] tensor, or (unique_ids [U] ascending, rows [U, D]) when
@@ -338,10 +400,19 @@ def gather_reduce_sum_backward(params, ids, offsets, weights, grad_out, combiner
     """
     output = argmax = None
     if combiner == "max" or (weights is not None and combiner in ("mean", "sqrtn")):
-        output, argmax = gather_reduce_sum_with_argmax(params, ids, offsets, weights, combiner,
-                                                       padding_id)
+        output, argmax = gather_reduce_sum_with_argmax(
+            params, ids, offsets, weights, combiner, padding_id
+        )
     grad_params, dw, c, report = backward_async(
-        params, ids, offsets, weights, grad_out, combiner, padding_id, dense, output,
+        params,
+        ids,
+        offsets,
+        weights,
+        grad_out,
+        combiner,
+        padding_id,
+        dense,
+        output,
         argmax if combiner == "max" else None,
     )
     if dense:
@@ -386,16 +457,20 @@ def _load_tt() -> ctypes.CDLL:
     sigs = {
         "ttemb_tt_report_bytes": (i32, []),
         "ttemb_tt_unique_scratch_bytes": (sz, [i32, i64, i64, i64, i64, ctypes.c_int32, i64]),
-        "ttemb_tt_unique": (i32, [i32, i64, i64, i64, i64, ctypes.c_int32, i64, vp, vp, vp, vp,
-                                  vp, vp, sz, vp]),
+        "ttemb_tt_unique": (
+            i32,
+            [i32, i64, i64, i64, i64, ctypes.c_int32, i64, vp, vp, vp, vp, vp, vp, sz, vp],
+        ),
         "ttemb_tt_rows_scratch_bytes": (sz, [i32, prob, i64]),
         "ttemb_tt_rows": (i32, [i32, prob, vp, i64, vp, vp, vp, vp, vp, sz, vp]),
         "ttemb_tt_rows_grad_scratch_bytes": (sz, [i32, prob, i64]),
         "ttemb_tt_rows_grad_prepare": (i32, [i32, prob, vp, i64, vp, vp, vp, sz, vp]),
         "ttemb_tt_rows_grad_prepare_scratch_bytes": (sz, [i32, prob, i64]),
         "ttemb_tt_rows_grad_work_bytes": (sz, [i32, prob, i64, vp]),
-        "ttemb_tt_rows_grad_compute": (i32, [i32, prob, vp, i64, vp, vp, vp, vp, vp, vp, vp, sz,
-                                             vp, vp, sz, vp]),
+        "ttemb_tt_rows_grad_compute": (
+            i32,
+            [i32, prob, vp, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp, vp, sz, vp],
+        ),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -422,8 +497,10 @@ class TTShape:
         self.q = [int(x) for x in q_shapes]
         self.num_cores = len(self.p)
         if self.num_cores < 2 or self.num_cores > 8 or len(self.q) != self.num_cores:
-            raise ValueError(f"p_shapes and q_shapes must have the same length in [2, 8], got "
-                             f"{self.p} and {self.q}")
+            raise ValueError(
+                f"p_shapes and q_shapes must have the same length in [2, 8], got "
+                f"{self.p} and {self.q}"
+            )
         if len(ranks) != self.num_cores - 1:
             raise ValueError(f"ranks must have {self.num_cores - 1} entries, got {list(ranks)}")
         self.r = [1] + [int(x) for x in ranks] + [1]
@@ -458,8 +535,9 @@ class TTShape:
         return [c.contiguous() for c in cores]
 
 
-def tt_unique_ids_async(ids, table_splits, num_embeddings, stride, padding_id=None,
-                        unique_fill=None):
+def tt_unique_ids_async(
+    ids, table_splits, num_embeddings, stride, padding_id=None, unique_fill=None
+):
     """TTUniqueIds: (unique_ids [nnz] (first U valid), slots [nnz], report [16] int64).
     report[2] holds U on the device; nothing is read back. unique_fill: a value written to
     all nnz entries of unique_ids before the launch, so entries U.. hold it (the cached
@@ -476,13 +554,28 @@ def tt_unique_ids_async(ids, table_splits, num_embeddings, stride, padding_id=No
         unique.fill_(int(unique_fill))
     slots = _poison(torch.empty(nnz, dtype=ids.dtype, device=dev))
     report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=dev)
-    args = (_INDEX_CODES[ids.dtype], nnz, num_tables, int(num_embeddings), int(stride),
-            int(padding_id is not None), -1 if padding_id is None else int(padding_id))
+    args = (
+        _INDEX_CODES[ids.dtype],
+        nnz,
+        num_tables,
+        int(num_embeddings),
+        int(stride),
+        int(padding_id is not None),
+        -1 if padding_id is None else int(padding_id),
+    )
     nbytes = lib.ttemb_tt_unique_scratch_bytes(*args)
     scratch = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=dev)
-    code = lib.ttemb_tt_unique(*args, _ptr(ids), table_splits.contiguous().data_ptr(),
-                               _out_ptr(unique), _out_ptr(slots), report.data_ptr(),
-                               scratch.data_ptr(), scratch.numel(), _stream())
+    code = lib.ttemb_tt_unique(
+        *args,
+        _ptr(ids),
+        table_splits.contiguous().data_ptr(),
+        _out_ptr(unique),
+        _out_ptr(slots),
+        report.data_ptr(),
+        scratch.data_ptr(),
+        scratch.numel(),
+        _stream(),
+    )
     _check_cuda(code, "tt unique ids")
     return unique, slots, report
 
@@ -503,16 +596,26 @@ def tt_rows_async(shape: TTShape, cores, ids, num_ids=None):
     if nbytes == 0:
         raise ValueError("TT shape not supported by the kernels")
     scratch = torch.empty(int(nbytes), dtype=torch.uint8, device=ids.device)
-    code = lib.ttemb_tt_rows(_DTYPE_CODES[dtype], pr, _ptr(ids), n,
-                             None if num_ids is None else num_ids.data_ptr(), _ptr_array(cores),
-                             _out_ptr(rows), report.data_ptr(), scratch.data_ptr(),
-                             scratch.numel(), _stream())
+    code = lib.ttemb_tt_rows(
+        _DTYPE_CODES[dtype],
+        pr,
+        _ptr(ids),
+        n,
+        None if num_ids is None else num_ids.data_ptr(),
+        _ptr_array(cores),
+        _out_ptr(rows),
+        report.data_ptr(),
+        scratch.data_ptr(),
+        scratch.numel(),
+        _stream(),
+    )
     _check_cuda(code, "tt rows")
     return rows, report
 
 
-def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, counts=None,
-                 host_report=None):
+def tt_rows_grad(
+    shape: TTShape, cores, ids, grad, num_ids=None, dense=True, counts=None, host_report=None
+):
     """TTRowsGrad: per core, the dense gradient [num_tables * p_k, width_k] (dense=True, no
     read-back) or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False:
     reads the counts back). Returns (grads, report).
@@ -545,8 +648,17 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, cou
         raise ValueError("TT shape not supported by the kernels")
     scratch = torch.empty(int(nbytes), dtype=torch.uint8, device=dev)
     num_ptr = None if num_ids is None else num_ids.data_ptr()
-    code = lib.ttemb_tt_rows_grad_prepare(code_t, pr, _ptr(ids), n, num_ptr, report.data_ptr(),
-                                          scratch.data_ptr(), scratch.numel(), _stream())
+    code = lib.ttemb_tt_rows_grad_prepare(
+        code_t,
+        pr,
+        _ptr(ids),
+        n,
+        num_ptr,
+        report.data_ptr(),
+        scratch.data_ptr(),
+        scratch.numel(),
+        _stream(),
+    )
     _check_cuda(code, "tt rows grad prepare")
     prepared, work = None, None
     if read_back:
@@ -556,29 +668,63 @@ def tt_rows_grad(shape: TTShape, cores, ids, grad, num_ids=None, dense=True, cou
             prepared = host_report
         else:
             prepared = report.cpu()
-        counts = prepared.tolist()[4:4 + shape.num_cores]
-        work = torch.empty(int(lib.ttemb_tt_rows_grad_work_bytes(code_t, pr, n,
-                                                                 prepared.data_ptr())),
-                           dtype=torch.uint8, device=dev)
-    work_args = (None if prepared is None else prepared.data_ptr(),
-                 None if work is None else work.data_ptr(), 0 if work is None else work.numel())
+        counts = prepared.tolist()[4 : 4 + shape.num_cores]
+        work = torch.empty(
+            int(lib.ttemb_tt_rows_grad_work_bytes(code_t, pr, n, prepared.data_ptr())),
+            dtype=torch.uint8,
+            device=dev,
+        )
+    work_args = (
+        None if prepared is None else prepared.data_ptr(),
+        None if work is None else work.data_ptr(),
+        0 if work is None else work.numel(),
+    )
     if dense:
-        grads = [_poison(torch.empty(shape.num_tables * shape.p[k], shape.widths[k], dtype=dtype,
-                                     device=dev)) for k in range(shape.num_cores)]
-        code = lib.ttemb_tt_rows_grad_compute(code_t, pr, _ptr(ids), n, num_ptr,
-                                              _ptr_array(cores), _out_ptr(grad), None, None,
-                                              _ptr_array(grads), scratch.data_ptr(),
-                                              scratch.numel(), *work_args, _stream())
+        grads = [
+            _poison(
+                torch.empty(shape.num_tables * shape.p[k], shape.widths[k], dtype=dtype, device=dev)
+            )
+            for k in range(shape.num_cores)
+        ]
+        code = lib.ttemb_tt_rows_grad_compute(
+            code_t,
+            pr,
+            _ptr(ids),
+            n,
+            num_ptr,
+            _ptr_array(cores),
+            _out_ptr(grad),
+            None,
+            None,
+            _ptr_array(grads),
+            scratch.data_ptr(),
+            scratch.numel(),
+            *work_args,
+            _stream(),
+        )
     else:
         counts = [int(c) for c in counts]
         idx = [_poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
-        vals = [_poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
-                for k, c in enumerate(counts)]
-        code = lib.ttemb_tt_rows_grad_compute(code_t, pr, _ptr(ids), n, num_ptr,
-                                              _ptr_array(cores), _out_ptr(grad),
-                                              _ptr_array(idx), _ptr_array(vals), None,
-                                              scratch.data_ptr(), scratch.numel(), *work_args,
-                                              _stream())
+        vals = [
+            _poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
+            for k, c in enumerate(counts)
+        ]
+        code = lib.ttemb_tt_rows_grad_compute(
+            code_t,
+            pr,
+            _ptr(ids),
+            n,
+            num_ptr,
+            _ptr_array(cores),
+            _out_ptr(grad),
+            _ptr_array(idx),
+            _ptr_array(vals),
+            None,
+            scratch.data_ptr(),
+            scratch.numel(),
+            *work_args,
+            _stream(),
+        )
         grads = list(zip(idx, vals))
     _check_cuda(code, "tt rows grad compute")
     return grads, report
@@ -594,8 +740,11 @@ def tt_rows_grad_bytes(shape: TTShape, dtype, n, prepared=None) -> dict:
     return {
         "one_buffer": int(lib.ttemb_tt_rows_grad_scratch_bytes(code_t, pr, n)),
         "index": int(lib.ttemb_tt_rows_grad_prepare_scratch_bytes(code_t, pr, n)),
-        "work": int(lib.ttemb_tt_rows_grad_work_bytes(
-            code_t, pr, n, None if prepared is None else prepared.contiguous().data_ptr())),
+        "work": int(
+            lib.ttemb_tt_rows_grad_work_bytes(
+                code_t, pr, n, None if prepared is None else prepared.contiguous().data_ptr()
+            )
+        ),
     }
 
 
@@ -623,9 +772,21 @@ class TTState:
         self.__dict__.update(kw)
 
 
-def tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, weights=None,
-                             combiner="sum", num_tables=1, table_splits=None, padding_id=None,
-                             num_embeddings=None, check=True):
+def tt_embedding_bag_forward(
+    cores,
+    p_shapes,
+    q_shapes,
+    ranks,
+    ids,
+    offsets,
+    weights=None,
+    combiner="sum",
+    num_tables=1,
+    table_splits=None,
+    padding_id=None,
+    num_embeddings=None,
+    check=True,
+):
     """Forward of a TT embedding bag; returns (out [B, D], TTState)."""
     shape = TTShape(p_shapes, q_shapes, ranks, num_tables)
     n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
@@ -638,18 +799,31 @@ def tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, wei
         table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
     if table_splits.numel() != num_tables + 1:
         raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
-    unique, slots, urep = tt_unique_ids_async(ids, table_splits, n_emb, shape.rows_per_table,
-                                              padding_id)
+    unique, slots, urep = tt_unique_ids_async(
+        ids, table_splits, n_emb, shape.rows_per_table, padding_id
+    )
     num_unique = urep[2:3]
     rows, rrep = tt_rows_async(shape, cores, unique, num_unique)
-    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner,
-                                            padding_id=-1)
+    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner, padding_id=-1)
     if check:
         _tt_raise_unique(urep, n_emb, padding_id)
         call.raise_for(brep)
-    state = TTState(shape=shape, cores=cores, unique=unique, slots=slots, num_unique=num_unique,
-                    rows=rows, offsets=offsets, weights=weights, combiner=combiner, out=out,
-                    argmax=argmax, unique_report=urep, n_emb=n_emb, padding_id=padding_id)
+    state = TTState(
+        shape=shape,
+        cores=cores,
+        unique=unique,
+        slots=slots,
+        num_unique=num_unique,
+        rows=rows,
+        offsets=offsets,
+        weights=weights,
+        combiner=combiner,
+        out=out,
+        argmax=argmax,
+        unique_report=urep,
+        n_emb=n_emb,
+        padding_id=padding_id,
+    )
     return out, state
 
 
@@ -658,9 +832,17 @@ def tt_embedding_bag_backward_from(state, grad_out, dense=True, check=True):
     s = state
     fused_w = s.weights is not None and s.combiner != "max"
     drows, dw, call, brep = backward_async(
-        s.rows, s.slots, s.offsets, s.weights, grad_out, s.combiner, padding_id=-1, dense=True,
+        s.rows,
+        s.slots,
+        s.offsets,
+        s.weights,
+        grad_out,
+        s.combiner,
+        padding_id=-1,
+        dense=True,
         output=s.out if fused_w and s.combiner in ("mean", "sqrtn") else None,
-        argmax=s.argmax if s.combiner == "max" else None)
+        argmax=s.argmax if s.combiner == "max" else None,
+    )
     grads, grep = tt_rows_grad(s.shape, s.cores, s.unique, drows, s.num_unique, dense=dense)
     if check:
         call.raise_for(brep)
@@ -668,9 +850,20 @@ def tt_embedding_bag_backward_from(state, grad_out, dense=True, check=True):
     return grads, dw
 
 
-def tt_embedding_bag(cores, p_shapes, q_shapes, ranks, ids, offsets, weights=None,
-                     combiner="sum", num_tables=1, table_splits=None, padding_id=None,
-                     num_embeddings=None) -> torch.Tensor:
+def tt_embedding_bag(
+    cores,
+    p_shapes,
+    q_shapes,
+    ranks,
+    ids,
+    offsets,
+    weights=None,
+    combiner="sum",
+    num_tables=1,
+    table_splits=None,
+    padding_id=None,
+    num_embeddings=None,
+) -> torch.Tensor:
     """TT embedding bag on the GPU: out [B, D].
 
     cores: num_cores CUDA tensors, core k [num_tables * p_k, r_k q_k r_{k+1}] (the TF
@@ -682,26 +875,62 @@ def tt_embedding_bag(cores, p_shapes, q_shapes, ranks, ids, offsets, weights=Non
 
     Example:
         cores = [torch.randn(8, 1 * 2 * 3, device="cuda"), torch.randn(5, 3 * 4 * 1, device="cuda")]
-        ids = torch.tensor([0, 39, 7], device="cuda"); offsets = torch.tensor([0, 2, 3], device="cuda")
+        ids = torch.tensor([0, 39, 7], device="cuda")
+        offsets = torch.tensor([0, 2, 3], device="cuda")
         out = tt_embedding_bag(cores, [8, 5], [2, 4], [3], ids, offsets)   # [2, 8]
     """
-    return tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, weights,
-                                    combiner, num_tables, table_splits, padding_id,
-                                    num_embeddings)[0]
+    return tt_embedding_bag_forward(
+        cores,
+        p_shapes,
+        q_shapes,
+        ranks,
+        ids,
+        offsets,
+        weights,
+        combiner,
+        num_tables,
+        table_splits,
+        padding_id,
+        num_embeddings,
+    )[0]
 
 
-def tt_embedding_bag_backward(cores, p_shapes, q_shapes, ranks, ids, offsets, grad_out,
-                              weights=None, combiner="sum", num_tables=1, table_splits=None,
-                              padding_id=None, num_embeddings=None, dense=True):
+def tt_embedding_bag_backward(
+    cores,
+    p_shapes,
+    q_shapes,
+    ranks,
+    ids,
+    offsets,
+    grad_out,
+    weights=None,
+    combiner="sum",
+    num_tables=1,
+    table_splits=None,
+    padding_id=None,
+    num_embeddings=None,
+    dense=True,
+):
     """Gradients of tt_embedding_bag: (core_grads, weights_grad).
 
     core_grads[k] is the dense gradient of core k [num_tables * p_k, width_k] (dense=True),
     or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False, the TF
     op's IndexedSlices form). weights_grad is [nnz] or None. Bitwise deterministic.
     """
-    _, state = tt_embedding_bag_forward(cores, p_shapes, q_shapes, ranks, ids, offsets, weights,
-                                        combiner, num_tables, table_splits, padding_id,
-                                        num_embeddings)
+    _, state = tt_embedding_bag_forward(
+        cores,
+        p_shapes,
+        q_shapes,
+        ranks,
+        ids,
+        offsets,
+        weights,
+        combiner,
+        num_tables,
+        table_splits,
+        padding_id,
+        num_embeddings,
+    )
     return tt_embedding_bag_backward_from(state, grad_out, dense=dense)
 
 
@@ -739,11 +968,15 @@ def _load_cache() -> ctypes.CDLL:
         "ttupd_cache_count_scratch_bytes": (sz, [i64, i64, i64]),
         "ttupd_cache_count": (i32, [vp, i64, i64, vp, vp, i64, vp, sz, vp]),
         "ttupd_cache_lookup_scratch_bytes": (sz, [i64]),
-        "ttupd_cache_lookup": (i32, [vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, sz,
-                                     vp]),
+        "ttupd_cache_lookup": (
+            i32,
+            [vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        ),
         "ttupd_cache_populate_scratch_bytes": (sz, [i64, i64]),
-        "ttupd_cache_populate": (i32, [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp,
-                                       sz, vp]),
+        "ttupd_cache_populate": (
+            i32,
+            [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        ),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -773,9 +1006,20 @@ def tt_cache_count(ids, keys, counts, id_bound=0):
     n, h = ids.numel(), keys.numel()
     nbytes = lib.ttupd_cache_count_scratch_bytes(n, h, int(id_bound))
     scratch = _scratch_for(nbytes, ids.device)
-    _check_upd(lib.ttupd_cache_count(_out_ptr(ids), n, int(id_bound), _out_ptr(keys),
-                                     _out_ptr(counts), h, scratch.data_ptr(), scratch.numel(),
-                                     _stream()), "cache count")
+    _check_upd(
+        lib.ttupd_cache_count(
+            _out_ptr(ids),
+            n,
+            int(id_bound),
+            _out_ptr(keys),
+            _out_ptr(counts),
+            h,
+            scratch.data_ptr(),
+            scratch.numel(),
+            _stream(),
+        ),
+        "cache count",
+    )
 
 
 def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
@@ -784,17 +1028,33 @@ def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
     lib = _load_cache()
     c = old_ids.numel()
     dev = old_ids.device
-    out = {k: _poison(torch.empty(c, dtype=torch.int64, device=dev))
-           for k in ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")}
+    out = {
+        k: _poison(torch.empty(c, dtype=torch.int64, device=dev))
+        for k in ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
+    }
     out["num_fresh"] = _poison(torch.empty(1, dtype=torch.int64, device=dev))
     nbytes = lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
     scratch = _scratch_for(nbytes, dev)
-    _check_upd(lib.ttupd_cache_populate(
-        _out_ptr(keys), _out_ptr(counts), keys.numel(), _out_ptr(old_ids.contiguous()), c,
-        int(fresh_pad_id), _out_ptr(out["new_ids"]), _out_ptr(out["src"]),
-        _out_ptr(out["fresh_rank"]), _out_ptr(out["fresh_ids"]), _out_ptr(out["fresh_at"]),
-        out["num_fresh"].data_ptr(), scratch.data_ptr(), scratch.numel(), _stream()),
-        "cache populate")
+    _check_upd(
+        lib.ttupd_cache_populate(
+            _out_ptr(keys),
+            _out_ptr(counts),
+            keys.numel(),
+            _out_ptr(old_ids.contiguous()),
+            c,
+            int(fresh_pad_id),
+            _out_ptr(out["new_ids"]),
+            _out_ptr(out["src"]),
+            _out_ptr(out["fresh_rank"]),
+            _out_ptr(out["fresh_ids"]),
+            _out_ptr(out["fresh_at"]),
+            out["num_fresh"].data_ptr(),
+            scratch.data_ptr(),
+            scratch.numel(),
+            _stream(),
+        ),
+        "cache populate",
+    )
     return out
 
 
@@ -806,16 +1066,33 @@ def tt_cache_lookup(ids, cache_ids, miss_pad_id=0):
     ids = ids.contiguous()
     n = ids.numel()
     dev = ids.device
-    out = {k: _poison(torch.empty(n, dtype=torch.int64, device=dev))
-           for k in ("position", "miss_rank", "miss_ids", "miss_at")}
+    out = {
+        k: _poison(torch.empty(n, dtype=torch.int64, device=dev))
+        for k in ("position", "miss_rank", "miss_ids", "miss_at")
+    }
     out["counts"] = _poison(torch.empty(2, dtype=torch.int64, device=dev))
     nbytes = lib.ttupd_cache_lookup_scratch_bytes(n)
     scratch = _scratch_for(nbytes, dev)
-    _check_upd(lib.ttupd_cache_lookup(
-        _out_ptr(ids), n, _out_ptr(cache_ids.contiguous()), cache_ids.numel(), int(miss_pad_id),
-        _out_ptr(out["position"]), _out_ptr(out["miss_rank"]), _out_ptr(out["miss_ids"]),
-        _out_ptr(out["miss_at"]), None, None, out["counts"].data_ptr(), scratch.data_ptr(),
-        scratch.numel(), _stream()), "cache lookup")
+    _check_upd(
+        lib.ttupd_cache_lookup(
+            _out_ptr(ids),
+            n,
+            _out_ptr(cache_ids.contiguous()),
+            cache_ids.numel(),
+            int(miss_pad_id),
+            _out_ptr(out["position"]),
+            _out_ptr(out["miss_rank"]),
+            _out_ptr(out["miss_ids"]),
+            _out_ptr(out["miss_at"]),
+            None,
+            None,
+            out["counts"].data_ptr(),
+            scratch.data_ptr(),
+            scratch.numel(),
+            _stream(),
+        ),
+        "cache lookup",
+    )
     return out
 
 
@@ -828,15 +1105,26 @@ def tt_select_rows(a, sel_a, b=None, sel_b=None, out=None):
         out = _poison(torch.empty(n, width, dtype=a.dtype, device=a.device))
     if b is not None and (b.dtype != a.dtype or b.shape[1] != width):
         raise ValueError("a and b must have the same dtype and width")
-    _check_upd(lib.ttupd_select_rows(
-        _DTYPE_CODES[a.dtype], n, width, _ptr(a.contiguous()), a.shape[0], _ptr(sel_a),
-        None if b is None else _ptr(b.contiguous()), 0 if b is None else b.shape[0],
-        None if sel_b is None else _ptr(sel_b), _out_ptr(out), _stream()), "select rows")
+    _check_upd(
+        lib.ttupd_select_rows(
+            _DTYPE_CODES[a.dtype],
+            n,
+            width,
+            _ptr(a.contiguous()),
+            a.shape[0],
+            _ptr(sel_a),
+            None if b is None else _ptr(b.contiguous()),
+            0 if b is None else b.shape[0],
+            None if sel_b is None else _ptr(sel_b),
+            _out_ptr(out),
+            _stream(),
+        ),
+        "select rows",
+    )
     return out
 
 
-def tt_cache_fill(shape: TTShape, cores, keys, counts, cache_size, old_ids=None,
-                  old_rows=None):
+def tt_cache_fill(shape: TTShape, cores, keys, counts, cache_size, old_ids=None, old_rows=None):
     """The layer's cache_populate on the device: the cache_size most frequent ids of the
     frequency table, staying rows kept from old_rows, fresh rows computed by TTRows from the
     cores (only num_fresh of them, a device count), empty slots zero. Returns (cache_ids [C]
@@ -853,10 +1141,23 @@ def tt_cache_fill(shape: TTShape, cores, keys, counts, cache_size, old_ids=None,
     return pop["new_ids"], rows, pop
 
 
-def tt_embedding_bag_forward_cached(cores, p_shapes, q_shapes, ranks, ids, offsets, cache_ids,
-                                    cache_rows, weights=None, combiner="sum", num_tables=1,
-                                    table_splits=None, padding_id=None, num_embeddings=None,
-                                    check=True):
+def tt_embedding_bag_forward_cached(
+    cores,
+    p_shapes,
+    q_shapes,
+    ranks,
+    ids,
+    offsets,
+    cache_ids,
+    cache_rows,
+    weights=None,
+    combiner="sum",
+    num_tables=1,
+    table_splits=None,
+    padding_id=None,
+    num_embeddings=None,
+    check=True,
+):
     """Forward of a TT embedding bag with a row cache; returns (out [B, D], TTState).
 
     cache_ids [C] int64: sorted global ids, EMPTY_CACHE_ID in empty slots (at the end);
@@ -870,10 +1171,13 @@ def tt_embedding_bag_forward_cached(cores, p_shapes, q_shapes, ranks, ids, offse
         raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
     if cache_ids.dtype != torch.int64 or cache_ids.dim() != 1:
         raise ValueError("cache_ids must be an int64 vector")
-    if (tuple(cache_rows.shape) != (cache_ids.numel(), shape.dim)
-            or cache_rows.dtype != cores[0].dtype):
-        raise ValueError(f"cache_rows must be [{cache_ids.numel()}, {shape.dim}] of the cores' "
-                         "dtype")
+    if (
+        tuple(cache_rows.shape) != (cache_ids.numel(), shape.dim)
+        or cache_rows.dtype != cores[0].dtype
+    ):
+        raise ValueError(
+            f"cache_rows must be [{cache_ids.numel()}, {shape.dim}] of the cores' dtype"
+        )
     dev = ids.device
     if table_splits is None:
         if num_tables != 1:
@@ -881,19 +1185,34 @@ def tt_embedding_bag_forward_cached(cores, p_shapes, q_shapes, ranks, ids, offse
         table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
     if table_splits.numel() != num_tables + 1:
         raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
-    unique, slots, urep = tt_unique_ids_async(ids, table_splits, n_emb, shape.rows_per_table,
-                                              padding_id, unique_fill=EMPTY_CACHE_ID)
+    unique, slots, urep = tt_unique_ids_async(
+        ids, table_splits, n_emb, shape.rows_per_table, padding_id, unique_fill=EMPTY_CACHE_ID
+    )
     lookup = tt_cache_lookup(unique, cache_ids, miss_pad_id=0)
     num_miss = lookup["counts"][1:2]
     miss_rows, rrep = tt_rows_async(shape, cores, lookup["miss_ids"], num_miss)
     rows = tt_select_rows(cache_rows, lookup["position"], miss_rows, lookup["miss_rank"])
-    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner,
-                                            padding_id=-1)
+    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner, padding_id=-1)
     if check:
         _tt_raise_unique(urep, n_emb, padding_id)
         call.raise_for(brep)
-    state = TTState(shape=shape, cores=cores, unique=unique, slots=slots, num_unique=urep[2:3],
-                    lookup=lookup, num_miss=num_miss, miss_rows=miss_rows, rows=rows,
-                    offsets=offsets, weights=weights, combiner=combiner, out=out, argmax=argmax,
-                    unique_report=urep, n_emb=n_emb, padding_id=padding_id)
+    state = TTState(
+        shape=shape,
+        cores=cores,
+        unique=unique,
+        slots=slots,
+        num_unique=urep[2:3],
+        lookup=lookup,
+        num_miss=num_miss,
+        miss_rows=miss_rows,
+        rows=rows,
+        offsets=offsets,
+        weights=weights,
+        combiner=combiner,
+        out=out,
+        argmax=argmax,
+        unique_report=urep,
+        n_emb=n_emb,
+        padding_id=padding_id,
+    )
     return out, state

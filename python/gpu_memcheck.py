@@ -32,14 +32,19 @@ import time
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", help="test files or node ids")
-    parser.add_argument("--tool", default="memcheck",
-                        choices=["memcheck", "racecheck", "initcheck", "synccheck"])
+    parser.add_argument(
+        "--tool", default="memcheck", choices=["memcheck", "racecheck", "initcheck", "synccheck"]
+    )
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--out", required=True, help="folder for the logs")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     parser.add_argument("-m", dest="marker", default=None, help="pytest -m expression")
-    parser.add_argument("--timeout", type=float, default=540.0,
-                        help="seconds before the shards still running are killed")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=540.0,
+        help="seconds before the shards still running are killed",
+    )
     parser.add_argument("--sanitizer", default="compute-sanitizer")
     return parser.parse_args(argv)
 
@@ -60,8 +65,17 @@ def selection_args(args: argparse.Namespace) -> list[str]:
 
 def collect(args: argparse.Namespace) -> list[str]:
     """The node ids pytest selects, without running them (and without the sanitizer)."""
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-           *selection_args(args), *args.paths]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *selection_args(args),
+        *args.paths,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     ids = [line for line in done.stdout.splitlines() if "::" in line]
     if not ids:
@@ -73,22 +87,40 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ids = collect(args)
-    shards = [ids[i::args.shards] for i in range(min(args.shards, len(ids)))]
+    shards = [ids[i :: args.shards] for i in range(min(args.shards, len(ids)))]
     print(f"{len(ids)} tests in {len(shards)} shards under {args.tool}", flush=True)
     procs = []
     start = time.monotonic()
     for i, shard in enumerate(shards):
         log = os.path.join(args.out, f"{args.tool}_{i}.log")
-        cmd = [args.sanitizer, "--tool", args.tool, "--log-file", log,
-               "--target-processes", "application-only", "--print-limit", "50",
-               # Many processes importing TensorFlow at once take longer than the default
-               # 10 s to reach CUDA; the sanitizer would then run them uninstrumented.
-               "--launch-timeout", str(int(args.timeout)),
-               # Counted: memory (or race) errors. CUDA API calls that fail by design
-               # (XLA probing a module for a symbol) are not.
-               "--report-api-errors", "no",
-               sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-               "--tb=short", *shard]
+        cmd = [
+            args.sanitizer,
+            "--tool",
+            args.tool,
+            "--log-file",
+            log,
+            "--target-processes",
+            "application-only",
+            "--print-limit",
+            "50",
+            # Many processes importing TensorFlow at once take longer than the default
+            # 10 s to reach CUDA; the sanitizer would then run them uninstrumented.
+            "--launch-timeout",
+            str(int(args.timeout)),
+            # Counted: memory (or race) errors. CUDA API calls that fail by design
+            # (XLA probing a module for a symbol) are not.
+            "--report-api-errors",
+            "no",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rfE",
+            "--tb=short",
+            *shard,
+        ]
         out = open(os.path.join(args.out, f"pytest_{i}.txt"), "w")  # noqa: SIM115 (closed below)
         procs.append((i, log, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)))
     ok = True
@@ -105,8 +137,9 @@ def main(argv=None) -> int:
         if os.path.exists(log):
             # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards
             # displayed (N errors, W warnings)".
-            found = re.findall(r"(?:ERROR SUMMARY: |SUMMARY: \d+ hazards? displayed \()(\d+) error",
-                               read(log))
+            found = re.findall(
+                r"(?:ERROR SUMMARY: |SUMMARY: \d+ hazards? displayed \()(\d+) error", read(log)
+            )
             if found:
                 errors = int(found[-1])
                 total_errors += errors
@@ -116,29 +149,34 @@ def main(argv=None) -> int:
                 ok = False
         else:
             ok = False
-        lines = [line for line in read(out.name).splitlines()
-                 if line.strip()]
+        lines = [line for line in read(out.name).splitlines() if line.strip()]
         last = lines[-1] if lines else "(no pytest output)"
         ok = ok and rc == 0
         print(f"shard {i:2d}: rc {rc}; {summary}; pytest: {last}", flush=True)
         if rc == "timeout":
             # pytest -q prints one character per finished test: the next one was running.
-            finished = sum(len(re.sub(r"\s*\[\s*\d+%\]$", "", line)) for line in lines
-                           if re.fullmatch(r"[.FEsxX]+\s*(\[\s*\d+%\])?", line))
+            finished = sum(
+                len(re.sub(r"\s*\[\s*\d+%\]$", "", line))
+                for line in lines
+                if re.fullmatch(r"[.FEsxX]+\s*(\[\s*\d+%\])?", line)
+            )
             running = shard[finished] if finished < len(shard) else "(after the last test)"
-            print(f"          {finished} of {len(shard)} finished; running: {running}",
-                  flush=True)
+            print(f"          {finished} of {len(shard)} finished; running: {running}", flush=True)
         if os.path.exists(log):
             # Where the errors are: the kernels they name, and the first failed tests.
             text = read(log)
-            kernels = re.findall(r"=========\s+at (\S+?)(?:\+0x[0-9a-f]+)?(?: in |$)", text,
-                                 re.MULTILINE)
+            kernels = re.findall(
+                r"=========\s+at (\S+?)(?:\+0x[0-9a-f]+)?(?: in |$)", text, re.MULTILINE
+            )
             for name in sorted(set(kernels)):
                 print(f"          {kernels.count(name)} x at {name}", flush=True)
         for line in [line for line in lines if line.startswith("FAILED")][:3]:
             print(f"          {line}", flush=True)
-    print(f"{args.tool}: {len(ids)} tests, {total_errors} errors in all, "
-          f"{time.monotonic() - start:.0f} s; {'clean' if ok else 'NOT CLEAN'}", flush=True)
+    print(
+        f"{args.tool}: {len(ids)} tests, {total_errors} errors in all, "
+        f"{time.monotonic() - start:.0f} s; {'clean' if ok else 'NOT CLEAN'}",
+        flush=True,
+    )
     # One file for all shards (the device returns a limited number of files).
     with open(os.path.join(args.out, f"{args.tool}_all.txt"), "w") as everything:
         for i in range(len(shards)):

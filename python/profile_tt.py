@@ -32,21 +32,21 @@ P, Q, RANKS = [200, 220, 250], [4, 4, 4], [32, 32]
 def paths(bags, length, dist):
     # The first input set of gpu_check.py's TT benchmarks (same cores, ids and dy).
     cores, sets, off, splits = gc.tt_bench_inputs(bags, length, dist, P, Q, RANKS, num_sets=1)
-    (ids, dy), = sets
+    ((ids, dy),) = sets
     n_rows = math.prod(P)
     shape = gh.TTShape(P, Q, RANKS)
 
     def dev_fwd_bwd():
-        out, st = gh.tt_embedding_bag_forward(cores, P, Q, RANKS, ids, off, table_splits=splits,
-                                              check=False)
+        out, st = gh.tt_embedding_bag_forward(
+            cores, P, Q, RANKS, ids, off, table_splits=splits, check=False
+        )
         gh.tt_embedding_bag_backward_from(st, dy, dense=True, check=False)
 
     # Sizes for the exact path.
     unique, slots, urep = gh.tt_unique_ids_async(ids, splits, n_rows, n_rows)
     U = int(urep.cpu()[2])
     rows, _ = gh.tt_rows_async(shape, cores, unique[:U])
-    drows, _, _, _ = gh.backward_async(rows, slots, off, None, dy, "sum", padding_id=-1,
-                                       dense=True)
+    drows, _, _, _ = gh.backward_async(rows, slots, off, None, dy, "sum", padding_id=-1, dense=True)
     grads, _ = gh.tt_rows_grad(shape, cores, unique[:U], drows, dense=False)
     counts = [int(g[0].numel()) for g in grads]
 
@@ -54,6 +54,7 @@ def paths(bags, length, dist):
         def mark(i):
             if ev is not None:
                 ev[i].record()
+
         mark(0)
         unique, slots, _ = gh.tt_unique_ids_async(ids, splits, n_rows, n_rows)
         mark(1)
@@ -62,8 +63,9 @@ def paths(bags, length, dist):
         mark(2)
         gh.forward_async(rows, slots, off, None, "sum", padding_id=-1)
         mark(3)
-        drows, _, _, _ = gh.backward_async(rows, slots, off, None, dy, "sum", padding_id=-1,
-                                           dense=True)
+        drows, _, _, _ = gh.backward_async(
+            rows, slots, off, None, dy, "sum", padding_id=-1, dense=True
+        )
         mark(4)
         gh.tt_rows_grad(shape, cores, uq, drows, dense=False, counts=counts)
         mark(5)
@@ -80,9 +82,10 @@ def kernel_table(fn, calls):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
     # Every call launches the same sequence: label each launch with its ordinal among the
     # call's launches of the same kernel ("name #2" = the second launch in a call).
     per_call = len(events) // calls if calls else 0
@@ -99,12 +102,15 @@ def kernel_table(fn, calls):
         start, end = e.time_range.start, e.time_range.end
         first = start if first is None else min(first, start)
         last = end if last is None else max(last, end)
-    rows = sorted(([n, c / calls, t / calls] for n, (c, t) in agg.items()),
-                  key=lambda x: -x[2])
+    rows = sorted(([n, c / calls, t / calls] for n, (c, t) in agg.items()), key=lambda x: -x[2])
     busy = sum(r[2] for r in rows)
     span = (last - first) / calls if first is not None else None
-    return {"kernels": rows, "busy_us_per_call": busy, "span_us_per_call": span,
-            "launches_per_call": sum(r[1] for r in rows)}
+    return {
+        "kernels": rows,
+        "busy_us_per_call": busy,
+        "span_us_per_call": span,
+        "launches_per_call": sum(r[1] for r in rows),
+    }
 
 
 def phases(exact, iters=20):
@@ -135,21 +141,34 @@ def main():
     for bags in args.bags:
         for dist in args.dist:
             dev_fb, exact_fb, U, counts = paths(bags, 20, dist)
-            res = {"bags": bags, "dist": dist, "unique": U, "core_rows": counts,
-                   "exact_phases_ms": phases(exact_fb)}
+            res = {
+                "bags": bags,
+                "dist": dist,
+                "unique": U,
+                "core_rows": counts,
+                "exact_phases_ms": phases(exact_fb),
+            }
             for name, fn in (("dev", dev_fb), ("exact", exact_fb)):
                 res[name] = kernel_table(fn, args.calls)
             out.append(res)
             print(f"\n=== B={bags} {dist}: U={U} n_k={counts}")
-            print("exact phases (ms, event medians, eager):",
-                  json.dumps({k: round(v, 4) for k, v in res["exact_phases_ms"].items()}))
+            print(
+                "exact phases (ms, event medians, eager):",
+                json.dumps({k: round(v, 4) for k, v in res["exact_phases_ms"].items()}),
+            )
             for name in ("dev", "exact"):
                 t = res[name]
-                print(f"--- {name}: busy {t['busy_us_per_call']:.1f} us/call, span "
-                      f"{t['span_us_per_call']:.1f} us, {t['launches_per_call']:.0f} launches")
-                for n, c, us in t["kernels"][:args.top]:
-                    for junk in ("void ", "tf_ttemb::gpu::(anonymous namespace)::",
-                                 "cub::CUB_300001_SM_900::detail::", "tf_ttemb::gpu::"):
+                print(
+                    f"--- {name}: busy {t['busy_us_per_call']:.1f} us/call, span "
+                    f"{t['span_us_per_call']:.1f} us, {t['launches_per_call']:.0f} launches"
+                )
+                for n, c, us in t["kernels"][: args.top]:
+                    for junk in (
+                        "void ",
+                        "tf_ttemb::gpu::(anonymous namespace)::",
+                        "cub::CUB_300001_SM_900::detail::",
+                        "tf_ttemb::gpu::",
+                    ):
                         n = n.replace(junk, "")
                     print(f"  {us:9.1f} us  x{c:4.1f}  {n[:100]}")
             torch.cuda.empty_cache()

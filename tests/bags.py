@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import tensorflow as tf
-
 import reference
+import tensorflow as tf
 
 DTYPES = {
     "float16": tf.float16,
@@ -126,7 +125,14 @@ def ragged_bags(rng, lengths, num_rows, ids_dtype, padding_id=None, pad_fraction
 
 
 def sparse_bags(
-    rng, lengths, num_rows, ids_dtype, padding_id=None, pad_fraction=0.3, ids=None, shuffle=True,
+    rng,
+    lengths,
+    num_rows,
+    ids_dtype,
+    padding_id=None,
+    pad_fraction=0.3,
+    ids=None,
+    shuffle=True,
     width=None,
 ):
     """A 2-D SparseTensor whose row b holds bag b at sorted random columns (with gaps).
@@ -194,9 +200,10 @@ def make_params(rng, num_rows, dim, dtype, distinct=False):
     if distinct:
         grid = np.arange(-128, 129)
         assert num_rows <= len(grid), "distinct params need num_rows <= 257"
-        values = np.stack(
-            [rng.choice(grid, size=num_rows, replace=False) for _ in range(dim)], axis=1
-        ) / 64.0
+        values = (
+            np.stack([rng.choice(grid, size=num_rows, replace=False) for _ in range(dim)], axis=1)
+            / 64.0
+        )
         return quantize(values.reshape(num_rows, dim), dtype)
     return quantize(rng.normal(size=(num_rows, dim)), dtype)
 

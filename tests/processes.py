@@ -30,7 +30,7 @@ def gpu_visible() -> bool:
 
 
 def visible_devices() -> list:
-    """"/CPU:0", and "/GPU:0" when TensorFlow sees a GPU: for tests about one device."""
+    """ "/CPU:0", and "/GPU:0" when TensorFlow sees a GPU: for tests about one device."""
     return ["/CPU:0"] + (["/GPU:0"] if gpu_visible() else [])
 
 
@@ -51,11 +51,11 @@ def our_message(message: str) -> str:
         # The stack's lines are indented; the message is the first line that is not.
         lines = message.split("\n")[1:]
         body = [i for i, line in enumerate(lines) if line and not line.startswith(" ")]
-        message = "\n".join(lines[body[0]:]) if body else message
+        message = "\n".join(lines[body[0] :]) if body else message
     # Searched, not matched: whatever precedes the report (a stack) is dropped with it.
     root = re.search(r"\d+ root error\(s\) found\.\s*", message)
     if root:
-        errors = re.split(r"\s*\(\d+\) [A-Z_]+:\s*", message[root.end():])
+        errors = re.split(r"\s*\(\d+\) [A-Z_]+:\s*", message[root.end() :])
         message = next(e for e in errors if e.strip())
         message = re.split(r"\n\s*\d+ successful operations\.", message)[0].rstrip()
     message = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
@@ -70,7 +70,10 @@ def our_message(message: str) -> str:
 
 
 def run_fresh_python(
-    script: str, *args: str, timeout: float = 300, all_lines: bool = False,
+    script: str,
+    *args: str,
+    timeout: float = 300,
+    all_lines: bool = False,
     without_tf_ttemb: bool = False,
 ):
     """Runs `script` in a fresh interpreter that can import tf_ttemb (unless
@@ -98,14 +101,19 @@ def run_fresh_python(
         )
     with tempfile.TemporaryDirectory(prefix="fresh_python_") as empty:
         result = subprocess.run(
-            command, capture_output=True, text=True, env=env, timeout=timeout,
+            command,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
             cwd=empty if without_tf_ttemb else None,
         )
     if all_lines:
         lines = result.stdout.splitlines()
         if result.returncode != 0:
-            lines.append(json.dumps({"returncode": result.returncode,
-                                     "stderr": result.stderr[-4000:]}))
+            lines.append(
+                json.dumps({"returncode": result.returncode, "stderr": result.stderr[-4000:]})
+            )
         return lines
     assert result.returncode == 0, f"subprocess failed:\n{result.stderr[-4000:]}"
     return result.stdout.strip().splitlines()[-1]

@@ -8,15 +8,18 @@ import pytest
 from tf_ttemb import _args
 
 
-@pytest.mark.parametrize("value,minimum,want", [(3, 1, 3), (np.int64(7), 1, 7), (0, 0, 0),
-                                                (np.array(5), 2, 5)])
+@pytest.mark.parametrize(
+    "value,minimum,want", [(3, 1, 3), (np.int64(7), 1, 7), (0, 0, 0), (np.array(5), 2, 5)]
+)
 def test_positive_int_accepts_integers_at_least_the_minimum(value, minimum, want):
     got = _args.positive_int("n", value, minimum)
     assert got == want and type(got) is int
 
 
-@pytest.mark.parametrize("value,minimum", [(0, 1), (-3, 1), (1, 2), (True, 1), (2.0, 1),
-                                           ("3", 1), (None, 1), (np.array([2]), 1)])
+@pytest.mark.parametrize(
+    "value,minimum",
+    [(0, 1), (-3, 1), (1, 2), (True, 1), (2.0, 1), ("3", 1), (None, 1), (np.array([2]), 1)],
+)
 def test_positive_int_names_the_argument_the_bound_and_the_value(value, minimum):
     with pytest.raises(ValueError) as info:
         _args.positive_int("num_rows", value, minimum)

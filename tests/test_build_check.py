@@ -100,7 +100,11 @@ def imports(tmp_path_factory):
         procs[case] = (
             subprocess.Popen(
                 [sys.executable, "-c", _PROBE],
-                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             ),
             root,
         )

@@ -29,7 +29,12 @@ def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(CHECKOUT))
     return subprocess.run(
         [sys.executable, "-m", "tf_ttemb", *args],
-        cwd=cwd or CHECKOUT, env=env, capture_output=True, text=True, check=False, timeout=600,
+        cwd=cwd or CHECKOUT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
     )
 
 
@@ -54,10 +59,30 @@ def test_top_level_help_lists_commands():
 @pytest.mark.parametrize(
     "command,options",
     [
-        ("bench", ["--quick", "--json", "--threads", "--dtypes", "--cases", "--device",
-                   "--rows", "--dim", "--bags", "--bag-size", "--tt-rows", "--tt-rank",
-                   "--pkm-tokens", "--pkm-keys", "--repeats", "--warmup", "gather_reduce_sum",
-                   "tt_rows", "pkm"]),
+        (
+            "bench",
+            [
+                "--quick",
+                "--json",
+                "--threads",
+                "--dtypes",
+                "--cases",
+                "--device",
+                "--rows",
+                "--dim",
+                "--bags",
+                "--bag-size",
+                "--tt-rows",
+                "--tt-rank",
+                "--pkm-tokens",
+                "--pkm-keys",
+                "--repeats",
+                "--warmup",
+                "gather_reduce_sum",
+                "tt_rows",
+                "pkm",
+            ],
+        ),
         ("info", ["--json", "registered kernels", "CUDA"]),
         ("demo", ["--quick", "--out"]),
     ],
@@ -131,8 +156,9 @@ def test_info_text_and_json_file(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(rf"^TensorFlow \(running\)\s+{re.escape(tf.__version__)} ", out, re.M), out
-    assert re.search(rf"^TensorFlow \(built against\)\s+{re.escape(BUILD_INFO['tf_version'])}$",
-                     out, re.M), out
+    assert re.search(
+        rf"^TensorFlow \(built against\)\s+{re.escape(BUILD_INFO['tf_version'])}$", out, re.M
+    ), out
     assert re.search(r"^  match\s+yes$", out, re.M), out
     cuda = "yes" if BUILD_INFO["cuda"] else "no"
     assert re.search(rf"^  CUDA kernels \(build info\)\s+{cuda}$", out, re.M), out
@@ -153,11 +179,42 @@ def test_info_text_and_json_file(tmp_path):
 def bench_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     proc = _run(
-        "bench", "--quick", "--dtypes", "float32,float64", "--repeats", "2", "--warmup", "1",
-        "--rows", "3001", "--dim", "7", "--bags", "33", "--bag-size", "5",
-        "--tt-rows", "5003", "--tt-dim", "12", "--tt-rank", "3", "--tt-lookups", "257",
-        "--pkm-tokens", "37", "--pkm-dim", "24", "--pkm-keys", "16", "--pkm-knn", "4",
-        "--threads", "2", "--json", str(path),
+        "bench",
+        "--quick",
+        "--dtypes",
+        "float32,float64",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--rows",
+        "3001",
+        "--dim",
+        "7",
+        "--bags",
+        "33",
+        "--bag-size",
+        "5",
+        "--tt-rows",
+        "5003",
+        "--tt-dim",
+        "12",
+        "--tt-rank",
+        "3",
+        "--tt-lookups",
+        "257",
+        "--pkm-tokens",
+        "37",
+        "--pkm-dim",
+        "24",
+        "--pkm-keys",
+        "16",
+        "--pkm-knn",
+        "4",
+        "--threads",
+        "2",
+        "--json",
+        str(path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(path.read_text())
@@ -168,8 +225,12 @@ def test_bench_json(bench_run):
     rows = result["results"]
     got = sorted((r["case"], r["dtype"], r["impl"]) for r in rows)
     want = sorted(
-        [(c, d, i) for c in ("gather_reduce_sum", "tt_rows") for d in ("float32", "float64")
-         for i in ("custom_op", "tf_gather")]
+        [
+            (c, d, i)
+            for c in ("gather_reduce_sum", "tt_rows")
+            for d in ("float32", "float64")
+            for i in ("custom_op", "tf_gather")
+        ]
         + [("pkm", "float32", "custom_op"), ("pkm", "float32", "composite")]
     )
     assert got == want
@@ -202,7 +263,7 @@ def test_bench_table(bench_run):
     out, result = bench_run
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("case "))
-    table = lines[header:header + 2 + len(result["results"])]
+    table = lines[header : header + 2 + len(result["results"])]
     # Aligned: every line of the table has the header's width.
     assert len({len(line.rstrip()) for line in table}) == 1, table
     for r, line in zip(result["results"], table[2:]):

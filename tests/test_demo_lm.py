@@ -314,7 +314,6 @@ def test_run_options_default_quick_long_and_steps():
     assert "pkm_lm" in _args().sections
 
 
-
 def test_plot_writes_a_png(tmp_path, rng):
     pytest.importorskip("matplotlib")
     results = _fake_results(2.0 + rng.random(8), 2.1 + rng.random(8))

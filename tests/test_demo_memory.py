@@ -22,8 +22,9 @@ def test_plain_step_holds_at_least_the_gathered_rows_and_the_fused_one_far_less(
     shape = demo.PkmShape()  # 65,536 x 256 values, 4 heads x 32 knn
     tokens = 1024
     assert demo.gathered_bytes(shape, tokens) == 128 * (1 << 20)
-    records = demo._run_memory_worker(shape, [tokens], seed=3, method=demo.memory_method(),
-                                      on_record=lambda _: None)
+    records = demo._run_memory_worker(
+        shape, [tokens], seed=3, method=demo.memory_method(), on_record=lambda _: None
+    )
     got = {r["lookup"]: r["bytes"] for r in records}
     assert set(got) == {demo.BASELINE, demo.FUSED}
     plain, fused = got[demo.BASELINE], got[demo.FUSED]

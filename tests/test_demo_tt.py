@@ -187,9 +187,7 @@ def test_ctr_model_trains_with_too_few_examples_raises():
     model = demo.planted_model(task)
     data = demo.ctr_data(task, model, 100, stream=0)
     with pytest.raises(ValueError, match="need 1,280 training examples, got 100"):
-        demo.train_ctr_model(
-            demo.CtrModel([]), data, data, demo.TrainConfig(steps=10, batch=128)
-        )
+        demo.train_ctr_model(demo.CtrModel([]), data, data, demo.TrainConfig(steps=10, batch=128))
 
 
 def test_section_options():

@@ -42,12 +42,9 @@ def run_script(script: str, *args: str, timeout: int = 300) -> list[dict]:
         timeout=timeout,
         cwd=REPO_ROOT,
     )
-    reports = [
-        json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")
-    ]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0, (
-        f"subprocess failed (rc {result.returncode}); reports {reports}\n"
-        f"{result.stderr[-6000:]}"
+        f"subprocess failed (rc {result.returncode}); reports {reports}\n{result.stderr[-6000:]}"
     )
     return reports
 
@@ -250,8 +247,9 @@ def test_mirrored_pkm_moving_statistics_stay_in_sync(rng):
     (report,) = run_script(PKM_MOVING_STATS, str(int(rng.integers(1 << 30))))
     for stat in ("mean", "var"):
         assert report[stat]["copies_differ"] == 0.0, report
-        np.testing.assert_allclose(report[stat]["value"], report[stat]["expected"],
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            report[stat]["value"], report[stat]["expected"], rtol=1e-5, atol=1e-6
+        )
 
 
 def _replica_kinds() -> list:
@@ -290,7 +288,10 @@ def test_mirrored_strategy_matches_one_device(rng, kind):
                 # scatter of the gathered (not deduplicated) IndexedSlices adds the
                 # replicas' rows for one id in no fixed order, so within rounding.
                 assert row["copies_differ"] <= (0.0 if kind == "cpu" else tolerance), (
-                    name, path, row)
+                    name,
+                    path,
+                    row,
+                )
                 # Every weight moved (bar the empty variable through which TTEmbeddingBag's
                 # fused update is reached), so equality is not that of untrained models.
                 assert row["moved"] is None or row["moved"] > 1e-4, (name, path, row)
@@ -311,9 +312,7 @@ import bags as bag_data  # noqa: E402  (tests/ is on sys.path under pytest)
 
 
 @pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
-@pytest.mark.parametrize(
-    "combiner_weighted", bag_data.COMBINER_WEIGHTING, ids=bag_data.combiner_id
-)
+@pytest.mark.parametrize("combiner_weighted", bag_data.COMBINER_WEIGHTING, ids=bag_data.combiner_id)
 @pytest.mark.parametrize("dtype_name", ["float64", "float32", "float16", "bfloat16"])
 def test_sharded_lookup_matches_reference(rng, form, combiner_weighted, dtype_name):
     """Three uneven shards: output, per-shard IndexedSlices gradients and weight gradients
@@ -356,8 +355,11 @@ def test_sharded_lookup_matches_reference(rng, form, combiner_weighted, dtype_na
         )
     if weighted:
         bag_data.assert_close(
-            bags.csr_from_values(bag_data.dense_value(grads[-1])), want_dw[0], want_dw[1],
-            dtype, "weights grad",
+            bags.csr_from_values(bag_data.dense_value(grads[-1])),
+            want_dw[0],
+            want_dw[1],
+            dtype,
+            "weights grad",
         )
 
 
@@ -516,13 +518,21 @@ def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
     table = rng.normal(size=(num_rows, dim))
     weights = rng.uniform(0.5, 2.0, size=flat.shape)
     dy = rng.normal(size=(len(lengths), dim))
-    np.savez(tmp_path / "in.npz", table=table, ids=flat, splits=splits, weights=weights, dy=dy,
-             padding=padding)
+    np.savez(
+        tmp_path / "in.npz",
+        table=table,
+        ids=flat,
+        splits=splits,
+        weights=weights,
+        dy=dy,
+        padding=padding,
+    )
     reports = run_script(PS_LOOKUP, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
     got = np.load(tmp_path / "out.npz")
     report = reports[-1]
     assert report["lookup_devices"] == [
-        "/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"
+        "/job:ps/replica:0/task:0/device:CPU:0",
+        "/job:ps/replica:0/task:1/device:CPU:0",
     ], report
     # The shards are only read by the fused op (and its gradient, and the tape's empty
     # sparse read) and written by the optimizer's row scatter: never read whole.
@@ -539,7 +549,9 @@ def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
         rows = got[f"rows_{combiner}"]
         assert list(rows) == [7, 6], rows
         assert [str(d) for d in got[f"devices_{combiner}"]] == [
-            "/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
+            "/job:ps/replica:0/task:0/device:CPU:0",
+            "/job:ps/replica:0/task:1/device:CPU:0",
+        ]
         offsets = [0, rows[0], num_rows]
         for s in range(2):
             lo, hi = offsets[s], offsets[s + 1]

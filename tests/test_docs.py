@@ -191,7 +191,10 @@ def test_readme_links_resolve():
 
 
 def test_extract_blocks_languages_lines_and_indent():
-    text = "intro\n```python\nx = 1\n```\n\n- item\n\n  ```python\n  y = 2\n  ```\n```text\nsig(a, b)\n```\n"
+    text = (
+        "intro\n```python\nx = 1\n```\n\n- item\n\n  ```python\n  y = 2\n  ```\n"
+        "```text\nsig(a, b)\n```\n"
+    )
     blocks = extract_blocks(text)
     assert [(b.language, b.line, b.code) for b in blocks] == [
         ("python", 3, "x = 1\n"),

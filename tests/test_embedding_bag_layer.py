@@ -8,11 +8,8 @@ import pathlib
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-
 import reference
-from processes import run_fresh_python
-import tf_ttemb
+import tensorflow as tf
 from bags import (
     COMBINER_WEIGHTING,
     assert_close,
@@ -23,6 +20,9 @@ from bags import (
     sparse_bags,
     weights_like,
 )
+from processes import run_fresh_python
+
+import tf_ttemb
 from tf_ttemb.layers import EmbeddingBag
 
 COMBINER_IDS = [combiner_id(v) for v in COMBINER_WEIGHTING]
@@ -122,7 +122,11 @@ def test_fit(rng, form, implementation, dense_grad):
     keras.utils.set_random_seed(int(rng.integers(2**31)))
     bags, inputs, targets = _training_data(rng, form)
     layer = EmbeddingBag(
-        N_FIT, D_FIT, combiner="mean", padding_id=PAD_FIT, dense_grad=dense_grad,
+        N_FIT,
+        D_FIT,
+        combiner="mean",
+        padding_id=PAD_FIT,
+        dense_grad=dense_grad,
         implementation=implementation,
     )
     outputs = keras.layers.Dense(1)(layer(inputs))
@@ -162,9 +166,9 @@ def test_model_with_custom_op_layer_is_not_jit_compiled():
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("form", ["dense2d", "ragged", "sparse"])
-@pytest.mark.parametrize("policy,compute_dtype", [
-    ("mixed_float16", tf.float16), ("mixed_bfloat16", tf.bfloat16)
-])
+@pytest.mark.parametrize(
+    "policy,compute_dtype", [("mixed_float16", tf.float16), ("mixed_bfloat16", tf.bfloat16)]
+)
 def test_mixed_precision(rng, global_policy, policy, compute_dtype, form, weighted):
     bags = make_bags(rng, form, 13, tf.int64, padding_id=-1)
     float32_layer = EmbeddingBag(13, 6, combiner="sqrtn", padding_id=-1)
@@ -327,10 +331,13 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     np.save(tmp_path / "dense.npy", dense.ids.numpy())
     np.save(tmp_path / "values.npy", ragged.ids.flat_values.numpy())
     np.save(tmp_path / "splits.npy", ragged.ids.row_splits.numpy())
-    got = json.loads(run_fresh_python(
-        SERVE_SAVED_MODEL, str(path), *(str(tmp_path / f) for f in
-                                        ("dense.npy", "values.npy", "splits.npy"))
-    ))
+    got = json.loads(
+        run_fresh_python(
+            SERVE_SAVED_MODEL,
+            str(path),
+            *(str(tmp_path / f) for f in ("dense.npy", "values.npy", "splits.npy")),
+        )
+    )
     want_dense, scale = layer_reference(layer, dense, padding_id=-1)
     assert_close(np.array(got["dense"]), want_dense, scale, tf.float32, "served dense")
     want_ragged, scale = layer_reference(layer, ragged, padding_id=-1)

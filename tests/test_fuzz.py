@@ -31,7 +31,6 @@ import json
 import pathlib
 
 import pytest
-
 from processes import run_fresh_python
 
 CASES, BATCHES = 96, 2
@@ -99,7 +98,8 @@ FUZZ_SCRIPT = """
         ids[int(rng.integers(0, ids.size))] = bad
         ids_dtype = ID_DTYPES[c["ids_dtype"]]
         if bags.form.startswith("dense"):
-            return dense_bags(rng, None, c["num_rows"], ids_dtype, ids=ids.reshape(bags.values_shape)).ids
+            shaped = ids.reshape(bags.values_shape)
+            return dense_bags(rng, None, c["num_rows"], ids_dtype, ids=shaped).ids
         lengths = np.diff(bags.splits)
         if bags.form == "ragged":
             return ragged_bags(rng, lengths, c["num_rows"], ids_dtype, ids=ids).ids
@@ -108,7 +108,8 @@ FUZZ_SCRIPT = """
     def bad_coordinate_ids(rng, c):
         rows, cols = 3, 4
         coords = [[0, 0], [1, 2], [2, 3]]
-        coords[int(rng.integers(0, 3))] = [[-1, 0], [3, 1], [1, 4], [0, -2]][int(rng.integers(0, 4))]
+        bad = [[-1, 0], [3, 1], [1, 4], [0, -2]][int(rng.integers(0, 4))]
+        coords[int(rng.integers(0, 3))] = bad
         values = rng.integers(0, c["num_rows"], size=3)
         return tf.SparseTensor(tf.constant(coords, tf.int64),
                                tf.constant(values, ID_DTYPES[c["ids_dtype"]]), [rows, cols])
@@ -211,18 +212,22 @@ FUZZ_SCRIPT = """
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_fuzz_gather_reduce_sum(batch):
     seed = 20261201 + batch
-    lines = run_fresh_python(FUZZ_SCRIPT, str(seed), str(CASES // BATCHES), TESTS_DIR,
-                             timeout=240, all_lines=True)
+    lines = run_fresh_python(
+        FUZZ_SCRIPT, str(seed), str(CASES // BATCHES), TESTS_DIR, timeout=240, all_lines=True
+    )
     records = [json.loads(line) for line in lines if line.startswith("{")]
     done = [r for r in records if "done" in r]
     started = [r["start"] for r in records if "start" in r]
-    assert done, (f"the fuzzing process stopped during case {started[-1] if started else None}"
-                  f": {records[-1] if records else lines[-5:]}")
+    assert done, (
+        f"the fuzzing process stopped during case {started[-1] if started else None}"
+        f": {records[-1] if records else lines[-5:]}"
+    )
     cases = [r for r in records if "case" in r]
     assert len(cases) == CASES // BATCHES
     failed = [r for r in cases if r["failures"]]
     assert not failed, json.dumps(failed[:3], indent=1)
     hostile = sum(r["config"]["hostile"] != "none" for r in cases)
     assert 0 < hostile < len(cases)  # both kinds of case ran
-    assert any(r["config"]["values"] == "nonfinite" and r["config"]["hostile"] == "none"
-               for r in cases)  # and cases of NaN and Inf in the table
+    assert any(
+        r["config"]["values"] == "nonfinite" and r["config"]["hostile"] == "none" for r in cases
+    )  # and cases of NaN and Inf in the table

@@ -13,11 +13,8 @@ import re
 
 import numpy as np
 import pytest
-import tensorflow as tf
-
 import reference
-from processes import built_with_cuda
-import tf_ttemb
+import tensorflow as tf
 from bags import (
     COMBINER_WEIGHTING,
     DTYPES,
@@ -37,6 +34,9 @@ from bags import (
     sparse_bags,
     weights_like,
 )
+from processes import built_with_cuda
+
+import tf_ttemb
 
 COMBINER_IDS = [combiner_id(v) for v in COMBINER_WEIGHTING]
 IMPLEMENTATIONS = ("custom_op", "composite")
@@ -196,7 +196,8 @@ EMPTY_MODES = [(c, w, "eager") for c, w in COMBINER_WEIGHTING] + [
 
 
 @pytest.mark.parametrize(
-    "combiner,weighted,mode", EMPTY_MODES,
+    "combiner,weighted,mode",
+    EMPTY_MODES,
     ids=[f"{combiner_id((c, w))}-{m}" for c, w, m in EMPTY_MODES],
 )
 @pytest.mark.parametrize("form,spec", EMPTY_CASES, ids=[f"{f}-{s}" for f, s in EMPTY_CASES])
@@ -278,9 +279,7 @@ def test_max_ties_go_to_the_first_entry(rng, form, mode):
         make = ragged_bags if form == "ragged" else sparse_bags
         bags = make(rng, lengths, 6, tf.int32, ids=flat)
     up, up64 = make_upstream(rng, bags, 4, tf.float64)
-    _, dp, _ = run_op(
-        tf.constant(params64), bags, None, up, mode, combiner="max", padding_id=-1
-    )
+    _, dp, _ = run_op(tf.constant(params64), bags, None, up, mode, combiner="max", padding_id=-1)
     want = np.zeros((6, 4))
     want[3] += up64[0]
     want[4] += up64[1]
@@ -330,7 +329,12 @@ def test_params_grad_is_deduplicated_sorted_indexed_slices(
     w, w64 = make_weights(rng, bags, tf.float32) if weighted else (None, None)
     up, up64 = make_upstream(rng, bags, dim, tf.float32)
     _, dp, _ = run_op(
-        params, bags, w, up, combiner=combiner, padding_id=padding_id,
+        params,
+        bags,
+        w,
+        up,
+        combiner=combiner,
+        padding_id=padding_id,
         implementation=implementation,
     )
     assert isinstance(dp, tf.IndexedSlices), type(dp)
@@ -363,8 +367,17 @@ def test_indexed_slices_in_tf_function(rng, ids_dtype, form, implementation):
 def _check_dense_grad(rng, combiner, weighted, form, implementation, mode):
     bags = make_bags(rng, form, 10, tf.int64, padding_id=-1)
     _, dp, _ = check_case(
-        rng, bags, tf.float32, combiner, weighted, -1, 10, 3, mode=mode,
-        dense_grad=True, implementation=implementation,
+        rng,
+        bags,
+        tf.float32,
+        combiner,
+        weighted,
+        -1,
+        10,
+        3,
+        mode=mode,
+        dense_grad=True,
+        implementation=implementation,
     )
     assert not isinstance(dp, tf.IndexedSlices)
     assert isinstance(dp, tf.Tensor)
@@ -394,15 +407,17 @@ def test_dense_grad_in_tf_function(rng, form, combiner, weighted, implementation
 
 # The composite path is slow eagerly (~0.1 s a call, and finite differences call it
 # 2 * N * D times), so it is checked on the combiners whose gradients differ most.
-FD_CASES = [(c, w, f, "custom_op") for c, w in COMBINER_WEIGHTING
-            for f in ("dense2d", "ragged", "sparse")] + [
+FD_CASES = [
+    (c, w, f, "custom_op") for c, w in COMBINER_WEIGHTING for f in ("dense2d", "ragged", "sparse")
+] + [
     ("sqrtn", True, "ragged", "composite"),
     ("max", False, "dense2d", "composite"),
 ]
 
 
 @pytest.mark.parametrize(
-    "combiner,weighted,form,implementation", FD_CASES,
+    "combiner,weighted,form,implementation",
+    FD_CASES,
     ids=[f"{combiner_id((c, w))}-{f}-{i}" for c, w, f, i in FD_CASES],
 )
 def test_compute_gradient_float64(rng, combiner, weighted, form, implementation):
@@ -447,7 +462,13 @@ def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_
     results = []
     for mode, implementation in modes:
         out, dp, dw = run_op(
-            params, bags, w, up, mode, combiner=combiner, padding_id=padding_id,
+            params,
+            bags,
+            w,
+            up,
+            mode,
+            combiner=combiner,
+            padding_id=padding_id,
             implementation=implementation,
         )
         what = f"{implementation} ({mode})"
@@ -461,10 +482,20 @@ def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_
     # Same numbers within tolerance, pairwise (scale of the reference terms).
     first = results[0]
     for (mode, implementation), other in zip(modes[1:], results[1:]):
-        assert_close(other[0].reshape(-1, dim), first[0].reshape(-1, dim), s_out, dtype,
-                     f"{implementation} ({mode}) vs {modes[0][1]} forward")
-        assert_close(other[1], first[1], s_dp, dtype,
-                     f"{implementation} ({mode}) vs {modes[0][1]} params grad")
+        assert_close(
+            other[0].reshape(-1, dim),
+            first[0].reshape(-1, dim),
+            s_out,
+            dtype,
+            f"{implementation} ({mode}) vs {modes[0][1]} forward",
+        )
+        assert_close(
+            other[1],
+            first[1],
+            s_dp,
+            dtype,
+            f"{implementation} ({mode}) vs {modes[0][1]} params grad",
+        )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -473,25 +504,42 @@ def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_
 def test_custom_op_matches_composite(rng, combiner, weighted, form, dtype):
     bags = make_bags(rng, form, 11, tf.int32, padding_id=-1)
     _both_implementations(
-        rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 5,
+        rng,
+        bags,
+        DTYPES[dtype],
+        combiner,
+        weighted,
+        -1,
+        11,
+        5,
         modes=[("eager", "custom_op"), ("eager", "composite")],
     )
 
 
 # Tracing the composite path (a while loop plus its custom gradient) takes seconds.
 COMPOSITE_FUNCTION_CASES = [(c, w, "ragged") for c, w in COMBINER_WEIGHTING] + [
-    ("sum", True, "dense2d"), ("sum", True, "dense3d"), ("sum", True, "sparse"),
+    ("sum", True, "dense2d"),
+    ("sum", True, "dense3d"),
+    ("sum", True, "sparse"),
 ]
 
 
 @pytest.mark.parametrize(
-    "combiner,weighted,form", COMPOSITE_FUNCTION_CASES,
+    "combiner,weighted,form",
+    COMPOSITE_FUNCTION_CASES,
     ids=[f"{combiner_id((c, w))}-{f}" for c, w, f in COMPOSITE_FUNCTION_CASES],
 )
 def test_custom_op_matches_composite_in_tf_function(rng, combiner, weighted, form):
     bags = make_bags(rng, form, 11, tf.int64, padding_id=-1)
     _both_implementations(
-        rng, bags, tf.float32, combiner, weighted, -1, 11, 5,
+        rng,
+        bags,
+        tf.float32,
+        combiner,
+        weighted,
+        -1,
+        11,
+        5,
         modes=[("function", "custom_op"), ("function", "composite")],
     )
 
@@ -505,13 +553,21 @@ JIT_CASES = [(c, w, "ragged", "auto") for c, w in COMBINER_WEIGHTING] + [
 
 
 @pytest.mark.parametrize(
-    "combiner,weighted,form,implementation", JIT_CASES,
+    "combiner,weighted,form,implementation",
+    JIT_CASES,
     ids=[f"{combiner_id((c, w))}-{f}-{i}" for c, w, f, i in JIT_CASES],
 )
 def test_jit_compile_matches_custom_op(rng, combiner, weighted, form, implementation):
     bags = make_bags(rng, form, 11, tf.int64, padding_id=-1)
     _both_implementations(
-        rng, bags, tf.float32, combiner, weighted, -1, 11, 5,
+        rng,
+        bags,
+        tf.float32,
+        combiner,
+        weighted,
+        -1,
+        11,
+        5,
         modes=[("eager", "custom_op"), ("jit", implementation)],
     )
 
@@ -524,7 +580,14 @@ def test_jit_compile_matches_custom_op(rng, combiner, weighted, form, implementa
 def test_jit_compile_other_dtypes(rng, combiner, weighted, dtype):
     bags = make_bags(rng, "ragged", 11, tf.int32, padding_id=-1)
     _both_implementations(
-        rng, bags, DTYPES[dtype], combiner, weighted, -1, 11, 5,
+        rng,
+        bags,
+        DTYPES[dtype],
+        combiner,
+        weighted,
+        -1,
+        11,
+        5,
         modes=[("eager", "custom_op"), ("jit", "auto")],
     )
 
@@ -543,7 +606,8 @@ CHUNK_CASES = [
 
 
 @pytest.mark.parametrize(
-    "combiner,weighted,form,mode", CHUNK_CASES,
+    "combiner,weighted,form,mode",
+    CHUNK_CASES,
     ids=[f"{combiner_id((c, w))}-{f}-{m}" for c, w, f, m in CHUNK_CASES],
 )
 def test_composite_across_many_chunks(rng, monkeypatch, combiner, weighted, form, mode):
@@ -554,8 +618,9 @@ def test_composite_across_many_chunks(rng, monkeypatch, combiner, weighted, form
     else:
         make = ragged_bags if form == "ragged" else sparse_bags
         bags = make(rng, [5, 0, 13, 1, 9, 0, 4], 11, tf.int64, padding_id=-1)
-    check_case(rng, bags, tf.float32, combiner, weighted, -1, 11, 3, mode=mode,
-               implementation="composite")
+    check_case(
+        rng, bags, tf.float32, combiner, weighted, -1, 11, 3, mode=mode, implementation="composite"
+    )
 
 
 def test_out_of_range_ids_under_jit_count_as_padding(rng):
@@ -645,19 +710,26 @@ def _bad_ids_case(rng, case, ids_dtype):
 BAD_ID_CASES = ["dense2d", "negative", "equal_to_n", "with_padding", "dense3d", "ragged", "sparse"]
 
 
-BAD_ID_PARAMS = [
-    (c, d, i, "eager")
-    for c in BAD_ID_CASES for d in ID_DTYPES for i in ("custom_op", "composite")
-] + [(c, "int64", "auto", "function") for c in BAD_ID_CASES] + [
-    ("int64_huge", "int64", "custom_op", "eager"),
-    ("int64_huge", "int64", "composite", "eager"),
-    ("dense2d", "int32", "composite", "function"),
-    ("with_padding", "int64", "composite", "function"),
-]
+BAD_ID_PARAMS = (
+    [
+        (c, d, i, "eager")
+        for c in BAD_ID_CASES
+        for d in ID_DTYPES
+        for i in ("custom_op", "composite")
+    ]
+    + [(c, "int64", "auto", "function") for c in BAD_ID_CASES]
+    + [
+        ("int64_huge", "int64", "custom_op", "eager"),
+        ("int64_huge", "int64", "composite", "eager"),
+        ("dense2d", "int32", "composite", "function"),
+        ("with_padding", "int64", "composite", "function"),
+    ]
+)
 
 
 @pytest.mark.parametrize(
-    "case,ids_dtype,implementation,mode", BAD_ID_PARAMS,
+    "case,ids_dtype,implementation,mode",
+    BAD_ID_PARAMS,
     ids=["-".join(p) for p in BAD_ID_PARAMS],
 )
 def test_ids_out_of_range(rng, case, ids_dtype, implementation, mode):
@@ -712,11 +784,12 @@ def _wrapper_error_case(case):
         "dense_weights_shape": (params, dense, tf.ones([2, 3]), {}),
         "ragged_rank_2": (params, tf.ragged.constant([[[0], [1, 2]], [[3]]]), None, {}),
         "sparse_3d": (params, tf.sparse.from_dense(tf.ones([2, 2, 2], tf.int32)), None, {}),
-        "ragged_weights_row_lengths": (
-            params, ragged, tf.ragged.constant([[1.0], [1.0, 1.0]]), {}
-        ),
+        "ragged_weights_row_lengths": (params, ragged, tf.ragged.constant([[1.0], [1.0, 1.0]]), {}),
         "sparse_weights_pattern": (
-            params, sparse, tf.sparse.from_dense(tf.constant([[1.0, 1.0], [0.0, 1.0]])), {}
+            params,
+            sparse,
+            tf.sparse.from_dense(tf.constant([[1.0, 1.0], [0.0, 1.0]])),
+            {},
         ),
     }[case]
 
@@ -764,7 +837,8 @@ def test_sparse_weights_in_another_entry_order(rng):
     shuffled = rng.permutation(bags.nnz)
     values = bags.values_from_csr(w64)
     weights = tf.SparseTensor(
-        tf.gather(bags.ids.indices, shuffled), tf.constant(values[shuffled]),
+        tf.gather(bags.ids.indices, shuffled),
+        tf.constant(values[shuffled]),
         bags.ids.dense_shape,
     )
     out = tf_ttemb.gather_reduce_sum(params, bags.ids, weights, combiner="mean", padding_id=-1)
@@ -825,15 +899,26 @@ def raw_ops():
     return _loader.load_op_library()
 
 
-def call_raw(raw_ops, op, params, indices, row_splits, weights=None, combiner="sum",
-             padding_id=None, num_bags=None, rng=None):
+def call_raw(
+    raw_ops,
+    op,
+    params,
+    indices,
+    row_splits,
+    weights=None,
+    combiner="sum",
+    padding_id=None,
+    num_bags=None,
+    rng=None,
+):
     params = tf.convert_to_tensor(params, dtype=tf.float32)
     indices = tf.convert_to_tensor(indices)
     row_splits = tf.constant(row_splits, dtype=tf.int64)
     has_weights = weights is not None
     weights = tf.constant(weights if has_weights else [], dtype=tf.float32)
     attrs = dict(
-        combiner=combiner, has_weights=has_weights,
+        combiner=combiner,
+        has_weights=has_weights,
         padding_id=-1 if padding_id is None else padding_id,
         has_padding_id=padding_id is not None,
     )
@@ -847,13 +932,23 @@ def call_raw(raw_ops, op, params, indices, row_splits, weights=None, combiner="s
         )
     if op == "tf_ttemb_gather_reduce_sum_weights_grad":
         return getattr(raw_ops, op)(
-            grad=grad, params=params, indices=indices, row_splits=row_splits,
-            weights=weights, output=tf.zeros_like(grad), **attrs
+            grad=grad,
+            params=params,
+            indices=indices,
+            row_splits=row_splits,
+            weights=weights,
+            output=tf.zeros_like(grad),
+            **attrs,
         )
     argmax = tf.zeros([num_bags if combiner == "max" else 0, dim], dtype=tf.int32)
     return getattr(raw_ops, op)(
-        grad=grad, indices=indices, row_splits=row_splits, weights=weights, argmax=argmax,
-        num_rows=tf.constant(int(params.shape[0]), dtype=tf.int64), **attrs
+        grad=grad,
+        indices=indices,
+        row_splits=row_splits,
+        weights=weights,
+        argmax=argmax,
+        num_rows=tf.constant(int(params.shape[0]), dtype=tf.int64),
+        **attrs,
     )
 
 
@@ -887,8 +982,16 @@ def test_raw_op_ids_out_of_range(raw_ops, rng, op, padding_id):
     if padding_id is not None:
         message += " and is not padding_id (6)"
     with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
-        call_raw(raw_ops, op, rng.normal(size=(4096, 2)), indices, [0, 2, 5], weights,
-                 padding_id=padding_id, rng=rng)
+        call_raw(
+            raw_ops,
+            op,
+            rng.normal(size=(4096, 2)),
+            indices,
+            [0, 2, 5],
+            weights,
+            padding_id=padding_id,
+            rng=rng,
+        )
 
 
 @pytest.mark.parametrize("op", RAW_OPS)
@@ -896,8 +999,15 @@ def test_raw_op_weights_count_mismatch(raw_ops, rng, op):
     with pytest.raises(
         tf.errors.InvalidArgumentError, match=re.escape("weights has 5 entries but indices has 6")
     ):
-        call_raw(raw_ops, op, rng.normal(size=(8, 2)), tf.constant([0, 1, 2, 3, 4, 5]),
-                 [0, 3, 6], rng.uniform(size=5), rng=rng)
+        call_raw(
+            raw_ops,
+            op,
+            rng.normal(size=(8, 2)),
+            tf.constant([0, 1, 2, 3, 4, 5]),
+            [0, 3, 6],
+            rng.uniform(size=5),
+            rng=rng,
+        )
 
 
 def test_raw_op_params_not_a_matrix(raw_ops, rng):
@@ -913,8 +1023,16 @@ def test_raw_op_max_with_weights(raw_ops, rng, op):
     with pytest.raises(
         tf.errors.InvalidArgumentError, match=re.escape("combiner 'max' does not take weights")
     ):
-        call_raw(raw_ops, op, rng.normal(size=(8, 2)), tf.constant([0, 1, 2]), [0, 1, 3],
-                 rng.uniform(size=3), combiner="max", rng=rng)
+        call_raw(
+            raw_ops,
+            op,
+            rng.normal(size=(8, 2)),
+            tf.constant([0, 1, 2]),
+            [0, 1, 3],
+            rng.uniform(size=3),
+            combiner="max",
+            rng=rng,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -940,20 +1058,33 @@ def test_on_gpu(rng, combiner, weighted, form, dtype):
 # single bag under XLA (the loop state's static dim of 1 was lost to broadcasting), and no
 # entries under XLA (the loop body sliced a chunk of an array with no chunks).
 @pytest.mark.parametrize(
-    "implementation,mode", [("custom_op", "eager"), ("composite", "eager"),
-                            ("composite", "function"), ("auto", "jit")],
+    "implementation,mode",
+    [("custom_op", "eager"), ("composite", "eager"), ("composite", "function"), ("auto", "jit")],
 )
 @pytest.mark.parametrize(
-    "shape,num_rows", [((0, 3), 4), ((2, 0), 4), ((3, 4), 1), ((1, 5), 6)],
+    "shape,num_rows",
+    [((0, 3), 4), ((2, 0), 4), ((3, 4), 1), ((1, 5), 6)],
     ids=["no_bags", "empty_bags", "one_row_table", "one_bag"],
 )
-@pytest.mark.parametrize("combiner,weighted", [("sqrtn", True), ("sum", False), ("max", False)],
-                         ids=["sqrtn_weighted", "sum", "max"])
-def test_edge_shapes_on_every_path(rng, combiner, weighted, shape, num_rows, implementation,
-                                   mode):
+@pytest.mark.parametrize(
+    "combiner,weighted",
+    [("sqrtn", True), ("sum", False), ("max", False)],
+    ids=["sqrtn_weighted", "sum", "max"],
+)
+def test_edge_shapes_on_every_path(rng, combiner, weighted, shape, num_rows, implementation, mode):
     bags = dense_bags(rng, shape, num_rows, tf.int64)
-    check_case(rng, bags, tf.float32, combiner, weighted, None, num_rows, 3, mode=mode,
-               implementation=implementation)
+    check_case(
+        rng,
+        bags,
+        tf.float32,
+        combiner,
+        weighted,
+        None,
+        num_rows,
+        3,
+        mode=mode,
+        implementation=implementation,
+    )
 
 
 # One bag of a million entries (issue 18, case 6): the CPU kernel adds a bag's terms in
@@ -969,11 +1100,19 @@ def test_long_bag_error_is_blocked_not_sequential(rng, combiner):
     weights, weights64 = quantize(rng.uniform(0.5, 1.5, size=length), tf.float32)
     ids = rng.integers(0, num_rows, size=length)
     with tf.device("/CPU:0"):
-        out = tf_ttemb.gather_reduce_sum(params, tf.constant(ids[None, :]), weights[None, :],
-                                         combiner=combiner, implementation="custom_op")
+        out = tf_ttemb.gather_reduce_sum(
+            params,
+            tf.constant(ids[None, :]),
+            weights[None, :],
+            combiner=combiner,
+            implementation="custom_op",
+        )
     totals = np.bincount(ids, weights=weights64, minlength=num_rows) @ params64  # float64
-    denominator = {"sum": 1.0, "mean": weights64.sum(),
-                   "sqrtn": np.sqrt(np.square(weights64).sum())}[combiner]
+    denominator = {
+        "sum": 1.0,
+        "mean": weights64.sum(),
+        "sqrtn": np.sqrt(np.square(weights64).sum()),
+    }[combiner]
     want = totals / denominator  # all terms are positive: the sum is their magnitudes' too
     error = np.max(np.abs(out.numpy()[0].astype(np.float64) - want) / want)
     assert error <= 1e-6, error

@@ -40,7 +40,10 @@ def test_gpu_harness_declares_functions():
 def test_gpu_harness_builds_and_exports(tmp_path):
     out = subprocess.run(
         ["bash", str(ROOT / "python" / "build_gpu_harness.sh"), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     lib = ctypes.CDLL(str(tmp_path / "libtf_ttemb_gpu_harness.so"))

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from bags import RTOL
 from processes import built_with_cuda, our_message, run_fresh_python
+
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops.sparse_apply import gather_reduce_sum_sparse_apply
 
@@ -41,9 +41,12 @@ def _needs_cuda_build():
 
 
 def _attrs(combiner, weighted, padding_id):
-    return dict(combiner=combiner, has_weights=weighted,
-                padding_id=-1 if padding_id is None else padding_id,
-                has_padding_id=padding_id is not None)
+    return dict(
+        combiner=combiner,
+        has_weights=weighted,
+        padding_id=-1 if padding_id is None else padding_id,
+        has_padding_id=padding_id is not None,
+    )
 
 
 def _op_calls(lib, combiner, weighted):
@@ -53,51 +56,76 @@ def _op_calls(lib, combiner, weighted):
         return lib.tf_ttemb_gather_reduce_sum(t.params, t.ids, t.splits, t.weights, **a)
 
     def resource_forward(t, a):
-        return lib.tf_ttemb_resource_gather_reduce_sum(t.table.handle, t.ids, t.splits,
-                                                       t.weights, **a)
+        return lib.tf_ttemb_resource_gather_reduce_sum(
+            t.table.handle, t.ids, t.splits, t.weights, **a
+        )
 
     def grad(t, a):
-        return lib.tf_ttemb_gather_reduce_sum_grad(t.grad, t.ids, t.splits, t.weights,
-                                                   t.argmax, NUM_ROWS, **a)
+        return lib.tf_ttemb_gather_reduce_sum_grad(
+            t.grad, t.ids, t.splits, t.weights, t.argmax, NUM_ROWS, **a
+        )
 
     def dense_grad(t, a):
-        return lib.tf_ttemb_gather_reduce_sum_dense_grad(t.grad, t.ids, t.splits, t.weights,
-                                                         t.argmax, NUM_ROWS, **a)
+        return lib.tf_ttemb_gather_reduce_sum_dense_grad(
+            t.grad, t.ids, t.splits, t.weights, t.argmax, NUM_ROWS, **a
+        )
 
     def weights_grad(t, a):
-        return lib.tf_ttemb_gather_reduce_sum_weights_grad(t.grad, t.params, t.ids, t.splits,
-                                                           t.weights, t.output, **a)
+        return lib.tf_ttemb_gather_reduce_sum_weights_grad(
+            t.grad, t.params, t.ids, t.splits, t.weights, t.output, **a
+        )
 
     def resource_weights_grad(t, a):
         return lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
-            t.grad, t.table.handle, t.ids, t.splits, t.weights, t.output, **a)
+            t.grad, t.table.handle, t.ids, t.splits, t.weights, t.output, **a
+        )
 
     def fused_grad(dense):
         def call(t, a):
             return lib.tf_ttemb_gather_reduce_sum_fused_grad(
-                t.grad, t.params, t.ids, t.splits, t.weights, t.output, dense_grad=dense, **a)
+                t.grad, t.params, t.ids, t.splits, t.weights, t.output, dense_grad=dense, **a
+            )
+
         return call
 
     def resource_fused_grad(t, a):
         return lib.tf_ttemb_resource_gather_reduce_sum_fused_grad(
-            t.grad, t.table.handle, t.ids, t.splits, t.weights, t.output, **a)
+            t.grad, t.table.handle, t.ids, t.splits, t.weights, t.output, **a
+        )
 
     def sparse_apply(optimizer):
         def call(t, a):
             return lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-                grad=t.grad, params=t.table.handle, indices=t.ids, row_splits=t.splits,
-                weights=t.weights, output=t.output, argmax=t.argmax,
-                learning_rate=tf.constant(0.1), epsilon=tf.constant(1e-3),
+                grad=t.grad,
+                params=t.table.handle,
+                indices=t.ids,
+                row_splits=t.splits,
+                weights=t.weights,
+                output=t.output,
+                argmax=t.argmax,
+                learning_rate=tf.constant(0.1),
+                epsilon=tf.constant(1e-3),
                 accumulators=[] if optimizer == "sgd" else [t.accumulators[optimizer].handle],
-                optimizer=optimizer, **a)
+                optimizer=optimizer,
+                **a,
+            )
+
         return call
 
-    calls = {"forward": forward, "resource_forward": resource_forward, "grad": grad,
-             "dense_grad": dense_grad}
+    calls = {
+        "forward": forward,
+        "resource_forward": resource_forward,
+        "grad": grad,
+        "dense_grad": dense_grad,
+    }
     if weighted:
-        calls.update(weights_grad=weights_grad, resource_weights_grad=resource_weights_grad,
-                     fused_grad=fused_grad(False), fused_dense_grad=fused_grad(True),
-                     resource_fused_grad=resource_fused_grad)
+        calls.update(
+            weights_grad=weights_grad,
+            resource_weights_grad=resource_weights_grad,
+            fused_grad=fused_grad(False),
+            fused_dense_grad=fused_grad(True),
+            resource_fused_grad=resource_fused_grad,
+        )
     for optimizer in ("sgd", "rowwise_adagrad", "adagrad"):
         calls[f"sparse_apply_{optimizer}"] = sparse_apply(optimizer)
     return calls
@@ -117,16 +145,20 @@ class _Inputs:
         }
         self.ids = tf.constant(ids, tf.int64)
         self.splits = tf.constant(splits, tf.int64)
-        self.weights = (tf.constant(rng.random(nnz), tf.float32) if weighted
-                        else tf.zeros([0], tf.float32))
+        self.weights = (
+            tf.constant(rng.random(nnz), tf.float32) if weighted else tf.zeros([0], tf.float32)
+        )
         self.grad = tf.constant(rng.standard_normal((num_bags, DIM)), tf.float32)
         self.output = tf.constant(rng.standard_normal((num_bags, DIM)), tf.float32)
         rows = num_bags if combiner == "max" else 0
         self.argmax = tf.zeros([rows, DIM], tf.int32)
 
 
-@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("mean", False), ("max", False)],
-                         ids=["sum_weighted", "mean", "max"])
+@pytest.mark.parametrize(
+    "combiner,weighted",
+    [("sum", True), ("mean", False), ("max", False)],
+    ids=["sum_weighted", "mean", "max"],
+)
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_errors_match_cpu_op_by_op(combiner, weighted, case):
     ids, splits, padding_id = BAD_INPUTS[case]
@@ -152,10 +184,14 @@ def test_errors_match_cpu_op_by_op(combiner, weighted, case):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
-@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("sqrtn", True), ("max", False)],
-                         ids=["sum_weighted", "sqrtn_weighted", "max"])
-@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64],
-                         ids=lambda d: d.name)
+@pytest.mark.parametrize(
+    "combiner,weighted",
+    [("sum", True), ("sqrtn", True), ("max", False)],
+    ids=["sum_weighted", "sqrtn_weighted", "max"],
+)
+@pytest.mark.parametrize(
+    "dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64], ids=lambda d: d.name
+)
 # The GPU's reduce-and-update paths: odd D (unaligned columns), narrow rows (several rows
 # per warp), one aligned column chunk (the run kernel) and rows of several chunks (where
 # row-wise Adagrad reduces to a temporary first); every case has one id in more than 256
@@ -188,20 +224,32 @@ def test_sparse_apply_gpu_matches_cpu(rng, dtype, combiner, weighted, optimizer,
             with tf.GradientTape() as tape:
                 tape.watch(weights.flat_values)
                 out = gather_reduce_sum_sparse_apply(
-                    table, ids, weights if weighted else None, trigger=trigger,
-                    optimizer=optimizer, learning_rate=0.2, accumulator=accumulator,
-                    epsilon=1e-3, combiner=combiner, padding_id=5)
-            dw = tape.gradient(out, weights.flat_values,
-                               output_gradients=tf.cast(upstream0, dtype))
+                    table,
+                    ids,
+                    weights if weighted else None,
+                    trigger=trigger,
+                    optimizer=optimizer,
+                    learning_rate=0.2,
+                    accumulator=accumulator,
+                    epsilon=1e-3,
+                    combiner=combiner,
+                    padding_id=5,
+                )
+            dw = tape.gradient(out, weights.flat_values, output_gradients=tf.cast(upstream0, dtype))
             assert device[1:4] in table.device, table.device
-            results[device] = [tf.cast(x, tf.float64).numpy() for x in
-                               [out, table] + ([accumulator] if accumulator is not None else [])
-                               + ([dw] if weighted else [])]
+            results[device] = [
+                tf.cast(x, tf.float64).numpy()
+                for x in [out, table]
+                + ([accumulator] if accumulator is not None else [])
+                + ([dw] if weighted else [])
+            ]
     rtol = RTOL[dtype]
-    for name, got, want in zip(["output", "table", "accumulator or dw", "dw"],
-                               results["/GPU:0"], results["/CPU:0"]):
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max(),
-                                   err_msg=name)
+    for name, got, want in zip(
+        ["output", "table", "accumulator or dw", "dw"], results["/GPU:0"], results["/CPU:0"]
+    ):
+        np.testing.assert_allclose(
+            got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=name
+        )
 
 
 DETERMINISM_SCRIPT = """

@@ -16,12 +16,12 @@ import re
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-
 import reference
+import tensorflow as tf
 from bags import DTYPES, dense_value, quantize, ragged_bags, reference_all, weights_like
 from processes import run_fresh_python, visible_devices
 from test_gather_reduce_sum import run_op
+
 from tf_ttemb.layers import ProductKeyMemory
 
 CASES_SCRIPT = """
@@ -81,22 +81,32 @@ CASES_SCRIPT = """
 
 # case -> (error type, a regex the message must match: the size or the argument named).
 EXPECTED = {
-    "tt_layer_custom_op": ("ResourceExhaustedError",
-                           r"partial product of one id after core 2 has .* = 68719476736 "
-                           r"elements, more than the 268435456"),
+    "tt_layer_custom_op": (
+        "ResourceExhaustedError",
+        r"partial product of one id after core 2 has .* = 68719476736 "
+        r"elements, more than the 268435456",
+    ),
     "tt_layer_composite": ("ResourceExhaustedError", r""),
-    "tt_rows_huge_dim": ("ResourceExhaustedError",
-                         r"partial product of one id after core 1 .* = 4398046511104 "
-                         r"elements"),
-    "grs_huge_output_custom_op": ("InvalidArgumentError",
-                                  r"output \[num_bags, D\] would have shape "
-                                  r"\[4, 4611686018427387904\]: more elements than a tensor"),
+    "tt_rows_huge_dim": (
+        "ResourceExhaustedError",
+        r"partial product of one id after core 1 .* = 4398046511104 "
+        r"elements",
+    ),
+    "grs_huge_output_custom_op": (
+        "InvalidArgumentError",
+        r"output \[num_bags, D\] would have shape "
+        r"\[4, 4611686018427387904\]: more elements than a tensor",
+    ),
     "grs_huge_output_composite": ("InvalidArgumentError", r""),
-    "dense_grad_huge_rows": ("InvalidArgumentError",
-                             r"params_grad \[num_rows, D\] would have shape "
-                             r"\[4611686018427387904, 2\]"),
-    "padding_too_large": ("ValueError",
-                          r"padding_id must be in int64's range .* got 1180591620717411303424"),
+    "dense_grad_huge_rows": (
+        "InvalidArgumentError",
+        r"params_grad \[num_rows, D\] would have shape "
+        r"\[4611686018427387904, 2\]",
+    ),
+    "padding_too_large": (
+        "ValueError",
+        r"padding_id must be in int64's range .* got 1180591620717411303424",
+    ),
 }
 
 
@@ -150,14 +160,18 @@ def test_pkm_masked_token_contents_change_nothing(rng, hostile):
 def test_pkm_mask_of_another_shape_raises_in_a_function(rng):
     layer = ProductKeyMemory(8, n_keys=6, k_dim=4, heads=2, knn=3)
 
-    @tf.function(input_signature=[tf.TensorSpec([None, None, 7]), tf.TensorSpec([None, None], tf.bool)])
+    @tf.function(
+        input_signature=[tf.TensorSpec([None, None, 7]), tf.TensorSpec([None, None], tf.bool)]
+    )
     def read(x, mask):
         return layer(x, mask=mask)
 
     x = tf.constant(rng.normal(size=(2, 6, 7)), tf.float32)
     read(x, tf.ones([2, 6], tf.bool))
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="mask must have the shape of the inputs without their last axis"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match="mask must have the shape of the inputs without their last axis",
+    ):
         read(x, tf.ones([6, 2], tf.bool))  # 12 elements, as many as the right shape
 
 
@@ -174,22 +188,28 @@ def _maybe_function(fn, in_function):
 
 @pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("coords", [[[0, 0], [-1, 1]], [[0, 0], [5, 0]], [[0, 1], [1, 7]]],
-                         ids=["negative_row", "row_past_shape", "column_past_shape"])
+@pytest.mark.parametrize(
+    "coords",
+    [[[0, 0], [-1, 1]], [[0, 0], [5, 0]], [[0, 1], [1, 7]]],
+    ids=["negative_row", "row_past_shape", "column_past_shape"],
+)
 def test_sparse_ids_outside_dense_shape_are_named(rng, implementation, in_function, coords):
     import tf_ttemb
 
     table = tf.constant(rng.normal(size=(6, 3)), tf.float32)
-    sparse = tf.SparseTensor(tf.constant(coords, tf.int64), tf.constant([1, 2], tf.int64),
-                             [2, 2])
+    sparse = tf.SparseTensor(tf.constant(coords, tf.int64), tf.constant([1, 2], tf.int64), [2, 2])
     run = _maybe_function(
         lambda: tf_ttemb.gather_reduce_sum(table, sparse, implementation=implementation),
         in_function,
     )
     bad = coords[1]
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=re.escape(f"sparse indices: indices[1] = [{bad[0]}, {bad[1]}] "
-                                       "is out of bounds for dense_shape [2, 2]")):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=re.escape(
+            f"sparse indices: indices[1] = [{bad[0]}, {bad[1]}] "
+            "is out of bounds for dense_shape [2, 2]"
+        ),
+    ):
         run()
 
 
@@ -202,13 +222,22 @@ def test_empty_table_with_padding_only_bags_gives_zeros(implementation, combiner
     table = tf.Variable(tf.zeros([0, 3]))
     ids = tf.constant([[-1, -1], [-1, -1], [-1, -1]], tf.int64)
     with tf.GradientTape() as tape:
-        out = tf_ttemb.gather_reduce_sum(table, ids, padding_id=-1, combiner=combiner,
-                                         implementation=implementation, dense_grad=dense_grad)
+        out = tf_ttemb.gather_reduce_sum(
+            table,
+            ids,
+            padding_id=-1,
+            combiner=combiner,
+            implementation=implementation,
+            dense_grad=dense_grad,
+        )
     np.testing.assert_array_equal(out.numpy(), np.zeros((3, 3), np.float32))
     grad = tf.convert_to_tensor(tape.gradient(out, table, output_gradients=tf.ones([3, 3])))
     assert tuple(grad.shape) == (0, 3)
-    read = tf.function(lambda t: tf_ttemb.gather_reduce_sum(
-        t, ids, padding_id=-1, combiner=combiner, implementation=implementation))
+    read = tf.function(
+        lambda t: tf_ttemb.gather_reduce_sum(
+            t, ids, padding_id=-1, combiner=combiner, implementation=implementation
+        )
+    )
     np.testing.assert_array_equal(read(tf.zeros([0, 3])).numpy(), np.zeros((3, 3), np.float32))
 
 
@@ -218,25 +247,29 @@ def test_empty_table_with_padding_only_bags_gives_zeros(implementation, combiner
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("bad_shape", [[5, 4], [1, 4], [3, 3]],
-                         ids=["more_rows", "fewer_rows", "other_width"])
+@pytest.mark.parametrize(
+    "bad_shape", [[5, 4], [1, 4], [3, 3]], ids=["more_rows", "fewer_rows", "other_width"]
+)
 @pytest.mark.parametrize("api", ["tt_rows", "tt_embedding_bag"])
 def test_tt_core_of_the_wrong_shape_is_named(rng, api, bad_shape, implementation):
     from tf_ttemb.ops import tt_embedding as tte
 
     p, q, ranks = [2, 3], [2, 2], [2]
-    cores = [tf.Variable(rng.normal(size=(2, 4)), dtype=tf.float32),
-             tf.Variable(rng.normal(size=bad_shape), dtype=tf.float32,
-                         shape=tf.TensorShape(None))]
+    cores = [
+        tf.Variable(rng.normal(size=(2, 4)), dtype=tf.float32),
+        tf.Variable(rng.normal(size=bad_shape), dtype=tf.float32, shape=tf.TensorShape(None)),
+    ]
     kwargs = dict(p_shapes=p, q_shapes=q, ranks=ranks, implementation=implementation)
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=re.escape("cores[1] must be [num_tables * p_shapes[1], "
-                                       "r_1 * q_1 * r_2] = [3, 4]")):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=re.escape("cores[1] must be [num_tables * p_shapes[1], r_1 * q_1 * r_2] = [3, 4]"),
+    ):
         if api == "tt_rows":
             tte.tt_rows(cores, tf.constant([0, 5], tf.int64), **kwargs)
         else:
-            tte.tt_embedding_bag(cores, tf.constant([[0, 5], [1, 2]], tf.int64),
-                                 num_embeddings=6, **kwargs)
+            tte.tt_embedding_bag(
+                cores, tf.constant([[0, 5], [1, 2]], tf.int64), num_embeddings=6, **kwargs
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -250,29 +283,49 @@ def test_tt_core_of_the_wrong_shape_is_named(rng, api, bad_shape, implementation
 # two row shards, [0, 2) and [2, N).
 
 NAN, INF = np.nan, np.inf
-PATHS = ["custom_op/eager", "custom_op/function", "composite/eager", "composite/function",
-         "composite/jit", "sharded/eager"]
+PATHS = [
+    "custom_op/eager",
+    "custom_op/function",
+    "composite/eager",
+    "composite/function",
+    "composite/jit",
+    "sharded/eager",
+]
 SHARD_BOUND = 2
 
-MAX_TABLE = [[NAN, 1, -INF, 3],
-             [0, 2, -INF, INF],
-             [5, NAN, -INF, NAN],
-             [-INF, -INF, 7, -1],
-             [NAN, NAN, -INF, INF]]
+MAX_TABLE = [
+    [NAN, 1, -INF, 3],
+    [0, 2, -INF, INF],
+    [5, NAN, -INF, NAN],
+    [-INF, -INF, 7, -1],
+    [NAN, NAN, -INF, INF],
+]
 # The issue's four bags (a NaN entry before and after a number), ties of -inf and of
 # +inf, an empty bag, padding (-1), NaN entries of different rows, NaN against +inf.
-MAX_BAGS = [[0, 1], [1, 0], [1, 2], [2, 1], [3, 3], [], [-1, 2], [4, 2, 0], [1, 4], [3, 1],
-            [-1, -1]]
+MAX_BAGS = [
+    [0, 1],
+    [1, 0],
+    [1, 2],
+    [2, 1],
+    [3, 3],
+    [],
+    [-1, 2],
+    [4, 2, 0],
+    [1, 4],
+    [3, 1],
+    [-1, -1],
+]
 
 # Rows with Inf and NaN; id 2 is the padding id. In each case every bag but the last has
 # a zero denominator (weights summing to 0, all zero, only padding, no entry, padding
 # between weights summing to 0); the last is an ordinary bag with an exact result.
 ZERO_TABLE = [[INF, -1], [1, 2], [NAN, -INF], [3, 4], [-INF, NAN]]
 ZERO_DENOMINATOR_CASES = {
-    "mean": ([[0, 1], [4, 0], [2, 2], [], [0, 2, 1], [1, 3]],
-             [[1, -1], [0, 0], [3, 3], [], [2, 9, -2], [1, 1]]),
-    "sqrtn": ([[0, 4], [4], [2, 2], [], [0, 2], [3]],
-              [[0, 0], [0], [3, 3], [], [0, 9], [2]]),
+    "mean": (
+        [[0, 1], [4, 0], [2, 2], [], [0, 2, 1], [1, 3]],
+        [[1, -1], [0, 0], [3, 3], [], [2, 9, -2], [1, 1]],
+    ),
+    "sqrtn": ([[0, 4], [4], [2, 2], [], [0, 2], [3]], [[0, 0], [0], [3, 3], [], [0, 9], [2]]),
 }
 
 
@@ -308,21 +361,34 @@ def test_max_with_nan_and_inf_gives_one_result_everywhere(rng, device, dtype, pa
     (want, _), (want_grad, _), _ = reference_all(params64, bags, None, up64, "max", -1)
     for b, row in enumerate(MAX_BAGS[:4]):  # the reference follows tf.reduce_max's NaN rule
         np.testing.assert_array_equal(
-            want[b], tf.reduce_max(tf.gather(tf.constant(MAX_TABLE, tf.float64), row), 0))
+            want[b], tf.reduce_max(tf.gather(tf.constant(MAX_TABLE, tf.float64), row), 0)
+        )
     with tf.device(device):
         if implementation == "sharded":
             out, grad, _ = _sharded(params, bags, None, up, "max", -1)
             # Sharded, a column's gradient goes to the first shard holding NaN (else the
             # max), then to that shard's first such entry: the rule on each bag's entries
             # reordered stably by shard.
-            order = np.concatenate([
-                lo + np.argsort(bags.flat_ids[lo:hi] >= SHARD_BOUND, kind="stable")
-                for lo, hi in zip(bags.splits[:-1], bags.splits[1:])]).astype(np.int64)
-            want_grad, _ = reference.params_grad(params64, bags.flat_ids[order], bags.splits,
-                                                 up64, combiner="max", padding_id=-1)
+            order = np.concatenate(
+                [
+                    lo + np.argsort(bags.flat_ids[lo:hi] >= SHARD_BOUND, kind="stable")
+                    for lo, hi in zip(bags.splits[:-1], bags.splits[1:])
+                ]
+            ).astype(np.int64)
+            want_grad, _ = reference.params_grad(
+                params64, bags.flat_ids[order], bags.splits, up64, combiner="max", padding_id=-1
+            )
         else:
-            out, grad, _ = run_op(params, bags, None, up, mode, combiner="max", padding_id=-1,
-                                  implementation=implementation)
+            out, grad, _ = run_op(
+                params,
+                bags,
+                None,
+                up,
+                mode,
+                combiner="max",
+                padding_id=-1,
+                implementation=implementation,
+            )
     _assert_same(dense_value(out), want, "forward")
     _assert_same(dense_value(grad), want_grad, "params grad")
 
@@ -339,16 +405,23 @@ def test_zero_denominator_gives_zeros_whatever_the_rows_hold(rng, device, combin
     params, params64 = quantize(ZERO_TABLE, dtype)
     w, w64 = quantize([x for row in weight_rows for x in row], dtype)
     up, up64 = _small_upstream(rng, bags, 2, dtype)
-    (want, _), (want_grad, _), (want_dw, _) = reference_all(params64, bags, w64, up64,
-                                                            combiner, 2)
+    (want, _), (want_grad, _), (want_dw, _) = reference_all(params64, bags, w64, up64, combiner, 2)
     with tf.device(device):
         if implementation == "sparse_apply":
             out, grad, dw = _sparse_apply_sgd(params, bags, w, up, combiner, 2)
         elif implementation == "sharded":
             out, grad, dw = _sharded(params, bags, w, up, combiner, 2)
         else:
-            out, grad, dw = run_op(params, bags, w, up, mode, combiner=combiner, padding_id=2,
-                                   implementation=implementation)
+            out, grad, dw = run_op(
+                params,
+                bags,
+                w,
+                up,
+                mode,
+                combiner=combiner,
+                padding_id=2,
+                implementation=implementation,
+            )
     _assert_same(dense_value(out), want, "forward")
     _assert_same(dense_value(grad), want_grad, "params grad")
     _assert_same(dense_value(dw), want_dw, "weights grad")
@@ -372,8 +445,16 @@ def test_nan_weight_makes_its_bag_nan_everywhere(rng, device, combiner, dtype, p
         if implementation == "sharded":
             out, _, _ = _sharded(params, bags, w, up, combiner, None)
         else:
-            out, _, _ = run_op(params, bags, w, up, mode, combiner=combiner, padding_id=None,
-                               implementation=implementation)
+            out, _, _ = run_op(
+                params,
+                bags,
+                w,
+                up,
+                mode,
+                combiner=combiner,
+                padding_id=None,
+                implementation=implementation,
+            )
     out = np.asarray(dense_value(out), np.float64)
     assert np.isnan(out[[0, 2]]).all(), out
     want_middle = [-7, 8] if combiner == "mean" else [-7 * 2 / 2, 8 * 2 / 2]
@@ -390,8 +471,9 @@ def _sharded(params, bags, w, up, combiner, padding_id):
     with tf.GradientTape() as tape:
         tape.watch(sources)
         weights = None if w is None else weights_like(bags.ids, w)
-        out = distribute.sharded_gather_reduce_sum(shards, bags.ids, weights, combiner=combiner,
-                                                   padding_id=padding_id)
+        out = distribute.sharded_gather_reduce_sum(
+            shards, bags.ids, weights, combiner=combiner, padding_id=padding_id
+        )
     grads = tape.gradient(out, sources, output_gradients=up)
     dense = tf.concat([tf.convert_to_tensor(g) for g in grads[:2]], 0)
     return out, dense, None if w is None else grads[2]
@@ -406,9 +488,15 @@ def _sparse_apply_sgd(params, bags, w, up, combiner, padding_id):
     trigger = tf.Variable(tf.zeros([0]))
     with tf.GradientTape() as tape:
         tape.watch(w)
-        out = gather_reduce_sum_sparse_apply(table, bags.ids, weights_like(bags.ids, w),
-                                             trigger=trigger, learning_rate=1.0,
-                                             combiner=combiner, padding_id=padding_id)
+        out = gather_reduce_sum_sparse_apply(
+            table,
+            bags.ids,
+            weights_like(bags.ids, w),
+            trigger=trigger,
+            learning_rate=1.0,
+            combiner=combiner,
+            padding_id=padding_id,
+        )
     dw, _ = tape.gradient(out, [w, trigger], output_gradients=up)
     applied = tf.cast(params, tf.float64) - tf.cast(table, tf.float64)
     # Rows holding NaN or Inf keep them (their gradient is 0): NaN - NaN, Inf - Inf.
@@ -440,16 +528,21 @@ def test_zero_denominator_weights_grad_of_every_backward_op(rng, device, dtype, 
         out, _ = lib.tf_ttemb_gather_reduce_sum(params, ids, splits, w, **attrs)
         got = {
             "weights_grad": lib.tf_ttemb_gather_reduce_sum_weights_grad(
-                up, params, ids, splits, w, out, **attrs),
+                up, params, ids, splits, w, out, **attrs
+            ),
             "resource_weights_grad": lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
-                up, table.handle, ids, splits, w, out, **attrs),
+                up, table.handle, ids, splits, w, out, **attrs
+            ),
         }
         for dense_grad in (False, True):
             got[f"fused_grad(dense_grad={dense_grad})"] = lib.tf_ttemb_gather_reduce_sum_fused_grad(
-                up, params, ids, splits, w, out, dense_grad=dense_grad, **attrs)[2]
+                up, params, ids, splits, w, out, dense_grad=dense_grad, **attrs
+            )[2]
             got[f"resource_fused_grad(dense_grad={dense_grad})"] = (
                 lib.tf_ttemb_resource_gather_reduce_sum_fused_grad(
-                    up, table.handle, ids, splits, w, out, dense_grad=dense_grad, **attrs)[2])
+                    up, table.handle, ids, splits, w, out, dense_grad=dense_grad, **attrs
+                )[2]
+            )
     for name, dw in got.items():
         _assert_same(tf.cast(dw, tf.float64).numpy(), want_dw, name)
 
@@ -463,19 +556,30 @@ def test_tt_max_with_nan_matches_the_decompressed_table(device, path):
     implementation, mode = path.split("/")
     # A 6 x 4 table, p = [2, 3], q = [2, 2], rank 1; a NaN in core 0 makes NaN the first
     # two columns of the rows of its core row, and the products of integers are exact.
-    cores = [tf.constant([[1.0, 2.0], [NAN, -3.0]]),
-             tf.constant([[1.0, 2.0], [-1.0, 3.0], [2.0, -2.0]])]
+    cores = [
+        tf.constant([[1.0, 2.0], [NAN, -3.0]]),
+        tf.constant([[1.0, 2.0], [-1.0, 3.0], [2.0, -2.0]]),
+    ]
     factors = {"p_shapes": [2, 3], "q_shapes": [2, 2], "ranks": [1]}
-    table = tte.tt_rows(cores, tf.range(6, dtype=tf.int64), implementation="composite",
-                        **factors).numpy().astype(np.float64)
+    table = (
+        tte.tt_rows(cores, tf.range(6, dtype=tf.int64), implementation="composite", **factors)
+        .numpy()
+        .astype(np.float64)
+    )
     assert np.isnan(table).any() and not np.isnan(table).all()
     rows = [[0, 3], [3, 0], [4, 5, 1], [5, 4], [2, 3, 2]]
     bags = _ragged(rows)
     want, _ = reference.forward(table, bags.flat_ids, bags.splits, combiner="max")
 
     def lookup(cores):
-        return tte.tt_embedding_bag(cores, bags.ids, num_embeddings=6, combiner="max",
-                                    implementation=implementation, **factors)
+        return tte.tt_embedding_bag(
+            cores,
+            bags.ids,
+            num_embeddings=6,
+            combiner="max",
+            implementation=implementation,
+            **factors,
+        )
 
     with tf.device(device):
         run = tf.function(lookup, jit_compile=True) if mode == "jit" else lookup

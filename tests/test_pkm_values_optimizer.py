@@ -26,13 +26,18 @@ LR, EPS = 0.3, 1e-3
 def make_pair(rng, optimizer, dtype, **kwargs):
     """A fused layer and an unfused twin with the same weights (accumulators random)."""
     x = tf.constant(rng.normal(size=(3, 7, 10)), dtype)
-    fused = ProductKeyMemory(values_optimizer=optimizer, values_learning_rate=LR,
-                             values_epsilon=EPS, dtype=dtype, **SHAPE, **kwargs)
+    fused = ProductKeyMemory(
+        values_optimizer=optimizer,
+        values_learning_rate=LR,
+        values_epsilon=EPS,
+        dtype=dtype,
+        **SHAPE,
+        **kwargs,
+    )
     plain = ProductKeyMemory(dtype=dtype, **SHAPE, **kwargs)
     fused.build(x.shape)
     plain.build(x.shape)
-    for name in ("query_kernel", "query_bias", "query_bn_gamma", "query_bn_beta", "keys",
-                 "values"):
+    for name in ("query_kernel", "query_bias", "query_bn_gamma", "query_bn_beta", "keys", "values"):
         value = rng.normal(size=getattr(plain, name).shape) * 0.5
         getattr(plain, name).assign(value)
         getattr(fused, name).assign(value)
@@ -217,11 +222,15 @@ def test_model_fit_updates_values_not_the_keras_optimizer(rng, optimizer):
 
 
 def test_config_round_trip_and_keras_save(rng, tmp_path):
-    layer = ProductKeyMemory(values_optimizer="adagrad", values_learning_rate=0.02,
-                             values_epsilon=1e-5, **SHAPE)
+    layer = ProductKeyMemory(
+        values_optimizer="adagrad", values_learning_rate=0.02, values_epsilon=1e-5, **SHAPE
+    )
     config = layer.get_config()
-    assert (config["values_optimizer"], config["values_learning_rate"],
-            config["values_epsilon"]) == ("adagrad", 0.02, 1e-5)
+    assert (
+        config["values_optimizer"],
+        config["values_learning_rate"],
+        config["values_epsilon"],
+    ) == ("adagrad", 0.02, 1e-5)
     clone = ProductKeyMemory.from_config(config)
     assert clone.get_config() == config
     inputs = keras.Input(shape=(4, 10))
@@ -232,8 +241,9 @@ def test_config_round_trip_and_keras_save(rng, tmp_path):
     loaded = keras.models.load_model(path)
     restored = loaded.layers[-1]
     assert restored.values_optimizer == "adagrad"
-    np.testing.assert_array_equal(restored.values_accumulator.numpy(),
-                                  layer.values_accumulator.numpy())
+    np.testing.assert_array_equal(
+        restored.values_accumulator.numpy(), layer.values_accumulator.numpy()
+    )
     x = rng.normal(size=(2, 4, 10)).astype(np.float32)
     np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
 
@@ -241,17 +251,28 @@ def test_config_round_trip_and_keras_save(rng, tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(values_optimizer="adam"),
-         "values_optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got 'adam'"),
-        (dict(values_optimizer="sgd", dense_grad=True),
-         "dense_grad=True has no effect with values_optimizer"),
-        (dict(values_learning_rate=0.0), "values_learning_rate must be a finite number > 0, got 0.0"),
-        (dict(values_learning_rate=float("nan")),
-         "values_learning_rate must be a finite number > 0, got nan"),
+        (
+            dict(values_optimizer="adam"),
+            "values_optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got 'adam'",
+        ),
+        (
+            dict(values_optimizer="sgd", dense_grad=True),
+            "dense_grad=True has no effect with values_optimizer",
+        ),
+        (
+            dict(values_learning_rate=0.0),
+            "values_learning_rate must be a finite number > 0, got 0.0",
+        ),
+        (
+            dict(values_learning_rate=float("nan")),
+            "values_learning_rate must be a finite number > 0, got nan",
+        ),
         (dict(values_epsilon=-1e-3), "values_epsilon must be a finite number >= 0, got -0.001"),
         (dict(values_epsilon="1"), "values_epsilon must be a finite number >= 0, got '1'"),
-        (dict(values_optimizer="sgd", dtype="mixed_float16"),
-         "cannot undo the loss scaling of the mixed_float16 policy"),
+        (
+            dict(values_optimizer="sgd", dtype="mixed_float16"),
+            "cannot undo the loss scaling of the mixed_float16 policy",
+        ),
     ],
 )
 def test_argument_errors(kwargs, message):
@@ -278,8 +299,13 @@ def test_distribution_strategy_refused(rng):
 def test_mixed_bfloat16_fused_step_matches_unfused(rng):
     # Values stay float32 variables; the update sees the float32 gradient of the read.
     x = tf.constant(rng.normal(size=(2, 6, 10)), tf.float32)
-    fused = ProductKeyMemory(values_optimizer="rowwise_adagrad", values_learning_rate=LR,
-                             values_epsilon=EPS, dtype="mixed_bfloat16", **SHAPE)
+    fused = ProductKeyMemory(
+        values_optimizer="rowwise_adagrad",
+        values_learning_rate=LR,
+        values_epsilon=EPS,
+        dtype="mixed_bfloat16",
+        **SHAPE,
+    )
     plain = ProductKeyMemory(dtype="mixed_bfloat16", **SHAPE)
     for layer in (fused, plain):
         layer.build(x.shape)
@@ -293,6 +319,10 @@ def test_mixed_bfloat16_fused_step_matches_unfused(rng):
     _, g_plain = step(plain, x, upstream)
     _, g_fused = step(fused, x, upstream)
     close(dense(g_fused["keys"]), dense(g_plain["keys"]), 1e-5, "gradient of keys")
-    want, _ = numpy_update(values0, dense(g_plain["values"]), "rowwise_adagrad",
-                           np.zeros(fused.values_accumulator.shape))
+    want, _ = numpy_update(
+        values0,
+        dense(g_plain["values"]),
+        "rowwise_adagrad",
+        np.zeros(fused.values_accumulator.shape),
+    )
     close(dense(fused.values), want, 1e-5, "updated values")

@@ -168,7 +168,10 @@ def make_layer(rng, d_in, dtype="float32", bn_random=True, **kwargs):
 
 def cfg_of(layer) -> dict:
     return dict(
-        n_keys=layer.n_keys, k_dim=layer.k_dim, heads=layer.heads, knn=layer.knn,
+        n_keys=layer.n_keys,
+        k_dim=layer.k_dim,
+        heads=layer.heads,
+        knn=layer.knn,
         query_batchnorm=layer.query_batchnorm,
     )
 
@@ -225,8 +228,9 @@ def test_forward_matches_reference(rng, dtype, query_batchnorm, training):
 )
 def test_product_search_is_exact(rng, n_keys, knn):
     """The two-stage search returns the best knn of all n_keys**2 slots, in order."""
-    layer = make_layer(rng, 7, "float64", n_keys=n_keys, knn=knn, heads=3, k_dim=6,
-                       query_batchnorm=False)
+    layer = make_layer(
+        rng, 7, "float64", n_keys=n_keys, knn=knn, heads=3, k_dim=6, query_batchnorm=False
+    )
     x = rng.normal(size=(20, 7))
     ids, probs = layer.lookup(tf.constant(x))
     q = x @ layer.query_kernel.numpy() + layer.query_bias.numpy()
@@ -290,8 +294,9 @@ def _reference_gradients(layer, x, mask, upstream, training=True):
     def loss_of(name):
         def loss(value):
             if name == "x":
-                return float(np.sum(pkm_reference(weights, value, mask, cfg, training)["out"] *
-                                    upstream))
+                return float(
+                    np.sum(pkm_reference(weights, value, mask, cfg, training)["out"] * upstream)
+                )
             changed = dict(weights, **{name: value})
             return float(np.sum(pkm_reference(changed, x, mask, cfg, training)["out"] * upstream))
 
@@ -341,8 +346,9 @@ def test_dense_grad(rng, implementation):
         grads.append(tape.gradient(loss, layer.values))
     assert isinstance(grads[0], tf.Tensor) and grads[0].shape == (256, 6)
     assert isinstance(grads[1], tf.IndexedSlices)
-    np.testing.assert_allclose(grads[0].numpy(), tf.convert_to_tensor(grads[1]).numpy(),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        grads[0].numpy(), tf.convert_to_tensor(grads[1]).numpy(), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_implementations_agree_in_graph_mode(rng):
@@ -396,11 +402,11 @@ def test_masked_tokens_neither_read_nor_update(rng):
     grads = tape.gradient(loss, [xt] + layer.trainable_weights)
     grads_alone = tape.gradient(loss_alone, [live_x] + alone.trainable_weights)
     assert np.all(grads[0].numpy()[~mask] == 0)
-    np.testing.assert_allclose(grads[0].numpy()[mask], grads_alone[0].numpy(), rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(grads[0].numpy()[mask], grads_alone[0].numpy(), rtol=1e-4, atol=1e-6)
     for g, h in zip(grads[1:], grads_alone[1:]):
-        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
-                                   tf.convert_to_tensor(h).numpy(), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(g).numpy(), tf.convert_to_tensor(h).numpy(), rtol=1e-4, atol=1e-6
+        )
     ids, weights = layer.lookup(x, mask=mask)
     assert np.all(ids.numpy()[~mask] == -1) and np.all(weights.numpy()[~mask] == 0)
     assert np.all(ids.numpy()[mask] >= 0)
@@ -484,10 +490,12 @@ def test_memory_stats_over_data(rng):
     layer = make_layer(rng, 8)
     batches = [rng.normal(size=(3, 7, 8)).astype(np.float32) for _ in range(3)]
     masks = [rng.random((3, 7)) < 0.7 for _ in batches]
-    ids = np.concatenate([layer.lookup(b, m)[0].numpy().reshape(-1, 8)
-                          for b, m in zip(batches, masks)])
-    weights = np.concatenate([layer.lookup(b, m)[1].numpy().reshape(-1, 8)
-                              for b, m in zip(batches, masks)])
+    ids = np.concatenate(
+        [layer.lookup(b, m)[0].numpy().reshape(-1, 8) for b, m in zip(batches, masks)]
+    )
+    weights = np.concatenate(
+        [layer.lookup(b, m)[1].numpy().reshape(-1, 8) for b, m in zip(batches, masks)]
+    )
     want = memory_usage(ids, weights, layer.num_slots)
     got = layer.memory_stats(list(zip(batches, masks)))
     assert got.used_slots == want.used_slots and got.tokens == sum(m.sum() for m in masks)
@@ -537,8 +545,16 @@ def _pkm_model(rng, implementation="auto", dense_grad=False, **kwargs):
     keras.utils.set_random_seed(int(rng.integers(2**31)))
     tokens = keras.Input(shape=(6,), dtype="int32")
     hidden = keras.layers.Embedding(40, 8, mask_zero=True, name="embed")(tokens)
-    pkm = ProductKeyMemory(n_keys=8, k_dim=4, heads=2, knn=2, implementation=implementation,
-                           dense_grad=dense_grad, name="pkm", **kwargs)
+    pkm = ProductKeyMemory(
+        n_keys=8,
+        k_dim=4,
+        heads=2,
+        knn=2,
+        implementation=implementation,
+        dense_grad=dense_grad,
+        name="pkm",
+        **kwargs,
+    )
     pooled = keras.layers.GlobalAveragePooling1D()(pkm(hidden))
     return keras.Model(tokens, keras.layers.Dense(1, dtype="float32")(pooled)), pkm
 
@@ -606,9 +622,9 @@ def test_jit_support_flags(rng):
     assert model.jit_compile is False
 
 
-@pytest.mark.parametrize("policy,compute_dtype", [
-    ("mixed_float16", tf.float16), ("mixed_bfloat16", tf.bfloat16)
-])
+@pytest.mark.parametrize(
+    "policy,compute_dtype", [("mixed_float16", tf.float16), ("mixed_bfloat16", tf.bfloat16)]
+)
 def test_mixed_precision(rng, global_policy, policy, compute_dtype):
     reference_layer = make_layer(rng, 8)
     x = rng.normal(size=(4, 6, 8)).astype(np.float32)
@@ -667,10 +683,19 @@ def test_dropout_only_in_training(rng):
 # --------------------------------------------------------------------------------------
 
 FULL_CONFIG = dict(
-    output_dim=5, n_keys=7, k_dim=6, heads=3, knn=4, query_batchnorm=False,
-    input_dropout=0.1, query_dropout=0.2, value_dropout=0.3,
-    keys_initializer="glorot_uniform", values_initializer=keras.initializers.RandomNormal(0, 2.0),
-    dense_grad=True, implementation="composite",
+    output_dim=5,
+    n_keys=7,
+    k_dim=6,
+    heads=3,
+    knn=4,
+    query_batchnorm=False,
+    input_dropout=0.1,
+    query_dropout=0.2,
+    value_dropout=0.3,
+    keys_initializer="glorot_uniform",
+    values_initializer=keras.initializers.RandomNormal(0, 2.0),
+    dense_grad=True,
+    implementation="composite",
 )
 
 
@@ -696,13 +721,38 @@ def test_get_config_from_config(rng):
 
 def test_default_config():
     config = ProductKeyMemory().get_config()
-    assert {k: config[k] for k in (
-        "output_dim", "n_keys", "k_dim", "heads", "knn", "query_batchnorm", "input_dropout",
-        "query_dropout", "value_dropout", "keys_initializer", "values_initializer",
-        "dense_grad", "implementation")} == dict(
-        output_dim=None, n_keys=512, k_dim=256, heads=4, knn=32, query_batchnorm=True,
-        input_dropout=0.0, query_dropout=0.0, value_dropout=0.0, keys_initializer=None,
-        values_initializer=None, dense_grad=False, implementation="auto")
+    assert {
+        k: config[k]
+        for k in (
+            "output_dim",
+            "n_keys",
+            "k_dim",
+            "heads",
+            "knn",
+            "query_batchnorm",
+            "input_dropout",
+            "query_dropout",
+            "value_dropout",
+            "keys_initializer",
+            "values_initializer",
+            "dense_grad",
+            "implementation",
+        )
+    } == dict(
+        output_dim=None,
+        n_keys=512,
+        k_dim=256,
+        heads=4,
+        knn=32,
+        query_batchnorm=True,
+        input_dropout=0.0,
+        query_dropout=0.0,
+        value_dropout=0.0,
+        keys_initializer=None,
+        values_initializer=None,
+        dense_grad=False,
+        implementation="auto",
+    )
 
 
 def test_default_initialisation(rng):
@@ -717,7 +767,9 @@ def test_default_initialisation(rng):
     assert np.abs(layer.query_kernel.numpy()).max() <= 1 / math.sqrt(50)
     assert layer.query_bn_moving_variance.numpy().tolist() == [1.0] * 64
     assert [w.name for w in layer.non_trainable_weights] == [
-        "query_bn_moving_mean", "query_bn_moving_variance"]
+        "query_bn_moving_mean",
+        "query_bn_moving_variance",
+    ]
 
 
 def test_keras_file_round_trip(rng, tmp_path):
@@ -758,9 +810,11 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SERVE_EXPORT), str(path),
-         str(tmp_path / "ids.npy")],
-        capture_output=True, text=True, env=env, timeout=300,
+        [sys.executable, "-c", textwrap.dedent(SERVE_EXPORT), str(path), str(tmp_path / "ids.npy")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     got = np.array(json.loads(result.stdout.strip().splitlines()[-1]), np.float32)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import reference
 
 PADDING = -1
@@ -49,9 +48,7 @@ def test_forward_as_matrix_product(rng, combiner, weighted):
         wb = w[splits[b] : splits[b + 1]][live[splits[b] : splits[b + 1]]]
         den.append({"sum": 1.0, "mean": wb.sum(), "sqrtn": np.sqrt((wb**2).sum())}[combiner])
     den = np.array(den)
-    want = np.divide(
-        m @ params, den[:, None], out=np.zeros((len(den), 3)), where=den[:, None] != 0
-    )
+    want = np.divide(m @ params, den[:, None], out=np.zeros((len(den), 3)), where=den[:, None] != 0)
     got, scale = reference.forward(params, ids, splits, weights, combiner, PADDING)
     np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
     assert np.all(scale >= np.abs(got) - 1e-15)
@@ -83,8 +80,15 @@ def _numeric_grad(f, x, delta=1e-6):
 
 @pytest.mark.parametrize(
     "combiner,weighted",
-    [("sum", False), ("sum", True), ("mean", False), ("mean", True), ("sqrtn", False),
-     ("sqrtn", True), ("max", False)],
+    [
+        ("sum", False),
+        ("sum", True),
+        ("mean", False),
+        ("mean", True),
+        ("sqrtn", False),
+        ("sqrtn", True),
+        ("max", False),
+    ],
 )
 def test_gradients_match_finite_differences(rng, combiner, weighted):
     ids, splits = _random_csr(rng)

@@ -13,10 +13,8 @@ import math
 
 import numpy as np
 import pytest
-import tensorflow as tf
-
 import reference
-import tf_ttemb
+import tensorflow as tf
 from bags import (
     COMBINER_WEIGHTING,
     assert_close,
@@ -29,6 +27,8 @@ from bags import (
     sparse_bags,
     weights_like,
 )
+
+import tf_ttemb
 from tf_ttemb import tt
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops import tt_embedding as tte
@@ -98,17 +98,33 @@ def magnitude_tables(cores, num_embeddings, p, q, ranks, num_tables=1):
     return dense_tables([np.abs(c) for c in cores], num_embeddings, p, q, ranks, num_tables)
 
 
-def forward_reference(cores, num_embeddings, p, q, ranks, bags_like, weights, combiner,
-                      padding_id, table=0, num_tables=1):
+def forward_reference(
+    cores,
+    num_embeddings,
+    p,
+    q,
+    ranks,
+    bags_like,
+    weights,
+    combiner,
+    padding_id,
+    table=0,
+    num_tables=1,
+):
     """Reference output [B, D] and an error scale that covers cancellation inside rows."""
     flat_ids, splits = bags_like
     tables = dense_tables(cores, num_embeddings, p, q, ranks, num_tables)
     magnitudes = magnitude_tables(cores, num_embeddings, p, q, ranks, num_tables)
-    want, scale = reference.forward(tables[table], flat_ids, splits, weights, combiner,
-                                    padding_id)
+    want, scale = reference.forward(tables[table], flat_ids, splits, weights, combiner, padding_id)
     abs_weights = None if weights is None else np.abs(weights)
-    bound, _ = reference.forward(magnitudes[table], flat_ids, splits, abs_weights,
-                                 "max" if combiner == "max" else combiner, padding_id)
+    bound, _ = reference.forward(
+        magnitudes[table],
+        flat_ids,
+        splits,
+        abs_weights,
+        "max" if combiner == "max" else combiner,
+        padding_id,
+    )
     return want, np.maximum(scale, bound)
 
 
@@ -176,8 +192,17 @@ def run_lookup(cores, ids, weights, upstream, mode="eager", **kwargs):
 
 
 def check_lookup(
-    rng, case, form, combiner, weighted, implementation, padding_id=-1, mode="eager",
-    dtype=tf.float64, ids_dtype=tf.int64, grads=True,
+    rng,
+    case,
+    form,
+    combiner,
+    weighted,
+    implementation,
+    padding_id=-1,
+    mode="eager",
+    dtype=tf.float64,
+    ids_dtype=tf.int64,
+    grads=True,
 ):
     """Forward, core gradients and weights gradient against the float64 reference."""
     n, p, q, ranks = CASES[case]
@@ -194,11 +219,22 @@ def check_lookup(
         w64 = bags.csr_from_values(tf.cast(w, tf.float64).numpy())
     up, up64 = make_upstream(rng, bags, dim, tf.float64)
     out, core_grads, w_grad = run_lookup(
-        cores, bags.ids, w, up, mode, num_embeddings=n, p_shapes=p, q_shapes=q,
-        ranks=ranks, combiner=combiner, padding_id=padding_id, implementation=implementation,
+        cores,
+        bags.ids,
+        w,
+        up,
+        mode,
+        num_embeddings=n,
+        p_shapes=p,
+        q_shapes=q,
+        ranks=ranks,
+        combiner=combiner,
+        padding_id=padding_id,
+        implementation=implementation,
     )
-    want, scale = forward_reference(cores64, n, p, q, ranks, (bags.flat_ids, bags.splits), w64,
-                                    combiner, padding_id)
+    want, scale = forward_reference(
+        cores64, n, p, q, ranks, (bags.flat_ids, bags.splits), w64, combiner, padding_id
+    )
     assert out.dtype == dtype
     assert tuple(out.shape) == bags.lead_shape + (dim,)
     assert_close(dense_value(out).reshape(-1, dim), want, scale, dtype, "forward")
@@ -234,7 +270,8 @@ def test_every_combiner_and_form(rng, combiner, weighted, form, implementation):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(
-    "combiner,weighted", [("sum", True), ("sqrtn", True), ("max", False)],
+    "combiner,weighted",
+    [("sum", True), ("sqrtn", True), ("max", False)],
     ids=["sum-weighted", "sqrtn-weighted", "max"],
 )
 def test_core_counts_and_odd_dims(rng, case, combiner, weighted, implementation):
@@ -246,7 +283,13 @@ def test_core_counts_and_odd_dims(rng, case, combiner, weighted, implementation)
 @pytest.mark.parametrize("ids_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
 def test_padding_and_id_dtypes(rng, padding_id, ids_dtype, implementation):
     check_lookup(
-        rng, "3cores-d1", "dense2d", "mean", True, implementation, padding_id=padding_id,
+        rng,
+        "3cores-d1",
+        "dense2d",
+        "mean",
+        True,
+        implementation,
+        padding_id=padding_id,
         ids_dtype=ids_dtype,
     )
 
@@ -269,7 +312,13 @@ def test_jit_compile_auto_picks_the_composite(rng, form, combiner, weighted):
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32], ids=lambda d: d.name)
 def test_value_dtypes(rng, dtype, implementation):
     check_lookup(
-        rng, "3cores-d3", "ragged", "sqrtn", True, implementation, dtype=dtype,
+        rng,
+        "3cores-d3",
+        "ragged",
+        "sqrtn",
+        True,
+        implementation,
+        dtype=dtype,
         grads=dtype == tf.float32,
     )
 
@@ -284,8 +333,15 @@ def test_compute_gradient_float64(rng, implementation):
 
     def f(*args):
         return tf_ttemb.tt_embedding_bag(
-            list(args[:-1]), bags.ids, bags.ids.with_flat_values(args[-1]), num_embeddings=n,
-            p_shapes=p, q_shapes=q, ranks=ranks, combiner="sum", padding_id=-1,
+            list(args[:-1]),
+            bags.ids,
+            bags.ids.with_flat_values(args[-1]),
+            num_embeddings=n,
+            p_shapes=p,
+            q_shapes=q,
+            ranks=ranks,
+            combiner="sum",
+            padding_id=-1,
             implementation=implementation,
         )
 
@@ -300,8 +356,15 @@ def test_compute_gradient_float64(rng, implementation):
 def test_empty_batch_and_empty_bags(rng, form, combiner, implementation):
     n, p, q, ranks = CASES["3cores-d3"]
     cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks)]
-    kwargs = dict(num_embeddings=n, p_shapes=p, q_shapes=q, ranks=ranks, combiner=combiner,
-                  padding_id=-1, implementation=implementation)
+    kwargs = dict(
+        num_embeddings=n,
+        p_shapes=p,
+        q_shapes=q,
+        ranks=ranks,
+        combiner=combiner,
+        padding_id=-1,
+        implementation=implementation,
+    )
     if form == "dense2d":
         batches = [tf.zeros([0, 3], tf.int64), tf.fill([2, 3], tf.constant(-1, tf.int64))]
     elif form == "ragged":
@@ -327,7 +390,12 @@ def test_core_gradients_are_indexed_slices(rng, implementation):
     with tf.GradientTape() as tape:
         tape.watch(cores)
         out = tf_ttemb.tt_embedding_bag(
-            cores, ids, num_embeddings=n, p_shapes=p, q_shapes=q, ranks=ranks,
+            cores,
+            ids,
+            num_embeddings=n,
+            p_shapes=p,
+            q_shapes=q,
+            ranks=ranks,
             implementation=implementation,
         )
     for k, g in enumerate(tape.gradient(out, cores, output_gradients=tf.ones_like(out))):
@@ -368,7 +436,8 @@ def _table_inputs(rng, form, n, ids_dtype=tf.int64):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("form", ["dense", "list-ragged", "list-sparse", "list-dense"])
 @pytest.mark.parametrize(
-    "combiner,weighted", [("sum", True), ("mean", False), ("max", False)],
+    "combiner,weighted",
+    [("sum", True), ("mean", False), ("max", False)],
     ids=["sum-weighted", "mean", "max"],
 )
 def test_table_batched(rng, form, combiner, weighted, implementation):
@@ -390,8 +459,16 @@ def test_table_batched(rng, form, combiner, weighted, implementation):
     with tf.GradientTape() as tape:
         tape.watch(core_values)
         out = tf_ttemb.tt_embedding_bag(
-            core_values, indices, weights, num_embeddings=n, p_shapes=p, q_shapes=q,
-            ranks=ranks, num_tables=NUM_TABLES, combiner=combiner, padding_id=-1,
+            core_values,
+            indices,
+            weights,
+            num_embeddings=n,
+            p_shapes=p,
+            q_shapes=q,
+            ranks=ranks,
+            num_tables=NUM_TABLES,
+            combiner=combiner,
+            padding_id=-1,
             implementation=implementation,
         )
         loss = tf.reduce_sum(out * up)
@@ -400,9 +477,7 @@ def test_table_batched(rng, form, combiner, weighted, implementation):
     global_ids, row_grads, row_scales = [], [], []
     for t, bags in enumerate(per_table):
         wt = None if w64 is None else w64[t]
-        want, scale = reference.forward(
-            tables[t], bags.flat_ids, bags.splits, wt, combiner, -1
-        )
+        want, scale = reference.forward(tables[t], bags.flat_ids, bags.splits, wt, combiner, -1)
         assert_close(out.numpy()[t], want, scale, tf.float64, f"table {t}")
         dtable, dscale = reference.params_grad(
             tables[t], bags.flat_ids, bags.splits, up[t], wt, combiner, -1
@@ -425,8 +500,14 @@ def test_table_batched_list_of_mixed_forms(rng, implementation):
     ragged = ragged_bags(rng, [2, 0, 3], n, tf.int32)
     sparse = sparse_bags(rng, [1, 4, 0], n, tf.int64)
     out = tf_ttemb.tt_embedding_bag(
-        [tf.constant(c) for c in cores], [ragged.ids, sparse.ids], num_embeddings=n,
-        p_shapes=p, q_shapes=q, ranks=ranks, num_tables=2, implementation=implementation,
+        [tf.constant(c) for c in cores],
+        [ragged.ids, sparse.ids],
+        num_embeddings=n,
+        p_shapes=p,
+        q_shapes=q,
+        ranks=ranks,
+        num_tables=2,
+        implementation=implementation,
     )
     for t, bags in enumerate([ragged, sparse]):
         want, scale = reference.forward(tables[t], bags.flat_ids, bags.splits)
@@ -449,7 +530,8 @@ def test_table_batched_list_of_mixed_forms(rng, implementation):
     ],
 )
 @pytest.mark.parametrize(
-    "combiner,weighted", [("sum", True), ("sqrtn", False), ("max", False)],
+    "combiner,weighted",
+    [("sum", True), ("sqrtn", False), ("max", False)],
     ids=["sum-weighted", "sqrtn", "max"],
 )
 def test_cache_rows_replace_the_cores(rng, combiner, weighted, implementation, mode):
@@ -477,9 +559,17 @@ def test_cache_rows_replace_the_cores(rng, combiner, weighted, implementation, m
         with tf.GradientTape() as tape:
             tape.watch([core_values, rows_value])
             out = tf_ttemb.tt_embedding_bag(
-                core_values, tf.constant(ids), None if w is None else tf.constant(w),
-                num_embeddings=n, p_shapes=p, q_shapes=q, ranks=ranks, num_tables=2,
-                combiner=combiner, cache_ids=tf.constant(cache_ids), cache_rows=rows_value,
+                core_values,
+                tf.constant(ids),
+                None if w is None else tf.constant(w),
+                num_embeddings=n,
+                p_shapes=p,
+                q_shapes=q,
+                ranks=ranks,
+                num_tables=2,
+                combiner=combiner,
+                cache_ids=tf.constant(cache_ids),
+                cache_rows=rows_value,
                 implementation=implementation,
             )
             loss = tf.reduce_sum(out * up)
@@ -521,8 +611,15 @@ def test_cache_rows_variable_gets_indexed_slices(rng, implementation):
     cache_ids = tf.constant([3, 9, tte.EMPTY_CACHE_ID, tte.EMPTY_CACHE_ID], tf.int64)
     with tf.GradientTape() as tape:
         out = tf_ttemb.tt_embedding_bag(
-            cores, tf.constant([[3, 4], [9, 9]]), num_embeddings=n, p_shapes=p, q_shapes=q,
-            ranks=ranks, cache_ids=cache_ids, cache_rows=rows, implementation=implementation,
+            cores,
+            tf.constant([[3, 4], [9, 9]]),
+            num_embeddings=n,
+            p_shapes=p,
+            q_shapes=q,
+            ranks=ranks,
+            cache_ids=cache_ids,
+            cache_rows=rows,
+            implementation=implementation,
         )
     grad = tape.gradient(out, rows, output_gradients=tf.ones_like(out))
     assert isinstance(grad, tf.IndexedSlices)
@@ -545,8 +642,13 @@ def test_tt_rows(rng, case, implementation):
     with tf.GradientTape() as tape:
         tape.watch(core_values)
         rows = tf_ttemb.tt_rows(
-            core_values, tf.constant(ids, tf.int32), p_shapes=p, q_shapes=q, ranks=ranks,
-            num_tables=2, implementation=implementation,
+            core_values,
+            tf.constant(ids, tf.int32),
+            p_shapes=p,
+            q_shapes=q,
+            ranks=ranks,
+            num_tables=2,
+            implementation=implementation,
         )
         loss = tf.reduce_sum(rows * up)
     want = tt.rows(cores, p, q, ranks, ids, num_tables=2)
@@ -563,8 +665,9 @@ def test_tt_rows_out_of_range(rng, implementation, mode):
     cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks)]
 
     def f(ids):
-        return tf_ttemb.tt_rows(cores, ids, p_shapes=p, q_shapes=q, ranks=ranks,
-                                implementation=implementation)
+        return tf_ttemb.tt_rows(
+            cores, ids, p_shapes=p, q_shapes=q, ranks=ranks, implementation=implementation
+        )
 
     if mode == "function":
         f = tf.function(f)
@@ -604,8 +707,15 @@ def test_ids_out_of_range(rng, case, message, implementation, mode):
 
     def f():
         return tf_ttemb.tt_embedding_bag(
-            cores, ids, num_embeddings=n, p_shapes=p, q_shapes=q, ranks=ranks,
-            num_tables=num_tables, padding_id=padding_id, implementation=implementation,
+            cores,
+            ids,
+            num_embeddings=n,
+            p_shapes=p,
+            q_shapes=q,
+            ranks=ranks,
+            num_tables=num_tables,
+            padding_id=padding_id,
+            implementation=implementation,
         )
 
     if mode == "function":
@@ -637,15 +747,18 @@ def _args(**overrides):
         (dict(cache_ids=tf.constant([1], tf.int64)), ValueError, r"given together"),
         (
             dict(cache_ids=tf.constant([1], tf.int32), cache_rows=tf.zeros([1, 3], tf.float64)),
-            TypeError, r"cache_ids must be int64, got int32",
+            TypeError,
+            r"cache_ids must be int64, got int32",
         ),
         (
             dict(cache_ids=tf.constant([1], tf.int64), cache_rows=tf.zeros([1, 3], tf.float32)),
-            TypeError, r"cache_rows must have the cores' dtype float64, got float32",
+            TypeError,
+            r"cache_rows must have the cores' dtype float64, got float32",
         ),
         (
             dict(cache_ids=tf.constant([1, 2], tf.int64), cache_rows=tf.zeros([2, 4], tf.float64)),
-            ValueError, r"cache_rows must be \[C, D\] = \[2, 3\]",
+            ValueError,
+            r"cache_rows must be \[C, D\] = \[2, 3\]",
         ),
     ],
     ids=lambda v: None if not isinstance(v, str) else v[:30],
@@ -666,11 +779,13 @@ def test_core_errors(rng):
     with pytest.raises(ValueError, match=r"cores\[1\] must have shape .* \[4, 18\], got \[4, 17\]"):
         tf_ttemb.tt_embedding_bag([cores[0], cores[1][:, :17], cores[2]], ids, **_args())
     with pytest.raises(TypeError, match=r"one dtype, got float64 for cores\[0\] and float32"):
-        tf_ttemb.tt_embedding_bag([cores[0], tf.cast(cores[1], tf.float32), cores[2]], ids,
-                                  **_args())
+        tf_ttemb.tt_embedding_bag(
+            [cores[0], tf.cast(cores[1], tf.float32), cores[2]], ids, **_args()
+        )
     with pytest.raises(ValueError, match="'max' does not take weights"):
-        tf_ttemb.tt_embedding_bag(cores, ids, tf.ones([1, 2], tf.float64), combiner="max",
-                                  **_args())
+        tf_ttemb.tt_embedding_bag(
+            cores, ids, tf.ones([1, 2], tf.float64), combiner="max", **_args()
+        )
 
 
 def test_table_input_errors(rng):

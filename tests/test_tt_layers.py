@@ -16,12 +16,10 @@ import pathlib
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-
 import reference
-from processes import run_fresh_python
-import tf_ttemb
+import tensorflow as tf
 from bags import assert_close, dense_bags, make_bags, ragged_bags, weights_like
+from processes import run_fresh_python
 from test_tt_embedding import (
     CASES,
     DEFAULT_IMPLEMENTATION,
@@ -32,6 +30,8 @@ from test_tt_embedding import (
     needs_cache_count,
     random_cores,
 )
+
+import tf_ttemb
 from tf_ttemb import tt
 from tf_ttemb.layers import TableBatchedTTEmbeddingBag, TTEmbeddingBag
 from tf_ttemb.layers import tt_embedding_bag as tt_layers
@@ -56,8 +56,12 @@ def layer_cores64(layer):
 def layer_tables(layer):
     """[num_tables, N, D] float64 tables of the layer's cores (ignoring its cache)."""
     return dense_tables(
-        layer_cores64(layer), layer.num_embeddings, layer.tt_p_shapes, layer.tt_q_shapes,
-        layer.tt_ranks, layer.num_tables,
+        layer_cores64(layer),
+        layer.num_embeddings,
+        layer.tt_p_shapes,
+        layer.tt_q_shapes,
+        layer.tt_ranks,
+        layer.num_tables,
     )
 
 
@@ -81,7 +85,8 @@ def make_layer(rng, case="3cores-d3", cls=TTEmbeddingBag, num_tables=1, **kwargs
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("form", ["dense2d", "dense3d", "ragged", "sparse"])
 @pytest.mark.parametrize(
-    "combiner,weighted", [("sum", True), ("mean", False), ("max", False)],
+    "combiner,weighted",
+    [("sum", True), ("mean", False), ("max", False)],
     ids=["sum-weighted", "mean", "max"],
 )
 def test_forward_matches_reference(rng, combiner, weighted, form, implementation):
@@ -95,8 +100,15 @@ def test_forward_matches_reference(rng, combiner, weighted, form, implementation
     out = layer(bags.ids, weights)
     assert out.dtype == tf.float32
     want, scale = forward_reference(
-        layer_cores64(layer), layer.num_embeddings, layer.tt_p_shapes, layer.tt_q_shapes,
-        layer.tt_ranks, (bags.flat_ids, bags.splits), w64, combiner, -1,
+        layer_cores64(layer),
+        layer.num_embeddings,
+        layer.tt_p_shapes,
+        layer.tt_q_shapes,
+        layer.tt_ranks,
+        (bags.flat_ids, bags.splits),
+        w64,
+        combiner,
+        -1,
     )
     assert tuple(out.shape) == bags.lead_shape + (layer.embedding_dim,)
     assert_close(out.numpy().reshape(want.shape), want, scale, tf.float32, "layer output")
@@ -106,8 +118,9 @@ def test_forward_matches_reference(rng, combiner, weighted, form, implementation
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradients_float64(rng, case, implementation):
     """Core and weights gradients of a float64 layer equal the numpy reference."""
-    layer = make_layer(rng, case, combiner="sqrtn", padding_id=0, dtype="float64",
-                       implementation=implementation)
+    layer = make_layer(
+        rng, case, combiner="sqrtn", padding_id=0, dtype="float64", implementation=implementation
+    )
     n, p, q, ranks = CASES[case]
     bags = make_bags(rng, "ragged", n, tf.int64, padding_id=0)
     values = tf.constant(rng.uniform(0.5, 1.5, size=bags.nnz))
@@ -118,20 +131,24 @@ def test_gradients_float64(rng, case, implementation):
     core_grads, w_grad = tape.gradient(loss, [layer.cores, values])
     cores = layer_cores64(layer)
     table = layer_tables(layer)[0]
-    dtable, _ = reference.params_grad(table, bags.flat_ids, bags.splits, up, values.numpy(),
-                                      "sqrtn", 0)
+    dtable, _ = reference.params_grad(
+        table, bags.flat_ids, bags.splits, up, values.numpy(), "sqrtn", 0
+    )
     want = core_grads_reference(cores, p, q, ranks, np.arange(n), dtable)
     for k, g in enumerate(core_grads):
-        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), want[k], rtol=1e-9,
-                                   atol=1e-12, err_msg=f"core {k}")
-    want_w, _ = reference.weights_grad(table, bags.flat_ids, bags.splits, values.numpy(), up,
-                                       "sqrtn", 0)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(g).numpy(), want[k], rtol=1e-9, atol=1e-12, err_msg=f"core {k}"
+        )
+    want_w, _ = reference.weights_grad(
+        table, bags.flat_ids, bags.splits, values.numpy(), up, "sqrtn", 0
+    )
     np.testing.assert_allclose(w_grad.numpy(), want_w, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag],
-                         ids=["single", "batched"])
+@pytest.mark.parametrize(
+    "cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag], ids=["single", "batched"]
+)
 def test_full_weight(rng, cls, implementation):
     layer = make_layer(rng, "4cores-d8", cls, num_tables=2, implementation=implementation)
     want = layer_tables(layer)
@@ -143,23 +160,35 @@ def test_full_weight(rng, cls, implementation):
 
 
 def test_full_weight_in_chunks(rng, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("tf_ttemb.ops.composite"), "COMPOSITE_CHUNK_BYTES",
-                        4 * 8 * 7)
+    monkeypatch.setattr(
+        importlib.import_module("tf_ttemb.ops.composite"), "COMPOSITE_CHUNK_BYTES", 4 * 8 * 7
+    )
     layer = make_layer(rng, "4cores-d8", TableBatchedTTEmbeddingBag, num_tables=2)
-    np.testing.assert_allclose(layer.full_weight().numpy(), layer_tables(layer), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        layer.full_weight().numpy(), layer_tables(layer), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("weight_dist", tt.WEIGHT_DISTS)
-@pytest.mark.parametrize("cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag],
-                         ids=["single", "batched"])
+@pytest.mark.parametrize(
+    "cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag], ids=["single", "batched"]
+)
 def test_weight_dists(cls, weight_dist):
     args = (2,) if cls is TableBatchedTTEmbeddingBag else ()
     layer = cls(*args, 500, 8, tt_ranks=[4, 4], weight_dist=weight_dist, seed=3)
     out = layer(tf.constant([[1, 2, 499]] * (2 if args else 1)))
     weight = layer.full_weight().numpy()
-    want = tt.initial_cores(500, 8, layer.tt_p_shapes, layer.tt_q_shapes, layer.tt_ranks,
-                            weight_dist, 3, layer.num_tables, np.float64)
+    want = tt.initial_cores(
+        500,
+        8,
+        layer.tt_p_shapes,
+        layer.tt_q_shapes,
+        layer.tt_ranks,
+        weight_dist,
+        3,
+        layer.num_tables,
+        np.float64,
+    )
     for got_core, want_core in zip(layer.cores, want):
         np.testing.assert_allclose(got_core.numpy(), want_core, rtol=1e-6)
     assert np.all(np.isfinite(weight)) and np.all(np.isfinite(out.numpy()))
@@ -184,12 +213,12 @@ def test_seed_makes_layers_reproducible():
 def test_from_decomposition_is_exact_at_full_rank(rng):
     table = rng.normal(size=(50, 6))
     decomposition = tt.from_dense(table, [6, 15], [3, 4, 5], [2, 1, 3])
-    layer = TTEmbeddingBag.from_decomposition(decomposition, 50, dtype="float64",
-                                              combiner="mean")
+    layer = TTEmbeddingBag.from_decomposition(decomposition, 50, dtype="float64", combiner="mean")
     np.testing.assert_allclose(layer.full_weight().numpy(), table, rtol=1e-9, atol=1e-9)
     ids = tf.ragged.constant([[3, 49], [7]])
-    np.testing.assert_allclose(layer(ids).numpy(),
-                               [table[[3, 49]].mean(0), table[7]], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        layer(ids).numpy(), [table[[3, 49]].mean(0), table[7]], rtol=1e-9, atol=1e-9
+    )
 
 
 def test_from_cores_checks_shapes(rng):
@@ -214,13 +243,14 @@ def test_table_batched_equals_separate_layers(rng, form, implementation):
     n, p, q, ranks = CASES["2cores-d33"]
     num_tables = 3
     cores = random_cores(rng, p, q, ranks, num_tables)
-    kwargs = dict(combiner="mean", padding_id=-1, implementation=implementation,
-                  dtype="float64")
-    batched = TableBatchedTTEmbeddingBag.from_cores(cores, n, p, q, ranks,
-                                                    num_tables=num_tables, **kwargs)
+    kwargs = dict(combiner="mean", padding_id=-1, implementation=implementation, dtype="float64")
+    batched = TableBatchedTTEmbeddingBag.from_cores(
+        cores, n, p, q, ranks, num_tables=num_tables, **kwargs
+    )
     singles = [
-        TTEmbeddingBag.from_cores([c[t * pk : (t + 1) * pk] for c, pk in zip(cores, p)], n, p,
-                                  q, ranks, **kwargs)
+        TTEmbeddingBag.from_cores(
+            [c[t * pk : (t + 1) * pk] for c, pk in zip(cores, p)], n, p, q, ranks, **kwargs
+        )
         for t in range(num_tables)
     ]
     if form == "dense":
@@ -228,8 +258,10 @@ def test_table_batched_equals_separate_layers(rng, form, implementation):
         per_table = [ids[t] for t in range(num_tables)]
     else:
         kind = form.split("-")[1]
-        per_table = [make_bags(rng, kind, n, tf.int64, padding_id=-1, num_bags=5).ids
-                     for _ in range(num_tables)]
+        per_table = [
+            make_bags(rng, kind, n, tf.int64, padding_id=-1, num_bags=5).ids
+            for _ in range(num_tables)
+        ]
         ids = per_table
     up = rng.normal(size=(num_tables, 5, 33))
     with tf.GradientTape() as tape:
@@ -243,8 +275,12 @@ def test_table_batched_equals_separate_layers(rng, form, implementation):
         np.testing.assert_allclose(out.numpy()[t], single.numpy(), rtol=1e-12, atol=1e-12)
         for k, g in enumerate(tape.gradient(loss, layer.cores)):
             rows = slice(t * p[k], (t + 1) * p[k])
-            np.testing.assert_allclose(tf.convert_to_tensor(grads[k]).numpy()[rows],
-                                       tf.convert_to_tensor(g).numpy(), rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(
+                tf.convert_to_tensor(grads[k]).numpy()[rows],
+                tf.convert_to_tensor(g).numpy(),
+                rtol=1e-10,
+                atol=1e-12,
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -272,8 +308,9 @@ def _hand_step(cores, accumulators, ids, weights, upstream, optimizer):
     n, p, q, ranks = FUSED
     table = dense_tables(cores, n, p, q, ranks)[0]
     splits = np.arange(ids.shape[0] + 1) * ids.shape[1]
-    dtable, _ = reference.params_grad(table, ids.reshape(-1), splits, upstream,
-                                      weights.reshape(-1), "mean")
+    dtable, _ = reference.params_grad(
+        table, ids.reshape(-1), splits, upstream, weights.reshape(-1), "mean"
+    )
     grads = core_grads_reference(cores, p, q, ranks, np.arange(n), dtable)
     new_cores, new_accumulators = [], []
     for core, acc, g in zip(cores, accumulators, grads):
@@ -294,16 +331,27 @@ def test_fused_update_matches_dense_step_on_every_row(rng, optimizer, implementa
     n, p, q, ranks = FUSED
     cores = random_cores(rng, p, q, ranks)
     layer = TTEmbeddingBag.from_cores(
-        cores, n, p, q, ranks, combiner="mean", sparse=True, optimizer=optimizer,
-        learning_rate=LR, eps=EPS, dtype="float64", implementation=implementation,
+        cores,
+        n,
+        p,
+        q,
+        ranks,
+        combiner="mean",
+        sparse=True,
+        optimizer=optimizer,
+        learning_rate=LR,
+        eps=EPS,
+        dtype="float64",
+        implementation=implementation,
     )
     assert [v.name for v in layer.trainable_variables] == ["fused_update_trigger"]
     if loop == "fit":
         ids_in = keras.Input(shape=(4,), dtype="int64")
         w_in = keras.Input(shape=(4,), dtype="float64")
         model = keras.Model([ids_in, w_in], layer(ids_in, w_in))
-        model.compile(optimizer=keras.optimizers.SGD(1.0),
-                      loss=lambda y, out: tf.reduce_sum(y * out, axis=-1))
+        model.compile(
+            optimizer=keras.optimizers.SGD(1.0), loss=lambda y, out: tf.reduce_sum(y * out, axis=-1)
+        )
 
     expected, accumulators = cores, [np.zeros_like(c) for c in cores]
     for step, skipped in enumerate([rng.choice(p[0], 100, replace=False), np.array([], int)]):
@@ -311,10 +359,10 @@ def test_fused_update_matches_dense_step_on_every_row(rng, optimizer, implementa
         weights = rng.uniform(0.5, 1.5, size=ids.shape)
         up = rng.normal(size=(ids.shape[0], layer.embedding_dim))
         if loop == "fit":
-            model.fit([ids, weights], up, batch_size=len(ids), epochs=1, shuffle=False,
-                      verbose=0)
+            model.fit([ids, weights], up, batch_size=len(ids), epochs=1, shuffle=False, verbose=0)
             up = up / len(ids)  # Keras averages the per-bag losses
         else:
+
             def train_step(ids, weights, up):
                 with tf.GradientTape() as tape:
                     loss = tf.reduce_sum(layer(ids, weights, training=True) * up)
@@ -326,17 +374,27 @@ def test_fused_update_matches_dense_step_on_every_row(rng, optimizer, implementa
                 train_step = tf.function(train_step)
             train_step(tf.constant(ids), tf.constant(weights), tf.constant(up))
         previous = expected
-        expected, accumulators, grads = _hand_step(expected, accumulators, ids, weights, up,
-                                                   optimizer)
+        expected, accumulators, grads = _hand_step(
+            expected, accumulators, ids, weights, up, optimizer
+        )
         # Keras computes the loss (hence the upstream gradient) in float32.
         tol = 1e-5 if loop == "fit" else 1e-10
         for k, core in enumerate(layer.cores):
             step_size = np.abs(expected[k] - previous[k]).max()
-            np.testing.assert_allclose(core.numpy(), expected[k], rtol=0, atol=tol * step_size,
-                                       err_msg=f"step {step}, core {k}")
+            np.testing.assert_allclose(
+                core.numpy(),
+                expected[k],
+                rtol=0,
+                atol=tol * step_size,
+                err_msg=f"step {step}, core {k}",
+            )
             if optimizer == "adagrad":
-                np.testing.assert_allclose(layer.core_accumulators[k].numpy(), accumulators[k],
-                                           rtol=0, atol=tol * accumulators[k].max())
+                np.testing.assert_allclose(
+                    layer.core_accumulators[k].numpy(),
+                    accumulators[k],
+                    rtol=0,
+                    atol=tol * accumulators[k].max(),
+                )
         # The batch touched every row of core 0 but the skipped ones (rows >= 128
         # included), and the comparison above covered every row, touched or not.
         touched = np.flatnonzero(np.any(grads[0] != 0, axis=1))
@@ -348,8 +406,20 @@ def test_fused_update_of_cache_rows_and_table_batched_cores(rng, optimizer):
     n, p, q, ranks = CASES["3cores-d3"]
     cores = random_cores(rng, p, q, ranks, 2)
     layer = TableBatchedTTEmbeddingBag.from_cores(
-        cores, n, p, q, ranks, num_tables=2, sparse=True, optimizer=optimizer, learning_rate=LR,
-        eps=EPS, use_cache=True, cache_size=4, hashtbl_size=64, dtype="float64",
+        cores,
+        n,
+        p,
+        q,
+        ranks,
+        num_tables=2,
+        sparse=True,
+        optimizer=optimizer,
+        learning_rate=LR,
+        eps=EPS,
+        use_cache=True,
+        cache_size=4,
+        hashtbl_size=64,
+        dtype="float64",
     )
     big_p = math.prod(p)
     layer.freq_keys.assign(np.array([3, big_p + 7, 11] + [-1] * 61))
@@ -366,8 +436,10 @@ def test_fused_update_of_cache_rows_and_table_batched_cores(rng, optimizer):
     # Reference: the effective tables (cached rows replaced), their dense gradients.
     tables = dense_tables(cores, n, p, q, ranks, 2)
     tables[0, 3], tables[0, 11], tables[1, 7] = rows_before[:3]
-    dtables = [reference.params_grad(tables[t], ids[t].reshape(-1), np.arange(7) * 3, up[t])[0]
-               for t in range(2)]
+    dtables = [
+        reference.params_grad(tables[t], ids[t].reshape(-1), np.arange(7) * 3, up[t])[0]
+        for t in range(2)
+    ]
     rows_grad = np.stack([dtables[0][3], dtables[0][11], dtables[1][7]])
     dtables[0][[3, 11]] = 0.0
     dtables[1][7] = 0.0
@@ -379,12 +451,14 @@ def test_fused_update_of_cache_rows_and_table_batched_cores(rng, optimizer):
             return value - LR * g
         return value - LR * g / (np.sqrt(g * g) + EPS)
 
-    np.testing.assert_allclose(layer.cache_rows.numpy()[:3], step(rows_before[:3], rows_grad),
-                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(
+        layer.cache_rows.numpy()[:3], step(rows_before[:3], rows_grad), rtol=1e-9, atol=1e-12
+    )
     np.testing.assert_array_equal(layer.cache_rows.numpy()[3], 0.0)
     for k, core in enumerate(layer.cores):
-        np.testing.assert_allclose(core.numpy(), step(cores[k], core_grads[k]), rtol=1e-9,
-                                   atol=1e-12, err_msg=f"core {k}")
+        np.testing.assert_allclose(
+            core.numpy(), step(cores[k], core_grads[k]), rtol=1e-9, atol=1e-12, err_msg=f"core {k}"
+        )
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
@@ -393,9 +467,19 @@ def test_fused_update_under_jit_compile(rng, optimizer):
     n, p, q, ranks = CASES["4cores-d8"]
     cores = random_cores(rng, p, q, ranks)
     layers = [
-        TTEmbeddingBag.from_cores(cores, n, p, q, ranks, sparse=True, optimizer=optimizer,
-                                  learning_rate=LR, dtype="float64", combiner="mean",
-                                  implementation="composite")
+        TTEmbeddingBag.from_cores(
+            cores,
+            n,
+            p,
+            q,
+            ranks,
+            sparse=True,
+            optimizer=optimizer,
+            learning_rate=LR,
+            dtype="float64",
+            combiner="mean",
+            implementation="composite",
+        )
         for _ in range(2)
     ]
     ids = tf.constant(rng.integers(0, n, size=(6, 4)))
@@ -455,8 +539,15 @@ def _expected_rows(layer, table, trained: dict):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_cache_populate_and_repopulate(rng, implementation):
     n = CASES["3cores-d3"][0]
-    layer = make_layer(rng, use_cache=True, cache_size=4, hashtbl_size=64, dtype="float64",
-                       combiner="sum", implementation=implementation)
+    layer = make_layer(
+        rng,
+        use_cache=True,
+        cache_size=4,
+        hashtbl_size=64,
+        dtype="float64",
+        combiner="sum",
+        implementation=implementation,
+    )
     table = layer_tables(layer)[0]
     ids = tf.constant(np.arange(n).reshape(-1, 5))
     # Empty cache: every lookup reads the cores.
@@ -476,7 +567,8 @@ def test_cache_populate_and_repopulate(rng, implementation):
     full = layer.full_weight().numpy()
     np.testing.assert_allclose(full, _expected_rows(layer, table, held), rtol=1e-12)
     np.testing.assert_allclose(
-        layer(ids).numpy(), _expected_rows(layer, table, held).reshape(-1, 5, 3).sum(1),
+        layer(ids).numpy(),
+        _expected_rows(layer, table, held).reshape(-1, 5, 3).sum(1),
         rtol=1e-12,
     )
     _set_counts(layer, {17: 20, 4: 19, 33: 18, 0: 2, 2: 1, 9: 1})
@@ -503,8 +595,9 @@ def test_cache_populate_and_repopulate(rng, implementation):
 
 
 def test_cache_populate_in_tf_function_and_adagrad_state(rng):
-    layer = make_layer(rng, use_cache=True, cache_size=3, hashtbl_size=32, sparse=True,
-                       optimizer="adagrad")
+    layer = make_layer(
+        rng, use_cache=True, cache_size=3, hashtbl_size=32, sparse=True, optimizer="adagrad"
+    )
     _set_counts(layer, {1: 3, 2: 2, 3: 1})
     tf.function(layer.cache_populate)()
     np.testing.assert_array_equal(layer.cache_ids.numpy(), [1, 2, 3])
@@ -512,15 +605,23 @@ def test_cache_populate_in_tf_function_and_adagrad_state(rng):
     _set_counts(layer, {2: 9, 5: 8, 1: 7})
     layer.cache_populate()
     np.testing.assert_array_equal(layer.cache_ids.numpy(), [1, 2, 5])
-    np.testing.assert_array_equal(layer.cache_rows_accumulator.numpy(),
-                                  [[7.0] * 3, [7.0] * 3, [0.0] * 3])
+    np.testing.assert_array_equal(
+        layer.cache_rows_accumulator.numpy(), [[7.0] * 3, [7.0] * 3, [0.0] * 3]
+    )
 
 
 def test_table_batched_cache_and_full_weight(rng):
     n, p, q, ranks = CASES["3cores-d3"]
     big_p = math.prod(p)
-    layer = make_layer(rng, cls=TableBatchedTTEmbeddingBag, num_tables=2, use_cache=True,
-                       cache_size=2, hashtbl_size=32, dtype="float64")
+    layer = make_layer(
+        rng,
+        cls=TableBatchedTTEmbeddingBag,
+        num_tables=2,
+        use_cache=True,
+        cache_size=2,
+        hashtbl_size=32,
+        dtype="float64",
+    )
     tables = layer_tables(layer)
     _set_counts(layer, {big_p + 5: 4, 5: 3, 6: 1})
     layer.cache_populate()
@@ -533,15 +634,23 @@ def test_table_batched_cache_and_full_weight(rng):
     full[0, 5], full[1, 5] = tables[0, 5], tables[1, 5]
     np.testing.assert_allclose(full, tables, rtol=1e-12)
     out = layer([tf.ragged.constant([[5, 6]]), tf.ragged.constant([[5]])])
-    np.testing.assert_allclose(out.numpy(), [[[1 + tables[0, 6, 0], 2 + tables[0, 6, 1],
-                                               3 + tables[0, 6, 2]]], [[4.0, 5.0, 6.0]]])
+    np.testing.assert_allclose(
+        out.numpy(),
+        [[[1 + tables[0, 6, 0], 2 + tables[0, 6, 1], 3 + tables[0, 6, 2]]], [[4.0, 5.0, 6.0]]],
+    )
 
 
 @needs_cache_count
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_ids_are_counted_in_training_calls_only(rng, implementation):
-    layer = make_layer(rng, use_cache=True, cache_size=2, hashtbl_size=64, padding_id=-1,
-                       implementation=implementation)
+    layer = make_layer(
+        rng,
+        use_cache=True,
+        cache_size=2,
+        hashtbl_size=64,
+        padding_id=-1,
+        implementation=implementation,
+    )
     a = np.array([[1, 1, 7, -1], [7, 7, 3, 2]])
     b = tf.ragged.constant([[3], [], [49, 1, -1]], dtype=tf.int64)
     layer(tf.constant(a), training=True)
@@ -586,8 +695,9 @@ def test_cache_errors(rng):
     layer = make_layer(rng)
     with pytest.raises(ValueError, match="use_cache=True"):
         layer.cache_populate()
-    cached = make_layer(rng, use_cache=True, cache_size=2, hashtbl_size=2,
-                        implementation="composite")
+    cached = make_layer(
+        rng, use_cache=True, cache_size=2, hashtbl_size=2, implementation="composite"
+    )
     with pytest.raises(ValueError, match="cannot run under XLA"):
         tf.function(lambda x: cached(x, training=True), jit_compile=True)(tf.constant([[1]]))
 
@@ -597,15 +707,24 @@ def test_cache_errors(rng):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag],
-                         ids=["single", "batched"])
+@pytest.mark.parametrize(
+    "cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag], ids=["single", "batched"]
+)
 @pytest.mark.parametrize("sparse", [False, True], ids=["keras_optimizer", "fused"])
 def test_fit_reduces_the_loss(rng, cls, sparse):
     keras.utils.set_random_seed(int(rng.integers(2**31)))
     n = 60
     args = (2,) if cls is TableBatchedTTEmbeddingBag else ()
-    layer = cls(*args, n, 4, tt_ranks=[3], tt_p_shapes=[6, 10], combiner="mean",
-                sparse=sparse, learning_rate=0.5)
+    layer = cls(
+        *args,
+        n,
+        4,
+        tt_ranks=[3],
+        tt_p_shapes=[6, 10],
+        combiner="mean",
+        sparse=sparse,
+        learning_rate=0.5,
+    )
     shape = (2, 4) if args else (4,)
     inputs = keras.Input(shape=shape, dtype="int64")
     bags = layer(inputs if not args else keras.ops.transpose(inputs, [1, 0, 2]))
@@ -627,19 +746,21 @@ def test_fit_reduces_the_loss(rng, cls, sparse):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy,compute_dtype",
-                         [("mixed_float16", tf.float16), ("mixed_bfloat16", tf.bfloat16)])
-@pytest.mark.parametrize("cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag],
-                         ids=["single", "batched"])
+@pytest.mark.parametrize(
+    "policy,compute_dtype", [("mixed_float16", tf.float16), ("mixed_bfloat16", tf.bfloat16)]
+)
+@pytest.mark.parametrize(
+    "cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag], ids=["single", "batched"]
+)
 def test_mixed_precision(rng, global_policy, policy, compute_dtype, cls):
     reference_layer = make_layer(rng, "2cores-d33", cls, num_tables=2, combiner="sqrtn")
-    ids = tf.constant(rng.integers(0, 20, size=(2, 5, 3) if cls is not TTEmbeddingBag
-                                   else (5, 3)))
+    ids = tf.constant(rng.integers(0, 20, size=(2, 5, 3) if cls is not TTEmbeddingBag else (5, 3)))
     weights = tf.constant(rng.uniform(0.5, 1.5, size=ids.shape), tf.float16)
     want = reference_layer(ids, tf.cast(weights, tf.float32)).numpy()
     global_policy(policy)
-    layer = make_layer(rng, "2cores-d33", cls, num_tables=2, combiner="sqrtn",
-                       sparse=policy == "mixed_bfloat16")
+    layer = make_layer(
+        rng, "2cores-d33", cls, num_tables=2, combiner="sqrtn", sparse=policy == "mixed_bfloat16"
+    )
     for core, value in zip(layer.cores, reference_layer.cores):
         core.assign(value)
     assert all(c.dtype == "float32" for c in layer.cores)
@@ -659,11 +780,13 @@ def test_sparse_refuses_mixed_float16(global_policy):
     TTEmbeddingBag(10, 4, 2, sparse=True, dtype="float32")
 
 
-@pytest.mark.parametrize("cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag],
-                         ids=["single", "batched"])
+@pytest.mark.parametrize(
+    "cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag], ids=["single", "batched"]
+)
 def test_jit_compile_uses_the_composite(rng, cls):
-    layer = make_layer(rng, "4cores-d8", cls, num_tables=2, combiner="mean",
-                       implementation="auto", padding_id=-1)
+    layer = make_layer(
+        rng, "4cores-d8", cls, num_tables=2, combiner="mean", implementation="auto", padding_id=-1
+    )
     shape = (2, 6, 3) if cls is TableBatchedTTEmbeddingBag else (6, 3)
     ids = tf.constant(dense_bags(rng, shape, 100, tf.int64, padding_id=-1).ids)
     up = tf.constant(rng.normal(size=shape[:-1] + (8,)), tf.float32)
@@ -689,8 +812,12 @@ def test_jit_compile_uses_the_composite(rng, cls):
 def test_supports_jit_flags():
     assert TTEmbeddingBag(10, 4, 2, implementation="composite").supports_jit is True
     assert TTEmbeddingBag(10, 4, 2).supports_jit is False
-    assert TTEmbeddingBag(10, 4, 2, implementation="composite", use_cache=True, cache_size=1,
-                          hashtbl_size=1).supports_jit is False
+    assert (
+        TTEmbeddingBag(
+            10, 4, 2, implementation="composite", use_cache=True, cache_size=1, hashtbl_size=1
+        ).supports_jit
+        is False
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -698,15 +825,29 @@ def test_supports_jit_flags():
 # --------------------------------------------------------------------------------------
 
 FULL_CONFIG = dict(
-    num_embeddings=50, embedding_dim=6, tt_ranks=[3, 2], tt_p_shapes=[2, 5, 5],
-    tt_q_shapes=[1, 2, 3], combiner="sqrtn", padding_id=0, sparse=True, optimizer="adagrad",
-    learning_rate=0.25, eps=1e-6, use_cache=True, cache_size=3, hashtbl_size=32,
-    weight_dist="normal", seed=5, implementation="composite",
+    num_embeddings=50,
+    embedding_dim=6,
+    tt_ranks=[3, 2],
+    tt_p_shapes=[2, 5, 5],
+    tt_q_shapes=[1, 2, 3],
+    combiner="sqrtn",
+    padding_id=0,
+    sparse=True,
+    optimizer="adagrad",
+    learning_rate=0.25,
+    eps=1e-6,
+    use_cache=True,
+    cache_size=3,
+    hashtbl_size=32,
+    weight_dist="normal",
+    seed=5,
+    implementation="composite",
 )
 
 
-@pytest.mark.parametrize("cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag],
-                         ids=["single", "batched"])
+@pytest.mark.parametrize(
+    "cls", [TTEmbeddingBag, TableBatchedTTEmbeddingBag], ids=["single", "batched"]
+)
 def test_get_config_from_config(rng, cls):
     kwargs = dict(FULL_CONFIG, **({"num_tables": 2} if cls is TableBatchedTTEmbeddingBag else {}))
     layer = cls(**kwargs)
@@ -737,18 +878,21 @@ def test_keras_file_round_trip(rng, tmp_path):
     ids_in = keras.Input(shape=(None,), dtype="int64", ragged=True)
     tables_in = keras.Input(shape=(2, 3), dtype="int64")
     single = TTEmbeddingBag(**FULL_CONFIG, name="single")
-    batched = TableBatchedTTEmbeddingBag(2, 30, 4, [2], combiner="mean", name="batched",
-                                         use_cache=True, cache_size=2, hashtbl_size=8)
-    flat = keras.layers.Flatten()(keras.ops.transpose(
-        batched(keras.ops.transpose(tables_in, [1, 0, 2])), [1, 0, 2]))
-    model = keras.Model([ids_in, tables_in],
-                        keras.layers.Concatenate()([single(ids_in), flat]))
+    batched = TableBatchedTTEmbeddingBag(
+        2, 30, 4, [2], combiner="mean", name="batched", use_cache=True, cache_size=2, hashtbl_size=8
+    )
+    flat = keras.layers.Flatten()(
+        keras.ops.transpose(batched(keras.ops.transpose(tables_in, [1, 0, 2])), [1, 0, 2])
+    )
+    model = keras.Model([ids_in, tables_in], keras.layers.Concatenate()([single(ids_in), flat]))
     for layer in (single, batched):
         _set_counts(layer, {1: 3, 2: 2, 3: 1})
         layer.cache_populate()
         layer.cache_rows.assign(rng.normal(size=layer.cache_rows.shape))
-    x = [tf.ragged.constant([[1, 2, 0], [], [49]], dtype=tf.int64),
-         tf.constant(rng.integers(0, 30, size=(3, 2, 3)))]
+    x = [
+        tf.ragged.constant([[1, 2, 0], [], [49]], dtype=tf.int64),
+        tf.constant(rng.integers(0, 30, size=(3, 2, 3))),
+    ]
     want = model(x).numpy()
     path = tmp_path / "model.keras"
     model.save(path)
@@ -781,13 +925,19 @@ SERVE = """
 
 @pytest.mark.slow
 def test_saved_model_served_in_fresh_process(rng, tmp_path):
-    single = make_layer(rng, "3cores-d3", combiner="mean", padding_id=-1, use_cache=True,
-                        cache_size=2, hashtbl_size=8)
+    single = make_layer(
+        rng,
+        "3cores-d3",
+        combiner="mean",
+        padding_id=-1,
+        use_cache=True,
+        cache_size=2,
+        hashtbl_size=8,
+    )
     _set_counts(single, {4: 2, 9: 1})
     single.cache_populate()
     single.cache_rows.assign(rng.normal(size=(2, 3)))
-    batched = make_layer(rng, "2cores-d33", TableBatchedTTEmbeddingBag, num_tables=2,
-                         sparse=True)
+    batched = make_layer(rng, "2cores-d33", TableBatchedTTEmbeddingBag, num_tables=2, sparse=True)
 
     class Serving(tf.Module):
         def __init__(self):
@@ -806,7 +956,8 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     tf.saved_model.save(Serving(), str(path))
     ragged = ragged_bags(rng, [3, 0, 5, 1], 50, tf.int64, padding_id=-1)
     ragged.ids = tf.RaggedTensor.from_row_splits(
-        tf.concat([[4, 9], ragged.ids.flat_values[2:]], 0), ragged.ids.row_splits)
+        tf.concat([[4, 9], ragged.ids.flat_values[2:]], 0), ragged.ids.row_splits
+    )
     dense = rng.integers(0, 20, size=(2, 4, 3))
     files = [tmp_path / f for f in ("values.npy", "splits.npy", "dense.npy")]
     np.save(files[0], ragged.ids.flat_values.numpy())
@@ -814,8 +965,9 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     np.save(files[2], dense)
     got = json.loads(run_fresh_python(SERVE, str(path), *map(str, files)))
     np.testing.assert_allclose(got["single"], single(ragged.ids).numpy(), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(got["batched"], batched(tf.constant(dense)).numpy(), rtol=1e-6,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+        got["batched"], batched(tf.constant(dense)).numpy(), rtol=1e-6, atol=1e-7
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -829,8 +981,10 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
         (dict(num_embeddings=0), r"num_embeddings must be an integer >= 1, got 0"),
         (dict(embedding_dim=-2), r"embedding_dim must be an integer >= 1, got -2"),
         (dict(tt_ranks=0), r"tt_ranks must be a positive integer .* got 0"),
-        (dict(tt_p_shapes=[10, 10], tt_ranks=[2, 2]),
-         r"tt_ranks must have 1 entries for 2 cores, got \[2, 2\]"),
+        (
+            dict(tt_p_shapes=[10, 10], tt_ranks=[2, 2]),
+            r"tt_ranks must have 1 entries for 2 cores, got \[2, 2\]",
+        ),
         (dict(tt_p_shapes=[2, 3]), r"prod\(tt_p_shapes\) = 6 must be >= num_embeddings = 100"),
         (dict(tt_q_shapes=[2, 3, 1]), r"prod\(tt_q_shapes\) = 6 must equal embedding_dim = 8"),
         (dict(combiner="avg"), r"combiner must be one of .* got 'avg'"),
@@ -840,8 +994,10 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
         (dict(learning_rate=0), r"learning_rate must be a positive number, got 0"),
         (dict(eps=-1.0), r"eps must be a non-negative number, got -1.0"),
         (dict(use_cache=True), r"use_cache=True needs cache_size >= 1, got 0"),
-        (dict(use_cache=True, cache_size=8, hashtbl_size=4),
-         r"hashtbl_size >= cache_size = 8 .* got 4"),
+        (
+            dict(use_cache=True, cache_size=8, hashtbl_size=4),
+            r"hashtbl_size >= cache_size = 8 .* got 4",
+        ),
         (dict(cache_size=-1), r"cache_size must be an integer >= 0, got -1"),
         (dict(weight_dist="gaussian"), r"weight_dist must be one of .* got 'gaussian'"),
         (dict(seed=-1), r"seed must be an integer >= 0, got -1"),

@@ -7,13 +7,11 @@ core layout, global ids of table-batched cores, any id order, dtypes, determinis
 
 from __future__ import annotations
 
-
-
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from processes import built_with_cuda, our_message, visible_devices
+
 from tf_ttemb.ops import _loader
 
 SHAPES = [
@@ -41,10 +39,7 @@ def full_ranks(ranks):
 
 def random_cores(rng, p, q, ranks, num_tables):
     r = full_ranks(ranks)
-    return [
-        rng.standard_normal((num_tables * p[k], r[k] * q[k] * r[k + 1]))
-        for k in range(len(p))
-    ]
+    return [rng.standard_normal((num_tables * p[k], r[k] * q[k] * r[k + 1])) for k in range(len(p))]
 
 
 def reference_rows(cores, p, q, ranks, ids):
@@ -154,7 +149,9 @@ def test_rows_grad_matches_reference(rng, shape, order, dtype):
     tolerance = 1e-10 if dtype == tf.float64 else 1e-4
     expected = reference_core_grads(cores, p, q, ranks, ids, grad)
     for k in range(len(p)):
-        touched = np.unique((ids // np.prod(p)) * p[k] + (ids % np.prod(p)) // np.prod(p[k + 1 :]) % p[k])
+        touched = np.unique(
+            (ids // np.prod(p)) * p[k] + (ids % np.prod(p)) // np.prod(p[k + 1 :]) % p[k]
+        )
         np.testing.assert_array_equal(indices[k].numpy(), touched)
         dense = np.zeros_like(cores[k])
         dense[indices[k].numpy()] = values[k].numpy()
@@ -173,7 +170,9 @@ def test_rows_grad_against_finite_differences(rng):
     def loss(*cores):
         return tf.reduce_sum(lib().tf_ttemb_tt_rows(ids, list(cores), **attrs).rows * upstream)
 
-    indices, values = lib().tf_ttemb_tt_rows_grad(ids, cores, upstream, tf.zeros([0], tf.float64), **attrs)
+    indices, values = lib().tf_ttemb_tt_rows_grad(
+        ids, cores, upstream, tf.zeros([0], tf.float64), **attrs
+    )
     eps = 1e-6
     for k, core in enumerate(cores):
         dense = np.zeros(core.shape)
@@ -228,7 +227,11 @@ def test_every_core_row_gets_its_gradient_for_large_p(rng):
     ids = np.arange(3000, dtype=np.int64)
     grad = rng.standard_normal((3000, 4))
     indices, values = lib().tf_ttemb_tt_rows_grad(
-        ids, [tf.constant(c) for c in cores], grad, tf.zeros([0], tf.float64), **attrs_of(p, q, ranks, 1)
+        ids,
+        [tf.constant(c) for c in cores],
+        grad,
+        tf.zeros([0], tf.float64),
+        **attrs_of(p, q, ranks, 1),
     )
     np.testing.assert_array_equal(indices[0].numpy(), np.arange(1000))
     expected = reference_core_grads(cores, p, q, ranks, ids, grad)
@@ -273,9 +276,15 @@ def test_rows_rejects_bad_ids_and_cores(rng):
         tf.errors.InvalidArgumentError, match=r"cores\[1\] must be \[num_tables \* p_shapes\[1\]"
     ):
         lib().tf_ttemb_tt_rows(tf.constant([0], tf.int64), [cores[0], cores[1][:7]], **attrs)
-    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="grad must be|Dimension"):
+    with pytest.raises(
+        (tf.errors.InvalidArgumentError, ValueError), match="grad must be|Dimension"
+    ):
         lib().tf_ttemb_tt_rows_grad(
-            tf.constant([0], tf.int64), cores, tf.zeros([1, 5], tf.float64), tf.zeros([0], tf.float64), **attrs
+            tf.constant([0], tf.int64),
+            cores,
+            tf.zeros([1, 5], tf.float64),
+            tf.zeros([0], tf.float64),
+            **attrs,
         )
 
 
@@ -299,12 +308,17 @@ def _check_saved_products_give_the_recomputed_gradient(rng, shape, dtype):
     recomputed = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, tf.zeros([0], dtype), **attrs)
     for a, b in zip(with_saved.core_grad_values, recomputed.core_grad_values):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
-    with pytest.raises(tf.errors.InvalidArgumentError, match="pass the saved output of the TTRows op"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="pass the saved output of the TTRows op"
+    ):
         lib().tf_ttemb_tt_rows_grad(ids[:-1], cores, grad[:-1], saved, **attrs)
     # Same size, other ids: refused by the ids' fingerprint, never used silently.
     other = tf.sort(tf.concat([ids[:-1], [ids[-1] - 1 if ids[-1] - 1 not in ids else ids[-1]]], 0))
     if not np.array_equal(other.numpy(), ids.numpy()):
-        with pytest.raises(tf.errors.InvalidArgumentError, match="saved .* computed for other ids|does not have the size"):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError,
+            match="saved .* computed for other ids|does not have the size",
+        ):
             lib().tf_ttemb_tt_rows_grad(other, cores, grad, saved, **attrs)
     # Same ids, other cores: the products the saved tensor holds are the old cores', so
     # it is refused (issue 18, case 9), whichever core changed, even by one element.
@@ -313,8 +327,9 @@ def _check_saved_products_give_the_recomputed_gradient(rng, shape, dtype):
         bumped = changed[k].numpy().copy()
         bumped.flat[int(rng.integers(bumped.size))] += 1
         changed[k] = tf.constant(bumped, dtype)
-        with pytest.raises(tf.errors.InvalidArgumentError,
-                           match="saved .* computed for other ids or other cores"):
+        with pytest.raises(
+            tf.errors.InvalidArgumentError, match="saved .* computed for other ids or other cores"
+        ):
             lib().tf_ttemb_tt_rows_grad(ids, changed, grad, saved, **attrs)
 
 
@@ -347,7 +362,12 @@ def test_unique_ids_and_slots(rng):
 def test_unique_ids_errors():
     op = lib().tf_ttemb_tt_unique_ids
     with pytest.raises(tf.errors.InvalidArgumentError) as info:
-        op(tf.constant([1, 2, 9], tf.int64), tf.constant([0, 3], tf.int64), num_embeddings=8, stride=8)
+        op(
+            tf.constant([1, 2, 9], tf.int64),
+            tf.constant([0, 3], tf.int64),
+            num_embeddings=8,
+            stride=8,
+        )
     assert our_message(info.value.message) == "indices[2] = 9 is not in [0, 8)"
     # ids in [N, prod(p)) are rejected too: the stride is only the global-id spacing.
     with pytest.raises(
@@ -365,10 +385,17 @@ def test_unique_ids_errors():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"table_splits\[0\] = 1 must be 0"):
         op(tf.constant([1], tf.int64), tf.constant([1, 1], tf.int64), num_embeddings=8, stride=8)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"table_splits\[2\] = 1 must be >="):
-        op(tf.constant([1, 2], tf.int64), tf.constant([0, 2, 1], tf.int64), num_embeddings=8, stride=8)
+        op(
+            tf.constant([1, 2], tf.int64),
+            tf.constant([0, 2, 1], tf.int64),
+            num_embeddings=8,
+            stride=8,
+        )
     with pytest.raises(tf.errors.InvalidArgumentError, match="must equal the number of ids"):
         op(tf.constant([1, 2], tf.int64), tf.constant([0, 1], tf.int64), num_embeddings=8, stride=8)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"stride \(4\) must be >= num_embeddings"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"stride \(4\) must be >= num_embeddings"
+    ):
         op(tf.constant([1], tf.int64), tf.constant([0, 1], tf.int64), num_embeddings=8, stride=4)
 
 
@@ -532,7 +559,9 @@ def test_gpu_rows_grad_matches_cpu_and_reference(rng, shape, dtype):
     expected = reference_core_grads(seen, p, q, ranks, ids.numpy(), grad.numpy().astype(np.float64))
     tolerance = {tf.float64: 1e-10, tf.float32: 1e-4, tf.float16: 3e-2, tf.bfloat16: 3e-2}[dtype]
     for k in range(len(p)):
-        np.testing.assert_array_equal(gpu.core_grad_indices[k].numpy(), cpu.core_grad_indices[k].numpy())
+        np.testing.assert_array_equal(
+            gpu.core_grad_indices[k].numpy(), cpu.core_grad_indices[k].numpy()
+        )
         assert gpu.core_grad_values[k].dtype == dtype
         dense = np.zeros_like(seen[k])
         dense[gpu.core_grad_indices[k].numpy()] = gpu.core_grad_values[k].numpy().astype(np.float64)
@@ -573,8 +602,13 @@ def test_gpu_every_core_row_gets_its_gradient_for_large_p(rng):
     ids = rng.permutation(3000).astype(np.int64)
     grad = rng.standard_normal((3000, 4))
     indices, values = _on(
-        "/GPU:0", lib().tf_ttemb_tt_rows_grad, ids, [tf.constant(c) for c in cores], grad,
-        tf.zeros([0], tf.float64), **attrs_of(p, q, ranks, 1),
+        "/GPU:0",
+        lib().tf_ttemb_tt_rows_grad,
+        ids,
+        [tf.constant(c) for c in cores],
+        grad,
+        tf.zeros([0], tf.float64),
+        **attrs_of(p, q, ranks, 1),
     )
     np.testing.assert_array_equal(indices[0].numpy(), np.arange(1000))
     expected = reference_core_grads(cores, p, q, ranks, ids, grad)
@@ -618,7 +652,9 @@ def test_gpu_empty_inputs():
     ids = tf.zeros([0], tf.int64)
     with tf.device("/GPU:0"):
         rows = lib().tf_ttemb_tt_rows(ids, cores, **attrs).rows
-        indices, values = lib().tf_ttemb_tt_rows_grad(ids, cores, tf.zeros([0, 4]), tf.zeros([0]), **attrs)
+        indices, values = lib().tf_ttemb_tt_rows_grad(
+            ids, cores, tf.zeros([0, 4]), tf.zeros([0]), **attrs
+        )
         unique, slots = lib().tf_ttemb_tt_unique_ids(
             tf.zeros([0], tf.int32), tf.constant([0, 0], tf.int64), num_embeddings=5, stride=5
         )
@@ -643,12 +679,20 @@ def test_gpu_errors_match_cpu(rng):
     for ids in bad_ids:
         grad = tf.constant(rng.standard_normal((ids.shape[0], 4)))
         cases.append((lib().tf_ttemb_tt_rows, (ids, cores), attrs))
-        cases.append((lib().tf_ttemb_tt_rows_grad, (ids, cores, grad, tf.zeros([0], tf.float64)), attrs))
-    cases.append((lib().tf_ttemb_tt_rows, (tf.constant([0], tf.int64), [cores[0], cores[1][:7]]), attrs))
+        cases.append(
+            (lib().tf_ttemb_tt_rows_grad, (ids, cores, grad, tf.zeros([0], tf.float64)), attrs)
+        )
+    cases.append(
+        (lib().tf_ttemb_tt_rows, (tf.constant([0], tf.int64), [cores[0], cores[1][:7]]), attrs)
+    )
     unique = lib().tf_ttemb_tt_unique_ids
     for ids, splits, kwargs in [
         ([1, 2, 9, 11], [0, 4], dict(num_embeddings=8, stride=8)),
-        ([3, 8, 1], [0, 1, 3], dict(num_embeddings=8, stride=10, padding_id=-3, has_padding_id=True)),
+        (
+            [3, 8, 1],
+            [0, 1, 3],
+            dict(num_embeddings=8, stride=10, padding_id=-3, has_padding_id=True),
+        ),
         ([1], [1, 1], dict(num_embeddings=8, stride=8)),
         ([1, 2], [0, 2, 1], dict(num_embeddings=8, stride=8)),
         ([1, 2], [0, 1], dict(num_embeddings=8, stride=8)),
@@ -681,7 +725,9 @@ def test_gpu_cache_count_matches_cpu(rng):
             with tf.device(device):
                 held = keys.read_value()  # shares the buffer: the update must copy it
                 before = held.numpy()
-                lib().tf_ttemb_tt_cache_count(keys.handle, counts.handle, tf.constant(ids, tf.int64))
+                lib().tf_ttemb_tt_cache_count(
+                    keys.handle, counts.handle, tf.constant(ids, tf.int64)
+                )
                 np.testing.assert_array_equal(held.numpy(), before)
         (ck, cc), (gk, gc) = tables["/CPU:0"], tables["/GPU:0"]
         np.testing.assert_array_equal(gk.numpy(), ck.numpy(), err_msg=f"step {step}")
@@ -715,15 +761,24 @@ def test_gpu_tt_embedding_bag_matches_cpu(rng, dtype):
             with tf.GradientTape() as tape:
                 tape.watch(cores)
                 out = tt_embedding_bag(
-                    cores, ids, weights, num_embeddings=n, p_shapes=p, q_shapes=q,
-                    ranks=ranks, combiner="mean", padding_id=n + 2,
-                    frequency_table=(keys, counts), implementation="custom_op",
+                    cores,
+                    ids,
+                    weights,
+                    num_embeddings=n,
+                    p_shapes=p,
+                    q_shapes=q,
+                    ranks=ranks,
+                    combiner="mean",
+                    padding_id=n + 2,
+                    frequency_table=(keys, counts),
+                    implementation="custom_op",
                 )
                 loss = tf.reduce_sum(out * upstream)
             grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, cores)]
         results[device] = (out, grads, keys.numpy(), counts.numpy())
     (c_out, c_grads, c_keys, c_counts), (g_out, g_grads, g_keys, g_counts) = (
-        results["/CPU:0"], results["/GPU:0"]
+        results["/CPU:0"],
+        results["/GPU:0"],
     )
     _assert_on_gpu(g_out)
     tolerance = 1e-10 if dtype == tf.float64 else 1e-5

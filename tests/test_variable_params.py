@@ -12,10 +12,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-
-import tf_ttemb
 import reference
+import tensorflow as tf
 from bags import (
     RTOL,
     assert_close,
@@ -27,6 +25,8 @@ from bags import (
     quantize,
     weights_like,
 )
+
+import tf_ttemb
 
 DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 COMBINERS = ["sum", "mean", "sqrtn", "max"]
@@ -109,7 +109,11 @@ def test_keras_variable_reads_in_place(rng):
     out = tf_ttemb.gather_reduce_sum(variable, bags.ids, combiner="mean")
     want, scale = reference.forward(
         tf.cast(tf.constant(values, tf.float32), tf.float64).numpy(),
-        bags.flat_ids, bags.splits, None, "mean", None,
+        bags.flat_ids,
+        bags.splits,
+        None,
+        "mean",
+        None,
     )
     assert_close(dense_value(out).reshape(want.shape), want, scale, tf.float32, "output")
 
@@ -198,8 +202,13 @@ def test_fused_and_two_op_backward_agree(rng, monkeypatch, combiner, dense_grad,
             if not use_variable:
                 tape.watch(table)
             out = tf_ttemb.gather_reduce_sum(
-                table, bags.ids, weights_like(bags.ids, values), combiner=combiner,
-                padding_id=2, dense_grad=dense_grad, implementation="custom_op",
+                table,
+                bags.ids,
+                weights_like(bags.ids, values),
+                combiner=combiner,
+                padding_id=2,
+                dense_grad=dense_grad,
+                implementation="custom_op",
             )
             loss = tf.reduce_sum(out * upstream)
         return tape.gradient(loss, [table, values])

@@ -67,7 +67,9 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     out_dir = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
         [sys.executable, str(CHECKOUT / "python" / "build_wheel.py"), "--out-dir", str(out_dir)],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     path = pathlib.Path(proc.stdout.strip())
@@ -133,15 +135,32 @@ def venv(tmp_path_factory, wheel) -> pathlib.Path:
     python = env_dir / "bin" / "python"
     fresh_site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True, env=_clean_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_clean_env(),
     ).stdout.strip()
     (pathlib.Path(fresh_site) / "_tf_base.pth").write_text(f"{base}\n")
     proc = subprocess.run(
         # --isolated: no pip config or PIP_* variables (no find-links), so with --no-index
         # nothing but the wheel can be installed.
-        [sys.executable, "-m", "pip", "--isolated", "--python", str(python), "install",
-         "--no-index", "--no-cache-dir", "--disable-pip-version-check", str(wheel)],
-        capture_output=True, text=True, check=False, env=_clean_env(),
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--isolated",
+            "--python",
+            str(python),
+            "install",
+            "--no-index",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Looking in links" not in proc.stdout, proc.stdout
@@ -163,12 +182,14 @@ def test_wheel_name_tags_and_metadata(wheel):
     requires = sorted(
         line.split(": ", 1)[1] for line in headers if line.startswith("Requires-Dist")
     )
-    assert requires == sorted([
-        f"tensorflow=={BUILD_INFO['tf_version']}",
-        "numpy",
-        "keras>=3",
-        'matplotlib; extra == "demo"',
-    ])
+    assert requires == sorted(
+        [
+            f"tensorflow=={BUILD_INFO['tf_version']}",
+            "numpy",
+            "keras>=3",
+            'matplotlib; extra == "demo"',
+        ]
+    )
     assert "Requires-Python: >=3.10" in headers
     assert "Provides-Extra: demo" in headers
     assert f"Version: {version}" in headers
@@ -211,9 +232,17 @@ def test_builder_refuses_build_info_of_another_build(tmp_path):
     path = tmp_path / "_build_info.json"
     path.write_text(json.dumps(info))
     proc = subprocess.run(
-        [sys.executable, str(CHECKOUT / "python" / "build_wheel.py"), "--build-info", str(path),
-         "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            str(CHECKOUT / "python" / "build_wheel.py"),
+            "--build-info",
+            str(path),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 1
     assert f"says cuda={str(info['cuda']).lower()}" in proc.stderr
@@ -294,7 +323,11 @@ def test_installed_wheel_works_outside_checkout(venv, tmp_path, rng):
     seed = int(rng.integers(1 << 30))
     proc = subprocess.run(
         [str(python), "-c", _PROBE, str(seed)],
-        cwd=tmp_path, capture_output=True, text=True, check=False, env=_clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -313,7 +346,11 @@ def test_installed_wheel_works_outside_checkout(venv, tmp_path, rng):
 def test_installed_cli(venv, tmp_path):
     script = venv / "bin" / "tf-ttemb"
     proc = subprocess.run(
-        [str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, check=False,
+        [str(script), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
         env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr
@@ -321,7 +358,11 @@ def test_installed_cli(venv, tmp_path):
         assert command in proc.stdout
     proc = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "tf_ttemb", "info", "--json", "-"],
-        cwd=tmp_path, capture_output=True, text=True, check=False, env=_clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout)

@@ -13,9 +13,7 @@ implementation needs none) and is reported on the first use of the custom op.
 
 __version__ = "0.1.0"
 
-from tf_ttemb import layers
-from tf_ttemb import optimizers
-from tf_ttemb import tt
+from tf_ttemb import layers, optimizers, tt
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops.gather_reduce_sum import gather_reduce_sum
 from tf_ttemb.ops.tt_embedding import tt_embedding_bag, tt_rows

@@ -33,8 +33,7 @@ def layer_padding_id(value: Any, rows_name: str, rows: int) -> int | None:
     number = as_integer(value)
     if number is None or not -1 <= number < rows:
         raise ValueError(
-            f"padding_id must be None, -1 or an integer in [0, {rows_name}={rows}), "
-            f"got {value!r}"
+            f"padding_id must be None, -1 or an integer in [0, {rows_name}={rows}), got {value!r}"
         )
     return number
 

@@ -111,20 +111,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n", 2)[2].split("How it measures")[0].strip()
     parser.epilog = EPILOG
     parser.add_argument(
-        "--cases", type=_csv(CASES), default=list(CASES),
+        "--cases",
+        type=_csv(CASES),
+        default=list(CASES),
         help=f"comma-separated cases to run (default: all: {','.join(CASES)})",
     )
     parser.add_argument(
-        "--dtypes", type=_csv(DTYPES), default=["float32"],
+        "--dtypes",
+        type=_csv(DTYPES),
+        default=["float32"],
         help="comma-separated value dtypes of gather_reduce_sum and tt_rows "
         f"(from {','.join(DTYPES)}; default: float32)",
     )
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="small sizes and 3 repeats: seconds instead of minutes (explicit sizes win)",
     )
     parser.add_argument(
-        "--threads", type=_positive, default=None,
+        "--threads",
+        type=_positive,
+        default=None,
         help="TensorFlow intra-op threads (default: TensorFlow's choice, one per core)",
     )
     parser.add_argument("--device", default="CPU:0", help="device to run on (default: CPU:0)")
@@ -133,7 +140,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizes = parser.add_argument_group("sizes (default / with --quick)")
     for name, (default, quick, text) in SIZES.items():
         sizes.add_argument(
-            "--" + name.replace("_", "-"), dest=name, type=_positive, default=None,
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=_positive,
+            default=None,
             help=f"{text} ({default:,} / {quick:,})",
         )
 
@@ -214,8 +224,13 @@ def max_rel_diff(got: Any, want: Any) -> float:
 
 def _row(case, impl, dtype, shape, fwd, fwdbwd, diffs, baseline) -> Dict[str, Any]:
     return {
-        "case": case, "impl": impl, "dtype": dtype, "shape": shape,
-        "baseline": baseline, "fwd": fwd, "fwd_bwd": fwdbwd,
+        "case": case,
+        "impl": impl,
+        "dtype": dtype,
+        "shape": shape,
+        "baseline": baseline,
+        "fwd": fwd,
+        "fwd_bwd": fwdbwd,
         "max_rel_diff": diffs,
     }
 
@@ -234,8 +249,9 @@ def _run_case(
     fwd = time_alternating(fwd_steps, opts.warmup, opts.repeats)
     bwd = time_alternating(bwd_steps, opts.warmup, opts.repeats)
     return [
-        _row(case, s.impl, dtype, shape, fwd[s.impl], bwd[s.impl], diffs[s.impl],
-             s.impl == baseline)
+        _row(
+            case, s.impl, dtype, shape, fwd[s.impl], bwd[s.impl], diffs[s.impl], s.impl == baseline
+        )
         for s in fwd_steps
     ]
 
@@ -268,8 +284,10 @@ def bench_gather_reduce_sum(dtype: str, opts, rng) -> List[Dict[str, Any]]:
         return step
 
     shape = f"{n:,}x{d} table, {b:,} bags x {length} ids, weighted sum"
-    fwd = [Step("custom_op", tf.function(lambda: custom(weights))),
-           Step("tf_gather", tf.function(lambda: plain(weights)))]
+    fwd = [
+        Step("custom_op", tf.function(lambda: custom(weights))),
+        Step("tf_gather", tf.function(lambda: plain(weights))),
+    ]
     bwd = [Step("custom_op", fwd_bwd(custom)), Step("tf_gather", fwd_bwd(plain))]
     return _run_case("gather_reduce_sum", dtype, shape, fwd, bwd, opts)
 
@@ -283,8 +301,14 @@ def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
     from tf_ttemb.layers import TTEmbeddingBag
 
     n, d, rank, count = opts.tt_rows, opts.tt_dim, opts.tt_rank, opts.tt_lookups
-    layer = TTEmbeddingBag(n, d, tt_ranks=rank, seed=int(rng.integers(1 << 30)),
-                           dtype=dtype, implementation="custom_op")
+    layer = TTEmbeddingBag(
+        n,
+        d,
+        tt_ranks=rank,
+        seed=int(rng.integers(1 << 30)),
+        dtype=dtype,
+        implementation="custom_op",
+    )
     layer.build(None)
     p, q, ranks = layer.tt_p_shapes, layer.tt_q_shapes, [rank] * (len(layer.tt_p_shapes) - 1)
     cores = list(layer.cores)
@@ -295,8 +319,9 @@ def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
     upstream = tf.constant(rng.normal(size=(count, d)), dtype)
 
     def custom():
-        return tf_ttemb.tt_rows(cores, ids, p_shapes=p, q_shapes=q, ranks=ranks,
-                                implementation="custom_op")
+        return tf_ttemb.tt_rows(
+            cores, ids, p_shapes=p, q_shapes=q, ranks=ranks, implementation="custom_op"
+        )
 
     def plain():
         return tf.gather(table, ids)
@@ -310,9 +335,11 @@ def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
 
         return step
 
-    shape = (f"{n:,}x{d} table as TT p={p} q={q} ranks={ranks} "
-             f"({sum(int(c.shape.num_elements()) for c in cores):,} parameters), "
-             f"{count:,} ids")
+    shape = (
+        f"{n:,}x{d} table as TT p={p} q={q} ranks={ranks} "
+        f"({sum(int(c.shape.num_elements()) for c in cores):,} parameters), "
+        f"{count:,} ids"
+    )
     fwd = [Step("custom_op", tf.function(custom)), Step("tf_gather", tf.function(plain))]
     bwd = [Step("custom_op", fwd_bwd(custom, cores)), Step("tf_gather", fwd_bwd(plain, [table]))]
     # The gradients are w.r.t. different variables (cores, dense table): fwd+bwd compares
@@ -331,8 +358,9 @@ def bench_pkm(dtype: str, opts, rng) -> List[Dict[str, Any]]:
     upstream = tf.constant(rng.normal(size=(tokens, dim)), tf.float32)
     layers = {}
     for impl in ("custom_op", "composite"):
-        layer = ProductKeyMemory(output_dim=dim, n_keys=keys, k_dim=64, heads=heads, knn=knn,
-                                 implementation=impl)
+        layer = ProductKeyMemory(
+            output_dim=dim, n_keys=keys, k_dim=64, heads=heads, knn=knn, implementation=impl
+        )
         layer.build(x.shape)
         layers[impl] = layer
     layers["composite"].set_weights(layers["custom_op"].get_weights())
@@ -351,8 +379,9 @@ def bench_pkm(dtype: str, opts, rng) -> List[Dict[str, Any]]:
 
         return step
 
-    shape = (f"{tokens:,} tokens x {dim}, {keys}**2 = {keys * keys:,} slots, {heads} heads "
-             f"x {knn} knn")
+    shape = (
+        f"{tokens:,} tokens x {dim}, {keys}**2 = {keys * keys:,} slots, {heads} heads x {knn} knn"
+    )
     fwd = [Step(i, fwd_step(layer)) for i, layer in layers.items()]
     bwd = [Step(i, bwd_step(layer)) for i, layer in layers.items()]
     return _run_case("pkm", "float32", shape, fwd, bwd, opts)
@@ -364,20 +393,36 @@ def bench_pkm(dtype: str, opts, rng) -> List[Dict[str, Any]]:
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     """An aligned table: one line per case, dtype and implementation."""
-    headers = ["case", "dtype", "impl", "fwd ms", "(min)", "fwd+bwd ms", "(min)",
-               "fwd speed-up", "f+b speed-up", "max rel diff"]
+    headers = [
+        "case",
+        "dtype",
+        "impl",
+        "fwd ms",
+        "(min)",
+        "fwd+bwd ms",
+        "(min)",
+        "fwd speed-up",
+        "f+b speed-up",
+        "max rel diff",
+    ]
     base = {(r["case"], r["dtype"]): r for r in rows if r["baseline"]}
     table = []
     for r in rows:
         b = base[(r["case"], r["dtype"])]
-        table.append([
-            r["case"], r["dtype"], r["impl"] + (" (baseline)" if r["baseline"] else ""),
-            f"{r['fwd']['median_ms']:.3f}", f"{r['fwd']['min_ms']:.3f}",
-            f"{r['fwd_bwd']['median_ms']:.3f}", f"{r['fwd_bwd']['min_ms']:.3f}",
-            f"{b['fwd']['median_ms'] / r['fwd']['median_ms']:.2f}x",
-            f"{b['fwd_bwd']['median_ms'] / r['fwd_bwd']['median_ms']:.2f}x",
-            f"{max(r['max_rel_diff'].values()):.1e}",
-        ])
+        table.append(
+            [
+                r["case"],
+                r["dtype"],
+                r["impl"] + (" (baseline)" if r["baseline"] else ""),
+                f"{r['fwd']['median_ms']:.3f}",
+                f"{r['fwd']['min_ms']:.3f}",
+                f"{r['fwd_bwd']['median_ms']:.3f}",
+                f"{r['fwd_bwd']['min_ms']:.3f}",
+                f"{b['fwd']['median_ms'] / r['fwd']['median_ms']:.2f}x",
+                f"{b['fwd_bwd']['median_ms'] / r['fwd_bwd']['median_ms']:.2f}x",
+                f"{max(r['max_rel_diff'].values()):.1e}",
+            ]
+        )
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *table)]
     left = 3
 
@@ -387,8 +432,9 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
             for i, (c, w) in enumerate(zip(cells, widths))
         )
 
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths)]
-                     + [line(row) for row in table])
+    return "\n".join(
+        [line(headers), "  ".join("-" * w for w in widths)] + [line(row) for row in table]
+    )
 
 
 def _environment(opts) -> Dict[str, Any]:
@@ -400,7 +446,10 @@ def _environment(opts) -> Dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                cpu,
+            )
     except OSError:
         pass
     return {
@@ -438,24 +487,32 @@ def main(args: argparse.Namespace) -> int:
     devices = [d.name for d in tf.config.list_logical_devices()]
     wanted = args.device.upper().removeprefix("/DEVICE:").lstrip("/")
     if not any(name.upper().endswith(wanted) for name in devices):
-        print(f"bench: error: --device {args.device} is not one of TensorFlow's devices here: "
-              f"{', '.join(devices)}", file=sys.stderr)
+        print(
+            f"bench: error: --device {args.device} is not one of TensorFlow's devices here: "
+            f"{', '.join(devices)}",
+            file=sys.stderr,
+        )
         return 2
     _loader.load_op_library()  # fails here, with the loader's advice, when not built
-    runners = {"gather_reduce_sum": bench_gather_reduce_sum, "tt_rows": bench_tt_rows,
-               "pkm": bench_pkm}
+    runners = {
+        "gather_reduce_sum": bench_gather_reduce_sum,
+        "tt_rows": bench_tt_rows,
+        "pkm": bench_pkm,
+    }
     rows: List[Dict[str, Any]] = []
     start = time.perf_counter()
     with tf.device(args.device):
         for case in args.cases:
-            for dtype in (args.dtypes if case != "pkm" else ["float32"]):
+            for dtype in args.dtypes if case != "pkm" else ["float32"]:
                 _log(f"bench: {case} {dtype} ...")
                 rng = np.random.default_rng([args.seed, CASES.index(case), DTYPES.index(dtype)])
                 rows += runners[case](dtype, args, rng)
     elapsed = time.perf_counter() - start
-    print(f"tf_ttemb {__import__('tf_ttemb').__version__} op benchmarks on {args.device}, "
-          f"TensorFlow {tf.__version__}, median of {args.repeats} calls after {args.warmup} "
-          "warm-up calls (ms); speed-up = baseline time / time")
+    print(
+        f"tf_ttemb {__import__('tf_ttemb').__version__} op benchmarks on {args.device}, "
+        f"TensorFlow {tf.__version__}, median of {args.repeats} calls after {args.warmup} "
+        "warm-up calls (ms); speed-up = baseline time / time"
+    )
     shapes = dict.fromkeys((r["case"], r["shape"]) for r in rows)
     for case, shape in shapes:
         print(f"  {case}: {shape}")
@@ -463,9 +520,12 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print(f"\n({elapsed:.1f} s)")
     if args.json:
-        result = {"environment": _environment(args),
-                  "options": {k: v for k, v in vars(args).items() if k not in ("func",)},
-                  "seconds": elapsed, "results": rows}
+        result = {
+            "environment": _environment(args),
+            "options": {k: v for k, v in vars(args).items() if k not in ("func",)},
+            "seconds": elapsed,
+            "results": rows,
+        }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, default=str)
             f.write("\n")

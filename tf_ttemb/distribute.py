@@ -59,8 +59,10 @@ def shards_of(params: Any) -> list | None:
             return shards_of(params.value)
         except (AttributeError, ValueError):
             return None
-    if isinstance(shards, (list, tuple)) and shards and all(
-        isinstance(shard, tf.Variable) for shard in shards
+    if (
+        isinstance(shards, (list, tuple))
+        and shards
+        and all(isinstance(shard, tf.Variable) for shard in shards)
     ):
         return list(shards)
     return None
@@ -170,8 +172,9 @@ def sharded_gather_reduce_sum(
         valid = (ids >= 0) & (ids < num_rows)
         if padding_id is not None:
             valid &= ids != padding_id
-        with tf.control_dependencies(_bags.bounds_check(ids, tf.constant(num_rows, tf.int64),
-                                                        padding_id)):
+        with tf.control_dependencies(
+            _bags.bounds_check(ids, tf.constant(num_rows, tf.int64), padding_id)
+        ):
             valid = tf.identity(valid)
         inverse = None
         if combiner in ("mean", "sqrtn"):
@@ -193,9 +196,7 @@ def sharded_gather_reduce_sum(
             local_bags = tf.RaggedTensor.from_row_splits(local_ids, local_splits, validate=False)
             local_weights = None
             if bags.weights is not None:
-                local_weights = local_bags.with_flat_values(
-                    tf.boolean_mask(bags.weights, in_shard)
-                )
+                local_weights = local_bags.with_flat_values(tf.boolean_mask(bags.weights, in_shard))
             with tf.device(_device_of(shard)):
                 partial = _grs.gather_reduce_sum(
                     shard,
@@ -239,8 +240,9 @@ def _combine_max(partials: Sequence, acc_dtype: tf.DType) -> tf.Tensor:
     """Per column, the largest partial max among the shards holding entries of the bag,
     NaN if one of them is NaN (as unsharded: NaN wins, -inf is a value)."""
     stacked = tf.stack([partial for partial, _ in partials])  # [S, B, D]
-    has = tf.stack([tf.broadcast_to(has[:, None], tf.shape(partial))
-                    for partial, has in partials])  # [S, B, D]
+    has = tf.stack(
+        [tf.broadcast_to(has[:, None], tf.shape(partial)) for partial, has in partials]
+    )  # [S, B, D]
     is_nan = has & tf.math.is_nan(stacked)
     numbers = has & ~is_nan
     best = tf.reduce_max(tf.where(numbers, stacked, -float("inf")), axis=0)  # [B, D]

@@ -88,7 +88,7 @@ def _registered_kernels(op_name: str) -> Optional[Dict[str, Any]]:
 def _op_names(library: Any) -> List[str]:
     """The TfTtemb ops the loaded library registered, from its generated wrappers."""
     return sorted(
-        _OP_PREFIX + name[len("TfTtemb_"):]
+        _OP_PREFIX + name[len("TfTtemb_") :]
         for name in dir(library)
         if name.startswith("TfTtemb_") and callable(getattr(library, name))
     )
@@ -152,7 +152,7 @@ def collect() -> Dict[str, Any]:
         if kernels is None:
             registry_ok = False
             break
-        info["kernels"][op[len(_OP_PREFIX):]] = kernels
+        info["kernels"][op[len(_OP_PREFIX) :]] = kernels
     if registry_ok:
         info["cuda_kernels_registered"] = any("GPU" in k for k in info["kernels"].values())
     return info

@@ -56,7 +56,8 @@ class Section:
 
 SECTIONS: Dict[str, Section] = {
     "gather_reduce_sum": Section(
-        "fused EmbeddingBag vs plain TensorFlow on a PKM-like lookup", gather_reduce_sum.section_gather_reduce_sum
+        "fused EmbeddingBag vs plain TensorFlow on a PKM-like lookup",
+        gather_reduce_sum.section_gather_reduce_sum,
     ),
     "tt_quality": Section(
         "full vs Tensor-Train compressed tables in a small CTR model: size, quality, speed",
@@ -140,13 +141,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slots",
         type=_positive_int,
         default=None,
-        help=f"rows of the values table (default: {gather_reduce_sum.PkmShape.slots}; 262144 with a GPU)",
+        help=f"rows of the values table (default: {gather_reduce_sum.PkmShape.slots}; "
+        "262144 with a GPU)",
     )
     parser.add_argument(
         "--dim",
         type=_positive_int,
         default=None,
-        help=f"width of the values table (default: {gather_reduce_sum.PkmShape.dim}; 1024 with a GPU)",
+        help=f"width of the values table (default: {gather_reduce_sum.PkmShape.dim}; "
+        "1024 with a GPU)",
     )
     parser.add_argument(
         "--heads",

@@ -307,16 +307,22 @@ def _run_memory_worker(
     records = []
     for tokens in token_counts:
         for lookup in LOOKUPS:
-            spec = {"shape": dataclasses.asdict(shape), "tokens": tokens, "lookup": lookup,
-                    "seed": seed, "method": method}
+            spec = {
+                "shape": dataclasses.asdict(shape),
+                "tokens": tokens,
+                "lookup": lookup,
+                "seed": seed,
+                "method": method,
+            }
             if method == GPU_ALLOCATOR:
                 # The GPU allocator counts the bytes in use, and its peak restarts at
                 # reset_memory_stats: what an earlier step left pooled or peaked at cannot
                 # hide a step's growth, so this process measures (a fresh one would spend
                 # ~20 s starting TensorFlow on the GPU).
                 growth = first_step_growth(shape, lookup, tokens, seed, method)
-                records.append(_checked({"lookup": lookup, "tokens": tokens, "bytes": growth},
-                                        shape))
+                records.append(
+                    _checked({"lookup": lookup, "tokens": tokens, "bytes": growth}, shape)
+                )
                 on_record(records[-1])
                 continue
             command = [
@@ -328,8 +334,11 @@ def _run_memory_worker(
             ]
             proc = subprocess.run(command, env=env, capture_output=True, text=True)
             lines = proc.stdout.splitlines()
-            found = [json.loads(line[len(_RECORD_MARK):]) for line in lines
-                     if line.startswith(_RECORD_MARK)]
+            found = [
+                json.loads(line[len(_RECORD_MARK) :])
+                for line in lines
+                if line.startswith(_RECORD_MARK)
+            ]
             if proc.returncode != 0 or len(found) != 1:
                 tail = (lines + proc.stderr.splitlines())[-20:]
                 raise RuntimeError(
@@ -366,7 +375,7 @@ def _densified(value: Any) -> tf.Tensor:
     dense = tf.zeros([num_rows, dim], value.values.dtype)
     for start in range(0, int(value.values.shape[0]), step):
         dense += tf.math.unsorted_segment_sum(
-            value.values[start:start + step], value.indices[start:start + step], num_rows
+            value.values[start : start + step], value.indices[start : start + step], num_rows
         )
     return dense
 

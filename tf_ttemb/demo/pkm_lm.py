@@ -126,8 +126,7 @@ def load_corpus(directory: Optional[str] = None) -> Corpus:
     train = tuple(name for name in names if not is_validation_file(name))
     if not train or not validation:
         raise ValueError(
-            f"{directory} has {len(names)} .py files: too few for a training and a "
-            "validation split"
+            f"{directory} has {len(names)} .py files: too few for a training and a validation split"
         )
     return Corpus(
         directory=directory,

@@ -62,7 +62,6 @@ class CtrTask:
         )
 
 
-
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser on uint64 arrays (wrapping arithmetic): a fast, good hash."""
     with np.errstate(over="ignore"):  # numpy warns on wrapping scalars, not arrays
@@ -118,7 +117,9 @@ def zipf_ranks(cdf: np.ndarray, size: Any, rng: np.random.Generator) -> np.ndarr
     return np.minimum(ranks, len(cdf) - 1).astype(np.int64)
 
 
-def ctr_data(task: CtrTask, model: PlantedModel, examples: int, stream: int) -> Dict[str, np.ndarray]:
+def ctr_data(
+    task: CtrTask, model: PlantedModel, examples: int, stream: int
+) -> Dict[str, np.ndarray]:
     """`examples` examples of the planted task; `stream` picks an independent sample.
 
     Returns:
@@ -128,9 +129,7 @@ def ctr_data(task: CtrTask, model: PlantedModel, examples: int, stream: int) -> 
     """
     rng = np.random.default_rng([task.seed, 200, stream])
     ranks = zipf_ranks(model.zipf_cdf, (examples, task.num_features), rng)
-    ids = np.stack(
-        [model.permutations[f][ranks[:, f]] for f in range(task.num_features)], axis=1
-    )
+    ids = np.stack([model.permutations[f][ranks[:, f]] for f in range(task.num_features)], axis=1)
     dense = rng.standard_normal((examples, task.dense_features))
     logits = dense @ model.dense_weights + task.bias
     for f in range(task.num_features):
@@ -169,7 +168,6 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[positive].sum() - num_pos * (num_pos + 1) / 2.0) / (num_pos * num_neg))
 
 
-
 class CtrModel(keras.Model):
     """Embedding bags (one per sparse feature) -> concat with the dense features -> MLP -> logit."""
 
@@ -193,7 +191,9 @@ class CtrModel(keras.Model):
 
 def _resource(variable: Any) -> tf.Variable:
     """The tf.Variable behind a Keras variable (or the variable itself)."""
-    return getattr(variable, "value", variable) if isinstance(variable, keras.Variable) else variable
+    return (
+        getattr(variable, "value", variable) if isinstance(variable, keras.Variable) else variable
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +325,7 @@ def _tt_layer_class() -> Optional[type]:
 
 
 def _tt_implementation() -> str:
-    """"custom_op" when the op library has the TT ops, else "composite" (plain TF ops)."""
+    """ "custom_op" when the op library has the TT ops, else "composite" (plain TF ops)."""
     return "custom_op" if hasattr(_loader.load_op_library(), "tf_ttemb_tt_rows") else "composite"
 
 
@@ -412,7 +412,9 @@ def _plot_tt_quality(
     full = results["full EmbeddingBag"]["embedding_params"]
     figure, all_axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for axes, key, label in zip(
-        all_axes, ("auc", "logloss"), ("held-out AUC, higher is better", "held-out logloss, lower is better")
+        all_axes,
+        ("auc", "logloss"),
+        ("held-out AUC, higher is better", "held-out logloss, lower is better"),
     ):
         tt_points = sorted(
             (full / r["embedding_params"], r[key], r.get("rank"))
@@ -428,8 +430,16 @@ def _plot_tt_quality(
             )
             for x, y, rank in tt_points:
                 axes.annotate(f"rank {rank}", (x, y), textcoords="offset points", xytext=(4, 6))
-        axes.plot([1.0], [results["full EmbeddingBag"][key]], marker="s", linestyle="", label="full EmbeddingBag")
-        axes.axhline(ceiling[key], color="green", linestyle="--", label="planted model (best possible)")
+        axes.plot(
+            [1.0],
+            [results["full EmbeddingBag"][key]],
+            marker="s",
+            linestyle="",
+            label="full EmbeddingBag",
+        )
+        axes.axhline(
+            ceiling[key], color="green", linestyle="--", label="planted model (best possible)"
+        )
         axes.axhline(floor[key], color="gray", linestyle=":", label="dense features only")
         axes.set_xscale("log")
         axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.4g}x"))
@@ -438,7 +448,8 @@ def _plot_tt_quality(
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize="small", loc="best")
     figure.suptitle(
-        f"Planted CTR task: {task.num_features} tables of {task.rows:,} rows, Zipf({task.zipf_exponent:g}) ids"
+        f"Planted CTR task: {task.num_features} tables of {task.rows:,} rows, "
+        f"Zipf({task.zipf_exponent:g}) ids"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -463,7 +474,10 @@ def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:
     planted = planted_model(task)
     train = ctr_data(task, planted, config.steps * config.batch, stream=0)
     test = ctr_data(task, planted, args.tt_test_examples, stream=1)
-    ceiling = {"logloss": logloss(test["labels"], test["logits"]), "auc": auc(test["labels"], test["logits"])}
+    ceiling = {
+        "logloss": logloss(test["labels"], test["logits"]),
+        "auc": auc(test["labels"], test["logits"]),
+    }
     print(
         f"Data: {len(train['labels']):,} training and {len(test['labels']):,} held-out "
         f"examples, {100 * train['labels'].mean():.1f}% positive."

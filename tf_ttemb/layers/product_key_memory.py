@@ -239,8 +239,9 @@ class ProductKeyMemory(keras.layers.Layer):
     Accumulators start at 0. The gradients of the keys, the query network and the inputs
     are unchanged (computed from the values before the update). On CPU and GPU the update
     is the fused op `GatherReduceSumSparseApply`; with `implementation="composite"` or
-    under XLA (the op has no XLA kernel) the layer falls back to the unfused path: the values gradient of `gather_reduce_sum`, then the same update in
-    TensorFlow ops (same numbers, the gradient materialised). Refused under the
+    under XLA (the op has no XLA kernel) the layer falls back to the unfused path: the
+    values gradient of `gather_reduce_sum`, then the same update in TensorFlow ops (same
+    numbers, the gradient materialised). Refused under the
     `mixed_float16` policy (the update would see loss-scaled gradients) and under
     `tf.distribute` strategies.
 
@@ -476,8 +477,11 @@ class ProductKeyMemory(keras.layers.Layer):
             # depends on it; this empty one does, and its (empty) gradient carries the
             # values update. See "Values optimizer" in the class docstring.
             self.values_update_trigger = self.add_weight(
-                name="values_update_trigger", shape=(0,), initializer="zeros",
-                trainable=True, autocast=False,
+                name="values_update_trigger",
+                shape=(0,),
+                initializer="zeros",
+                trainable=True,
+                autocast=False,
             )
             if self.values_optimizer != "sgd":
                 rowwise = self.values_optimizer == "rowwise_adagrad"
@@ -489,7 +493,9 @@ class ProductKeyMemory(keras.layers.Layer):
                     autocast=False,
                 )
         for layer in (
-            self._input_dropout_layer, self._query_dropout_layer, self._value_dropout_layer
+            self._input_dropout_layer,
+            self._query_dropout_layer,
+            self._value_dropout_layer,
         ):
             if layer is not None:
                 layer.build(None)
@@ -521,13 +527,15 @@ class ProductKeyMemory(keras.layers.Layer):
         if not static and not _common.in_xla_context():
             # Shapes unknown while tracing: a mask of the same size but another shape
             # would reshape silently. (XLA compiles assertions away.)
-            with tf.control_dependencies([
-                tf.debugging.assert_equal(
-                    tf.shape(mask, out_type=tf.int64),
-                    tf.shape(inputs, out_type=tf.int64)[:-1],
-                    message="mask must have the shape of the inputs without their last axis",
-                )
-            ]):
+            with tf.control_dependencies(
+                [
+                    tf.debugging.assert_equal(
+                        tf.shape(mask, out_type=tf.int64),
+                        tf.shape(inputs, out_type=tf.int64)[:-1],
+                        message="mask must have the shape of the inputs without their last axis",
+                    )
+                ]
+            ):
                 mask = tf.identity(mask)
         return tf.reshape(mask, [-1])
 
@@ -701,9 +709,7 @@ class ProductKeyMemory(keras.layers.Layer):
                 # gather_reduce_sum_sparse_apply).
                 with tf.control_dependencies(updates):
                     stamp = variable.sparse_read(tf.zeros([0], tf.int32))
-                trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(
-                    tf.cast(stamp, trigger.dtype)
-                )
+                trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(tf.cast(stamp, trigger.dtype))
                 return (None, trigger_grad), [None] * len(variables or [])
 
             return tf.identity(value), grad

@@ -28,8 +28,9 @@ OPTIMIZERS = ("sgd", "adagrad")
 
 
 def _positive_float(name: str, value: Any, allow_zero: bool = False) -> float:
-    bad = ValueError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} "
-                     f"number, got {value!r}")
+    bad = ValueError(
+        f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}"
+    )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise bad
     number = float(value)
@@ -154,8 +155,15 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         initial = self._initial_cores
         if initial is None:
             initial = tt.initial_cores(
-                self.num_embeddings, self.embedding_dim, self.tt_p_shapes, self.tt_q_shapes,
-                self.tt_ranks, self.weight_dist, self.seed, self.num_tables, np.float64,
+                self.num_embeddings,
+                self.embedding_dim,
+                self.tt_p_shapes,
+                self.tt_q_shapes,
+                self.tt_ranks,
+                self.weight_dist,
+                self.seed,
+                self.num_tables,
+                np.float64,
             )
         self._initial_cores = None
         trainable = not self.sparse
@@ -176,38 +184,59 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
             # depends on it; this empty one does, and its (empty) gradient is what
             # carries the fused update. See the class docstring.
             self.update_trigger = self.add_weight(
-                name="fused_update_trigger", shape=(0,), initializer="zeros",
-                trainable=True, autocast=False,
+                name="fused_update_trigger",
+                shape=(0,),
+                initializer="zeros",
+                trainable=True,
+                autocast=False,
             )
         if self.sparse and self.optimizer == "adagrad":
             self.core_accumulators = [
                 self.add_weight(
-                    name=f"core_{k}_accumulator", shape=shape.core_shape(k),
-                    initializer="zeros", trainable=False, autocast=False,
+                    name=f"core_{k}_accumulator",
+                    shape=shape.core_shape(k),
+                    initializer="zeros",
+                    trainable=False,
+                    autocast=False,
                 )
                 for k in range(shape.num_cores)
             ]
         if self.use_cache:
             self.cache_ids = self.add_weight(
-                name="cache_ids", shape=(self.cache_size,), dtype="int64",
-                initializer=keras.initializers.Constant(_tte.EMPTY_CACHE_ID), trainable=False,
+                name="cache_ids",
+                shape=(self.cache_size,),
+                dtype="int64",
+                initializer=keras.initializers.Constant(_tte.EMPTY_CACHE_ID),
+                trainable=False,
             )
             self.cache_rows = self.add_weight(
-                name="cache_rows", shape=(self.cache_size, self.embedding_dim),
-                initializer="zeros", trainable=trainable, autocast=False,
+                name="cache_rows",
+                shape=(self.cache_size, self.embedding_dim),
+                initializer="zeros",
+                trainable=trainable,
+                autocast=False,
             )
             self.freq_keys = self.add_weight(
-                name="freq_keys", shape=(self.hashtbl_size,), dtype="int64",
-                initializer=keras.initializers.Constant(-1), trainable=False,
+                name="freq_keys",
+                shape=(self.hashtbl_size,),
+                dtype="int64",
+                initializer=keras.initializers.Constant(-1),
+                trainable=False,
             )
             self.freq_counts = self.add_weight(
-                name="freq_counts", shape=(self.hashtbl_size,), dtype="int64",
-                initializer="zeros", trainable=False,
+                name="freq_counts",
+                shape=(self.hashtbl_size,),
+                dtype="int64",
+                initializer="zeros",
+                trainable=False,
             )
             if self.sparse and self.optimizer == "adagrad":
                 self.cache_rows_accumulator = self.add_weight(
-                    name="cache_rows_accumulator", shape=(self.cache_size, self.embedding_dim),
-                    initializer="zeros", trainable=False, autocast=False,
+                    name="cache_rows_accumulator",
+                    shape=(self.cache_size, self.embedding_dim),
+                    initializer="zeros",
+                    trainable=False,
+                    autocast=False,
                 )
         self.built = True
 
@@ -359,9 +388,13 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
     def _rows(self, ids: tf.Tensor) -> tf.Tensor:
         """Rows of global ids from the cores only (ignoring the cache)."""
         return _tte.tt_rows(
-            [_in_place(c) for c in self.cores], ids,
-            p_shapes=self.tt_p_shapes, q_shapes=self.tt_q_shapes, ranks=self.tt_ranks,
-            num_tables=self.num_tables, implementation=self.implementation,
+            [_in_place(c) for c in self.cores],
+            ids,
+            p_shapes=self.tt_p_shapes,
+            q_shapes=self.tt_q_shapes,
+            ranks=self.tt_ranks,
+            num_tables=self.num_tables,
+            implementation=self.implementation,
         )
 
     def _full_weight(self) -> tf.Tensor:
@@ -438,8 +471,10 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         return layer
 
     def _output_shape(self, input_shape: Any) -> tuple:
-        if isinstance(input_shape, (list, tuple)) and input_shape and isinstance(
-            input_shape[0], (list, tuple)
+        if (
+            isinstance(input_shape, (list, tuple))
+            and input_shape
+            and isinstance(input_shape[0], (list, tuple))
         ):  # a list of per-table shapes [B, L]
             return (len(input_shape), input_shape[0][0], self.embedding_dim)
         return tuple(input_shape)[:-1] + (self.embedding_dim,)
@@ -639,9 +674,25 @@ class TTEmbeddingBag(_TTEmbeddingBagBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            1, num_embeddings, embedding_dim, tt_ranks, tt_p_shapes, tt_q_shapes, combiner,
-            padding_id, sparse, optimizer, learning_rate, eps, use_cache, cache_size,
-            hashtbl_size, weight_dist, seed, implementation, **kwargs,
+            1,
+            num_embeddings,
+            embedding_dim,
+            tt_ranks,
+            tt_p_shapes,
+            tt_q_shapes,
+            combiner,
+            padding_id,
+            sparse,
+            optimizer,
+            learning_rate,
+            eps,
+            use_cache,
+            cache_size,
+            hashtbl_size,
+            weight_dist,
+            seed,
+            implementation,
+            **kwargs,
         )
 
     def call(self, indices: Any, weights: Any = None, training: bool | None = None) -> tf.Tensor:
@@ -668,8 +719,12 @@ class TTEmbeddingBag(_TTEmbeddingBagBase):
           **kwargs: The layer's other constructor arguments.
         """
         return cls.from_cores(
-            decomposition.cores, num_embeddings, decomposition.p_shapes,
-            decomposition.q_shapes, decomposition.ranks, **kwargs,
+            decomposition.cores,
+            num_embeddings,
+            decomposition.p_shapes,
+            decomposition.q_shapes,
+            decomposition.ranks,
+            **kwargs,
         )
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
@@ -743,9 +798,25 @@ class TableBatchedTTEmbeddingBag(_TTEmbeddingBagBase):
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            num_tables, num_embeddings, embedding_dim, tt_ranks, tt_p_shapes, tt_q_shapes,
-            combiner, padding_id, sparse, optimizer, learning_rate, eps, use_cache,
-            cache_size, hashtbl_size, weight_dist, seed, implementation, **kwargs,
+            num_tables,
+            num_embeddings,
+            embedding_dim,
+            tt_ranks,
+            tt_p_shapes,
+            tt_q_shapes,
+            combiner,
+            padding_id,
+            sparse,
+            optimizer,
+            learning_rate,
+            eps,
+            use_cache,
+            cache_size,
+            hashtbl_size,
+            weight_dist,
+            seed,
+            implementation,
+            **kwargs,
         )
 
     def call(self, indices: Any, weights: Any = None, training: bool | None = None) -> tf.Tensor:

@@ -169,9 +169,7 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
         bags = tf.range(num_bags, dtype=tf.int64)[:, None]
         return tf.reshape(tf.broadcast_to(bags, tf.stack([num_bags, bag_size])), [-1])
 
-    return Bags(
-        ids, row_splits, flat_weights, dense_segment_ids, batch_shape, dense_ids.shape[:-1]
-    )
+    return Bags(ids, row_splits, flat_weights, dense_segment_ids, batch_shape, dense_ids.shape[:-1])
 
 
 def check_all(bad: tf.Tensor, message_parts: Callable[[tf.Tensor], list]) -> list:
@@ -226,6 +224,17 @@ def sparse_bounds_check(sparse: tf.SparseTensor) -> list:
     bad = tf.reduce_any((coords < 0) | (coords >= shape[None, :]), axis=1)
     return check_all(
         bad,
-        lambda k: ["sparse indices: indices[", k, "] = [", coords[k, 0], ", ", coords[k, 1],
-                   "] is out of bounds for dense_shape [", shape[0], ", ", shape[1], "]"],
+        lambda k: [
+            "sparse indices: indices[",
+            k,
+            "] = [",
+            coords[k, 0],
+            ", ",
+            coords[k, 1],
+            "] is out of bounds for dense_shape [",
+            shape[0],
+            ", ",
+            shape[1],
+            "]",
+        ],
     )

@@ -173,8 +173,11 @@ def composite(
             entry_kind = tf.where(
                 is_nan,
                 tf.constant(2, acc_dtype),
-                tf.where(tf.equal(rows, -float("inf")), tf.constant(0, acc_dtype),
-                         tf.constant(1, acc_dtype)),
+                tf.where(
+                    tf.equal(rows, -float("inf")),
+                    tf.constant(0, acc_dtype),
+                    tf.constant(1, acc_dtype),
+                ),
             )
             values = tf.where(is_nan, lowest, rows)
             return (

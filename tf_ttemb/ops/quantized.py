@@ -65,9 +65,11 @@ def quantize_rows(table: Any, mode: str) -> QuantizedRows:
     >>> import numpy as np
     >>> from tf_ttemb.ops.quantized import quantize_rows
     >>> q = quantize_rows(np.array([[0.0, 255.0, 100.0], [2.0, 2.0, 2.0]]), "int8")
-    >>> q.codes, q.scale, q.bias
-    (array([[-128,  127,  -28],
-           [   0,    0,    0]], dtype=int8), array([1., 0.], dtype=float32), array([128.,   2.], dtype=float32))
+    >>> q.codes
+    array([[-128,  127,  -28],
+           [   0,    0,    0]], dtype=int8)
+    >>> q.scale, q.bias
+    (array([1., 0.], dtype=float32), array([128.,   2.], dtype=float32))
     >>> (q.codes * q.scale[:, None] + q.bias[:, None]).tolist()
     [[0.0, 255.0, 100.0], [2.0, 2.0, 2.0]]
     """

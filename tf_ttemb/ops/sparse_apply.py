@@ -176,9 +176,7 @@ def gather_reduce_sum_sparse_apply(
                 # may drop an update reached through control dependencies only).
                 with tf.control_dependencies([weights_grad]):
                     stamp = variable.sparse_read(tf.zeros([0], tf.int32))  # [0, D]
-                trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(
-                    tf.cast(stamp, trigger.dtype)
-                )
+                trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(tf.cast(stamp, trigger.dtype))
                 grads = ([weights_grad] if has_weights else []) + [trigger_grad]
                 return grads, [None] * len(variables or [])
 

@@ -422,9 +422,7 @@ def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xl
         positions = tf.range(tf.shape(ids, out_type=tf.int64)[0], dtype=tf.int64)
         return tf.searchsorted(row_splits[1:], positions, side="right", out_type=tf.int64)
 
-    bags = _bags.Bags(
-        ids, row_splits, flat_weights, segment_ids, None, tf.TensorShape([None])
-    )
+    bags = _bags.Bags(ids, row_splits, flat_weights, segment_ids, None, tf.TensorShape([None]))
 
     def finish(output: tf.Tensor) -> tf.Tensor:
         output = tf.reshape(
@@ -762,8 +760,13 @@ def _check_ids(ids: tf.Tensor, limit: int) -> list:
     def fail():
         position, value = first_bad()
         message = tf.strings.join(
-            ["ids[", tf.strings.as_string(position), "] = ", tf.strings.as_string(value),
-             f" is not in [0, {limit})"]
+            [
+                "ids[",
+                tf.strings.as_string(position),
+                "] = ",
+                tf.strings.as_string(value),
+                f" is not in [0, {limit})",
+            ]
         )
         with tf.control_dependencies([tf.debugging.Assert(False, [message])]):
             return tf.constant(False)

@@ -99,7 +99,8 @@ class RowWiseAdagrad(_base.SparseOptimizer):
         self.epsilon = epsilon
 
     def build(self, var_list: list[Any]) -> None:
-        """Creates one `accumulator` of shape [N] per variable of shape [N, ...] ([] for a scalar)."""
+        """Creates one `accumulator` of shape [N] per variable of shape [N, ...] ([] for a
+        scalar)."""
         if self.built:
             return
         super().build(var_list)
