@@ -49,22 +49,12 @@ constexpr int64_t kWeightsGradEntries = 8;
 // Params-gradient run kernel (ReduceRunsKernel): segments per work item (one
 // per lane), 16-byte row vectors per lane in one step, steps in flight (each
 // warp has a ring of kRunStages steps of dy vectors in shared memory: 8 KB a
-// warp, 64 KB a block) and blocks per SM it is built for. Run 4 measured on
-// the PKM f32 backward (ms): 2 stages, 3 blocks/SM 1.55; 3 stages, 2 blocks/SM
-// (96 KB) 1.84; 3 stages with 4 vectors per lane (kReduceWideNV) 1.62; the
-// same walk with the steps in registers (no ring, 120 registers) 2.34.
+// warp, 64 KB a block) and blocks per SM it is built for. The fastest shape of
+// run 4 on the PKM f32 backward (cuda/BENCH_NOTES.md, "Tuning constants").
 constexpr int kRunSegments = 32;
-#ifndef TTEMB_RUN_VECTORS
-#define TTEMB_RUN_VECTORS 8
-#endif
-constexpr int kRunVectors = TTEMB_RUN_VECTORS;
-#ifndef TTEMB_RUN_STAGES
-#define TTEMB_RUN_STAGES 2
-#endif
-constexpr int kRunStages = TTEMB_RUN_STAGES;
-#ifndef TTEMB_RUN_MIN_BLOCKS
-#define TTEMB_RUN_MIN_BLOCKS 3
-#endif
+constexpr int kRunVectors = 8;
+constexpr int kRunStages = 2;
+constexpr int kRunMinBlocks = 3;
 constexpr int kRunSmemBytes = (kBlock / 32) * kRunStages * kRunVectors * 32 * 16;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 

@@ -74,12 +74,10 @@ __device__ __forceinline__ A WeightGradFromDot(Combiner combiner, A dot, A dyout
 // Vectors per lane in the params-gradient reduction of wide rows (one column
 // chunk = 32 * NV vectors): 2 for every type since run 4 (with kRunVectors =
 // 8, 4 entries per step in ReduceRunsKernel; 1 KB of dy per entry and chunk
-// for f32, so the chunk of dy in use, 16 MB for PKM, stays in L2).
-#ifndef TTEMB_REDUCE_NV_F32
-#define TTEMB_REDUCE_NV_F32 2
-#endif
+// for f32, so the chunk of dy in use, 16 MB for PKM, stays in L2; f32 with 4
+// was slower, cuda/BENCH_NOTES.md, "Tuning constants").
 template <typename T>
-constexpr int kReduceWideNV = sizeof(T) == 4 ? TTEMB_REDUCE_NV_F32 : 2;
+constexpr int kReduceWideNV = 2;
 
 // Params-gradient plan and scratch, shared by Prepare and Reduce.
 template <typename T>

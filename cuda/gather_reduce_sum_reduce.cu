@@ -294,18 +294,12 @@ __global__ void __launch_bounds__(kBlock, 2) ReduceSegmentsKernel(const ReduceAr
 // kNarrowEntries entries per step (the next step's bags and coefficients loading while this
 // step's dy rows are in flight) instead of kUnroll, and no max or fused state, so the kernel
 // needs few registers (f32: 40 against ReduceSegmentsKernel's 112) and fits
-// kNarrowMinBlocks blocks per SM (against 2). H200, D = 64 f32, 1.24M segments of ~1 entry:
-// the deduplicated backward 1.05 -> 0.53 ms (BENCH_NOTES run 12; 1 entry per step and 8
-// blocks per SM measured the same within noise). Each output is the same fma chain as
+// kNarrowMinBlocks blocks per SM (against 2). Each output is the same fma chain as
 // ReduceSegmentsKernel's (from zero, one fma per entry in sorted order): the same bits.
-#ifndef TTEMB_NARROW_ENTRIES
-#define TTEMB_NARROW_ENTRIES 2
-#endif
-#ifndef TTEMB_NARROW_MIN_BLOCKS
-#define TTEMB_NARROW_MIN_BLOCKS 6
-#endif
-constexpr int kNarrowEntries = TTEMB_NARROW_ENTRIES;
-constexpr int kNarrowMinBlocks = TTEMB_NARROW_MIN_BLOCKS;
+// Both values halved the deduplicated backward of ~1-entry segments on an H200
+// (cuda/BENCH_NOTES.md, "Tuning constants").
+constexpr int kNarrowEntries = 2;
+constexpr int kNarrowMinBlocks = 6;
 
 template <typename T, bool kAligned>
 __global__ void __launch_bounds__(kBlock, kNarrowMinBlocks)
@@ -410,24 +404,22 @@ __device__ __forceinline__ A WarpSumTransposed(A (&p)[U], int lane) {
 // One 16-byte vector of a row, read once (params rows of the fused weights
 // gradient are used by one segment and chunk only), and one of the dense or
 // deduplicated gradient, written once: evict-first, so that they pass through
-// L2 without pushing out the dy rows (run 4, the walk with its steps in
-// registers: 2.34 -> 2.22 ms PKM f32 bwd).
-#ifndef TTEMB_RUN_HINTS
-#define TTEMB_RUN_HINTS 1
-#endif
+// L2 without pushing out the dy rows. On since run 4 measured it faster
+// (cuda/BENCH_NOTES.md, "Tuning constants"); false gives plain loads and stores.
+constexpr bool kRunHints = true;
 __device__ __forceinline__ uint4 LoadOnce(const uint4* p) {
-#if TTEMB_RUN_HINTS
-  return __ldcs(p);
-#else
-  return __ldg(p);
-#endif
+  if constexpr (kRunHints) {
+    return __ldcs(p);
+  } else {
+    return __ldg(p);
+  }
 }
 __device__ __forceinline__ void StoreOnce(uint4* p, const uint4& x) {
-#if TTEMB_RUN_HINTS
-  __stcs(p, x);
-#else
-  *p = x;
-#endif
+  if constexpr (kRunHints) {
+    __stcs(p, x);
+  } else {
+    *p = x;
+  }
 }
 
 // 16 bytes from global to shared memory without going through registers
@@ -468,7 +460,7 @@ __device__ __forceinline__ void CopyAsyncWait() {
 // max, and kRunSmemBytes of dynamic shared memory (LaunchRuns; where a device
 // cannot give it, ReduceSegmentsKernel does the segments instead).
 template <typename T, int NV, bool kFused>
-__global__ void __launch_bounds__(kBlock, TTEMB_RUN_MIN_BLOCKS)
+__global__ void __launch_bounds__(kBlock, kRunMinBlocks)
     ReduceRunsKernel(const ReduceArgs<T> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
