@@ -22,7 +22,7 @@ zero weights (a zero denominator) and the rows that only they read get NaN or +-
 must leave them +0 with zero gradients. (Non-finite rows in bags of other denominators
 follow IEEE arithmetic, whose NaN and Inf outcomes depend on the order of the sums.)
 
-Bounded: `CASES` cases in `BATCHES` interpreters (about 30 s on 2 cores).
+Bounded: `CASES` cases in `BATCHES` interpreters (about 35 s on 2 quiet cores; CI allows 60).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import pathlib
 import pytest
 from processes import run_fresh_python
 
-CASES, BATCHES = 96, 2
+CASES, BATCHES = 64, 2
 TESTS_DIR = str(pathlib.Path(__file__).resolve().parent)
 
 FUZZ_SCRIPT = """
