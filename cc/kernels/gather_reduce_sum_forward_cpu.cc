@@ -1,0 +1,450 @@
+// CPU kernels of the gather_reduce_sum forward (GatherReduceSum and
+// ResourceGatherReduceSum): bags are split into blocks of about equal entry
+// count; each block runs on one thread of TF's CPU pool and accumulates one bag
+// at a time into a [D] float (double for float64) buffer, so no [nnz, D] tensor
+// is ever built.
+
+#include "cc/kernels/gather_reduce_sum_cpu.h"
+#include "cc/kernels/gather_reduce_sum_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Forward.
+//
+// Threads take blocks of whole bags (ForBalancedBlocks). Within a bag, the
+// sum/mean/sqrtn path keeps the sums of up to kMaxVecs vectors of columns in
+// registers while it walks the bag's entries once, then stores them: the
+// columns of a bag are covered by chunks of kMaxVecs vectors, each chunk a
+// pass over the entries (BagChunkSum). Every column is still the sequential
+// sum over the entries of its block, with the same fused multiply-adds, so
+// the result is bitwise the one of the one-column-at-a-time loop. The
+// denominators of mean and sqrtn come from ComputeBagScale (the backward's),
+// and a bag of scale 0 is never gathered.
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TF_TTEMB_CPU_AVX2 1
+#endif
+
+#ifdef TF_TTEMB_CPU_AVX2
+
+// A vector of 8 float or 4 double accumulators and the loads that widen a
+// table's values into one, exactly (half and bfloat16 widen without rounding).
+template <typename Acc>
+struct Vec;
+
+template <>
+struct Vec<float> {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Set(float w) { return _mm256_set1_ps(w); }
+  static V Fma(V w, V x, V acc) { return _mm256_fmadd_ps(w, x, acc); }
+  static V Add(V acc, V x) { return _mm256_add_ps(acc, x); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static V Load(const Eigen::half* p) {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V Load(const bfloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static __m256i Mask(int n) {  // the first n lanes
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // The first n < kLanes values; the other lanes are 0 and never read.
+  static V LoadPartial(const float* p, int n) {
+    return _mm256_maskload_ps(p, Mask(n));
+  }
+  template <typename T>
+  static V LoadPartial(const T* p, int n) {
+    T tmp[kLanes] = {};
+    std::memcpy(tmp, p, n * sizeof(T));
+    return Load(tmp);
+  }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void StorePartial(float* p, V v, int n) {
+    _mm256_maskstore_ps(p, Mask(n), v);
+  }
+};
+
+template <>
+struct Vec<double> {
+  using V = __m256d;
+  static constexpr int kLanes = 4;
+  static V Zero() { return _mm256_setzero_pd(); }
+  static V Set(double w) { return _mm256_set1_pd(w); }
+  static V Fma(V w, V x, V acc) { return _mm256_fmadd_pd(w, x, acc); }
+  static V Add(V acc, V x) { return _mm256_add_pd(acc, x); }
+  static V Load(const double* p) { return _mm256_loadu_pd(p); }
+  static __m256i Mask(int n) {
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n),
+                              _mm256_setr_epi64x(0, 1, 2, 3));
+  }
+  static V LoadPartial(const double* p, int n) {
+    return _mm256_maskload_pd(p, Mask(n));
+  }
+  static void Store(double* p, V v) { _mm256_storeu_pd(p, v); }
+  static void StorePartial(double* p, V v, int n) {
+    _mm256_maskstore_pd(p, Mask(n), v);
+  }
+};
+
+// Vectors of columns one pass over a bag's entries keeps in registers.
+constexpr int kMaxVecs = 8;
+
+// sums[0, kVecs * kLanes) (the last vector `tail` lanes when kTail) = the
+// sequential sum over entries [begin, end) of w_j * params[ids_j][col, ...):
+// fma(w, x, acc) weighted, acc + x unweighted, as the scalar loop compiles.
+// Padding entries are skipped. With `prefetch_bytes` > 0 it prefetches that
+// many bytes of the row of an entry 4 to 16 entries ahead (up to entry
+// `prefetch_end`, which may lie in later bags) while it adds entry j.
+template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex,
+          typename Acc>
+inline void BagChunkSum(const T* params,    // [N, D]
+                        const Tindex* ids,  // [nnz]
+                        const T* weights,   // [nnz] when kWeighted
+                        int64_t begin, int64_t end, int64_t prefetch_end,
+                        int64_t prefetch_bytes, int64_t dim, int64_t col,
+                        int tail, const BagAttrs& attrs,
+                        Acc* sums) {  // [kVecs * kLanes]
+  using VA = Vec<Acc>;
+  constexpr int kLanes = VA::kLanes;
+  typename VA::V acc[kVecs];
+  for (int v = 0; v < kVecs; ++v) acc[v] = VA::Zero();
+  const bool padding = attrs.has_padding_id;
+  const int64_t padding_id = attrs.padding_id;
+  // About 4 KiB of rows in flight: 16 entries ahead for rows of up to 256
+  // bytes, at least 4 for long rows.
+  const int64_t distance = std::max<int64_t>(
+      4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, prefetch_bytes)));
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if (prefetch_bytes > 0 && j + distance < prefetch_end) {
+      const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
+      if (!padding || ahead != padding_id) {
+        const uintptr_t first =
+            reinterpret_cast<uintptr_t>(params + ahead * dim) & ~uintptr_t{63};
+        const uintptr_t last =
+            reinterpret_cast<uintptr_t>(params + ahead * dim) + prefetch_bytes;
+        for (uintptr_t p = first; p < last; p += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
+        }
+      }
+    }
+    if (padding && id == padding_id) continue;
+    const T* row = params + id * dim + col;
+    if (kWeighted) {
+      const typename VA::V w = VA::Set(static_cast<Acc>(weights[j]));
+      for (int v = 0; v < kVecs; ++v) {
+        const typename VA::V x = (kTail && v == kVecs - 1)
+                                     ? VA::LoadPartial(row + v * kLanes, tail)
+                                     : VA::Load(row + v * kLanes);
+        acc[v] = VA::Fma(w, x, acc[v]);
+      }
+    } else {
+      for (int v = 0; v < kVecs; ++v) {
+        const typename VA::V x = (kTail && v == kVecs - 1)
+                                     ? VA::LoadPartial(row + v * kLanes, tail)
+                                     : VA::Load(row + v * kLanes);
+        acc[v] = VA::Add(acc[v], x);
+      }
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    if (kTail && v == kVecs - 1) {
+      VA::StorePartial(sums + v * kLanes, acc[v], tail);
+    } else {
+      VA::Store(sums + v * kLanes, acc[v]);
+    }
+  }
+}
+
+template <int kVecs, bool kWeighted, typename T, typename Tindex, typename Acc>
+inline void BagChunkSumTail(const T* params, const Tindex* ids,
+                            const T* weights, int64_t begin, int64_t end,
+                            int64_t prefetch_end, int64_t prefetch_bytes,
+                            int64_t dim, int64_t col, int tail,
+                            const BagAttrs& attrs, Acc* sums) {
+  if (tail == 0) {
+    BagChunkSum<kVecs, false, kWeighted>(params, ids, weights, begin, end,
+                                         prefetch_end, prefetch_bytes, dim,
+                                         col, tail, attrs, sums);
+  } else {
+    BagChunkSum<kVecs, true, kWeighted>(params, ids, weights, begin, end,
+                                        prefetch_end, prefetch_bytes, dim, col,
+                                        tail, attrs, sums);
+  }
+}
+
+// sums[0, dim) = the sequential sum over entries [begin, end) of the
+// (weighted) rows, chunk by chunk of columns; the first chunk's pass
+// prefetches whole rows ahead, up to entry prefetch_end.
+template <bool kWeighted, typename T, typename Tindex, typename Acc>
+void BagSum(const T* params, const Tindex* ids, const T* weights,
+            int64_t begin, int64_t end, int64_t prefetch_end, int64_t dim,
+            const BagAttrs& attrs, Acc* sums) {
+  constexpr int kLanes = Vec<Acc>::kLanes;
+  const int64_t vecs = (dim + kLanes - 1) / kLanes;
+  const int tail = static_cast<int>(dim % kLanes);
+  int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
+  int64_t col = 0;
+  int64_t left = vecs;
+  for (; left > kMaxVecs; left -= kMaxVecs, col += kMaxVecs * kLanes) {
+    BagChunkSum<kMaxVecs, false, kWeighted>(params, ids, weights, begin, end,
+                                            prefetch_end, prefetch_bytes, dim,
+                                            col, 0, attrs, sums + col);
+    prefetch_bytes = 0;
+  }
+#define TF_TTEMB_CHUNK_CASE(k)                                               \
+  case k:                                                                    \
+    BagChunkSumTail<k, kWeighted>(params, ids, weights, begin, end,          \
+                                  prefetch_end, prefetch_bytes, dim, col,    \
+                                  tail, attrs, sums + col);                  \
+    break;
+  switch (left) {
+    TF_TTEMB_CHUNK_CASE(1)
+    TF_TTEMB_CHUNK_CASE(2)
+    TF_TTEMB_CHUNK_CASE(3)
+    TF_TTEMB_CHUNK_CASE(4)
+    TF_TTEMB_CHUNK_CASE(5)
+    TF_TTEMB_CHUNK_CASE(6)
+    TF_TTEMB_CHUNK_CASE(7)
+    TF_TTEMB_CHUNK_CASE(8)
+    default:
+      break;
+  }
+#undef TF_TTEMB_CHUNK_CASE
+}
+
+#else  // !TF_TTEMB_CPU_AVX2
+
+// Portable fallback: one column sum per element, in memory.
+template <bool kWeighted, typename T, typename Tindex, typename Acc>
+void BagSum(const T* params, const Tindex* ids, const T* weights,
+            int64_t begin, int64_t end, int64_t prefetch_end, int64_t dim,
+            const BagAttrs& attrs, Acc* sums) {
+  std::fill(sums, sums + dim, Acc(0));
+  for (int64_t j = begin; j < end; ++j) {
+    if (IsPadding(ids[j], attrs)) continue;
+    if (j + kPrefetchDistance < end &&
+        !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+      PrefetchRow(
+          params + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
+          dim);
+    }
+    const T* row = params + static_cast<int64_t>(ids[j]) * dim;
+    if (kWeighted) {
+      Axpy(sums, static_cast<Acc>(weights[j]), row, dim);
+    } else {
+      AddRow(sums, row, dim);
+    }
+  }
+}
+
+#endif  // TF_TTEMB_CPU_AVX2
+
+template <typename T, typename Tindex>
+void ForwardMaxBags(const T* params,        // [N, D]
+                    const Tindex* ids,      // [nnz]
+                    const int64_t* splits,  // [B + 1]
+                    int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
+                    int64_t bag_end,
+                    T* out,           // [B, D]
+                    int32* argmax) {  // [B, D]
+  using Acc = AccT<T>;
+  std::vector<Acc> acc(dim);
+  for (int64_t b = bag_begin; b < bag_end; ++b) {
+    const int64_t begin = splits[b], end = splits[b + 1];
+    T* out_row = out + b * dim;
+    // The first entry of the max wins; NaN is above every number (as in
+    // tf.reduce_max), so the first NaN entry wins a column holding NaN.
+    int32* pos = argmax + b * dim;
+    std::fill(pos, pos + dim, -1);
+    for (int64_t j = begin; j < end; ++j) {
+      if (IsPadding(ids[j], attrs)) continue;
+      const T* row = params + static_cast<int64_t>(ids[j]) * dim;
+      const int32 p = static_cast<int32>(j - begin);
+      for (int64_t d = 0; d < dim; ++d) {
+        const Acc v = static_cast<Acc>(row[d]);
+        const bool take = pos[d] < 0 || v > acc[d] ||
+                          (std::isnan(v) && !std::isnan(acc[d]));
+        acc[d] = take ? v : acc[d];
+        pos[d] = take ? p : pos[d];
+      }
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      out_row[d] = static_cast<T>(pos[d] < 0 ? Acc(0) : acc[d]);
+    }
+  }
+}
+
+template <bool kWeighted, typename T, typename Tindex>
+void ForwardSumBags(const T* params,        // [N, D]
+                    const Tindex* ids,      // [nnz]
+                    const int64_t* splits,  // [B + 1]
+                    const T* weights,       // [nnz] when kWeighted
+                    int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
+                    int64_t bag_end,
+                    T* out) {  // [B, D]
+  using Acc = AccT<T>;
+  // A bag's (or a block's) column sums; Acc-typed outputs take them in place.
+  std::vector<Acc> scratch(std::is_same<T, Acc>::value ? 0 : dim);
+  std::optional<BlockedSum<Acc>> blocks;  // bags longer than kSumBlock
+  const int64_t prefetch_end = splits[bag_end];
+  for (int64_t b = bag_begin; b < bag_end; ++b) {
+    const int64_t begin = splits[b], end = splits[b + 1];
+    T* out_row = out + b * dim;
+    const Acc scale = BagScaleOf<!std::is_same<T, Acc>::value>(
+        ids, weights, begin, end, attrs);
+    if (scale == Acc(0)) {  // +0, also where a row holds Inf or NaN
+      std::fill(out_row, out_row + dim, T(0));
+      continue;
+    }
+    const Acc* total;
+    if (end - begin <= kSumBlock) {
+      Acc* sums = std::is_same<T, Acc>::value ? reinterpret_cast<Acc*>(out_row)
+                                              : scratch.data();
+      BagSum<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim,
+                        attrs, sums);
+      total = sums;
+    } else {
+      if (!blocks) blocks.emplace(dim);
+      blocks->Reset();
+      for (int64_t block = begin; block < end; block += kSumBlock) {
+        const int64_t block_end = std::min(end, block + kSumBlock);
+        BagSum<kWeighted>(params, ids, weights, block, block_end,
+                          prefetch_end, dim, attrs, blocks->current());
+        if (block_end < end) blocks->Carry();
+      }
+      total = blocks->Total();
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      out_row[d] = static_cast<T>(total[d] * scale);
+    }
+  }
+}
+
+template <typename T, typename Tindex>
+void ForwardBags(const T* params,        // [N, D]
+                 const Tindex* ids,      // [nnz]
+                 const int64_t* splits,  // [B + 1]
+                 const T* weights,       // [nnz] or null
+                 int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
+                 int64_t bag_end,
+                 T* out,          // [B, D]
+                 int32* argmax) {  // [B, D] for max, else null
+  if (attrs.combiner == Combiner::kMax) {
+    ForwardMaxBags(params, ids, splits, dim, attrs, bag_begin, bag_end, out,
+                   argmax);
+  } else if (attrs.has_weights) {
+    ForwardSumBags<true>(params, ids, splits, weights, dim, attrs, bag_begin,
+                         bag_end, out);
+  } else {
+    ForwardSumBags<false>(params, ids, splits, weights, dim, attrs, bag_begin,
+                          bag_end, out);
+  }
+}
+
+// ParamsFromResource: params arrive as a resource variable, read in place
+// under a shared lock instead of as a (possibly copied) tensor.
+template <typename T, typename Tindex, bool ParamsFromResource>
+class GatherReduceSumOp : public OpKernel {
+ public:
+  explicit GatherReduceSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    WithParams<T, ParamsFromResource>(ctx, 0, [&](const Tensor& params) {
+      ComputeWithParams(ctx, params);
+    });
+  }
+
+ private:
+  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+    const Tensor& indices = ctx->input(1);
+    const Tensor& row_splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    BagShapes shapes;
+    TensorShape output_shape;
+    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits,
+                                              weights, attrs_, &shapes,
+                                              &output_shape));
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    const int64_t* splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
+    const Tindex* ids = indices.flat<Tindex>().data();
+    thread::ThreadPool* pool = CpuPool(ctx);
+    OP_REQUIRES_OK(ctx,
+                   ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
+    const bool is_max = attrs_.combiner == Combiner::kMax;
+    if (is_max) {
+      for (int64_t b = 0; b < shapes.num_bags; ++b) {
+        OP_REQUIRES(ctx,
+                    splits[b + 1] - splits[b] <=
+                        std::numeric_limits<int32>::max(),
+                    errors::InvalidArgument(
+                        "combiner 'max' supports bags of at most 2^31 - 1 "
+                        "entries, bag ",
+                        b, " has ", splits[b + 1] - splits[b]));
+      }
+    }
+
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape, &output));
+    Tensor* argmax = nullptr;
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(
+                 1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
+    if (shapes.num_bags == 0 || dim == 0) return;
+
+    const T* params_data = params.flat<T>().data();
+    const T* weights_data = attrs_.has_weights ? weights.flat<T>().data()
+                                               : nullptr;
+    T* out = output->flat<T>().data();
+    int32* argmax_data = is_max ? argmax->flat<int32>().data() : nullptr;
+    const BagAttrs attrs = attrs_;
+    ForBalancedBlocks(pool, splits, shapes.num_bags, dim,
+                      [&](int64_t begin, int64_t end) {
+                        ForwardBags(params_data, ids, splits, weights_data, dim,
+                                    attrs, begin, end, out, argmax_data);
+                      });
+  }
+
+  BagAttrs attrs_;
+};
+
+#define TF_TTEMB_REGISTER(T, Tindex)                                         \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
+      "TfTtemb>GatherReduceSum", T, Tindex,                                  \
+      GatherReduceSumOp<T, Tindex, false>)                                   \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
+      "TfTtemb>ResourceGatherReduceSum", T, Tindex,                          \
+      GatherReduceSumOp<T, Tindex, true>)
+TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
+#undef TF_TTEMB_REGISTER
+
+}  // namespace
+}  // namespace tf_ttemb
+}  // namespace tensorflow

@@ -1,0 +1,235 @@
+// CPU kernel of GatherReduceSumSparseApply: the params gradient of a batch of
+// bags reduced per distinct row and an optimizer step applied to those rows in
+// place, without a [U, D] gradient buffer.
+
+#include "cc/kernels/gather_reduce_sum_cpu.h"
+#include "cc/kernels/gather_reduce_sum_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Backward with the optimizer fused in (GatherReduceSumSparseApply).
+//
+// The entries are sorted by id as for the params gradient; the distinct rows
+// are split into blocks of about equal entry count, one block per work item
+// on TF's CPU pool. A thread owns every row of its block: it reduces the
+// row's gradient in its [D] scratch (entries in position order), computes the
+// weights gradient of the row's entries from the row as it was, then updates
+// the row (and its accumulator) in place. No row is touched by two threads
+// and every sum has a fixed order, so the result is deterministic and no
+// [U, D] buffer exists.
+
+// Makes the variable's buffer exclusively owned before an in-place update: a
+// tensor read from it earlier (a dense read outside copy-on-read mode) may
+// still share it, and must keep the old values.
+Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
+  Tensor* tensor = var->tensor();
+  if (tensor->RefCountIsOne()) return OkStatus();
+  Tensor copy;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
+  std::memcpy(copy.data(), tensor->data(), tensor->TotalBytes());
+  *tensor = copy;
+  return OkStatus();
+}
+
+template <typename T, typename Tindex>
+class GatherReduceSumSparseApplyOp : public OpKernel {
+ public:
+  using Acc = AccT<T>;
+
+  explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
+                                            DataTypeToEnum<Acc>::value,
+                                            &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    WithLockedSparseApplyVariables<T, Acc>(
+        ctx, attrs_, [&](Var* params_var, Var* acc_var) {
+          ComputeLocked(ctx, params_var, acc_var);
+        });
+  }
+
+ private:
+  void ComputeLocked(OpKernelContext* ctx, Var* params_var, Var* acc_var) {
+    const Tensor& params = *params_var->tensor();
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    const Tensor& output = ctx->input(5);
+    const Tensor& argmax = ctx->input(6);
+    BagShapes shapes;
+    Acc lr, eps;
+    OP_REQUIRES_OK(ctx, ValidateSparseApplyInputs<Acc>(
+                            ctx, params,
+                            acc_var != nullptr ? acc_var->tensor() : nullptr,
+                            attrs_, &shapes, &lr, &eps));
+    const BagAttrs& bag = attrs_.bag;
+    const int64_t num_bags = shapes.num_bags;
+    const int64_t nnz = shapes.nnz;
+    const int64_t num_rows = params.dim_size(0);
+    const int64_t dim = params.dim_size(1);
+    const bool is_max = bag.combiner == Combiner::kMax;
+    const int64_t* splits = row_splits.flat<int64_t>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_bags, nnz));
+    const Tindex* ids = indices.flat<Tindex>().data();
+    thread::ThreadPool* pool = CpuPool(ctx);
+    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, nnz, num_rows, bag));
+
+    Tensor* weights_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({bag.has_weights ? nnz : 0}),
+                            &weights_grad));
+    T* dw = weights_grad->flat<T>().data();
+    if (bag.has_weights) std::fill(dw, dw + nnz, T(0));
+    if (nnz == 0 || dim == 0) return;
+
+    OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, params_var));
+    if (acc_var != nullptr) {
+      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, acc_var));
+    }
+    T* table = params_var->tensor()->flat<T>().data();
+    Acc* state =
+        acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
+
+    SortedEntries s;
+    SortEntries(pool, ids, splits, num_bags, nnz, num_rows, bag, &s);
+    const T* w = bag.has_weights ? weights.flat<T>().data() : nullptr;
+    std::vector<Acc> scales;
+    if (!is_max) {
+      ComputeBagScales(pool, ids, w, splits, num_bags, bag, &scales);
+    }
+    const T* dy_data = ctx->input(0).flat<T>().data();
+    // <dy_b, out_b> per bag, for the weights gradient of mean and sqrtn.
+    std::vector<Acc> dy_dot_out;
+    if (bag.has_weights && bag.combiner != Combiner::kSum) {
+      dy_dot_out.assign(num_bags, Acc(0));
+      const T* out_data = output.flat<T>().data();
+      ForBalancedBlocks(pool, splits, num_bags, dim,
+                        [&](int64_t begin, int64_t end) {
+                          for (int64_t b = begin; b < end; ++b) {
+                            dy_dot_out[b] = Dot<Acc>(dy_data + b * dim,
+                                                     out_data + b * dim, dim);
+                          }
+                        });
+    }
+    const int32* argmax_data = is_max ? argmax.flat<int32>().data() : nullptr;
+    const int64_t num_unique = s.num_unique();
+    const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
+    const BagAttrs attrs = bag;
+    const RowOptimizer optimizer = attrs_.optimizer;
+    ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim,
+                      [&](int64_t begin, int64_t end) {
+      std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
+        T* row = table + id * dim;
+        std::fill(g.begin(), g.end(), Acc(0));
+        for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
+          const int64_t j = s.positions[k];
+          const int64_t b = s.bags[k];
+          if (k + kPrefetchDistance < num_sorted) {
+            PrefetchRow(dy_data + s.bags[k + kPrefetchDistance] * dim, dim);
+          }
+          const T* dy = dy_data + b * dim;
+          if (argmax_data != nullptr) {
+            const int32* pos = argmax_data + b * dim;
+            const int32 p = static_cast<int32>(j - splits[b]);
+            for (int64_t d = 0; d < dim; ++d) {
+              g[d] += pos[d] == p ? static_cast<Acc>(dy[d]) : Acc(0);
+            }
+            continue;
+          }
+          const Acc scale = scales[b];
+          const Acc wj = w != nullptr ? static_cast<Acc>(w[j]) : Acc(1);
+          Axpy(g.data(), scale * wj, dy, dim);
+          if (w == nullptr) continue;
+          if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
+          const Acc dot = Dot<Acc>(dy, row, dim);
+          Acc grad_w;
+          switch (attrs.combiner) {
+            case Combiner::kMean:
+              grad_w = (dot - dy_dot_out[b]) * scale;
+              break;
+            case Combiner::kSqrtn:
+              grad_w = dot * scale - wj * dy_dot_out[b] * scale * scale;
+              break;
+            default:
+              grad_w = dot;
+          }
+          dw[j] = static_cast<T>(grad_w);
+        }
+        ApplyRow(optimizer, lr, eps, g.data(), dim, row,
+                 state == nullptr ? nullptr
+                 : optimizer == RowOptimizer::kRowwiseAdagrad
+                     ? state + id
+                     : state + id * dim);
+      }
+    });
+  }
+
+  // Applies the optimizer to one row `row` [D] with its summed gradient
+  // `g` [D] and its accumulator (`a` [1] row-wise, [D] element-wise).
+  static void ApplyRow(RowOptimizer optimizer, Acc lr, Acc eps,
+                       const Acc* g, int64_t dim, T* row, Acc* a) {
+    switch (optimizer) {
+      case RowOptimizer::kSgd:
+        for (int64_t d = 0; d < dim; ++d) {
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d]);
+        }
+        return;
+      case RowOptimizer::kRowwiseAdagrad: {
+        Acc square_sum = 0;
+        for (int64_t d = 0; d < dim; ++d) square_sum += g[d] * g[d];
+        a[0] += square_sum / static_cast<Acc>(dim);
+        const Acc denominator = std::sqrt(a[0]) + eps;
+        if (denominator == Acc(0)) return;  // then g is 0
+        const Acc step = lr / denominator;
+        for (int64_t d = 0; d < dim; ++d) {
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - step * g[d]);
+        }
+        return;
+      }
+      case RowOptimizer::kAdagrad:
+        for (int64_t d = 0; d < dim; ++d) {
+          a[d] += g[d] * g[d];
+          const Acc denominator = std::sqrt(a[d]) + eps;
+          if (denominator == Acc(0)) continue;  // then g[d] is 0
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) -
+                                  lr * g[d] / denominator);
+        }
+        return;
+    }
+  }
+
+  SparseApplyAttrs attrs_;
+};
+
+#define TF_TTEMB_REGISTER(T, Tindex)                                         \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
+      "TfTtemb>GatherReduceSumSparseApply", T, Tindex,                       \
+      GatherReduceSumSparseApplyOp<T, Tindex>)
+TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
+#undef TF_TTEMB_REGISTER
+
+}  // namespace
+}  // namespace tf_ttemb
+}  // namespace tensorflow
