@@ -8,6 +8,7 @@ implementations.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -232,6 +233,12 @@ def test_bench_json(bench_run):
             for i in ("custom_op", "tf_gather")
         ]
         + [("pkm", "float32", "custom_op"), ("pkm", "float32", "composite")]
+        # torch's embedding_bag joins the gather_reduce_sum case on the CPU where installed.
+        + [
+            ("gather_reduce_sum", d, "torch")
+            for d in ("float32", "float64")
+            if importlib.util.find_spec("torch") is not None
+        ]
     )
     assert got == want
     tolerance = {"float32": 1e-4, "float64": 1e-10}
@@ -246,6 +253,13 @@ def test_bench_json(bench_run):
             assert 0 <= r["max_rel_diff"][kind] < tolerance[r["dtype"]], r
             if r["baseline"]:
                 assert r["max_rel_diff"][kind] == 0.0
+        # The in-graph forward: --in-graph-steps (2 with --quick) forwards in one call,
+        # per forward; none for torch.
+        if r["impl"] == "torch":
+            assert r["fwd_in_graph"] is None
+        else:
+            loop = r["fwd_in_graph"]
+            assert math.isfinite(loop["median_ms"]) and 0 < loop["min_ms"] <= loop["median_ms"]
     shapes = {r["case"]: r["shape"] for r in rows}
     assert shapes["gather_reduce_sum"] == "3,001x7 table, 33 bags x 5 ids, weighted sum"
     assert shapes["tt_rows"].startswith("5,003x12 table as TT")
@@ -269,6 +283,7 @@ def test_bench_table(bench_run):
     for r, line in zip(result["results"], table[2:]):
         cells = line.split()
         assert cells[:3] == [r["case"], r["dtype"], r["impl"]], line
-        assert float(cells[3 + (1 if r["baseline"] else 0)]) == pytest.approx(
-            r["fwd"]["median_ms"], abs=1e-3
-        )
+        off = 1 if r["baseline"] else 0
+        assert float(cells[3 + off]) == pytest.approx(r["fwd"]["median_ms"], abs=1e-3)
+        loop = r["fwd_in_graph"]
+        assert cells[5 + off] == ("n/a" if loop is None else f"{loop['median_ms']:.3f}"), line

@@ -8,7 +8,9 @@ dtype of `--dtypes`:
   `bags x bag_size` uniform ids with weights. `custom_op` is
   `tf_ttemb.gather_reduce_sum(..., implementation="custom_op")`; the baseline `tf_gather`
   is what plain TensorFlow users write, `tf.reduce_sum(tf.gather(table, ids) * w[..., None],
-  axis=-2)`. Gradients w.r.t. the table and the weights.
+  axis=-2)`. Gradients w.r.t. the table and the weights. On the CPU, when torch is
+  installed, `torch` is `torch.nn.functional.embedding_bag(..., mode="sum",
+  per_sample_weights=w, sparse=True)` on the same data (float32, float64, bfloat16).
 * `tt_rows`: rows of a Tensor-Train table (`tf_ttemb.layers.TTEmbeddingBag`'s cores for
   `tt_rows x tt_dim`, ranks `tt_rank`), decompressed by `tf_ttemb.tt_rows` with the custom
   op, against `tf.gather` from the same table stored densely (the baseline; decompressed
@@ -28,6 +30,11 @@ call, so load from other processes on a shared machine affects them alike. Befor
 timing, each implementation's output (and for fwd+bwd, its gradients, densified) is
 compared with the baseline's: `max_rel_diff` is the largest absolute difference divided
 by the largest absolute baseline value, over the output and all gradients.
+
+`in graph` is the forward's time without TensorFlow's per-call cost: `--in-graph-steps`
+forwards in one `tf.while_loop` inside one `tf.function` call, divided by that count
+(n/a for torch). A single call also pays TensorFlow's Python and runtime overhead, which
+at small sizes, above all on a GPU, can be most of its time.
 
 `--quick` shrinks every size and the repeats (seconds); the defaults take about a
 minute on 2 CPU cores. The table goes to stdout, progress to stderr; `--json PATH`
@@ -67,6 +74,7 @@ SIZES: Dict[str, tuple] = {
     "pkm_heads": (4, 2, "pkm: heads"),
     "pkm_knn": (32, 8, "pkm: slots read per token and head"),
     "repeats": (20, 3, "timed calls per step"),
+    "in_graph_steps": (10, 2, "forward steps inside one call for the in-graph time"),
     "warmup": (2, 1, "untimed calls before timing"),
 }
 
@@ -154,18 +162,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass
 class Step:
-    """One implementation's step: `fn()` runs it; `result()` gives numbers to compare."""
+    """One implementation's step: `fn()` runs it and returns its numbers. A TensorFlow
+    step is a `tf.function`; a step of another framework (`tensorflow=False`, torch on
+    the CPU) returns its results as that framework's tensors."""
 
     impl: str
     fn: Callable[[], Any]
+    tensorflow: bool = True
 
 
 def _sync(result: Any) -> None:
-    """Fetches one element of the step's first tensor, so the step's work is finished."""
+    """Fetches one element of the step's first tensor, so the step's work is finished
+    (torch on the CPU has finished when it returns)."""
     import tensorflow as tf
 
     first = tf.nest.flatten(result, expand_composites=True)[0]
-    tf.reshape(first, [-1])[:1].numpy()
+    if isinstance(first, (tf.Tensor, tf.Variable)):
+        tf.reshape(first, [-1])[:1].numpy()
+
+
+def in_graph(fn: Callable[[], Any], steps: int) -> Callable[[], Any]:
+    """A `tf.function` running the step `fn` `steps` times in one `tf.while_loop` (each
+    iteration adds one element of its first output to a sum, so none is pruned): timing
+    it and dividing by `steps` leaves out the per-call cost of TensorFlow's Python and
+    runtime, which a single call includes."""
+    import tensorflow as tf
+
+    @tf.function
+    def many():
+        def body(i, total):
+            first = tf.nest.flatten(fn(), expand_composites=True)[0]
+            return i + 1, total + tf.cast(tf.reshape(first, [-1])[0], tf.float32)
+
+        start = (tf.constant(0), tf.constant(0.0))
+        return tf.while_loop(lambda i, _: i < steps, body, start)[1]
+
+    return many
 
 
 def time_alternating(steps: Sequence[Step], warmup: int, repeats: int) -> Dict[str, Dict]:
@@ -191,6 +223,10 @@ def _dense_numpy(value: Any):
 
     if isinstance(value, tf.IndexedSlices):
         value = tf.convert_to_tensor(value)
+    if not isinstance(value, (tf.Tensor, tf.Variable)):  # a torch tensor
+        if getattr(value, "is_sparse", False):
+            value = value.to_dense()
+        return value.detach().double().numpy()
     return np.asarray(tf.cast(value, tf.float64).numpy())
 
 
@@ -222,7 +258,7 @@ def max_rel_diff(got: Any, want: Any) -> float:
 # Cases. Each returns rows of the result table.
 
 
-def _row(case, impl, dtype, shape, fwd, fwdbwd, diffs, baseline) -> Dict[str, Any]:
+def _row(case, impl, dtype, shape, fwd, in_graph_fwd, fwdbwd, diffs, baseline) -> Dict[str, Any]:
     return {
         "case": case,
         "impl": impl,
@@ -230,6 +266,7 @@ def _row(case, impl, dtype, shape, fwd, fwdbwd, diffs, baseline) -> Dict[str, An
         "shape": shape,
         "baseline": baseline,
         "fwd": fwd,
+        "fwd_in_graph": in_graph_fwd,
         "fwd_bwd": fwdbwd,
         "max_rel_diff": diffs,
     }
@@ -248,9 +285,23 @@ def _run_case(
             diffs.setdefault(step.impl, {})[kind] = max_rel_diff(pick(step.fn()), want)
     fwd = time_alternating(fwd_steps, opts.warmup, opts.repeats)
     bwd = time_alternating(bwd_steps, opts.warmup, opts.repeats)
+    loops = [Step(s.impl, in_graph(s.fn, opts.in_graph_steps)) for s in fwd_steps if s.tensorflow]
+    per_loop = time_alternating(loops, opts.warmup, opts.repeats)
+    in_graph_fwd = {
+        impl: {key: value / opts.in_graph_steps for key, value in t.items() if key != "repeats"}
+        for impl, t in per_loop.items()
+    }
     return [
         _row(
-            case, s.impl, dtype, shape, fwd[s.impl], bwd[s.impl], diffs[s.impl], s.impl == baseline
+            case,
+            s.impl,
+            dtype,
+            shape,
+            fwd[s.impl],
+            in_graph_fwd.get(s.impl),
+            bwd[s.impl],
+            diffs[s.impl],
+            s.impl == baseline,
         )
         for s in fwd_steps
     ]
@@ -289,7 +340,49 @@ def bench_gather_reduce_sum(dtype: str, opts, rng) -> List[Dict[str, Any]]:
         Step("tf_gather", tf.function(lambda: plain(weights))),
     ]
     bwd = [Step("custom_op", fwd_bwd(custom)), Step("tf_gather", fwd_bwd(plain))]
-    return _run_case("gather_reduce_sum", dtype, shape, fwd, bwd, opts)
+    fwd_torch, bwd_torch = _torch_embedding_bag_steps(table, ids, weights, upstream, opts)
+    return _run_case("gather_reduce_sum", dtype, shape, fwd + fwd_torch, bwd + bwd_torch, opts)
+
+
+def _torch_embedding_bag_steps(table, ids, weights, upstream, opts) -> tuple:
+    """torch's `embedding_bag` on the same data (sum with per-sample weights, sparse table
+    gradient), when torch is installed and the benchmark runs on the CPU; else no steps.
+
+    On a GPU, torch initialising CUDA inside a process that already runs TensorFlow there
+    died (SIGFPE) on the H200 machine, so this command leaves it out there;
+    python/bench_tf_gpu_lookup.py times it in a child process.
+    """
+    if "CPU" not in opts.device.upper():
+        return [], []
+    try:
+        import torch
+    except ImportError:
+        return [], []
+    dtypes = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+    name = table.dtype.name
+    if name not in dtypes:  # torch's CPU embedding_bag has no float16 per-sample weights
+        return [], []
+    t_table = torch.nn.Parameter(torch.from_numpy(table.numpy().astype("float64")).to(dtypes[name]))
+    t_ids = torch.from_numpy(ids.numpy().astype("int64"))
+    t_weights = torch.from_numpy(weights.numpy().astype("float64")).to(dtypes[name])
+    t_weights.requires_grad_(True)
+    t_upstream = torch.from_numpy(upstream.numpy().astype("float64")).to(dtypes[name])
+
+    def forward():
+        return torch.nn.functional.embedding_bag(
+            t_ids, t_table, mode="sum", per_sample_weights=t_weights, sparse=True
+        )
+
+    def fwd():
+        with torch.no_grad():
+            return forward()
+
+    def fwd_bwd():
+        out = forward()
+        table_grad, weights_grad = torch.autograd.grad(out, [t_table, t_weights], t_upstream)
+        return [out, table_grad, weights_grad]
+
+    return [Step("torch", fwd, tensorflow=False)], [Step("torch", fwd_bwd, tensorflow=False)]
 
 
 def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
@@ -399,6 +492,7 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
         "impl",
         "fwd ms",
         "(min)",
+        "in graph",
         "fwd+bwd ms",
         "(min)",
         "fwd speed-up",
@@ -416,6 +510,7 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
                 r["impl"] + (" (baseline)" if r["baseline"] else ""),
                 f"{r['fwd']['median_ms']:.3f}",
                 f"{r['fwd']['min_ms']:.3f}",
+                "n/a" if r["fwd_in_graph"] is None else f"{r['fwd_in_graph']['median_ms']:.3f}",
                 f"{r['fwd_bwd']['median_ms']:.3f}",
                 f"{r['fwd_bwd']['min_ms']:.3f}",
                 f"{b['fwd']['median_ms'] / r['fwd']['median_ms']:.2f}x",
