@@ -22,6 +22,10 @@
     if (err_ != cudaSuccess) return err_; \
   } while (0)
 
+// Expands M(T) for each value type the launchers take; each .cu file instantiates its own
+// launchers with it.
+#define TTEMB_FOR_EACH_VALUE_TYPE(M) M(__half) M(__nv_bfloat16) M(float) M(double)
+
 namespace tf_ttemb {
 namespace gpu {
 

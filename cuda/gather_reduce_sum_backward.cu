@@ -369,10 +369,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
   TTEMB_INSTANTIATE(T, int32_t)                                  \
   TTEMB_INSTANTIATE(T, int64_t)
 
-TTEMB_INSTANTIATE_T(__half)
-TTEMB_INSTANTIATE_T(__nv_bfloat16)
-TTEMB_INSTANTIATE_T(float)
-TTEMB_INSTANTIATE_T(double)
+TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_T)
 
 #undef TTEMB_INSTANTIATE_T
 #undef TTEMB_INSTANTIATE

@@ -98,14 +98,11 @@ cudaError_t LaunchApplyRows(const RowUpdate<Acc>& update, const Tindex* rows, co
   template cudaError_t LaunchApplyRows<T, Acc, Tindex>(const RowUpdate<Acc>&,         \
                                                        const Tindex*, const T*,       \
                                                        int64_t, T*, Acc*, cudaStream_t);
-#define TTEMB_INSTANTIATE_T(T, Acc)   \
-  TTEMB_INSTANTIATE(T, Acc, int32_t)  \
-  TTEMB_INSTANTIATE(T, Acc, int64_t)
+#define TTEMB_INSTANTIATE_T(T)             \
+  TTEMB_INSTANTIATE(T, AccT<T>, int32_t) \
+  TTEMB_INSTANTIATE(T, AccT<T>, int64_t)
 
-TTEMB_INSTANTIATE_T(__half, float)
-TTEMB_INSTANTIATE_T(__nv_bfloat16, float)
-TTEMB_INSTANTIATE_T(float, float)
-TTEMB_INSTANTIATE_T(double, double)
+TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_T)
 
 #undef TTEMB_INSTANTIATE_T
 #undef TTEMB_INSTANTIATE

@@ -1007,10 +1007,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       int64_t* const*, T* const*, T* const*, void*, size_t, const TTReport*, void*, size_t,      \
       cudaStream_t);
 
-TT_INSTANTIATE_VALUE(__half)
-TT_INSTANTIATE_VALUE(__nv_bfloat16)
-TT_INSTANTIATE_VALUE(float)
-TT_INSTANTIATE_VALUE(double)
+TTEMB_FOR_EACH_VALUE_TYPE(TT_INSTANTIATE_VALUE)
 
 }  // namespace gpu
 }  // namespace tf_ttemb

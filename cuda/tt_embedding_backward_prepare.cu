@@ -157,6 +157,35 @@ size_t RowsGradWorkBytes(const TTProblem& p, int64_t max_ids, const TTReport* pr
   return CarveWork<T>(g, max_ids, prepared, nullptr, &s);
 }
 
+namespace {
+
+// Cuts the sorted keys of level `level` (s.keys_out; `sentinel` past the items) into the
+// pieces of cs: at most `piece_items` items each, never across two keys. The number of
+// distinct keys also goes to *key_count.
+template <typename T>
+cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b,
+                            const GradScratch<T>& s, int64_t nmax, int64_t sentinel,
+                            int64_t piece_items, const CoreSort& cs, int64_t* key_count,
+                            cudaStream_t stream) {
+  PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel,
+                                                           piece_items, s.piece_flags, b.flags);
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  size_t bytes = b.cub_bytes;
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+      b.cub_temp, bytes, s.piece_flags, s.piece_incl, static_cast<int>(nmax), stream));
+  bytes = b.cub_bytes;
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
+                                                           static_cast<int>(nmax), stream));
+  PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+      s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
+      cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, key_count);
+  TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  PieceEndKernel<<<1, 1, 0, stream>>>(g, level, b.counts, cs.piece_count, cs.piece_pos);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
 template <typename T>
 cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_t max_ids,
                                   const int64_t* num_ids, TTReport* report, void* scratch,
@@ -190,22 +219,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
           b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.sorted_items,
           static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
-      PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          s.keys_out, nmax, sentinel, CorePieceItems(g, k), s.piece_flags, b.flags);
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      bytes = b.cub_bytes;
-      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
-                                                       s.piece_incl, static_cast<int>(nmax),
-                                                       stream));
-      bytes = b.cub_bytes;
-      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
-                                                       static_cast<int>(nmax), stream));
-      PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
-          cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, &report->core_rows[k]);
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      PieceEndKernel<<<1, 1, 0, stream>>>(g, k, b.counts, cs.piece_count, cs.piece_pos);
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(LaunchPieceList(g, k, b, s, nmax, sentinel, CorePieceItems(g, k),
+                                                 cs, &report->core_rows[k], stream));
       if (cs.piece_order != nullptr) {
         PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kThreads, 0, stream>>>(
             cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax,
@@ -223,22 +238,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
                                                                sentinel, s.keys_out);
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          s.keys_out, nmax, sentinel, kChildPieceItems, s.piece_flags, b.flags);
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      size_t bytes = b.cub_bytes;
-      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, s.piece_flags,
-                                                       s.piece_incl, static_cast<int>(nmax),
-                                                       stream));
-      bytes = b.cub_bytes;
-      TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
-                                                       static_cast<int>(nmax), stream));
-      PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-          s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
-          cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, cs.row_count);
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      PieceEndKernel<<<1, 1, 0, stream>>>(g, t, b.counts, cs.piece_count, cs.piece_pos);
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+      TTEMB_RETURN_IF_CUDA_ERROR(LaunchPieceList(g, t, b, s, nmax, sentinel, kChildPieceItems, cs,
+                                                 cs.row_count, stream));
     }
     WorkNeeds needs;
     needs.T = g.T;
@@ -273,10 +274,7 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
                                                 const int64_t*, TTReport*, void*, size_t,       \
                                                 cudaStream_t);
 
-TT_INSTANTIATE_VALUE(__half)
-TT_INSTANTIATE_VALUE(__nv_bfloat16)
-TT_INSTANTIATE_VALUE(float)
-TT_INSTANTIATE_VALUE(double)
+TTEMB_FOR_EACH_VALUE_TYPE(TT_INSTANTIATE_VALUE)
 
 }  // namespace gpu
 }  // namespace tf_ttemb

@@ -220,10 +220,7 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
                                      const T* const*, T*, TTReport*, void*, size_t,             \
                                      cudaStream_t);
 
-TT_INSTANTIATE_VALUE(__half)
-TT_INSTANTIATE_VALUE(__nv_bfloat16)
-TT_INSTANTIATE_VALUE(float)
-TT_INSTANTIATE_VALUE(double)
+TTEMB_FOR_EACH_VALUE_TYPE(TT_INSTANTIATE_VALUE)
 
 #define TT_INSTANTIATE_INDEX(I)                                                                 \
   template size_t UniqueIdsScratchBytes<I>(const UniqueIdsProblem&);                            \

@@ -777,10 +777,7 @@ cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int6
                                              double, double, cudaStream_t);                     \
   template cudaError_t LaunchSelectRows<T>(int64_t, int64_t, const T*, int64_t, const int64_t*, \
                                            const T*, int64_t, const int64_t*, T*, cudaStream_t);
-TTUPD_INSTANTIATE(__half)
-TTUPD_INSTANTIATE(__nv_bfloat16)
-TTUPD_INSTANTIATE(float)
-TTUPD_INSTANTIATE(double)
+TTEMB_FOR_EACH_VALUE_TYPE(TTUPD_INSTANTIATE)
 #undef TTUPD_INSTANTIATE
 
 }  // namespace gpu
