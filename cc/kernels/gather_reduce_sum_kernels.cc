@@ -7,6 +7,8 @@
 #include "cc/kernels/shape_util.h"
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -324,6 +326,27 @@ Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
     }
   }
   return OkStatus();
+}
+
+Status EnsureExclusiveBuffer(
+    OpKernelContext* ctx, Var* var,
+    const std::function<Status(void*, const void*, size_t)>& copy) {
+  Tensor* tensor = var->tensor();
+  if (tensor->RefCountIsOne()) return OkStatus();
+  Tensor copied;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copied));
+  TF_RETURN_IF_ERROR(copy(copied.data(), tensor->data(), tensor->TotalBytes()));
+  *tensor = copied;
+  return OkStatus();
+}
+
+Status EnsureExclusiveHostBuffer(OpKernelContext* ctx, Var* var) {
+  return EnsureExclusiveBuffer(
+      ctx, var, [](void* dst, const void* src, size_t bytes) {
+        std::memcpy(dst, src, bytes);
+        return OkStatus();
+      });
 }
 
 template Status ValidateSparseApplyInputs<float>(OpKernelContext*,

@@ -4,7 +4,9 @@
 #ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
 #define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <utility>
 #include <string>
@@ -157,6 +159,16 @@ Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
                                  const Tensor* accumulator,
                                  const SparseApplyAttrs& attrs,
                                  BagShapes* shapes, Acc* lr, Acc* eps);
+
+// Makes the variable's buffer exclusively owned before an in-place update: a
+// tensor read from it earlier (a dense read outside copy-on-read mode) may
+// still share it, and must keep the old values. `copy(dst, src, bytes)` copies
+// the buffer on the variable's device.
+Status EnsureExclusiveBuffer(
+    OpKernelContext* ctx, Var* var,
+    const std::function<Status(void*, const void*, size_t)>& copy);
+// EnsureExclusiveBuffer for a variable in host memory.
+Status EnsureExclusiveHostBuffer(OpKernelContext* ctx, Var* var);
 
 // Looks up the params variable (input 1, holding T) and, for the optimizers
 // with state, the accumulator (input 9, holding Acc); locks both exclusively,

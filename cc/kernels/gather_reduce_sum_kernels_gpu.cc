@@ -667,22 +667,15 @@ class GatherReduceSumFusedGradGpuOp : public OpKernel {
 // first: its sums go to a [U, D] temporary that LaunchApplyRows applies. All
 // run on the op's stream, so later readers of the variable see the update.
 
-// Makes the variable's buffer exclusively owned before an in-place update (a
-// tensor read from it earlier may still share it and must keep the old
-// values), copying it on the stream.
-Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var,
-                             cudaStream_t stream) {
-  Tensor* tensor = var->tensor();
-  if (tensor->RefCountIsOne()) return OkStatus();
-  Tensor copy;
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
-  TF_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(copy.data(), tensor->data(), tensor->TotalBytes(),
-                      cudaMemcpyDeviceToDevice, stream),
-      "copy of a shared variable buffer"));
-  *tensor = copy;
-  return OkStatus();
+// EnsureExclusiveBuffer's copy for device memory, on the op's stream.
+Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var,
+                                   cudaStream_t stream) {
+  return EnsureExclusiveBuffer(
+      ctx, var, [stream](void* dst, const void* src, size_t bytes) {
+        return CudaStatus(cudaMemcpyAsync(dst, src, bytes,
+                                          cudaMemcpyDeviceToDevice, stream),
+                          "copy of a shared variable buffer");
+      });
 }
 
 template <typename T, typename Tindex>
@@ -762,9 +755,11 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
       return;
     }
 
-    OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, params_var, call.stream()));
+    OP_REQUIRES_OK(ctx,
+                   EnsureExclusiveDeviceBuffer(ctx, params_var, call.stream()));
     if (acc_var != nullptr) {
-      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, acc_var, call.stream()));
+      OP_REQUIRES_OK(ctx,
+                     EnsureExclusiveDeviceBuffer(ctx, acc_var, call.stream()));
     }
     CT* table = DevicePtr<T>(params_var->tensor());
     Acc* state =

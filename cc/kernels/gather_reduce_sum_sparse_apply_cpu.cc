@@ -35,20 +35,6 @@ namespace {
 // and every sum has a fixed order, so the result is deterministic and no
 // [U, D] buffer exists.
 
-// Makes the variable's buffer exclusively owned before an in-place update: a
-// tensor read from it earlier (a dense read outside copy-on-read mode) may
-// still share it, and must keep the old values.
-Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
-  Tensor* tensor = var->tensor();
-  if (tensor->RefCountIsOne()) return OkStatus();
-  Tensor copy;
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
-  std::memcpy(copy.data(), tensor->data(), tensor->TotalBytes());
-  *tensor = copy;
-  return OkStatus();
-}
-
 template <typename T, typename Tindex>
 class GatherReduceSumSparseApplyOp : public OpKernel {
  public:
@@ -102,9 +88,9 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     if (bag.has_weights) std::fill(dw, dw + nnz, T(0));
     if (nnz == 0 || dim == 0) return;
 
-    OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, params_var));
+    OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, params_var));
     if (acc_var != nullptr) {
-      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer(ctx, acc_var));
+      OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, acc_var));
     }
     T* table = params_var->tensor()->flat<T>().data();
     Acc* state =

@@ -889,18 +889,6 @@ class TTRowsGradOp : public OpKernel {
 // ---------------------------------------------------------------------------
 // TTCacheCount
 
-// Makes the variable's buffer exclusively owned before an in-place update (a
-// tensor read from it earlier may still share it).
-Status EnsureExclusive(OpKernelContext* ctx, Var* var) {
-  Tensor* tensor = var->tensor();
-  if (tensor->RefCountIsOne()) return OkStatus();
-  Tensor copy;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy));
-  std::memcpy(copy.data(), tensor->data(), tensor->TotalBytes());
-  *tensor = copy;
-  return OkStatus();
-}
-
 // Which set an id belongs to (cuda/common_types.h, shared with the GPU).
 using ::tf_ttemb::MixId;
 
@@ -918,8 +906,8 @@ class TTCacheCountOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
     const int64_t size = keys_var->tensor()->NumElements();
     if (size == 0) return;
-    OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, keys_var.get()));
-    OP_REQUIRES_OK(ctx, EnsureExclusive(ctx, counts_var.get()));
+    OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, keys_var.get()));
+    OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, counts_var.get()));
     int64_t* keys = keys_var->tensor()->flat<int64_t>().data();
     int64_t* counts = counts_var->tensor()->flat<int64_t>().data();
 
