@@ -1,6 +1,6 @@
 // What the TensorFlow kernels (cc/) and the CUDA launchers (cuda/) both name: the
-// combiner and row-optimizer choices, the type T accumulates in and the TT cache's set
-// hash. Plain C++, no
+// combiner and row-optimizer choices, a bag op's attributes, the type T accumulates in
+// and the TT cache's set hash. Plain C++, no
 // TensorFlow or CUDA headers, so that cc/ code built without CUDA includes it too.
 // cc/ sees these in tensorflow::tf_ttemb, cuda/ in tf_ttemb::gpu (using-declarations).
 
@@ -22,6 +22,16 @@ enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2, kMax = 3 };
 
 // The optimizer GatherReduceSumSparseApply applies to each distinct row.
 enum class RowOptimizer : int { kSgd = 0, kRowwiseAdagrad = 1, kAdagrad = 2 };
+
+// The attributes every bag op takes: parsed once from the op's attrs in the kernel
+// constructor (cc/, where they are BagAttrs) and passed to the launchers as part of
+// their BagProblem (cuda/). Entries whose id is the padding id are skipped.
+struct BagOptions {
+  Combiner combiner = Combiner::kSum;
+  bool has_weights = false;
+  bool has_padding_id = false;
+  int64_t padding_id = -1;
+};
 
 // The type every kernel sums T in: float for the half types and float, double
 // for double (half types accumulate in float32).

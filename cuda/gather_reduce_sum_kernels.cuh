@@ -44,16 +44,13 @@ namespace gpu {
 using ::tf_ttemb::AccT;
 using ::tf_ttemb::Combiner;
 
-// Sizes and attributes of one call.
-struct BagProblem {
+// Sizes and attributes of one call: the op's BagOptions (combiner, has_weights,
+// has_padding_id, padding_id; cuda/common_types.h) and the sizes.
+struct BagProblem : ::tf_ttemb::BagOptions {
   int64_t num_rows = 0;  // N
   int64_t dim = 0;       // D
   int64_t num_bags = 0;  // B
   int64_t nnz = 0;
-  Combiner combiner = Combiner::kSum;
-  bool has_weights = false;
-  bool has_padding_id = false;
-  int64_t padding_id = -1;
 };
 
 // What the device found, in device memory. Every field is -1 when unset.

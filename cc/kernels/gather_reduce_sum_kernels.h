@@ -29,14 +29,9 @@ using ::tf_ttemb::AccT;
 using ::tf_ttemb::Combiner;
 using ::tf_ttemb::RowOptimizer;
 
-// Attributes common to every op of the family, parsed once in the kernel
-// constructor.
-struct BagAttrs {
-  Combiner combiner = Combiner::kSum;
-  bool has_weights = false;
-  bool has_padding_id = false;
-  int64_t padding_id = -1;
-};
+// Attributes common to every op of the family (combiner, weights, padding id),
+// parsed once in the kernel constructor; the launchers take the same struct.
+using BagAttrs = ::tf_ttemb::BagOptions;
 
 Status ParseCombiner(const std::string& name, Combiner* combiner);
 Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);

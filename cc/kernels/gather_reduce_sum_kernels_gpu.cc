@@ -67,14 +67,11 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs,
                                   const BagShapes& shapes, int64_t num_rows,
                                   int64_t dim) {
   launchers::BagProblem p;
+  static_cast<BagAttrs&>(p) = attrs;
   p.num_rows = num_rows;
   p.dim = dim;
   p.num_bags = shapes.num_bags;
   p.nnz = shapes.nnz;
-  p.combiner = attrs.combiner;
-  p.has_weights = attrs.has_weights;
-  p.has_padding_id = attrs.has_padding_id;
-  p.padding_id = attrs.padding_id;
   return p;
 }
 
