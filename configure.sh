@@ -79,6 +79,10 @@ wanted = [
     ("pytest", "pytest", None),
     ("absl-py", "absl-py", None),
     ("matplotlib", "matplotlib", None),
+    # The style checks (python/tools/check_style.sh, run by tests/test_style.py), pinned so
+    # that every machine formats alike.
+    ("ruff", "ruff==0.17.6", lambda v: v == "0.17.6"),
+    ("clang-format", "clang-format==23.1.5", lambda v: v == "23.1.5"),
 ]
 missing = []
 for dist, spec, version_ok in wanted:

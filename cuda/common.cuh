@@ -101,8 +101,8 @@ class Carver {
  public:
   explicit Carver(void* base)
       : base_(base == nullptr ? nullptr
-                              : reinterpret_cast<char*>(
-                                    (reinterpret_cast<uintptr_t>(base) + 255) & ~uintptr_t{255})) {}
+                              : reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + 255) &
+                                                        ~uintptr_t{255})) {}
   template <typename U>
   U* Take(int64_t count) {
     offset_ = (offset_ + 255) & ~size_t{255};

@@ -18,8 +18,8 @@ namespace {
 // entry_bag[j] = the entry's bag (FindBag; the threads of a warp search for
 // neighbouring entries, so their loads of splits mostly coincide).
 template <typename Tindex, typename Key>
-__global__ void BuildSortKeysKernel(const Tindex* __restrict__ ids, int64_t nnz,
-                                    int64_t num_rows, bool has_padding, int64_t padding_id,
+__global__ void BuildSortKeysKernel(const Tindex* __restrict__ ids, int64_t nnz, int64_t num_rows,
+                                    bool has_padding, int64_t padding_id,
                                     const int64_t* __restrict__ splits, int64_t num_bags,
                                     Key* __restrict__ keys, int32_t* __restrict__ positions,
                                     int32_t* __restrict__ entry_bag, DeviceReport* report) {
@@ -107,9 +107,9 @@ __global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  //
                                       const AccT<T>* __restrict__ scale,      // [B] or null
                                       const int64_t* __restrict__ meta, int64_t num_bags,
                                       int64_t nnz, bool is_max,
-                                      int32_t* __restrict__ sorted_bag,       // [nnz]
-                                      AccT<T>* __restrict__ sorted_coef,      // [nnz] or null
-                                      int32_t* __restrict__ sorted_inbag) {   // [nnz] or null
+                                      int32_t* __restrict__ sorted_bag,      // [nnz]
+                                      AccT<T>* __restrict__ sorted_coef,     // [nnz] or null
+                                      int32_t* __restrict__ sorted_inbag) {  // [nnz] or null
   using A = AccT<T>;
   const int64_t valid = meta[1];
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < valid;
@@ -131,14 +131,14 @@ __global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  //
 
 template <typename T, typename Tindex>
 struct WeightsGradArgs {
-  const T* grad;           // [B, D]
-  const T* params;         // [N, D]
-  const Tindex* ids;       // [nnz]
-  const int64_t* splits;   // [B + 1]
-  const T* weights;        // [nnz]
-  const AccT<T>* scale;    // [B] or null (sum)
-  const AccT<T>* dyout;    // [B] or null (sum)
-  T* weights_grad;         // [nnz]
+  const T* grad;          // [B, D]
+  const T* params;        // [N, D]
+  const Tindex* ids;      // [nnz]
+  const int64_t* splits;  // [B + 1]
+  const T* weights;       // [nnz]
+  const AccT<T>* scale;   // [B] or null (sum)
+  const AccT<T>* dyout;   // [B] or null (sum)
+  T* weights_grad;        // [nnz]
   DeviceReport* report;
   int64_t num_rows, dim, dim_vecs, num_bags, nnz, padding_id, num_items;
   int group;
@@ -225,7 +225,6 @@ cudaError_t SortAndSegmentImpl(const BagProblem& p, const GradPlan<T>& g, const 
 // ---------------------------------------------------------------------------
 // Public launchers.
 
-
 template <typename T, typename Tindex>
 size_t ParamsGradScratchBytes(const BagProblem& p, bool dense, bool fuse_weights_grad) {
   GradScratch<T> s;
@@ -233,10 +232,10 @@ size_t ParamsGradScratchBytes(const BagProblem& p, bool dense, bool fuse_weights
 }
 
 template <typename T, typename Tindex>
-cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
-                                    const int64_t* splits, const T* weights,
-                                    DeviceReport* report, bool dense, bool fuse_weights_grad,
-                                    void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids, const int64_t* splits,
+                                    const T* weights, DeviceReport* report, bool dense,
+                                    bool fuse_weights_grad, void* scratch, size_t scratch_bytes,
+                                    cudaStream_t stream) {
   if (!ValidProblem(p) || !GradSizesOk(p)) return cudaErrorInvalidValue;
   const GradPlan<T> g = PlanGrad<T>(p);
   GradScratch<T> s;
@@ -248,8 +247,7 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
   TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
   if (p.nnz == 0) {
     TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.meta, 0, 2 * sizeof(int64_t), stream));
-    TTEMB_RETURN_IF_CUDA_ERROR(
-        cudaMemsetAsync(&report->num_unique, 0, sizeof(int64_t), stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(&report->num_unique, 0, sizeof(int64_t), stream));
     TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.hot_off, 0, sizeof(int32_t), stream));
   } else {
     if (g.wide_keys) {
@@ -263,10 +261,10 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids,
       if (s.scale != nullptr) {
         const int64_t warps_per_block = kBlock / 32;
         BagScalesKernel<T, Tindex>
-            <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)),
-               kBlock, 0, stream>>>(ids, splits, p.has_weights ? weights : nullptr, nullptr,
-                                    nullptr, p.num_bags, p.nnz, p.dim, p.combiner,
-                                    p.has_padding_id, p.padding_id, s.scale, nullptr);
+            <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)), kBlock,
+               0, stream>>>(ids, splits, p.has_weights ? weights : nullptr, nullptr, nullptr,
+                            p.num_bags, p.nnz, p.dim, p.combiner, p.has_padding_id, p.padding_id,
+                            s.scale, nullptr);
         TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
       }
       SortedEntryInfoKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
@@ -290,8 +288,8 @@ size_t WeightsGradScratchBytes(const BagProblem& p) {
 template <typename T, typename Tindex>
 cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* params,
                               const Tindex* ids, const int64_t* splits, const T* weights,
-                              const T* output, T* weights_grad, DeviceReport* report,
-                              void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                              const T* output, T* weights_grad, DeviceReport* report, void* scratch,
+                              size_t scratch_bytes, cudaStream_t stream) {
   const bool scaled = p.combiner == Combiner::kMean || p.combiner == Combiner::kSqrtn;
   if (!ValidProblem(p) || p.combiner == Combiner::kMax || !p.has_weights ||
       (scaled && output == nullptr && p.num_bags * p.dim > 0) ||
@@ -307,9 +305,9 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
     if (scaled) {
       const int64_t warps_per_block = kBlock / 32;
       BagScalesKernel<T, Tindex>
-          <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)),
-             kBlock, 0, stream>>>(ids, splits, weights, grad, output, p.num_bags, p.nnz, p.dim,
-                                  p.combiner, p.has_padding_id, p.padding_id, scale, dyout);
+          <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)), kBlock,
+             0, stream>>>(ids, splits, weights, grad, output, p.num_bags, p.nnz, p.dim, p.combiner,
+                          p.has_padding_id, p.padding_id, scale, dyout);
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
     }
     const Columns cols = ColumnsFor<T>(p.dim);
@@ -355,14 +353,14 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
 // ---------------------------------------------------------------------------
 // Instantiations.
 
-#define TTEMB_INSTANTIATE(T, Tindex)                                                         \
-  template size_t ParamsGradScratchBytes<T, Tindex>(const BagProblem&, bool, bool);          \
-  template cudaError_t LaunchParamsGradPrepare<T, Tindex>(                                   \
-      const BagProblem&, const Tindex*, const int64_t*, const T*, DeviceReport*, bool, bool, \
-      void*, size_t, cudaStream_t);                                                          \
-  template cudaError_t LaunchWeightsGrad<T, Tindex>(                                         \
-      const BagProblem&, const T*, const T*, const Tindex*, const int64_t*, const T*,        \
-      const T*, T*, DeviceReport*, void*, size_t, cudaStream_t);
+#define TTEMB_INSTANTIATE(T, Tindex)                                                            \
+  template size_t ParamsGradScratchBytes<T, Tindex>(const BagProblem&, bool, bool);             \
+  template cudaError_t LaunchParamsGradPrepare<T, Tindex>(                                      \
+      const BagProblem&, const Tindex*, const int64_t*, const T*, DeviceReport*, bool, bool,    \
+      void*, size_t, cudaStream_t);                                                             \
+  template cudaError_t LaunchWeightsGrad<T, Tindex>(                                            \
+      const BagProblem&, const T*, const T*, const Tindex*, const int64_t*, const T*, const T*, \
+      T*, DeviceReport*, void*, size_t, cudaStream_t);
 
 #define TTEMB_INSTANTIATE_T(T)                                   \
   template size_t WeightsGradScratchBytes<T>(const BagProblem&); \

@@ -64,8 +64,7 @@ constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 // read-only data cache, for rows no kernel running now writes; false for
 // rows the same kernel updates.
 template <typename T, bool kAligned, bool kReadOnly = true>
-__device__ __forceinline__ Pack<T> LoadVec(const T* __restrict__ p, int64_t col,
-                                             int64_t dim) {
+__device__ __forceinline__ Pack<T> LoadVec(const T* __restrict__ p, int64_t col, int64_t dim) {
   Pack<T> r;
   if (kAligned) {
     const uint4* q = reinterpret_cast<const uint4*>(p);
@@ -80,8 +79,8 @@ __device__ __forceinline__ Pack<T> LoadVec(const T* __restrict__ p, int64_t col,
 }
 
 template <typename T, bool kAligned>
-__device__ __forceinline__ void StoreVec(T* __restrict__ p, const Pack<T>& x,
-                                         int64_t col, int64_t dim) {
+__device__ __forceinline__ void StoreVec(T* __restrict__ p, const Pack<T>& x, int64_t col,
+                                         int64_t dim) {
   if (kAligned) {
     *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(x.v);
   } else {
@@ -166,8 +165,7 @@ __device__ __forceinline__ uint4 AccToRaw(const AccT<T> (&f)[VecOf<T>()]) {
 }
 
 template <typename T>
-__device__ __forceinline__ void FmaRawOf(AccT<T> w, const uint4& r,
-                                         AccT<T> (&acc)[VecOf<T>()]) {
+__device__ __forceinline__ void FmaRawOf(AccT<T> w, const uint4& r, AccT<T> (&acc)[VecOf<T>()]) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
     FmaRawBf16(w, r, acc);
   } else if constexpr (std::is_same<T, __half>::value) {
@@ -208,8 +206,8 @@ __device__ __forceinline__ Ints<V> LoadInts(const int32_t* __restrict__ p, int64
 }
 
 template <int V, bool kAligned>
-__device__ __forceinline__ void StoreInts(int32_t* __restrict__ p, const Ints<V>& x,
-                                          int64_t col, int64_t dim) {
+__device__ __forceinline__ void StoreInts(int32_t* __restrict__ p, const Ints<V>& x, int64_t col,
+                                          int64_t dim) {
   if (kAligned && V % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < V / 4; ++i) {
@@ -262,8 +260,8 @@ __device__ __forceinline__ bool TakesMax(A v, A m) {
 
 // Entries of bag b, clamped to [0, nnz] so that bad splits never lead to an
 // out-of-bounds read.
-__device__ __forceinline__ void BagRange(const int64_t* __restrict__ splits, int64_t b,
-                                         int64_t nnz, int64_t* begin, int64_t* end) {
+__device__ __forceinline__ void BagRange(const int64_t* __restrict__ splits, int64_t b, int64_t nnz,
+                                         int64_t* begin, int64_t* end) {
   const int64_t lo = min(max(splits[b], int64_t{0}), nnz);
   *begin = lo;
   *end = min(max(splits[b + 1], lo), nnz);
@@ -271,8 +269,8 @@ __device__ __forceinline__ void BagRange(const int64_t* __restrict__ splits, int
 
 // The bag holding entry j: the largest b in [0, B) with splits[b] <= j
 // (always in [0, B), whatever splits holds). B >= 1.
-__device__ __forceinline__ int64_t FindBag(const int64_t* __restrict__ splits,
-                                           int64_t num_bags, int64_t j) {
+__device__ __forceinline__ int64_t FindBag(const int64_t* __restrict__ splits, int64_t num_bags,
+                                           int64_t j) {
   int64_t lo = 0, hi = num_bags;
   while (lo < hi) {
     const int64_t mid = (lo + hi) >> 1;
@@ -286,8 +284,7 @@ __device__ __forceinline__ int64_t FindBag(const int64_t* __restrict__ splits,
 }
 
 __device__ __forceinline__ void ReportMin(int64_t* field, int64_t value) {
-  atomicMin(reinterpret_cast<unsigned long long*>(field),
-            static_cast<unsigned long long>(value));
+  atomicMin(reinterpret_cast<unsigned long long*>(field), static_cast<unsigned long long>(value));
 }
 
 // Lanes of this thread's group, for shuffles within the group.
@@ -335,17 +332,16 @@ struct GroupWalk {
 // One thread per bag b: splits[b + 1] < splits[b] is recorded (first b wins).
 __global__ void CheckSplitsKernel(const int64_t* __restrict__ splits, int64_t num_bags,
                                   DeviceReport* report) {
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       b < num_bags; b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < num_bags;
+       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (splits[b + 1] < splits[b]) ReportMin(&report->first_bad_split, b);
   }
 }
 
 // One thread per entry: records ids outside [0, N) that are not padding.
 template <typename Tindex>
-__global__ void CheckIdsKernel(const Tindex* __restrict__ ids, int64_t nnz,
-                               int64_t num_rows, bool has_padding, int64_t padding_id,
-                               DeviceReport* report) {
+__global__ void CheckIdsKernel(const Tindex* __restrict__ ids, int64_t nnz, int64_t num_rows,
+                               bool has_padding, int64_t padding_id, DeviceReport* report) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < nnz;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t id = static_cast<int64_t>(ids[j]);
@@ -418,8 +414,8 @@ cudaError_t CheckSplits(const int64_t* splits, int64_t num_bags, DeviceReport* r
 }
 
 template <typename Tindex>
-cudaError_t FinishReport(const Tindex* ids, int64_t nnz, const int64_t* splits,
-                         int64_t num_bags, DeviceReport* report, cudaStream_t stream) {
+cudaError_t FinishReport(const Tindex* ids, int64_t nnz, const int64_t* splits, int64_t num_bags,
+                         DeviceReport* report, cudaStream_t stream) {
   FinishReportKernel<Tindex><<<1, 1, 0, stream>>>(ids, nnz, splits, num_bags, report);
   return LastLaunchError();
 }

@@ -24,8 +24,8 @@ __global__ void BagScalesKernel(const Tindex* __restrict__ ids,      // [nnz] or
                                 const T* __restrict__ weights,       // [nnz] or null
                                 const T* __restrict__ grad,          // [B, D] or null
                                 const T* __restrict__ output,        // [B, D] or null
-                                int64_t num_bags, int64_t nnz, int64_t dim,
-                                Combiner combiner, bool has_padding, int64_t padding_id,
+                                int64_t num_bags, int64_t nnz, int64_t dim, Combiner combiner,
+                                bool has_padding, int64_t padding_id,
                                 AccT<T>* __restrict__ scale,    // [B] or null
                                 AccT<T>* __restrict__ dyout) {  // [B] or null
   using A = AccT<T>;
@@ -59,8 +59,7 @@ __global__ void BagScalesKernel(const Tindex* __restrict__ ids,      // [nnz] or
 }
 
 template <typename A>
-__device__ __forceinline__ A WeightGradFromDot(Combiner combiner, A dot, A dyout, A scale,
-                                               A w) {
+__device__ __forceinline__ A WeightGradFromDot(Combiner combiner, A dot, A dyout, A scale, A w) {
   switch (combiner) {
     case Combiner::kMean:
       return (dot - dyout) * scale;
@@ -174,9 +173,9 @@ size_t CarveGrad(const BagProblem& p, const GradPlan<T>& g, bool dense, bool fus
   s->part = carver.Take<AccT<T>>(g.piece_bound * p.dim);
   if (fused) s->pdot = carver.Take<AccT<T>>(n * g.cols.chunks);
   if (dense) s->touched = carver.Take<uint8_t>(p.num_rows);
-  s->cub_bytes = std::max(g.wide_keys ? SortTempBytes<uint64_t>(n, g.end_bit)
-                                      : SortTempBytes<uint32_t>(n, g.end_bit),
-                          ScanTempBytes(n + 1));
+  s->cub_bytes = std::max(
+      g.wide_keys ? SortTempBytes<uint64_t>(n, g.end_bit) : SortTempBytes<uint32_t>(n, g.end_bit),
+      ScanTempBytes(n + 1));
   s->cub_temp = carver.Take<char>(static_cast<int64_t>(s->cub_bytes));
   return carver.bytes();
 }

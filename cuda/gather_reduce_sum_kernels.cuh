@@ -57,9 +57,11 @@ struct BagProblem : ::tf_ttemb::BagOptions {
 // The checks a caller makes, in the CPU kernel's order:
 //   first_split != 0                    -> row_splits[0] = first_split must be 0
 //   first_bad_split >= 0                -> row_splits must be non-decreasing:
-//        row_splits[first_bad_split + 1] = bad_split_value < row_splits[first_bad_split] = bad_split_prev
-//   last_split != nnz                   -> row_splits[B] = last_split must equal the number of indices (nnz)
-//   first_bad_index >= 0                -> indices[first_bad_index] = bad_index_value is not in [0, N)
+//        row_splits[first_bad_split + 1] = bad_split_value < row_splits[first_bad_split] =
+//        bad_split_prev
+//   last_split != nnz                   -> row_splits[B] = last_split must equal the number of
+//   indices (nnz) first_bad_index >= 0                -> indices[first_bad_index] = bad_index_value
+//   is not in [0, N)
 struct DeviceReport {
   int64_t first_bad_index;  // smallest j with ids[j] outside [0, N) and not padding
   int64_t bad_index_value;  // ids[first_bad_index]
@@ -78,15 +80,14 @@ size_t ForwardScratchBytes(const BagProblem& p);
 
 template <typename T, typename Tindex>
 cudaError_t LaunchForward(const BagProblem& p,
-                          const T* params,         // [N, D]
-                          const Tindex* ids,       // [nnz]
-                          const int64_t* splits,   // [B + 1]
-                          const T* weights,        // [nnz] or null
-                          T* out,                  // [B, D]
-                          int32_t* argmax,         // [B, D] for kMax, else null
-                          DeviceReport* report,    // [1], device
-                          void* scratch, size_t scratch_bytes,
-                          cudaStream_t stream);
+                          const T* params,        // [N, D]
+                          const Tindex* ids,      // [nnz]
+                          const int64_t* splits,  // [B + 1]
+                          const T* weights,       // [nnz] or null
+                          T* out,                 // [B, D]
+                          int32_t* argmax,        // [B, D] for kMax, else null
+                          DeviceReport* report,   // [1], device
+                          void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. params, in two launches so that the caller can size the
@@ -121,20 +122,18 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p,
                                     const int64_t* splits,  // [B + 1]
                                     const T* weights,       // [nnz] or null
                                     DeviceReport* report,   // [1], device
-                                    bool dense, bool fuse_weights_grad,
-                                    void* scratch, size_t scratch_bytes,
-                                    cudaStream_t stream);
+                                    bool dense, bool fuse_weights_grad, void* scratch,
+                                    size_t scratch_bytes, cudaStream_t stream);
 
 template <typename T, typename Tindex>
 cudaError_t LaunchParamsGradReduce(const BagProblem& p,
-                                   const T* grad,           // [B, D]
-                                   const int32_t* argmax,   // [B, D] for kMax, else null
-                                   Tindex* unique_ids,      // [U] (deduplicated form) or null
-                                   T* values,               // [U, D] (deduplicated form) or null
-                                   T* dense,                // [N, D] (dense form) or null
+                                   const T* grad,          // [B, D]
+                                   const int32_t* argmax,  // [B, D] for kMax, else null
+                                   Tindex* unique_ids,     // [U] (deduplicated form) or null
+                                   T* values,              // [U, D] (deduplicated form) or null
+                                   T* dense,               // [N, D] (dense form) or null
                                    const WeightsGradFusion<T>* fusion,  // host struct or null
-                                   void* scratch, size_t scratch_bytes,
-                                   cudaStream_t stream);
+                                   void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // 3. LaunchParamsGradApply (GatherReduceSumSparseApply) is step 2 in the
 //    deduplicated form with an optimizer step in place of the output: where
@@ -157,11 +156,10 @@ cudaError_t LaunchParamsGradApply(const BagProblem& p,
                                   const T* grad,          // [B, D]
                                   const int32_t* argmax,  // [B, D] for kMax, else null
                                   const RowUpdate<AccT<T>>& update,
-                                  T* table,               // [N, D], updated in place
-                                  AccT<T>* accumulator,   // [N] / [N, D], or null for kSgd
+                                  T* table,              // [N, D], updated in place
+                                  AccT<T>* accumulator,  // [N] / [N, D], or null for kSgd
                                   const WeightsGradFusion<T>* fusion,  // host struct or null
-                                  void* scratch, size_t scratch_bytes,
-                                  cudaStream_t stream);
+                                  void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. the weights (kSum, kMean, kSqrtn), on its own:
@@ -182,15 +180,13 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p,
                               const T* output,        // [B, D] forward output
                               T* weights_grad,        // [nnz]
                               DeviceReport* report,   // [1], device
-                              void* scratch, size_t scratch_bytes,
-                              cudaStream_t stream);
+                              void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Checks of row_splits alone (for ops that need nothing else checked): fills
 // first_split, last_split and the non-decreasing fields of the report.
 cudaError_t LaunchCheckSplits(const int64_t* splits,  // [B + 1]
-                              int64_t num_bags, DeviceReport* report,
-                              cudaStream_t stream);
+                              int64_t num_bags, DeviceReport* report, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace tf_ttemb

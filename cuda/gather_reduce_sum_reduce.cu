@@ -16,31 +16,31 @@ namespace {
 
 template <typename T>
 struct ReduceArgs {
-  const T* grad;                 // [B, D]
-  const int32_t* argmax;         // [B, D] or null
-  const int32_t* sorted_bag;     // [m]
-  const AccT<T>* sorted_coef;    // [m] (not max)
-  const int32_t* sorted_inbag;   // [m] (max)
-  const int32_t* seg_start;      // [U + 1]
-  const int64_t* seg_id;         // [U]
-  const int32_t* hot;            // [nnz + 1]
-  const int32_t* hot_off;        // [nnz + 1]
-  const int64_t* meta;           // [2]: U, m
-  AccT<T>* part;                 // [hot pieces, D]
-  T* values;                     // [U, D] or null
-  T* dense;                      // [N, D] or null
-  const T* params;               // [N, D] (fusion) or null
-  AccT<T>* pdot;                 // [chunks, nnz] (fusion) or null
+  const T* grad;                // [B, D]
+  const int32_t* argmax;        // [B, D] or null
+  const int32_t* sorted_bag;    // [m]
+  const AccT<T>* sorted_coef;   // [m] (not max)
+  const int32_t* sorted_inbag;  // [m] (max)
+  const int32_t* seg_start;     // [U + 1]
+  const int64_t* seg_id;        // [U]
+  const int32_t* hot;           // [nnz + 1]
+  const int32_t* hot_off;       // [nnz + 1]
+  const int64_t* meta;          // [2]: U, m
+  AccT<T>* part;                // [hot pieces, D]
+  T* values;                    // [U, D] or null
+  T* dense;                     // [N, D] or null
+  const T* params;              // [N, D] (fusion) or null
+  AccT<T>* pdot;                // [chunks, nnz] (fusion) or null
   int64_t dim, dim_vecs, chunks, nnz, num_items;
-  int64_t seg_blocks;            // run kernel: blocks of kRunSegments segments
+  int64_t seg_blocks;  // run kernel: blocks of kRunSegments segments
   int group;
   bool is_max;
   // LaunchParamsGradApply: a row's sums update table[row] (and state) by
   // `update` instead of being written to values.
   bool apply;
   RowUpdate<AccT<T>> update;
-  T* table;                      // [N, D] or null
-  AccT<T>* state;                // [N] / [N, D] or null
+  T* table;        // [N, D] or null
+  AccT<T>* state;  // [N] / [N, D] or null
 };
 
 // Adds the entries k0..k1 of the sorted order to acc, in order. The lane's
@@ -51,8 +51,8 @@ struct ReduceArgs {
 // entries are loaded while the current grad rows are in flight.
 template <typename T, bool kAligned, int NV>
 __device__ __forceinline__ void ReduceEntries(const ReduceArgs<T>& a, int64_t k0, int64_t k1,
-                                              int64_t base, int64_t chunk, unsigned mask,
-                                              int lane, const AccT<T> (&prow)[NV][VecOf<T>()],
+                                              int64_t base, int64_t chunk, unsigned mask, int lane,
+                                              const AccT<T> (&prow)[NV][VecOf<T>()],
                                               AccT<T> (&acc)[NV][VecOf<T>()]) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
@@ -157,9 +157,8 @@ __device__ __forceinline__ void LoadParamsRow(const ReduceArgs<T>& a, int64_t ro
 // lr / (sqrt(a) + eps), 0 for a zero denominator. Every lane of the group
 // calls it; `leader` (one lane) stores the accumulator.
 template <typename T, int NV>
-__device__ __forceinline__ AccT<T> RowwiseStepOf(const ReduceArgs<T>& a, int64_t row,
-                                                 int64_t base, int stride, unsigned mask,
-                                                 bool leader,
+__device__ __forceinline__ AccT<T> RowwiseStepOf(const ReduceArgs<T>& a, int64_t row, int64_t base,
+                                                 int stride, unsigned mask, bool leader,
                                                  const AccT<T> (&acc)[NV][VecOf<T>()]) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
@@ -460,8 +459,7 @@ __device__ __forceinline__ void CopyAsyncWait() {
 // max, and kRunSmemBytes of dynamic shared memory (LaunchRuns; where a device
 // cannot give it, ReduceSegmentsKernel does the segments instead).
 template <typename T, int NV, bool kFused>
-__global__ void __launch_bounds__(kBlock, kRunMinBlocks)
-    ReduceRunsKernel(const ReduceArgs<T> a) {
+__global__ void __launch_bounds__(kBlock, kRunMinBlocks) ReduceRunsKernel(const ReduceArgs<T> a) {
   using A = AccT<T>;
   constexpr int V = VecOf<T>();
   constexpr int U = kRunVectors / NV;
@@ -479,7 +477,7 @@ __global__ void __launch_bounds__(kBlock, kRunMinBlocks)
        item < a.num_items; item += stride) {
     const int64_t chunk = item / a.seg_blocks;
     const int64_t u0 = (item - chunk * a.seg_blocks) * kRunSegments;
-    if (u0 >= num_unique) continue;  // uniform across the warp
+    if (u0 >= num_unique) continue;                 // uniform across the warp
     const int64_t base = chunk * (32 * NV) + lane;  // the lane's first vector
     bool vec_ok[NV];
 #pragma unroll
@@ -497,7 +495,7 @@ __global__ void __launch_bounds__(kBlock, kRunMinBlocks)
     }
     const unsigned stops = __ballot_sync(kAll, stop);
 
-    auto load_row = [&](int64_t row, uint4 (&r)[NV]) {
+    auto load_row = [&](int64_t row, uint4(&r)[NV]) {
       const uint4* src = reinterpret_cast<const uint4*>(a.params + row * a.dim) + base;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -509,8 +507,8 @@ __global__ void __launch_bounds__(kBlock, kRunMinBlocks)
     while (sa < 32) {
       const unsigned avail = ~stops & (kAll << sa);
       if (avail == 0) break;
-      sa = __ffs(avail) - 1;                          // first segment of the run
-      const unsigned after = stops & (kAll << sa);    // sa is not in stops
+      sa = __ffs(avail) - 1;                              // first segment of the run
+      const unsigned after = stops & (kAll << sa);        // sa is not in stops
       const int sb = after != 0 ? __ffs(after) - 1 : 32;  // one past its last
       const int ka = __shfl_sync(kAll, s_start, sa);
       const int kb = __shfl_sync(kAll, s_end, sb - 1);
@@ -732,18 +730,16 @@ __global__ void __launch_bounds__(kBlock) CombinePiecesKernel(const ReduceArgs<T
         for (int64_t r = q0; r < q1; ++r) acc[i][e] += a.part[r * a.dim + col + e];
       }
     }
-    WriteGradRow<T, kAligned, NV>(a, u, a.seg_id[u], base, GroupMask(a.group), walk.lane == 0,
-                                  acc);
+    WriteGradRow<T, kAligned, NV>(a, u, a.seg_id[u], base, GroupMask(a.group), walk.lane == 0, acc);
   }
 }
 
 // One thread per u < U: marks row seg_id[u] as written by the reduction.
-__global__ void MarkRowsKernel(const int64_t* __restrict__ seg_id,
-                               const int64_t* __restrict__ meta, int64_t bound,
-                               uint8_t* __restrict__ touched) {
+__global__ void MarkRowsKernel(const int64_t* __restrict__ seg_id, const int64_t* __restrict__ meta,
+                               int64_t bound, uint8_t* __restrict__ touched) {
   const int64_t num_unique = min(meta[0], bound);
-  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u < num_unique;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     touched[seg_id[u]] = 1;
   }
 }
@@ -751,7 +747,7 @@ __global__ void MarkRowsKernel(const int64_t* __restrict__ seg_id,
 // Work item = row: its group zeros the row of the dense gradient when no
 // segment writes it (the group's lanes stride over the row's vectors).
 template <typename T, bool kAligned>
-__global__ void ZeroUntouchedRowsKernel(T* __restrict__ dense,  // [N, D]
+__global__ void ZeroUntouchedRowsKernel(T* __restrict__ dense,                // [N, D]
                                         const uint8_t* __restrict__ touched,  // [N]
                                         int64_t dim, int64_t dim_vecs, int64_t num_rows,
                                         int group) {
@@ -773,8 +769,8 @@ __global__ void WriteUniqueIdsKernel(const int64_t* __restrict__ seg_id,
                                      const int64_t* __restrict__ meta,
                                      Tindex* __restrict__ unique_ids) {
   const int64_t num_unique = meta[0];
-  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u < num_unique;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     unique_ids[u] = static_cast<Tindex>(seg_id[u]);
   }
 }
@@ -784,7 +780,7 @@ __global__ void WriteUniqueIdsKernel(const int64_t* __restrict__ seg_id,
 template <typename T>
 __global__ void FusedWeightsGradKernel(const int32_t* __restrict__ positions,  // [nnz] sorted
                                        const int32_t* __restrict__ sorted_bag,
-                                       const AccT<T>* __restrict__ pdot,  // [chunks, nnz]
+                                       const AccT<T>* __restrict__ pdot,   // [chunks, nnz]
                                        const AccT<T>* __restrict__ scale,  // [B] or null
                                        const AccT<T>* __restrict__ dyout,  // [B] or null
                                        const T* __restrict__ weights,      // [nnz]
@@ -850,8 +846,8 @@ ReduceArgs<T> MakeReduceArgs(const BagProblem& p, const GradPlan<T>& g, const Gr
 template <typename T, int NV, bool kFused>
 bool LaunchRuns(const ReduceArgs<T>& a, cudaStream_t stream) {
   auto* kernel = ReduceRunsKernel<T, NV, kFused>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kRunSmemBytes) != cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRunSmemBytes) !=
+      cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
@@ -902,8 +898,7 @@ cudaError_t LaunchReduceKernels(ReduceArgs<T> a, const GradPlan<T>& g, cudaStrea
 }
 
 template <typename T, bool kAligned>
-cudaError_t LaunchReduceKernels(const ReduceArgs<T>& a, const GradPlan<T>& g,
-                                cudaStream_t stream) {
+cudaError_t LaunchReduceKernels(const ReduceArgs<T>& a, const GradPlan<T>& g, cudaStream_t stream) {
   if (g.cols.nv > 1) return LaunchReduceKernels<T, kAligned, kReduceWideNV<T>>(a, g, stream);
   return LaunchReduceKernels<T, kAligned, 1>(a, g, stream);
 }
@@ -937,15 +932,14 @@ cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* 
   const bool is_dense = dense != nullptr;
   const bool fused = fusion != nullptr;
   const bool outputs_ok =
-      apply == nullptr
-          ? is_dense != (values != nullptr)
-          : !is_dense && values == nullptr && unique_ids == nullptr &&
-                ApplyFusesIntoReduce<T>(p, apply->update.optimizer) &&
-                apply->update.num_rows == p.num_rows && apply->update.dim == p.dim &&
-                (apply->table != nullptr || p.num_rows * p.dim == 0) &&
-                (apply->update.optimizer == RowOptimizer::kSgd || apply->state != nullptr ||
-                 p.num_rows == 0) &&
-                (!fused || fusion->params == apply->table);
+      apply == nullptr ? is_dense != (values != nullptr)
+                       : !is_dense && values == nullptr && unique_ids == nullptr &&
+                             ApplyFusesIntoReduce<T>(p, apply->update.optimizer) &&
+                             apply->update.num_rows == p.num_rows && apply->update.dim == p.dim &&
+                             (apply->table != nullptr || p.num_rows * p.dim == 0) &&
+                             (apply->update.optimizer == RowOptimizer::kSgd ||
+                              apply->state != nullptr || p.num_rows == 0) &&
+                             (!fused || fusion->params == apply->table);
   if (!ValidProblem(p) || !GradSizesOk(p) || !outputs_ok ||
       (p.combiner == Combiner::kMax && (argmax == nullptr || fused)) ||
       (fused && ((fusion->params == nullptr && p.num_rows * p.dim > 0) ||
@@ -974,20 +968,20 @@ cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* 
     const Columns zc = ColumnsFor<T>(p.dim);
     const int grid = GridCapped(p.num_rows * zc.group);
     if (p.dim % VecOf<T>() == 0 && Aligned16(dense)) {
-      ZeroUntouchedRowsKernel<T, true><<<grid, kBlock, 0, stream>>>(
-          dense, s.touched, p.dim, zc.dim_vecs, p.num_rows, zc.group);
+      ZeroUntouchedRowsKernel<T, true>
+          <<<grid, kBlock, 0, stream>>>(dense, s.touched, p.dim, zc.dim_vecs, p.num_rows, zc.group);
     } else {
-      ZeroUntouchedRowsKernel<T, false><<<grid, kBlock, 0, stream>>>(
-          dense, s.touched, p.dim, zc.dim_vecs, p.num_rows, zc.group);
+      ZeroUntouchedRowsKernel<T, false>
+          <<<grid, kBlock, 0, stream>>>(dense, s.touched, p.dim, zc.dim_vecs, p.num_rows, zc.group);
     }
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   if (fused && scaled && p.num_bags > 0) {
     const int64_t warps_per_block = kBlock / 32;
     BagScalesKernel<T, Tindex>
-        <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)), kBlock,
-           0, stream>>>(nullptr, nullptr, nullptr, grad, fusion->output, p.num_bags, p.nnz,
-                        p.dim, p.combiner, false, 0, nullptr, s.dyout);
+        <<<static_cast<int>(std::min(CeilDiv(p.num_bags, warps_per_block), kMaxBlocks)), kBlock, 0,
+           stream>>>(nullptr, nullptr, nullptr, grad, fusion->output, p.num_bags, p.nnz, p.dim,
+                     p.combiner, false, 0, nullptr, s.dyout);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   if (p.nnz > 0 && p.dim > 0 && p.num_bags > 0) {
@@ -1010,8 +1004,8 @@ cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* 
     }
   }
   if (unique_ids != nullptr && g.unique_bound > 0) {
-    WriteUniqueIdsKernel<Tindex><<<GridFor(g.unique_bound), kBlock, 0, stream>>>(
-        s.seg_id, s.meta, unique_ids);
+    WriteUniqueIdsKernel<Tindex>
+        <<<GridFor(g.unique_bound), kBlock, 0, stream>>>(s.seg_id, s.meta, unique_ids);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   }
   if (fused && p.nnz > 0 && p.num_bags > 0) {
@@ -1021,8 +1015,8 @@ cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* 
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   } else if (fused && p.nnz > 0) {
     // Entries but no bags: row_splits is wrong (reported by Prepare).
-    TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-        fusion->weights_grad, 0, sizeof(T) * static_cast<size_t>(p.nnz), stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(fusion->weights_grad, 0, sizeof(T) * static_cast<size_t>(p.nnz), stream));
   }
   return cudaSuccess;
 }
@@ -1040,9 +1034,9 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p, const T* grad, const int
 
 template <typename T, typename Tindex>
 cudaError_t LaunchParamsGradApply(const BagProblem& p, const T* grad, const int32_t* argmax,
-                                  const RowUpdate<AccT<T>>& update, T* table,
-                                  AccT<T>* accumulator, const WeightsGradFusion<T>* fusion,
-                                  void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                                  const RowUpdate<AccT<T>>& update, T* table, AccT<T>* accumulator,
+                                  const WeightsGradFusion<T>* fusion, void* scratch,
+                                  size_t scratch_bytes, cudaStream_t stream) {
   const ApplyTarget<T> target{update, table, accumulator};
   return ReduceParamsGrad<T, Tindex>(p, grad, argmax, /*unique_ids=*/nullptr,
                                      /*values=*/nullptr, /*dense=*/nullptr, fusion, &target,
@@ -1052,12 +1046,12 @@ cudaError_t LaunchParamsGradApply(const BagProblem& p, const T* grad, const int3
 // ---------------------------------------------------------------------------
 // Instantiations.
 
-#define TTEMB_INSTANTIATE(T, Tindex)                                                        \
-  template cudaError_t LaunchParamsGradReduce<T, Tindex>(                                   \
-      const BagProblem&, const T*, const int32_t*, Tindex*, T*, T*,                         \
-      const WeightsGradFusion<T>*, void*, size_t, cudaStream_t);                            \
-  template cudaError_t LaunchParamsGradApply<T, Tindex>(                                    \
-      const BagProblem&, const T*, const int32_t*, const RowUpdate<AccT<T>>&, T*, AccT<T>*, \
+#define TTEMB_INSTANTIATE(T, Tindex)                                                             \
+  template cudaError_t LaunchParamsGradReduce<T, Tindex>(                                        \
+      const BagProblem&, const T*, const int32_t*, Tindex*, T*, T*, const WeightsGradFusion<T>*, \
+      void*, size_t, cudaStream_t);                                                              \
+  template cudaError_t LaunchParamsGradApply<T, Tindex>(                                         \
+      const BagProblem&, const T*, const int32_t*, const RowUpdate<AccT<T>>&, T*, AccT<T>*,      \
       const WeightsGradFusion<T>*, void*, size_t, cudaStream_t);
 
 #define TTEMB_INSTANTIATE_T(T)                                            \

@@ -5,14 +5,13 @@
 // l handles columns l, l + 32, l + 64, ... of the row, so each step of the
 // warp reads and writes 32 consecutive elements (coalesced).
 
-#include "cuda/gather_reduce_sum_update_kernels.cuh"
-
-#include "cuda/common.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+
+#include "cuda/common.cuh"
+#include "cuda/gather_reduce_sum_update_kernels.cuh"
 
 namespace tf_ttemb {
 namespace gpu {
@@ -79,8 +78,7 @@ __global__ void __launch_bounds__(kBlock)
 
 template <typename T, typename Acc, typename Tindex>
 cudaError_t LaunchApplyRows(const RowUpdate<Acc>& update, const Tindex* rows, const T* grad,
-                            int64_t num_unique, T* table, Acc* accumulator,
-                            cudaStream_t stream) {
+                            int64_t num_unique, T* table, Acc* accumulator, cudaStream_t stream) {
   if (num_unique < 0 || update.num_rows < 0 || update.dim < 0 ||
       (update.optimizer != RowOptimizer::kSgd && accumulator == nullptr && num_unique > 0)) {
     return cudaErrorInvalidValue;
@@ -94,11 +92,10 @@ cudaError_t LaunchApplyRows(const RowUpdate<Acc>& update, const Tindex* rows, co
   return cudaGetLastError();
 }
 
-#define TTEMB_INSTANTIATE(T, Acc, Tindex)                                             \
-  template cudaError_t LaunchApplyRows<T, Acc, Tindex>(const RowUpdate<Acc>&,         \
-                                                       const Tindex*, const T*,       \
-                                                       int64_t, T*, Acc*, cudaStream_t);
-#define TTEMB_INSTANTIATE_T(T)             \
+#define TTEMB_INSTANTIATE(T, Acc, Tindex)                                                    \
+  template cudaError_t LaunchApplyRows<T, Acc, Tindex>(const RowUpdate<Acc>&, const Tindex*, \
+                                                       const T*, int64_t, T*, Acc*, cudaStream_t);
+#define TTEMB_INSTANTIATE_T(T)           \
   TTEMB_INSTANTIATE(T, AccT<T>, int32_t) \
   TTEMB_INSTANTIATE(T, AccT<T>, int64_t)
 

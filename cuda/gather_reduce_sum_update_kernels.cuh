@@ -81,8 +81,8 @@ cudaError_t LaunchApplyRows(const RowUpdate<Acc>& update,
                             const Tindex* rows,  // [num_unique], distinct
                             const T* grad,       // [num_unique, D]
                             int64_t num_unique,
-                            T* table,            // [N, D], updated in place
-                            Acc* accumulator,    // [N] / [N, D], or null for kSgd
+                            T* table,          // [N, D], updated in place
+                            Acc* accumulator,  // [N] / [N, D], or null for kSgd
                             cudaStream_t stream);
 
 }  // namespace gpu

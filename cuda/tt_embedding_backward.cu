@@ -18,10 +18,10 @@ __global__ void __launch_bounds__(kThreads)
                     const int64_t* __restrict__ piece_count,  // [1]
                     const int32_t* __restrict__ piece_pos,    // [pieces + 1]
                     const int32_t* __restrict__ sorted_items,
-                    const int32_t* __restrict__ par_t,        // level t
-                    const int32_t* __restrict__ row0,         // level 0
-                    const TA* __restrict__ prev,              // t == 1: core 0; else P_{t-1}
-                    const TG* __restrict__ dC,                // [n_t, S_t]
+                    const int32_t* __restrict__ par_t,          // level t
+                    const int32_t* __restrict__ row0,           // level 0
+                    const TA* __restrict__ prev,                // t == 1: core 0; else P_{t-1}
+                    const TG* __restrict__ dC,                  // [n_t, S_t]
                     AccT<T>* __restrict__ piece_out,            // [pieces, width_t]
                     const int32_t* __restrict__ piece_order) {  // or null (PieceOrderKeys)
   using C = AccT<T>;
@@ -75,15 +75,14 @@ __device__ __forceinline__ void Load4<double>(const double* p, double v[4]) {
 // except bad ids at the last level) to item_s in order and their number to *n_valid_s.
 // The caller brackets it with __syncthreads().
 __device__ __forceinline__ void CompactBatch(const Geo& g, bool last, const int64_t* ids,
-                                             const int32_t* sorted_items, int64_t first,
-                                             int count, int32_t* item_s, int* n_valid_s) {
+                                             const int32_t* sorted_items, int64_t first, int count,
+                                             int32_t* item_s, int* n_valid_s) {
   if (threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
   int32_t n = 0;
   bool ok = false;
   if (lane < count) {
-    n = sorted_items != nullptr ? sorted_items[first + lane]
-                                : static_cast<int32_t>(first + lane);
+    n = sorted_items != nullptr ? sorted_items[first + lane] : static_cast<int32_t>(first + lane);
     ok = !last || ValidAt(g, ids, n);
   }
   const unsigned mask = __ballot_sync(0xffffffffu, ok);
@@ -169,8 +168,8 @@ __global__ void __launch_bounds__(kThreads)
   const int Nc = static_cast<int>(g.Nc[t]);
   const int64_t S = g.S[t], W = g.width[t];
   const int MK = M * K, MN = M * Nc;
-  C* a_s = reinterpret_cast<C*>(core_tile_smem);       // [kCoreTileItems, M, K]
-  C* d_s = a_s + kCoreTileItems * MK;                   // [kCoreTileItems, M, Nc]
+  C* a_s = reinterpret_cast<C*>(core_tile_smem);  // [kCoreTileItems, M, K]
+  C* d_s = a_s + kCoreTileItems * MK;             // [kCoreTileItems, M, Nc]
   __shared__ int32_t item_s[kCoreTileItems];
   __shared__ int n_valid_s;
   const int ct_count = Nc / 4;
@@ -225,8 +224,8 @@ __global__ void __launch_bounds__(kThreads)
     Core0PieceKernel(int64_t W, const int64_t* __restrict__ piece_count,
                      const int32_t* __restrict__ piece_pos,
                      const int32_t* __restrict__ sorted_items,
-                     const C* __restrict__ dP0,     // [n_0, W]
-                     C* __restrict__ piece_out) {   // [pieces, W]
+                     const C* __restrict__ dP0,    // [n_0, W]
+                     C* __restrict__ piece_out) {  // [pieces, W]
   const int64_t pieces = *piece_count;
   for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
     const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
@@ -273,10 +272,10 @@ __global__ void __launch_bounds__(kThreads)
     ParentPieceKernel(Geo g, int t, const int64_t* __restrict__ ids,
                       const int64_t* __restrict__ piece_count,
                       const int32_t* __restrict__ piece_pos,
-                      const int32_t* __restrict__ row_t,    // level t
-                      const TG* __restrict__ dC,            // [n_t, S_t]
-                      const T* __restrict__ core,           // core t
-                      AccT<T>* __restrict__ piece_out) {      // [pieces, S_{t-1}]
+                      const int32_t* __restrict__ row_t,  // level t
+                      const TG* __restrict__ dC,          // [n_t, S_t]
+                      const T* __restrict__ core,         // core t
+                      AccT<T>* __restrict__ piece_out) {  // [pieces, S_{t-1}]
   using C = AccT<T>;
   const bool last = t == g.T - 1;
   const int64_t K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
@@ -307,9 +306,9 @@ template <typename TG, typename T>
 __global__ void __launch_bounds__(kThreads)
     ParentPieceTiledKernel(Geo g, int t, const int64_t* __restrict__ ids,
                            const int64_t* __restrict__ piece_count,
-                           const int32_t* __restrict__ piece_pos,
-                           const int32_t* __restrict__ row_t, const TG* __restrict__ dC,
-                           const T* __restrict__ core, AccT<T>* __restrict__ piece_out) {
+                           const int32_t* __restrict__ piece_pos, const int32_t* __restrict__ row_t,
+                           const TG* __restrict__ dC, const T* __restrict__ core,
+                           AccT<T>* __restrict__ piece_out) {
   using C = AccT<T>;
   extern __shared__ __align__(16) unsigned char parent_tile_smem[];
   const bool last = t == g.T - 1;
@@ -318,7 +317,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t S = g.S[t], Sp = g.S[t - 1];
   const int NM = Nc * M, NK = Nc * K;
   C* d_s = reinterpret_cast<C*>(parent_tile_smem);  // [kChildPieceItems, Nc, M]
-  C* b_s = d_s + kChildPieceItems * NM;              // [kChildPieceItems, Nc, K]
+  C* b_s = d_s + kChildPieceItems * NM;             // [kChildPieceItems, Nc, K]
   __shared__ int32_t item_s[kChildPieceItems];
   __shared__ int n_valid_s;
   const int kt_count = K / 4;
@@ -327,7 +326,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t pc = blockIdx.x; pc < pieces; pc += gridDim.x) {
     const int64_t begin = piece_pos[pc], end = piece_pos[pc + 1];
     const int batch = static_cast<int>(end - begin);  // <= kChildPieceItems
-    __syncthreads();  // the previous piece's readers are done
+    __syncthreads();                                  // the previous piece's readers are done
     CompactBatch(g, last, ids, nullptr, begin, batch, item_s, &n_valid_s);
     __syncthreads();
     const int nv = n_valid_s;
@@ -377,10 +376,10 @@ __global__ void __launch_bounds__(kThreads)
     CorePieceRegKernel(Geo g, int t, int group, const int64_t* __restrict__ ids,
                        const int64_t* __restrict__ piece_count,
                        const int32_t* __restrict__ piece_pos,
-                       const int32_t* __restrict__ sorted_items,
-                       const int32_t* __restrict__ par_t, const int32_t* __restrict__ row0,
-                       const C* __restrict__ prev, const C* __restrict__ dC,
-                       C* __restrict__ piece_out, const int32_t* __restrict__ piece_order) {
+                       const int32_t* __restrict__ sorted_items, const int32_t* __restrict__ par_t,
+                       const int32_t* __restrict__ row0, const C* __restrict__ prev,
+                       const C* __restrict__ dC, C* __restrict__ piece_out,
+                       const int32_t* __restrict__ piece_order) {
   const bool last = t == g.T - 1;
   const int M = static_cast<int>(g.M[t]), K = static_cast<int>(g.K[t]);
   const int Nc = static_cast<int>(g.Nc[t]);
@@ -417,9 +416,9 @@ template <typename C>
 __global__ void __launch_bounds__(kThreads)
     ParentPieceRegKernel(Geo g, int t, int group, const int64_t* __restrict__ ids,
                          const int64_t* __restrict__ piece_count,
-                         const int32_t* __restrict__ piece_pos,
-                         const int32_t* __restrict__ row_t, const C* __restrict__ dC,
-                         const C* __restrict__ core, C* __restrict__ piece_out) {
+                         const int32_t* __restrict__ piece_pos, const int32_t* __restrict__ row_t,
+                         const C* __restrict__ dC, const C* __restrict__ core,
+                         C* __restrict__ piece_out) {
   const bool last = t == g.T - 1;
   const int K = static_cast<int>(g.K[t]), Nc = static_cast<int>(g.Nc[t]);
   const int M = static_cast<int>(g.M[t]);
@@ -436,7 +435,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t n = begin; n < end; ++n) {
         if (last && !ValidAt(g, ids, n)) continue;
         const C* b = core + int64_t{row_t[n]} * g.width[t] + k0 * Nc;  // B rows k0..k0+3
-        const C* d = dC + n * S + m0 * Nc;                              // dC rows m0..m0+3
+        const C* d = dC + n * S + m0 * Nc;                             // dC rows m0..m0+3
         for (int c0 = 0; c0 < Nc; c0 += 4) {
           C dv[4][4], bv[4][4];
 #pragma unroll
@@ -468,9 +467,9 @@ template <int MM, typename TG, typename T>
 __global__ void __launch_bounds__(kThreads)
     ParentPieceWideKernel(Geo g, int t, const int64_t* __restrict__ ids,
                           const int64_t* __restrict__ piece_count,
-                          const int32_t* __restrict__ piece_pos,
-                          const int32_t* __restrict__ row_t, const TG* __restrict__ dC,
-                          const T* __restrict__ core, AccT<T>* __restrict__ piece_out) {
+                          const int32_t* __restrict__ piece_pos, const int32_t* __restrict__ row_t,
+                          const TG* __restrict__ dC, const T* __restrict__ core,
+                          AccT<T>* __restrict__ piece_out) {
   using C = AccT<T>;
   const bool last = t == g.T - 1;
   const int64_t M = g.M[t], K = g.K[t], Nc = g.Nc[t], S = g.S[t], Sp = g.S[t - 1];
@@ -571,7 +570,7 @@ __global__ void __launch_bounds__(kThreads)
                       const int32_t* __restrict__ row_t,  // level t
                       const TG* __restrict__ dC,          // [n_t, S_t]
                       const T* __restrict__ core,         // core t
-                      AccT<T>* __restrict__ child_out) {    // [n_t, M * K]
+                      AccT<T>* __restrict__ child_out) {  // [n_t, M * K]
   using C = AccT<T>;
   extern __shared__ __align__(16) unsigned char by_row_smem[];
   const bool last = t == g.T - 1;
@@ -580,7 +579,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t S = g.S[t], W = g.width[t];
   const int KP = K + 4, RP = ib * M + 4, MK = M * K;
   C* b_s = reinterpret_cast<C*>(by_row_smem);  // [Nc, KP]: b_s[c * KP + k] = B[k, c]
-  C* d_s = b_s + Nc * KP;                       // [Nc, RP]: d_s[c * RP + b * M + m] = dC_b[m, c]
+  C* d_s = b_s + Nc * KP;                      // [Nc, RP]: d_s[c * RP + b * M + m] = dC_b[m, c]
   __shared__ int32_t item_s[kByRowMaxItems];
   __shared__ int n_valid_s;
   const int kt_count = K / 4, m4 = M / 4;
@@ -647,8 +646,7 @@ __global__ void __launch_bounds__(kThreads)
 // same bits. Needs M, Nc % 4 == 0.
 template <typename TA, typename T>
 __global__ void __launch_bounds__(kThreads)
-    LevelForwardByRowKernel(Geo g, int t, int ib, int nsub,
-                            const int64_t* __restrict__ piece_count,
+    LevelForwardByRowKernel(Geo g, int t, int ib, int nsub, const int64_t* __restrict__ piece_count,
                             const int32_t* __restrict__ piece_pos,
                             const int32_t* __restrict__ sorted_items,
                             const int32_t* __restrict__ row_t, const int32_t* __restrict__ par_t,
@@ -661,7 +659,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t S = g.S[t], W = g.width[t];
   const int RP = ib * M + 4, MK = M * K;
   C* b_s = reinterpret_cast<C*>(fwd_row_smem);  // [K, Nc] = B
-  C* a_s = b_s + K * Nc;                         // [K, RP]: a_s[k * RP + b * M + m] = A_b[m, k]
+  C* a_s = b_s + K * Nc;                        // [K, RP]: a_s[k * RP + b * M + m] = A_b[m, k]
   __shared__ int32_t item_s[kByRowMaxItems];
   const int64_t work = *piece_count * nsub;
   for (int64_t wi = blockIdx.x; wi < work; wi += gridDim.x) {
@@ -751,12 +749,10 @@ cudaError_t LaunchCorePieces(const Geo& g, int t, const int64_t* ids, const Core
     if (shapes4 && tiles < kCoreTiledMinTiles && cs.max_pieces * group >= kRegMinLanes &&
         Aligned16(prev) && Aligned16(dC)) {
       const int64_t blocks = CeilDiv(cs.max_pieces, kThreads / group);
-      CorePieceRegKernel<C><<<static_cast<int>(std::max<int64_t>(
-                                  1, std::min(blocks, kMaxGridBlocks))),
-                              kThreads, 0, stream>>>(g, t, group, ids, cs.piece_count,
-                                                     cs.piece_pos, cs.sorted_items, b.par[t],
-                                                     b.row[0], prev, dC, piece_out,
-                                                     cs.piece_order);
+      CorePieceRegKernel<C>
+          <<<static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGridBlocks))), kThreads, 0,
+             stream>>>(g, t, group, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t],
+                       b.row[0], prev, dC, piece_out, cs.piece_order);
       return cudaGetLastError();
     }
   }
@@ -769,9 +765,9 @@ cudaError_t LaunchCorePieces(const Geo& g, int t, const int64_t* ids, const Core
     return cudaGetLastError();
   }
   const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
-  CorePieceKernel<TA, TG, T><<<grid, threads, 0, stream>>>(
-      g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0], prev, dC,
-      piece_out, cs.piece_order);
+  CorePieceKernel<TA, TG, T><<<grid, threads, 0, stream>>>(g, t, ids, cs.piece_count, cs.piece_pos,
+                                                           cs.sorted_items, b.par[t], b.row[0],
+                                                           prev, dC, piece_out, cs.piece_order);
   return cudaGetLastError();
 }
 
@@ -808,9 +804,9 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   if (dense) {
     for (int k = 0; k < g.T; ++k) {
       if (core_dense[k] == nullptr) return cudaErrorInvalidValue;
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-          core_dense[k], 0, sizeof(T) * static_cast<size_t>(g.tables * g.p[k] * g.width[k]),
-          stream));
+      TTEMB_RETURN_IF_CUDA_ERROR(
+          cudaMemsetAsync(core_dense[k], 0,
+                          sizeof(T) * static_cast<size_t>(g.tables * g.p[k] * g.width[k]), stream));
     }
   }
   if (nmax == 0) return cudaSuccess;
@@ -827,22 +823,21 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       if (t == 1) {
         LevelForwardByRowKernel<T, T>
             <<<ByRowGrid(cs.max_pieces, nsub), threads, static_cast<size_t>(fwd_smem), stream>>>(
-                g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
-                b.par[t], b.row[0], cores[0], cores[t], s.partial[t]);
+                g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t], b.par[t],
+                b.row[0], cores[0], cores[t], s.partial[t]);
       } else {
         LevelForwardByRowKernel<C, T>
             <<<ByRowGrid(cs.max_pieces, nsub), threads, static_cast<size_t>(fwd_smem), stream>>>(
-                g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
-                b.par[t], b.row[0], s.partial[t - 1], cores[t], s.partial[t]);
+                g, t, fib, nsub, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t], b.par[t],
+                b.row[0], s.partial[t - 1], cores[t], s.partial[t]);
       }
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       continue;
     }
-    cudaError_t err =
-        t == 1 ? LaunchLevelForward<T, T, C>(g, t, ids, nmax, b, cores[0], cores[t],
-                                             s.partial[t], stream)
-               : LaunchLevelForward<C, T, C>(g, t, ids, nmax, b, s.partial[t - 1], cores[t],
-                                             s.partial[t], stream);
+    cudaError_t err = t == 1 ? LaunchLevelForward<T, T, C>(g, t, ids, nmax, b, cores[0], cores[t],
+                                                           s.partial[t], stream)
+                             : LaunchLevelForward<C, T, C>(g, t, ids, nmax, b, s.partial[t - 1],
+                                                           cores[t], s.partial[t], stream);
     TTEMB_RETURN_IF_CUDA_ERROR(err);
   }
   auto combine = [&](int k) -> cudaError_t {
@@ -874,8 +869,8 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
         const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
         if (last) {
           ParentByRowKernel<T, T><<<cgrid, threads, static_cast<size_t>(by_row_smem), stream>>>(
-              g, t, ib, nsub, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
-              grad, cores[t], s.pieces);
+              g, t, ib, nsub, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t], grad,
+              cores[t], s.pieces);
         } else {
           ParentByRowKernel<C, T><<<cgrid, threads, static_cast<size_t>(by_row_smem), stream>>>(
               g, t, ib, nsub, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t],
@@ -891,11 +886,10 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
             Aligned16(dC) && Aligned16(cores[t])) {
           const int group = RegGroup((g.M[t] / 4) * (g.K[t] / 4));
           const int64_t blocks = CeilDiv(ch.max_pieces, kThreads / group);
-          ParentPieceRegKernel<C><<<static_cast<int>(std::max<int64_t>(
-                                        1, std::min(blocks, kMaxGridBlocks))),
-                                    kThreads, 0, stream>>>(g, t, group, ids, ch.piece_count,
-                                                           ch.piece_pos, b.row[t], dC, cores[t],
-                                                           s.pieces);
+          ParentPieceRegKernel<C>
+              <<<static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGridBlocks))), kThreads,
+                 0, stream>>>(g, t, group, ids, ch.piece_count, ch.piece_pos, b.row[t], dC,
+                              cores[t], s.pieces);
           launched = true;
         }
       }
@@ -954,9 +948,9 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
             ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
                 g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
           } else {
-            ParentPieceKernel<C, T><<<grid, threads, 0, stream>>>(
-                g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], s.dpartial[t], cores[t],
-                s.pieces);
+            ParentPieceKernel<C, T>
+                <<<grid, threads, 0, stream>>>(g, t, ids, ch.piece_count, ch.piece_pos, b.row[t],
+                                               s.dpartial[t], cores[t], s.pieces);
           }
         }
       }
@@ -976,14 +970,12 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
     if (t == 1 && last) {
       err = LaunchCorePieces<T, T, T>(g, t, ids, cs, b, cores[0], grad, s.pieces, stream);
     } else if (t == 1) {
-      err = LaunchCorePieces<T, C, T>(g, t, ids, cs, b, cores[0], s.dpartial[t], s.pieces,
-                                      stream);
+      err = LaunchCorePieces<T, C, T>(g, t, ids, cs, b, cores[0], s.dpartial[t], s.pieces, stream);
     } else if (last) {
-      err = LaunchCorePieces<C, T, T>(g, t, ids, cs, b, s.partial[t - 1], grad, s.pieces,
-                                      stream);
+      err = LaunchCorePieces<C, T, T>(g, t, ids, cs, b, s.partial[t - 1], grad, s.pieces, stream);
     } else {
-      err = LaunchCorePieces<C, C, T>(g, t, ids, cs, b, s.partial[t - 1], s.dpartial[t],
-                                      s.pieces, stream);
+      err = LaunchCorePieces<C, C, T>(g, t, ids, cs, b, s.partial[t - 1], s.dpartial[t], s.pieces,
+                                      stream);
     }
     TTEMB_RETURN_IF_CUDA_ERROR(err);
     TTEMB_RETURN_IF_CUDA_ERROR(combine(t));
@@ -991,8 +983,10 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   // Core 0: sum of dP_0 over the level-0 items of each row.
   {
     const CoreSort& cs = s.core[0];
-    const int grid = static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
-    const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[0] + 31) / 32) * 32));
+    const int grid =
+        static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
+    const int threads =
+        static_cast<int>(std::min<int64_t>(kThreads, ((g.width[0] + 31) / 32) * 32));
     Core0PieceKernel<C><<<grid, threads, 0, stream>>>(g.width[0], cs.piece_count, cs.piece_pos,
                                                       cs.sorted_items, s.dpartial[0], s.pieces);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -1001,10 +995,10 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   return cudaSuccess;
 }
 
-#define TT_INSTANTIATE_VALUE(T)                                                                 \
-  template cudaError_t LaunchRowsGradCompute<T>(                                                \
-      const TTProblem&, const int64_t*, int64_t, const int64_t*, const T* const*, const T*,     \
-      int64_t* const*, T* const*, T* const*, void*, size_t, const TTReport*, void*, size_t,      \
+#define TT_INSTANTIATE_VALUE(T)                                                             \
+  template cudaError_t LaunchRowsGradCompute<T>(                                            \
+      const TTProblem&, const int64_t*, int64_t, const int64_t*, const T* const*, const T*, \
+      int64_t* const*, T* const*, T* const*, void*, size_t, const TTReport*, void*, size_t, \
       cudaStream_t);
 
 TTEMB_FOR_EACH_VALUE_TYPE(TT_INSTANTIATE_VALUE)

@@ -107,11 +107,11 @@ __global__ void PieceOrderKeysKernel(const int64_t* __restrict__ piece_count,
 // runs, one slot per child item x S_{t-1}.
 struct WorkNeeds {
   int T = 0;
-  const int64_t* counts = nullptr;                    // LevelBuffers::counts
-  const int64_t* core_pieces[kMaxTTCores] = {};       // CoreSort::piece_count, cores 0 .. T-1
-  const int64_t* child_pieces[kMaxTTCores] = {};      // levels 1 .. T-1
+  const int64_t* counts = nullptr;                // LevelBuffers::counts
+  const int64_t* core_pieces[kMaxTTCores] = {};   // CoreSort::piece_count, cores 0 .. T-1
+  const int64_t* child_pieces[kMaxTTCores] = {};  // levels 1 .. T-1
   int64_t width[kMaxTTCores] = {};
-  int64_t child_width[kMaxTTCores] = {};              // S_{t-1}
+  int64_t child_width[kMaxTTCores] = {};  // S_{t-1}
   bool by_row[kMaxTTCores] = {};
 };
 
@@ -163,12 +163,11 @@ namespace {
 // pieces of cs: at most `piece_items` items each, never across two keys. The number of
 // distinct keys also goes to *key_count.
 template <typename T>
-cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b,
-                            const GradScratch<T>& s, int64_t nmax, int64_t sentinel,
-                            int64_t piece_items, const CoreSort& cs, int64_t* key_count,
-                            cudaStream_t stream) {
-  PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel,
-                                                           piece_items, s.piece_flags, b.flags);
+cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b, const GradScratch<T>& s,
+                            int64_t nmax, int64_t sentinel, int64_t piece_items, const CoreSort& cs,
+                            int64_t* key_count, cudaStream_t stream) {
+  PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel, piece_items,
+                                                           s.piece_flags, b.flags);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
@@ -204,7 +203,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
   ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, 0, std::max<int64_t>(max_ids, 1),
                                         b.counts);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(
+      cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
   if (nmax > 0) {
     CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, ids, b.counts, 0, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -223,8 +223,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
                                                  cs, &report->core_rows[k], stream));
       if (cs.piece_order != nullptr) {
         PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kThreads, 0, stream>>>(
-            cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax,
-            s.keys_in, s.vals_in);
+            cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax, s.keys_in,
+            s.vals_in);
         TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
         bytes = b.cub_bytes;
         TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
@@ -238,8 +238,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
                                                                sentinel, s.keys_out);
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-      TTEMB_RETURN_IF_CUDA_ERROR(LaunchPieceList(g, t, b, s, nmax, sentinel, kChildPieceItems, cs,
-                                                 cs.row_count, stream));
+      TTEMB_RETURN_IF_CUDA_ERROR(
+          LaunchPieceList(g, t, b, s, nmax, sentinel, kChildPieceItems, cs, cs.row_count, stream));
     }
     WorkNeeds needs;
     needs.T = g.T;
@@ -258,7 +258,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   } else {
     for (int k = 0; k < g.T; ++k) {
-      TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.core[k].piece_count, 0, sizeof(int64_t), stream));
+      TTEMB_RETURN_IF_CUDA_ERROR(
+          cudaMemsetAsync(s.core[k].piece_count, 0, sizeof(int64_t), stream));
       TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.core[k].row_count, 0, sizeof(int64_t), stream));
     }
   }
@@ -266,12 +267,12 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
   return cudaGetLastError();
 }
 
-#define TT_INSTANTIATE_VALUE(T)                                                                 \
-  template size_t RowsGradScratchBytes<T>(const TTProblem&, int64_t);                           \
-  template size_t RowsGradPrepareScratchBytes<T>(const TTProblem&, int64_t);                    \
-  template size_t RowsGradWorkBytes<T>(const TTProblem&, int64_t, const TTReport*);             \
-  template cudaError_t LaunchRowsGradPrepare<T>(const TTProblem&, const int64_t*, int64_t,      \
-                                                const int64_t*, TTReport*, void*, size_t,       \
+#define TT_INSTANTIATE_VALUE(T)                                                            \
+  template size_t RowsGradScratchBytes<T>(const TTProblem&, int64_t);                      \
+  template size_t RowsGradPrepareScratchBytes<T>(const TTProblem&, int64_t);               \
+  template size_t RowsGradWorkBytes<T>(const TTProblem&, int64_t, const TTReport*);        \
+  template cudaError_t LaunchRowsGradPrepare<T>(const TTProblem&, const int64_t*, int64_t, \
+                                                const int64_t*, TTReport*, void*, size_t,  \
                                                 cudaStream_t);
 
 TTEMB_FOR_EACH_VALUE_TYPE(TT_INSTANTIATE_VALUE)

@@ -231,9 +231,8 @@ __global__ void LevelFlagsKernel(Geo g, int t, const int64_t* ids, const int64_t
 }
 
 // heads[item] = first id of the item; counts[1 + t] = number of items.
-__global__ void LevelHeadsKernel(int t, const int64_t* counts, int64_t nmax,
-                                 const int32_t* flags, const int32_t* incl, int32_t* heads,
-                                 int64_t* counts_out) {
+__global__ void LevelHeadsKernel(int t, const int64_t* counts, int64_t nmax, const int32_t* flags,
+                                 const int32_t* incl, int32_t* heads, int64_t* counts_out) {
   const int64_t n = counts[0];
   for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < n;
        j += int64_t{gridDim.x} * blockDim.x) {
@@ -270,8 +269,7 @@ __device__ __forceinline__ bool ValidAt(const Geo& g, const int64_t* ids, int64_
 template <typename TA>
 __device__ __forceinline__ const TA* AOf(const Geo& g, int t, const TA* prev, const int32_t* par,
                                          const int32_t* row0, int64_t i) {
-  return t == 1 ? prev + int64_t{row0[par[i]]} * g.width[0]
-                : prev + int64_t{par[i]} * g.S[t - 1];
+  return t == 1 ? prev + int64_t{row0[par[i]]} * g.width[0] : prev + int64_t{par[i]} * g.S[t - 1];
 }
 
 // Forward of level t >= 1. Thread = (item i, rows m0 .. m0+MM-1 of A, column c).
@@ -340,9 +338,8 @@ __global__ void __launch_bounds__(kThreads)
                                const int64_t* __restrict__ counts,
                                const int32_t* __restrict__ row_t,
                                const int32_t* __restrict__ first_child,  // level t-1: [n_{t-1}]
-                               const int32_t* __restrict__ row0,
-                               const TA* __restrict__ prev, const T* __restrict__ core,
-                               TO* __restrict__ out, bool vec4) {
+                               const int32_t* __restrict__ row0, const TA* __restrict__ prev,
+                               const T* __restrict__ core, TO* __restrict__ out, bool vec4) {
   using C = AccT<T>;
   extern __shared__ unsigned char smem_raw[];
   C* a_s = reinterpret_cast<C*>(smem_raw);
@@ -399,8 +396,8 @@ __global__ void __launch_bounds__(kThreads)
       TO* o = out + i * S + r * Nc;
       if constexpr (NC == 4 && std::is_same<T, float>::value && std::is_same<TO, float>::value) {
         if (vec4) {
-          const float4 v = zero ? make_float4(0.f, 0.f, 0.f, 0.f)
-                                : make_float4(acc[0], acc[1], acc[2], acc[3]);
+          const float4 v =
+              zero ? make_float4(0.f, 0.f, 0.f, 0.f) : make_float4(acc[0], acc[1], acc[2], acc[3]);
           *reinterpret_cast<float4*>(o) = v;
           continue;
         }
@@ -436,13 +433,13 @@ __global__ void FirstChildKernel(Geo g, int t, const int64_t* counts, const int3
 
 // Buffers of the levels of one chunk of at most nmax ids.
 struct LevelBuffers {
-  int64_t* counts = nullptr;             // [kMaxTTCores + 1]
-  int32_t* flags = nullptr;              // [nmax]
-  int32_t* incl[kMaxTTCores] = {};       // levels 0 .. T-2, [nmax]
-  int32_t* heads[kMaxTTCores] = {};      // levels 0 .. T-2, [nmax]
-  int32_t* row[kMaxTTCores] = {};        // levels 0 .. T-1, [nmax]
-  int32_t* par[kMaxTTCores] = {};        // levels 1 .. T-1, [nmax]
-  int32_t* first_child = nullptr;        // [nmax], scratch of the by-parent forward
+  int64_t* counts = nullptr;         // [kMaxTTCores + 1]
+  int32_t* flags = nullptr;          // [nmax]
+  int32_t* incl[kMaxTTCores] = {};   // levels 0 .. T-2, [nmax]
+  int32_t* heads[kMaxTTCores] = {};  // levels 0 .. T-2, [nmax]
+  int32_t* row[kMaxTTCores] = {};    // levels 0 .. T-1, [nmax]
+  int32_t* par[kMaxTTCores] = {};    // levels 1 .. T-1, [nmax]
+  int32_t* first_child = nullptr;    // [nmax], scratch of the by-parent forward
   void* cub_temp = nullptr;
   size_t cub_bytes = 0;
 };
@@ -464,10 +461,11 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t 
                                                              b.first_child);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     // Blocks of a multiple of M threads, at least 64 and at most kThreads.
-    const int threads = static_cast<int>(std::max<int64_t>(M, (std::min<int64_t>(kThreads, std::max<int64_t>(64, M * 4)) / M) * M));
+    const int threads = static_cast<int>(
+        std::max<int64_t>(M, (std::min<int64_t>(kThreads, std::max<int64_t>(64, M * 4)) / M) * M));
     const int smem = static_cast<int>(ByParentSmemBytes<C>(g, t));
-    const bool vec4 = g.Nc[t] == 4 && g.width[t] % 4 == 0 &&
-                      (reinterpret_cast<uintptr_t>(core) & 15) == 0;
+    const bool vec4 =
+        g.Nc[t] == 4 && g.width[t] % 4 == 0 && (reinterpret_cast<uintptr_t>(core) & 15) == 0;
     auto go_rows = [&](auto nc_tag) {
       constexpr int NC = decltype(nc_tag)::value;
       LevelForwardByParentKernel<NC, TA, T, TO>
@@ -504,21 +502,20 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t 
   return cudaGetLastError();
 }
 
-
 size_t ScanTempBytes(int64_t n) {
   size_t bytes = 0;
   cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                static_cast<int32_t*>(nullptr), static_cast<int>(std::max<int64_t>(n, 1)));
+                                static_cast<int32_t*>(nullptr),
+                                static_cast<int>(std::max<int64_t>(n, 1)));
   return bytes;
 }
 
 size_t SortTempBytes(int64_t n) {
   size_t bytes = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int64_t*>(nullptr),
-                                  static_cast<int64_t*>(nullptr),
-                                  static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr),
-                                  static_cast<int>(std::max<int64_t>(n, 1)));
+  cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<int>(std::max<int64_t>(n, 1)));
   return bytes;
 }
 
@@ -543,20 +540,19 @@ void CarveLevels(const Geo& g, int64_t nmax, size_t cub_bytes, Carver* c, LevelB
 cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuffers* b,
                         cudaStream_t stream) {
   for (int t = 0; t + 1 < g.T; ++t) {
-    LevelFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, ids, b->counts, nmax,
-                                                             b->flags);
+    LevelFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, ids, b->counts, nmax, b->flags);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = b->cub_bytes;
-    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b->cub_temp, bytes, b->flags, b->incl[t],
-                                                     static_cast<int>(nmax), stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
+        b->cub_temp, bytes, b->flags, b->incl[t], static_cast<int>(nmax), stream));
     LevelHeadsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(t, b->counts, nmax, b->flags,
                                                              b->incl[t], b->heads[t], b->counts);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   for (int t = 0; t < g.T; ++t) {
     LevelMetaKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-        g, t, ids, b->counts, t + 1 < g.T ? b->heads[t] : nullptr,
-        t > 0 ? b->incl[t - 1] : nullptr, b->row[t], b->par[t]);
+        g, t, ids, b->counts, t + 1 < g.T ? b->heads[t] : nullptr, t > 0 ? b->incl[t - 1] : nullptr,
+        b->row[t], b->par[t]);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   return cudaSuccess;
@@ -579,15 +575,14 @@ int64_t RowsChunk(const Geo& g, int64_t max_ids) {
   LevelBuffers b;
   AccT<T>* partial[kMaxTTCores] = {};
   int64_t chunk = std::max<int64_t>(max_ids, 1);
-  while (chunk > kMinRowsChunk && CarveRows<T>(g, chunk, nullptr, &b, partial) > kRowsScratchBudget) {
+  while (chunk > kMinRowsChunk &&
+         CarveRows<T>(g, chunk, nullptr, &b, partial) > kRowsScratchBudget) {
     chunk = CeilDiv(chunk, 2);
   }
   return chunk;
 }
 
-bool ValidIdsCount(int64_t max_ids) {
-  return max_ids >= 0 && max_ids < (int64_t{1} << 31) - 2;
-}
+bool ValidIdsCount(int64_t max_ids) { return max_ids >= 0 && max_ids < (int64_t{1} << 31) - 2; }
 
 }  // namespace
 }  // namespace gpu

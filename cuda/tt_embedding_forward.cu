@@ -12,9 +12,8 @@ namespace {
 // TTUniqueIds kernels.
 
 template <typename Tindex>
-__global__ void UniqueKeysKernel(UniqueIdsProblem p, const Tindex* ids,
-                                 const int64_t* table_splits, int64_t sentinel, int64_t* keys,
-                                 int32_t* vals, TTReport* report) {
+__global__ void UniqueKeysKernel(UniqueIdsProblem p, const Tindex* ids, const int64_t* table_splits,
+                                 int64_t sentinel, int64_t* keys, int32_t* vals, TTReport* report) {
   for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < p.nnz;
        j += int64_t{gridDim.x} * blockDim.x) {
     // Table of entry j: the last t with table_splits[t] <= j (splits clamped).
@@ -103,8 +102,8 @@ size_t CarveUnique(int64_t nnz, void* base, UniqueScratch* s) {
 }
 
 bool UniqueProblemOk(const UniqueIdsProblem& p) {
-  if (p.nnz < 0 || p.nnz >= (int64_t{1} << 31) - 2 || p.num_tables < 1 ||
-      p.num_embeddings < 1 || p.stride < p.num_embeddings) {
+  if (p.nnz < 0 || p.nnz >= (int64_t{1} << 31) - 2 || p.num_tables < 1 || p.num_embeddings < 1 ||
+      p.stride < p.num_embeddings) {
     return false;
   }
   return p.stride <= ((int64_t{1} << 62) - 1) / p.num_tables;
@@ -114,7 +113,6 @@ bool UniqueProblemOk(const UniqueIdsProblem& p) {
 
 // ---------------------------------------------------------------------------
 // Launchers.
-
 
 template <typename Tindex>
 size_t UniqueIdsScratchBytes(const UniqueIdsProblem& p) {
@@ -140,14 +138,14 @@ cudaError_t LaunchUniqueIds(const UniqueIdsProblem& p, const Tindex* ids,
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = s.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-        s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out,
-        static_cast<int>(p.nnz), 0, BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
-    UniqueFlagsKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(p.nnz, s.keys_out,
-                                                                      sentinel, s.flags);
+        s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out, static_cast<int>(p.nnz), 0,
+        BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
+    UniqueFlagsKernel<Tindex>
+        <<<GridFor(p.nnz), kThreads, 0, stream>>>(p.nnz, s.keys_out, sentinel, s.flags);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     bytes = s.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(s.cub_temp, bytes, s.flags, s.incl,
-                                                     static_cast<int>(p.nnz), stream));
+                                                             static_cast<int>(p.nnz), stream));
     UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
         p.nnz, s.keys_out, s.vals_out, s.flags, s.incl, sentinel, unique_ids, slots);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -167,9 +165,8 @@ size_t RowsScratchBytes(const TTProblem& p, int64_t max_ids) {
 
 template <typename T>
 cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
-                       const int64_t* num_ids, const T* const* cores, T* rows,
-                       TTReport* report, void* scratch, size_t scratch_bytes,
-                       cudaStream_t stream) {
+                       const int64_t* num_ids, const T* const* cores, T* rows, TTReport* report,
+                       void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   Geo g;
   if (!MakeGeo(p, &g) || !ValidIdsCount(max_ids) || report == nullptr || cores == nullptr) {
     return cudaErrorInvalidValue;
@@ -197,15 +194,15 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
       const bool last = t == g.T - 1;
       cudaError_t err;
       if (t == 1) {
-        err = last ? LaunchLevelForward<T, T, T>(g, t, cids, nmax, b, cores[0], cores[t], out,
-                                                 stream)
-                   : LaunchLevelForward<T, T, AccT<T>>(g, t, cids, nmax, b, cores[0], cores[t],
+        err =
+            last ? LaunchLevelForward<T, T, T>(g, t, cids, nmax, b, cores[0], cores[t], out, stream)
+                 : LaunchLevelForward<T, T, AccT<T>>(g, t, cids, nmax, b, cores[0], cores[t],
                                                      partial[t], stream);
       } else {
         err = last ? LaunchLevelForward<AccT<T>, T, T>(g, t, cids, nmax, b, partial[t - 1],
-                                                     cores[t], out, stream)
+                                                       cores[t], out, stream)
                    : LaunchLevelForward<AccT<T>, T, AccT<T>>(g, t, cids, nmax, b, partial[t - 1],
-                                                         cores[t], partial[t], stream);
+                                                             cores[t], partial[t], stream);
       }
       TTEMB_RETURN_IF_CUDA_ERROR(err);
     }
@@ -217,14 +214,13 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
 #define TT_INSTANTIATE_VALUE(T)                                                                 \
   template size_t RowsScratchBytes<T>(const TTProblem&, int64_t);                               \
   template cudaError_t LaunchRows<T>(const TTProblem&, const int64_t*, int64_t, const int64_t*, \
-                                     const T* const*, T*, TTReport*, void*, size_t,             \
-                                     cudaStream_t);
+                                     const T* const*, T*, TTReport*, void*, size_t, cudaStream_t);
 
 TTEMB_FOR_EACH_VALUE_TYPE(TT_INSTANTIATE_VALUE)
 
-#define TT_INSTANTIATE_INDEX(I)                                                                 \
-  template size_t UniqueIdsScratchBytes<I>(const UniqueIdsProblem&);                            \
-  template cudaError_t LaunchUniqueIds<I>(const UniqueIdsProblem&, const I*, const int64_t*,    \
+#define TT_INSTANTIATE_INDEX(I)                                                              \
+  template size_t UniqueIdsScratchBytes<I>(const UniqueIdsProblem&);                         \
+  template cudaError_t LaunchUniqueIds<I>(const UniqueIdsProblem&, const I*, const int64_t*, \
                                           int64_t*, I*, TTReport*, void*, size_t, cudaStream_t);
 
 TT_INSTANTIATE_INDEX(int32_t)

@@ -121,9 +121,8 @@ void CarveGradIndex(const Geo& g, int64_t nmax, Carver* c, GradScratch<T>* s,
     cs.seg_row = c->Take<int64_t>(cs.max_rows);
     cs.piece_count = c->Take<int64_t>(1);
     cs.row_count = c->Take<int64_t>(1);
-    cs.piece_order = OrderCorePieces(g, k, nmax, cs.max_pieces)
-                         ? c->Take<int32_t>(cs.max_pieces)
-                         : nullptr;
+    cs.piece_order =
+        OrderCorePieces(g, k, nmax, cs.max_pieces) ? c->Take<int32_t>(cs.max_pieces) : nullptr;
     values = std::max(values, cs.max_pieces * g.width[k]);
   }
   for (int t = 1; t < g.T; ++t) {

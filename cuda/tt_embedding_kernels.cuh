@@ -72,7 +72,7 @@ constexpr int kMaxTTCores = 8;
 // p[k], q[k] for k < num_cores; r[0] = r[num_cores] = 1, r[1..num_cores-1]
 // the inner ranks. Global ids are in [0, num_tables * prod(p)).
 struct TTProblem {
-  int num_cores = 0;        // T, 2 <= T <= kMaxTTCores
+  int num_cores = 0;  // T, 2 <= T <= kMaxTTCores
   int64_t num_tables = 1;
   int64_t p[kMaxTTCores] = {};
   int64_t q[kMaxTTCores] = {};
@@ -83,17 +83,17 @@ struct TTProblem {
 // Fields are -1 when unset, except the counts, which are set by the launchers
 // named beside them.
 struct TTReport {
-  int64_t first_bad_index;   // UniqueIds: smallest j with ids[j] outside
-                             //   [0, num_embeddings) and not the padding id
-                             //   -> "indices[j] = v is not in [0, num_embeddings)"
-                             //      (+ " and is not padding_id (P)");
-                             // Rows / RowsGrad*: smallest j < num_ids with
-                             //   ids[j] outside [0, num_tables * prod(p))
-                             //   -> "ids[j] = v is not in [0, M)"
-  int64_t bad_index_value;   // ids[first_bad_index]
-  int64_t num_unique;        // UniqueIds: U (distinct non-padding global ids)
-  int64_t num_ids;           // Rows / RowsGradPrepare: the ids counted (max_ids
-                             //   or *num_ids)
+  int64_t first_bad_index;         // UniqueIds: smallest j with ids[j] outside
+                                   //   [0, num_embeddings) and not the padding id
+                                   //   -> "indices[j] = v is not in [0, num_embeddings)"
+                                   //      (+ " and is not padding_id (P)");
+                                   // Rows / RowsGrad*: smallest j < num_ids with
+                                   //   ids[j] outside [0, num_tables * prod(p))
+                                   //   -> "ids[j] = v is not in [0, M)"
+  int64_t bad_index_value;         // ids[first_bad_index]
+  int64_t num_unique;              // UniqueIds: U (distinct non-padding global ids)
+  int64_t num_ids;                 // Rows / RowsGradPrepare: the ids counted (max_ids
+                                   //   or *num_ids)
   int64_t core_rows[kMaxTTCores];  // RowsGradPrepare: n_k, distinct core rows
                                    //   of core k touched (0 for k >= T)
   int64_t work_items;              // RowsGradPrepare: what Compute's work buffers
@@ -121,18 +121,17 @@ size_t UniqueIdsScratchBytes(const UniqueIdsProblem& p);
 
 template <typename Tindex>
 cudaError_t LaunchUniqueIds(const UniqueIdsProblem& p,
-                            const Tindex* ids,           // [nnz], device
-                            const int64_t* table_splits, // [num_tables + 1], device;
-                                                         //   validated by the caller (0,
-                                                         //   non-decreasing, ends at nnz);
-                                                         //   clamped to [0, nnz] anyway
-                            int64_t* unique_ids,         // [nnz] upper bound; the first
-                                                         //   report->num_unique are written
-                            Tindex* slots,               // [nnz]
-                            TTReport* report,            // [1], device: first_bad_index,
-                                                         //   bad_index_value, num_unique
-                            void* scratch, size_t scratch_bytes,
-                            cudaStream_t stream);
+                            const Tindex* ids,            // [nnz], device
+                            const int64_t* table_splits,  // [num_tables + 1], device;
+                                                          //   validated by the caller (0,
+                                                          //   non-decreasing, ends at nnz);
+                                                          //   clamped to [0, nnz] anyway
+                            int64_t* unique_ids,          // [nnz] upper bound; the first
+                                                          //   report->num_unique are written
+                            Tindex* slots,                // [nnz]
+                            TTReport* report,             // [1], device: first_bad_index,
+                                                          //   bad_index_value, num_unique
+                            void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // TTRows: rows[j] = row ids[j] of the TT table (any order, duplicates allowed).
@@ -148,15 +147,14 @@ size_t RowsScratchBytes(const TTProblem& p, int64_t max_ids);
 
 template <typename T>
 cudaError_t LaunchRows(const TTProblem& p,
-                       const int64_t* ids,      // [max_ids], device
+                       const int64_t* ids,  // [max_ids], device
                        int64_t max_ids,
                        const int64_t* num_ids,  // [1], device, <= max_ids; or null (= max_ids)
                        const T* const* cores,   // host array [num_cores] of device pointers
                        T* rows,                 // [max_ids, D], device; rows of bad ids are 0
                        TTReport* report,        // [1], device: first_bad_index, bad_index_value,
                                                 //   num_ids
-                       void* scratch, size_t scratch_bytes,
-                       cudaStream_t stream);
+                       void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // TTRowsGrad: given grad = dL/drows [U, D], the gradient of every core as
@@ -192,14 +190,13 @@ size_t RowsGradWorkBytes(const TTProblem& p, int64_t max_ids, const TTReport* pr
 
 template <typename T>
 cudaError_t LaunchRowsGradPrepare(const TTProblem& p,
-                                  const int64_t* ids,      // [max_ids], device
+                                  const int64_t* ids,  // [max_ids], device
                                   int64_t max_ids,
                                   const int64_t* num_ids,  // [1], device, or null
                                   TTReport* report,        // [1], device: core_rows[k] = n_k,
                                                            //   first_bad_index, bad_index_value,
                                                            //   num_ids, work_items, work_values
-                                  void* scratch, size_t scratch_bytes,
-                                  cudaStream_t stream);
+                                  void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // Exactly one of (core_indices and core_values) or core_dense is non-null.
 // core_indices[k] [n_k] int64, core_values[k] [n_k, width_k],
@@ -207,7 +204,7 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p,
 // pointers (a pointer may be null only where n_k == 0).
 template <typename T>
 cudaError_t LaunchRowsGradCompute(const TTProblem& p,
-                                  const int64_t* ids,      // [max_ids], device (same as Prepare)
+                                  const int64_t* ids,  // [max_ids], device (same as Prepare)
                                   int64_t max_ids,
                                   const int64_t* num_ids,  // [1], device, or null (same as Prepare)
                                   const T* const* cores,   // host array [num_cores]

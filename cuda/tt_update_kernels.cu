@@ -19,9 +19,6 @@
 // Lookup and populate: a binary search per id, one 64-bit exclusive scan
 // whose high half ranks the hits and low half the misses, and a scatter.
 
-#include "cuda/tt_update_kernels.cuh"
-#include "cuda/common.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -31,6 +28,9 @@
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
 #include <type_traits>
+
+#include "cuda/common.cuh"
+#include "cuda/tt_update_kernels.cuh"
 
 namespace tf_ttemb {
 namespace gpu {
@@ -68,10 +68,10 @@ __device__ __forceinline__ void StorePack(T* p, const Pack<T, V>& x) {
 
 // How a row kernel maps threads to the rows of one problem.
 struct RowPlan {
-  int group = 1;         // threads per row (power of two <= kBlock)
-  int vec = 1;           // elements per vector (V or 1)
-  int64_t vecs = 0;      // vectors per row
-  int64_t blocks = 0;    // blocks of the grid-stride walk
+  int group = 1;       // threads per row (power of two <= kBlock)
+  int vec = 1;         // elements per vector (V or 1)
+  int64_t vecs = 0;    // vectors per row
+  int64_t blocks = 0;  // blocks of the grid-stride walk
 };
 
 template <typename T>
@@ -116,9 +116,8 @@ struct UpdateParams {
 
 // One row's vectors lane, lane + group, ... of the update.
 template <typename T, int V, bool kAdagrad>
-__device__ __forceinline__ void UpdateRow(T* var, T* accum, const T* grad, int64_t vecs,
-                                          int lane, int group, AccT<T> lr,
-                                          AccT<T> eps) {
+__device__ __forceinline__ void UpdateRow(T* var, T* accum, const T* grad, int64_t vecs, int lane,
+                                          int group, AccT<T> lr, AccT<T> eps) {
   using C = AccT<T>;
   for (int64_t c = lane; c < vecs; c += group) {
     const Pack<T, V> g = LoadPack<T, V>(grad + c * V);
@@ -239,8 +238,7 @@ __global__ void SetKeysKernel(const int64_t* unique, const int64_t* num_runs, in
 
 // Where each set's entries start and end in the sorted set keys (sets with no
 // entry keep the zeros the caller stored).
-__global__ void SetBoundsKernel(const uint32_t* set_key, int64_t n, int32_t* start,
-                                int32_t* end) {
+__global__ void SetBoundsKernel(const uint32_t* set_key, int64_t n, int32_t* start, int32_t* end) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const uint32_t key = set_key[i];
@@ -439,13 +437,11 @@ size_t CountCubBytes(int64_t n, int end_bit, int id_bits) {
   cub::DeviceRadixSort::SortKeys(nullptr, a, static_cast<const int64_t*>(nullptr),
                                  static_cast<int64_t*>(nullptr), items, 0, id_bits);
   cub::DeviceRunLengthEncode::Encode(nullptr, b, static_cast<const int64_t*>(nullptr),
-                                     static_cast<int64_t*>(nullptr),
-                                     static_cast<int64_t*>(nullptr),
+                                     static_cast<int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
                                      static_cast<int64_t*>(nullptr), items);
-  cub::DeviceRadixSort::SortPairs(nullptr, c, static_cast<const uint32_t*>(nullptr),
-                                  static_cast<uint32_t*>(nullptr),
-                                  static_cast<const int32_t*>(nullptr),
-                                  static_cast<int32_t*>(nullptr), items, 0, end_bit);
+  cub::DeviceRadixSort::SortPairs(
+      nullptr, c, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), items, 0, end_bit);
   return std::max({a, b, c});
 }
 
@@ -504,26 +500,26 @@ LookupBuffers CarveLookup(Carver& carver, int64_t n) {
   return b;
 }
 
-cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids,
-                      int64_t cache_size, int64_t miss_pad_id, int64_t* position,
-                      int64_t* miss_rank, int64_t* miss_ids, int64_t* miss_at, int64_t* hit_at,
-                      int64_t* hit_pos, int64_t* num_hits, int64_t* num_misses,
-                      const LookupBuffers& b, cudaStream_t stream) {
+cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, int64_t cache_size,
+                      int64_t miss_pad_id, int64_t* position, int64_t* miss_rank, int64_t* miss_ids,
+                      int64_t* miss_at, int64_t* hit_at, int64_t* hit_pos, int64_t* num_hits,
+                      int64_t* num_misses, const LookupBuffers& b, cudaStream_t stream) {
   if (n == 0) {
     if (num_hits != nullptr) TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_hits, 0, 8, stream));
-    if (num_misses != nullptr) TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_misses, 0, 8, stream));
+    if (num_misses != nullptr)
+      TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_misses, 0, 8, stream));
     return cudaSuccess;
   }
   const int blocks = FlatBlocks(n);
   LookupFlagsKernel<<<blocks, kBlock, 0, stream>>>(ids, n, cache_ids, cache_size, position,
-                                                    b.flags);
+                                                   b.flags);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t cub_bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::ExclusiveSum(b.cub, cub_bytes, b.flags, b.ranks,
-                                                      static_cast<int>(n), stream));
+                                                           static_cast<int>(n), stream));
   LookupScatterKernel<<<blocks, kBlock, 0, stream>>>(ids, n, position, b.flags, b.ranks,
-                                                      miss_pad_id, miss_rank, miss_ids, miss_at,
-                                                      hit_at, hit_pos, num_hits, num_misses);
+                                                     miss_pad_id, miss_rank, miss_ids, miss_at,
+                                                     hit_at, hit_pos, num_hits, num_misses);
   return cudaGetLastError();
 }
 
@@ -596,8 +592,8 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer, const SparseUpdateSlic
         (adagrad && in.accum == nullptr)) {
       return cudaErrorInvalidValue;
     }
-    const bool aligned = Aligned16(in.var) && Aligned16(in.grad) &&
-                         (!adagrad || Aligned16(in.accum));
+    const bool aligned =
+        Aligned16(in.var) && Aligned16(in.grad) && (!adagrad || Aligned16(in.accum));
     const RowPlan plan = PlanRows<T>(in.n, in.width, aligned);
     UpdateSlice<T>& s = p.s[p.num++];
     s.var = in.var;
@@ -626,15 +622,15 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer, const SparseUpdateSlic
 
 template <typename T>
 cudaError_t LaunchSelectRows(int64_t n, int64_t width, const T* a, int64_t a_rows,
-                             const int64_t* sel_a, const T* b, int64_t b_rows,
-                             const int64_t* sel_b, T* out, cudaStream_t stream) {
+                             const int64_t* sel_a, const T* b, int64_t b_rows, const int64_t* sel_b,
+                             T* out, cudaStream_t stream) {
   if (n < 0 || width < 0 || a_rows < 0 || b_rows < 0) return cudaErrorInvalidValue;
   if (n == 0 || width == 0) return cudaSuccess;
   if (sel_a == nullptr || out == nullptr || (a == nullptr && a_rows > 0)) {
     return cudaErrorInvalidValue;
   }
-  const bool aligned = (a == nullptr || Aligned16(a)) && (b == nullptr || Aligned16(b)) &&
-                       Aligned16(out);
+  const bool aligned =
+      (a == nullptr || Aligned16(a)) && (b == nullptr || Aligned16(b)) && Aligned16(out);
   const RowPlan plan = PlanRows<T>(n, width, aligned);
   SelectRowsKernel<T><<<static_cast<unsigned>(plan.blocks), kBlock, 0, stream>>>(
       n, width, plan.vecs, plan.group, plan.vec, a, a_rows, sel_a, b, b_rows, sel_b, out);
@@ -669,19 +665,18 @@ cudaError_t LaunchCacheCount(const int64_t* ids, int64_t n, int64_t id_bound, in
   const CountBuffers b = CarveCount(carver, n, num_sets, id_bits);
   const int items = static_cast<int>(n);
   size_t cub_bytes = b.cub_bytes;
-  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortKeys(b.cub, cub_bytes, ids, b.sorted, items, 0,
-                                                       id_bits, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(
+      cub::DeviceRadixSort::SortKeys(b.cub, cub_bytes, ids, b.sorted, items, 0, id_bits, stream));
   cub_bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRunLengthEncode::Encode(
       b.cub, cub_bytes, b.sorted, b.unique, b.run_length, b.num_runs, items, stream));
-  SetKeysKernel<<<FlatBlocks(n), kBlock, 0, stream>>>(b.unique, b.num_runs, n,
-                                                       static_cast<uint64_t>(num_sets),
-                                                       b.set_key_in, b.run_in);
+  SetKeysKernel<<<FlatBlocks(n), kBlock, 0, stream>>>(
+      b.unique, b.num_runs, n, static_cast<uint64_t>(num_sets), b.set_key_in, b.run_in);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   cub_bytes = b.cub_bytes;
-  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-      b.cub, cub_bytes, b.set_key_in, b.set_key, b.run_in, b.run, items, 0,
-      EndBit(static_cast<uint64_t>(num_sets)), stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(
+      cub::DeviceRadixSort::SortPairs(b.cub, cub_bytes, b.set_key_in, b.set_key, b.run_in, b.run,
+                                      items, 0, EndBit(static_cast<uint64_t>(num_sets)), stream));
   TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       b.set_start, 0, sizeof(int32_t) * 2 * static_cast<size_t>(num_sets + 1), stream));
   SetBoundsKernel<<<FlatBlocks(n), kBlock, 0, stream>>>(b.set_key, n, b.set_start, b.set_end);
@@ -705,12 +700,12 @@ size_t CacheLookupScratchBytes(int64_t n) {
 cudaError_t LaunchCacheLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids,
                               int64_t cache_size, int64_t miss_pad_id, int64_t* position,
                               int64_t* miss_rank, int64_t* miss_ids, int64_t* miss_at,
-                              int64_t* hit_at, int64_t* hit_pos, int64_t* counts,
-                              void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                              int64_t* hit_at, int64_t* hit_pos, int64_t* counts, void* scratch,
+                              size_t scratch_bytes, cudaStream_t stream) {
   if (!SizeOk(n) || cache_size < 0 || counts == nullptr) return cudaErrorInvalidValue;
-  if (n > 0 && (ids == nullptr || position == nullptr || miss_rank == nullptr ||
-                miss_ids == nullptr || miss_at == nullptr || scratch == nullptr ||
-                (cache_size > 0 && cache_ids == nullptr))) {
+  if (n > 0 &&
+      (ids == nullptr || position == nullptr || miss_rank == nullptr || miss_ids == nullptr ||
+       miss_at == nullptr || scratch == nullptr || (cache_size > 0 && cache_ids == nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (scratch_bytes < CacheLookupScratchBytes(n)) return cudaErrorInvalidValue;
@@ -728,11 +723,10 @@ size_t CachePopulateScratchBytes(int64_t table_size, int64_t cache_size) {
 }
 
 cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int64_t table_size,
-                                const int64_t* old_ids, int64_t cache_size,
-                                int64_t fresh_pad_id, int64_t* new_ids, int64_t* src,
-                                int64_t* fresh_rank, int64_t* fresh_ids, int64_t* fresh_at,
-                                int64_t* num_fresh, void* scratch, size_t scratch_bytes,
-                                cudaStream_t stream) {
+                                const int64_t* old_ids, int64_t cache_size, int64_t fresh_pad_id,
+                                int64_t* new_ids, int64_t* src, int64_t* fresh_rank,
+                                int64_t* fresh_ids, int64_t* fresh_at, int64_t* num_fresh,
+                                void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   if (!SizeOk(table_size) || !SizeOk(cache_size) || num_fresh == nullptr) {
     return cudaErrorInvalidValue;
   }
@@ -750,16 +744,16 @@ cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int6
   const int h = static_cast<int>(table_size);
   if (table_size > 0) {
     PopulatePrepKernel<<<FlatBlocks(table_size), kBlock, 0, stream>>>(keys, counts, table_size,
-                                                                       b.ids_in, b.counts_in);
+                                                                      b.ids_in, b.counts_in);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     // Ascending ids, then a stable sort by descending count: count desc, id asc.
     size_t cub_bytes = b.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
         b.cub, cub_bytes, b.ids_in, b.ids_by_id, b.counts_in, b.counts_by_id, h, 0, 64, stream));
     cub_bytes = b.cub_bytes;
-    TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairsDescending(
-        b.cub, cub_bytes, b.counts_by_id, b.counts_ranked, b.ids_by_id, b.ids_ranked, h, 0, 64,
-        stream));
+    TTEMB_RETURN_IF_CUDA_ERROR(
+        cub::DeviceRadixSort::SortPairsDescending(b.cub, cub_bytes, b.counts_by_id, b.counts_ranked,
+                                                  b.ids_by_id, b.ids_ranked, h, 0, 64, stream));
   }
   PopulateChooseKernel<<<FlatBlocks(cache_size), kBlock, 0, stream>>>(
       b.ids_ranked, b.counts_ranked, table_size, cache_size, b.chosen);
@@ -768,8 +762,7 @@ cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int6
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortKeys(
       b.cub, cub_bytes, b.chosen, new_ids, static_cast<int>(cache_size), 0, 64, stream));
   return RunLookup(new_ids, cache_size, old_ids, cache_size, fresh_pad_id, src, fresh_rank,
-                   fresh_ids, fresh_at, nullptr, nullptr, b.num_stay, num_fresh, b.lookup,
-                   stream);
+                   fresh_ids, fresh_at, nullptr, nullptr, b.num_stay, num_fresh, b.lookup, stream);
 }
 
 #define TTUPD_INSTANTIATE(T)                                                                    \

@@ -61,13 +61,13 @@ enum class SparseOptimizer : int { kSgd = 0, kAdagrad = 1 };
 // One variable to update: `grad` row i updates `var` row `rows[i]`.
 template <typename T>
 struct SparseUpdateSlice {
-  T* var = nullptr;             // [num_rows, width], updated in place
-  T* accum = nullptr;           // [num_rows, width], Adagrad only (else null)
+  T* var = nullptr;               // [num_rows, width], updated in place
+  T* accum = nullptr;             // [num_rows, width], Adagrad only (else null)
   const int64_t* rows = nullptr;  // [n], distinct; entries outside [0, num_rows) skipped
-  const T* grad = nullptr;      // [n, width]
+  const T* grad = nullptr;        // [n, width]
   int64_t num_rows = 0;
   int64_t width = 0;
-  int64_t n = 0;                // rows listed (host upper bound)
+  int64_t n = 0;  // rows listed (host upper bound)
   // Optional device count: only the first min(n, *num_valid) rows are used.
   const int64_t* num_valid = nullptr;
 };
@@ -108,12 +108,10 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer,
 size_t CacheCountScratchBytes(int64_t n, int64_t table_size, int64_t id_bound);
 
 cudaError_t LaunchCacheCount(const int64_t* ids,  // [n]
-                             int64_t n,
-                             int64_t id_bound,
+                             int64_t n, int64_t id_bound,
                              int64_t* keys,    // [table_size], in place
                              int64_t* counts,  // [table_size], in place
-                             int64_t table_size,
-                             void* scratch, size_t scratch_bytes,
+                             int64_t table_size, void* scratch, size_t scratch_bytes,
                              cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
@@ -137,11 +135,10 @@ constexpr int64_t kEmptyCacheId = INT64_MAX;
 
 size_t CacheLookupScratchBytes(int64_t n);
 
-cudaError_t LaunchCacheLookup(const int64_t* ids,        // [n]
+cudaError_t LaunchCacheLookup(const int64_t* ids,  // [n]
                               int64_t n,
                               const int64_t* cache_ids,  // [cache_size]
-                              int64_t cache_size,
-                              int64_t miss_pad_id,
+                              int64_t cache_size, int64_t miss_pad_id,
                               int64_t* position,   // [n]
                               int64_t* miss_rank,  // [n]
                               int64_t* miss_ids,   // [n]
@@ -149,8 +146,7 @@ cudaError_t LaunchCacheLookup(const int64_t* ids,        // [n]
                               int64_t* hit_at,     // [n] or null
                               int64_t* hit_pos,    // [n] or null
                               int64_t* counts,     // [2]
-                              void* scratch, size_t scratch_bytes,
-                              cudaStream_t stream);
+                              void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
 // Row selection, the gather / stitch step of every cache path:
@@ -165,12 +161,12 @@ cudaError_t LaunchCacheLookup(const int64_t* ids,        // [n]
 //                     gradient rows of the misses, for TTRowsGrad
 // `out` must not overlap a or b.
 template <typename T>
-cudaError_t LaunchSelectRows(int64_t n, int64_t width,
-                             const T* a, int64_t a_rows,        // [a_rows, width]
-                             const int64_t* sel_a,              // [n]
-                             const T* b, int64_t b_rows,        // [b_rows, width] or null
-                             const int64_t* sel_b,              // [n] or null
-                             T* out,                            // [n, width]
+cudaError_t LaunchSelectRows(int64_t n, int64_t width, const T* a,
+                             int64_t a_rows,              // [a_rows, width]
+                             const int64_t* sel_a,        // [n]
+                             const T* b, int64_t b_rows,  // [b_rows, width] or null
+                             const int64_t* sel_b,        // [n] or null
+                             T* out,                      // [n, width]
                              cudaStream_t stream);
 
 // The fused cache-row update needs no own launcher: LaunchSparseUpdate with
@@ -194,20 +190,18 @@ cudaError_t LaunchSelectRows(int64_t n, int64_t width,
 // to their value in the cores.
 size_t CachePopulateScratchBytes(int64_t table_size, int64_t cache_size);
 
-cudaError_t LaunchCachePopulate(const int64_t* keys,     // [table_size]
-                                const int64_t* counts,   // [table_size]
+cudaError_t LaunchCachePopulate(const int64_t* keys,    // [table_size]
+                                const int64_t* counts,  // [table_size]
                                 int64_t table_size,
                                 const int64_t* old_ids,  // [cache_size]
-                                int64_t cache_size,
-                                int64_t fresh_pad_id,
+                                int64_t cache_size, int64_t fresh_pad_id,
                                 int64_t* new_ids,     // [cache_size]
                                 int64_t* src,         // [cache_size]
                                 int64_t* fresh_rank,  // [cache_size]
                                 int64_t* fresh_ids,   // [cache_size]
                                 int64_t* fresh_at,    // [cache_size]
                                 int64_t* num_fresh,   // [1]
-                                void* scratch, size_t scratch_bytes,
-                                cudaStream_t stream);
+                                void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace tf_ttemb

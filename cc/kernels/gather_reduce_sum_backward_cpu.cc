@@ -9,9 +9,6 @@
 // are written as deduplicated IndexedSlices ([U] sorted ids + [U, D]) or
 // straight into a dense [N, D] gradient.
 
-#include "cc/kernels/gather_reduce_sum_cpu.h"
-#include "cc/kernels/gather_reduce_sum_kernels.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/kernels/gather_reduce_sum_cpu.h"
+#include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -55,15 +54,14 @@ struct ParamsGradCall {
   template <typename Write>
   void ReduceAll(Write write) const {
     const int64_t num_unique = sorted.num_unique();
-    ForBalancedBlocks(pool, sorted.seg_starts.data(), num_unique, dim,
-                      [&](int64_t begin, int64_t end) {
-                        std::vector<Acc> acc(dim);
-                        for (int64_t u = begin; u < end; ++u) {
-                          ReduceSegment(sorted, u, grad, weights, argmax,
-                                        splits, scales.data(), dim, acc.data());
-                          write(u, acc.data());
-                        }
-                      });
+    ForBalancedBlocks(
+        pool, sorted.seg_starts.data(), num_unique, dim, [&](int64_t begin, int64_t end) {
+          std::vector<Acc> acc(dim);
+          for (int64_t u = begin; u < end; ++u) {
+            ReduceSegment(sorted, u, grad, weights, argmax, splits, scales.data(), dim, acc.data());
+            write(u, acc.data());
+          }
+        });
   }
 };
 
@@ -89,16 +87,15 @@ Status PrepareParamsGrad(OpKernelContext* ctx, const BagAttrs& attrs,
   TF_RETURN_IF_ERROR(ValidateRowSplits(call->splits, num_bags, nnz));
   call->ids = indices.flat<Tindex>().data();
   call->pool = CpuPool(ctx);
-  TF_RETURN_IF_ERROR(
-      ValidateIndices(call->pool, call->ids, nnz, call->num_rows, attrs));
+  TF_RETURN_IF_ERROR(ValidateIndices(call->pool, call->ids, nnz, call->num_rows, attrs));
   call->grad = grad.flat<T>().data();
   call->weights = attrs.has_weights ? weights.flat<T>().data() : nullptr;
   call->argmax = is_max ? argmax.flat<int32>().data() : nullptr;
-  SortEntries(call->pool, call->ids, call->splits, num_bags, nnz,
-              call->num_rows, attrs, &call->sorted);
+  SortEntries(call->pool, call->ids, call->splits, num_bags, nnz, call->num_rows, attrs,
+              &call->sorted);
   if (!is_max) {
-    ComputeBagScales(call->pool, call->ids, call->weights, call->splits,
-                     num_bags, attrs, &call->scales);
+    ComputeBagScales(call->pool, call->ids, call->weights, call->splits, num_bags, attrs,
+                     &call->scales);
   }
   return OkStatus();
 }
@@ -117,10 +114,8 @@ class GatherReduceSumGradOp : public OpKernel {
     const int64_t dim = call.dim;
     Tensor* unique_ids = nullptr;
     Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}),
-                                             &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, TensorShape({num_unique, dim}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_unique, dim}), &values));
     Tindex* ids_out = unique_ids->flat<Tindex>().data();
     T* values_out = values->flat<T>().data();
     const SortedEntries& s = call.sorted;
@@ -141,8 +136,7 @@ class GatherReduceSumGradOp : public OpKernel {
 template <typename T, typename Tindex>
 class GatherReduceSumDenseGradOp : public OpKernel {
  public:
-  explicit GatherReduceSumDenseGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumDenseGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
@@ -152,8 +146,7 @@ class GatherReduceSumDenseGradOp : public OpKernel {
     const int64_t dim = call.dim;
     const int64_t num_rows = call.num_rows;
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_rows, dim}),
-                                             &output));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_rows, dim}), &output));
     if (dim == 0 || num_rows == 0) return;
     T* out = output->flat<T>().data();
     // Zero the whole table in parallel, then overwrite the touched rows.
@@ -181,18 +174,15 @@ class GatherReduceSumDenseGradOp : public OpKernel {
 template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumWeightsGradOp : public OpKernel {
  public:
-  explicit GatherReduceSumWeightsGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumWeightsGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
     OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument(
-                    "GatherReduceSumWeightsGrad needs has_weights = true"));
+                errors::InvalidArgument("GatherReduceSumWeightsGrad needs has_weights = true"));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
-      ComputeWithParams(ctx, params);
-    });
+    WithParams<T, ParamsFromResource>(
+        ctx, 1, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
   }
 
  private:
@@ -211,38 +201,30 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
     const Tindex* ids = indices.flat<Tindex>().data();
     thread::ThreadPool* pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx,
-                   ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
+    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
 
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}),
-                                             &weights_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}), &weights_grad));
     const T* dy_data = grad.flat<T>().data();
     const T* params_data = params.flat<T>().data();
     const T* w = weights.flat<T>().data();
     const T* out_data = output.flat<T>().data();
     T* dw = weights_grad->flat<T>().data();
     const BagAttrs attrs = attrs_;
-    ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin,
-                                                              int64_t end) {
+    ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t j0 = splits[b], j1 = splits[b + 1];
         const T* dy = dy_data + b * dim;
         const Acc scale = ComputeBagScale(ids, w, j0, j1, attrs);
         const Acc dy_dot_out =
-            attrs.combiner == Combiner::kSum
-                ? Acc(0)
-                : Dot<Acc>(dy, out_data + b * dim, dim);
+            attrs.combiner == Combiner::kSum ? Acc(0) : Dot<Acc>(dy, out_data + b * dim, dim);
         for (int64_t j = j0; j < j1; ++j) {
           if (IsPadding(ids[j], attrs) || scale == Acc(0)) {
             dw[j] = T(0);
             continue;
           }
-          if (j + kPrefetchDistance < j1 &&
-              !IsPadding(ids[j + kPrefetchDistance], attrs)) {
-            PrefetchRow(params_data +
-                            static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
-                        dim);
+          if (j + kPrefetchDistance < j1 && !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+            PrefetchRow(params_data + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim, dim);
           }
           const T* row = params_data + static_cast<int64_t>(ids[j]) * dim;
           const Acc dot = Dot<Acc>(dy, row, dim);
@@ -252,8 +234,7 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
               g = (dot - dy_dot_out) * scale;
               break;
             case Combiner::kSqrtn:
-              g = dot * scale -
-                  static_cast<Acc>(w[j]) * dy_dot_out * scale * scale;
+              g = dot * scale - static_cast<Acc>(w[j]) * dy_dot_out * scale * scale;
               break;
             default:
               g = dot;
@@ -277,19 +258,16 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
 template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumFusedGradOp : public OpKernel {
  public:
-  explicit GatherReduceSumFusedGradOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumFusedGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
     OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument(
-                    "GatherReduceSumFusedGrad needs has_weights = true"));
+                errors::InvalidArgument("GatherReduceSumFusedGrad needs has_weights = true"));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
-      ComputeWithParams(ctx, params);
-    });
+    WithParams<T, ParamsFromResource>(
+        ctx, 1, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
   }
 
  private:
@@ -301,8 +279,7 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     const Tensor& weights = ctx->input(4);
     const Tensor& output = ctx->input(5);
     ParamsGradCall<T, Tindex> call;
-    OP_REQUIRES_OK(ctx,
-                   ValidateWeightsGradInputs(ctx, params, attrs_, &call.shapes));
+    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &call.shapes));
     const int64_t num_bags = call.shapes.num_bags;
     const int64_t nnz = call.shapes.nnz;
     call.num_rows = params.dim_size(0);
@@ -312,14 +289,13 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateRowSplits(call.splits, num_bags, nnz));
     call.ids = indices.flat<Tindex>().data();
     call.pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx, ValidateIndices(call.pool, call.ids, nnz,
-                                        call.num_rows, attrs_));
+    OP_REQUIRES_OK(ctx, ValidateIndices(call.pool, call.ids, nnz, call.num_rows, attrs_));
     call.grad = grad.flat<T>().data();
     call.weights = weights.flat<T>().data();
-    SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows,
-                attrs_, &call.sorted);
-    ComputeBagScales(call.pool, call.ids, call.weights, call.splits, num_bags,
-                     attrs_, &call.scales);
+    SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows, attrs_,
+                &call.sorted);
+    ComputeBagScales(call.pool, call.ids, call.weights, call.splits, num_bags, attrs_,
+                     &call.scales);
     const SortedEntries& s = call.sorted;
     const int64_t num_unique = s.num_unique();
 
@@ -327,26 +303,21 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     std::vector<Acc> dy_dot_out(num_bags, Acc(0));
     const T* out_data = output.flat<T>().data();
     if (attrs_.combiner != Combiner::kSum) {
-      ForBalancedBlocks(call.pool, call.splits, num_bags, dim,
-                        [&](int64_t begin, int64_t end) {
-                          for (int64_t b = begin; b < end; ++b) {
-                            dy_dot_out[b] = Dot<Acc>(call.grad + b * dim,
-                                                     out_data + b * dim, dim);
-                          }
-                        });
+      ForBalancedBlocks(call.pool, call.splits, num_bags, dim, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          dy_dot_out[b] = Dot<Acc>(call.grad + b * dim, out_data + b * dim, dim);
+        }
+      });
     }
 
     Tensor* unique_ids = nullptr;
     Tensor* params_grad = nullptr;
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({dense_grad_ ? 0 : num_unique}),
-                            &unique_ids));
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : num_unique}), &unique_ids));
     const int64_t grad_rows = dense_grad_ ? call.num_rows : num_unique;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({grad_rows, dim}),
-                                             &params_grad));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({nnz}),
-                                             &weights_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({grad_rows, dim}), &params_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({nnz}), &weights_grad));
     T* values = params_grad->flat<T>().data();
     T* dw = weights_grad->flat<T>().data();
     // Padding entries (in no segment) keep a zero weights gradient.
@@ -367,65 +338,59 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
     ForBalancedBlocks(call.pool, s.seg_starts.data(), num_unique, dim,
                       [&](int64_t begin, int64_t end) {
-      std::vector<Acc> acc(dim);
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
-        const T* row = params_data + id * dim;
-        std::fill(acc.begin(), acc.end(), Acc(0));
-        for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
-          const int64_t j = s.positions[k];
-          const int64_t b = s.bags[k];
-          if (k + kPrefetchDistance < num_sorted) {
-            PrefetchRow(call.grad + s.bags[k + kPrefetchDistance] * dim, dim);
-          }
-          const T* dy = call.grad + b * dim;
-          const Acc scale = call.scales[b];
-          const Acc wj = static_cast<Acc>(w[j]);
-          Axpy(acc.data(), scale * wj, dy, dim);
-          if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
-          const Acc dot = Dot<Acc>(dy, row, dim);
-          Acc g;
-          switch (combiner) {
-            case Combiner::kMean:
-              g = (dot - dy_dot_out[b]) * scale;
-              break;
-            case Combiner::kSqrtn:
-              g = dot * scale - wj * dy_dot_out[b] * scale * scale;
-              break;
-            default:
-              g = dot;
-          }
-          dw[j] = static_cast<T>(g);
-        }
-        T* out_row = values + (dense_grad_ ? id : u) * dim;
-        for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);
-      }
-    });
+                        std::vector<Acc> acc(dim);
+                        for (int64_t u = begin; u < end; ++u) {
+                          const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
+                          const T* row = params_data + id * dim;
+                          std::fill(acc.begin(), acc.end(), Acc(0));
+                          for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
+                            const int64_t j = s.positions[k];
+                            const int64_t b = s.bags[k];
+                            if (k + kPrefetchDistance < num_sorted) {
+                              PrefetchRow(call.grad + s.bags[k + kPrefetchDistance] * dim, dim);
+                            }
+                            const T* dy = call.grad + b * dim;
+                            const Acc scale = call.scales[b];
+                            const Acc wj = static_cast<Acc>(w[j]);
+                            Axpy(acc.data(), scale * wj, dy, dim);
+                            if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
+                            const Acc dot = Dot<Acc>(dy, row, dim);
+                            Acc g;
+                            switch (combiner) {
+                              case Combiner::kMean:
+                                g = (dot - dy_dot_out[b]) * scale;
+                                break;
+                              case Combiner::kSqrtn:
+                                g = dot * scale - wj * dy_dot_out[b] * scale * scale;
+                                break;
+                              default:
+                                g = dot;
+                            }
+                            dw[j] = static_cast<T>(g);
+                          }
+                          T* out_row = values + (dense_grad_ ? id : u) * dim;
+                          for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);
+                        }
+                      });
   }
 
   BagAttrs attrs_;
   bool dense_grad_ = false;
 };
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                         \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>GatherReduceSumGrad", T, Tindex,                              \
-      GatherReduceSumGradOp<T, Tindex>)                                      \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>GatherReduceSumDenseGrad", T, Tindex,                         \
-      GatherReduceSumDenseGradOp<T, Tindex>)                                 \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>GatherReduceSumWeightsGrad", T, Tindex,                       \
-      GatherReduceSumWeightsGradOp<T, Tindex, false>)                        \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>ResourceGatherReduceSumWeightsGrad", T, Tindex,               \
-      GatherReduceSumWeightsGradOp<T, Tindex, true>)                         \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>GatherReduceSumFusedGrad", T, Tindex,                         \
-      GatherReduceSumFusedGradOp<T, Tindex, false>)                          \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>ResourceGatherReduceSumFusedGrad", T, Tindex,                 \
-      GatherReduceSumFusedGradOp<T, Tindex, true>)
+#define TF_TTEMB_REGISTER(T, Tindex)                                                        \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumGrad", T, Tindex,                \
+                                   GatherReduceSumGradOp<T, Tindex>)                        \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumDenseGrad", T, Tindex,           \
+                                   GatherReduceSumDenseGradOp<T, Tindex>)                   \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumWeightsGrad", T, Tindex,         \
+                                   GatherReduceSumWeightsGradOp<T, Tindex, false>)          \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumWeightsGrad", T, Tindex, \
+                                   GatherReduceSumWeightsGradOp<T, Tindex, true>)           \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumFusedGrad", T, Tindex,           \
+                                   GatherReduceSumFusedGradOp<T, Tindex, false>)            \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumFusedGrad", T, Tindex,   \
+                                   GatherReduceSumFusedGradOp<T, Tindex, true>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
 #undef TF_TTEMB_REGISTER
 

@@ -36,8 +36,7 @@ inline thread::ThreadPool* CpuPool(OpKernelContext* ctx) {
 // Splits [0, n) into at most `max_blocks` contiguous blocks of about equal
 // work, where prefix[i] is the cumulative work before item i (prefix has
 // n + 1 entries, prefix[n] the total). Returns the n_blocks + 1 boundaries.
-inline std::vector<int64_t> BalancedBlocks(const int64_t* prefix, int64_t n,
-                                           int64_t max_blocks) {
+inline std::vector<int64_t> BalancedBlocks(const int64_t* prefix, int64_t n, int64_t max_blocks) {
   std::vector<int64_t> bounds{0};
   if (n == 0) return bounds;
   const int64_t total = prefix[n] - prefix[0];
@@ -54,11 +53,10 @@ inline std::vector<int64_t> BalancedBlocks(const int64_t* prefix, int64_t n,
 
 // Runs fn(begin, end) over the balanced blocks, one block per work item.
 template <typename Fn>
-void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix,
-                       int64_t n, int64_t cost_per_item, Fn fn) {
+void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t n,
+                       int64_t cost_per_item, Fn fn) {
   const int64_t threads = pool->NumThreads();
-  const int64_t total_cost =
-      (prefix[n] - prefix[0] + n) * std::max<int64_t>(1, cost_per_item);
+  const int64_t total_cost = (prefix[n] - prefix[0] + n) * std::max<int64_t>(1, cost_per_item);
   // Small problems run inline: the pool's overhead would dominate.
   if (threads <= 1 || total_cost < 100000) {
     fn(0, n);
@@ -76,8 +74,8 @@ void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix,
 
 // Finds the first index that is neither in [0, num_rows) nor the padding id.
 template <typename Tindex>
-Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz,
-                       int64_t num_rows, const BagAttrs& attrs) {
+Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz, int64_t num_rows,
+                       const BagAttrs& attrs) {
   std::atomic<int64_t> first_bad{nnz};
   auto check = [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
@@ -103,29 +101,24 @@ Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz,
 }
 
 template <typename Acc>
-inline void Axpy(Acc* __restrict acc, Acc w, const float* __restrict row,
-                 int64_t dim) {
+inline void Axpy(Acc* __restrict acc, Acc w, const float* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
 }
 template <typename Acc>
-inline void Axpy(Acc* __restrict acc, Acc w, const double* __restrict row,
-                 int64_t dim) {
+inline void Axpy(Acc* __restrict acc, Acc w, const double* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
 }
 template <typename Acc, typename T>
-inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row,
-                 int64_t dim) {
+inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += w * static_cast<Acc>(row[d]);
 }
 
 template <typename Acc>
-inline void AddRow(Acc* __restrict acc, const float* __restrict row,
-                   int64_t dim) {
+inline void AddRow(Acc* __restrict acc, const float* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += row[d];
 }
 template <typename Acc>
-inline void AddRow(Acc* __restrict acc, const double* __restrict row,
-                   int64_t dim) {
+inline void AddRow(Acc* __restrict acc, const double* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += row[d];
 }
 template <typename Acc, typename T>
@@ -233,8 +226,7 @@ inline Acc BagScale(Combiner combiner, Acc weight_sum, Acc weight_sq_sum) {
       return weight_sum != Acc(0) ? Acc(1) / weight_sum : Acc(0);
     case Combiner::kSqrtn:
       // != 0, not > 0: a NaN weight makes the scale NaN (IEEE), not 0.
-      return weight_sq_sum != Acc(0) ? Acc(1) / std::sqrt(weight_sq_sum)
-                                     : Acc(0);
+      return weight_sq_sum != Acc(0) ? Acc(1) / std::sqrt(weight_sq_sum) : Acc(0);
     default:
       return Acc(1);
   }
@@ -255,10 +247,8 @@ inline Acc RoundedSquare(Acc w) {
 // types); otherwise rounded first (the forward's for float and double, as the
 // compiler built the loop it replaced, so that outputs keep their bits).
 template <bool kFusedSquare, typename T, typename Tindex>
-inline AccT<T> BagScaleOf(const Tindex* ids,
-                                                    const T* weights,
-                                                    int64_t begin, int64_t end,
-                                                    const BagAttrs& attrs) {
+inline AccT<T> BagScaleOf(const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+                          const BagAttrs& attrs) {
   using Acc = AccT<T>;
   if (attrs.combiner != Combiner::kMean && attrs.combiner != Combiner::kSqrtn) {
     return Acc(1);
@@ -301,15 +291,13 @@ inline AccT<T> BagScaleOf(const Tindex* ids,
 }
 
 template <typename T, typename Tindex>
-inline AccT<T> ComputeBagScale(
-    const Tindex* ids, const T* weights, int64_t begin, int64_t end,
-    const BagAttrs& attrs) {
+inline AccT<T> ComputeBagScale(const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+                               const BagAttrs& attrs) {
   return BagScaleOf<true>(ids, weights, begin, end, attrs);
 }
 
 // ---------------------------------------------------------------------------
 // The entries sorted by id (the backward and the sparse apply).
-
 
 // Stable LSD radix sort of (key, value) pairs on the low `key_bits` bits of
 // the keys. Sorted output ends in keys/values; tmp buffers are scratch.
@@ -354,28 +342,25 @@ inline int BitsFor(int64_t num_rows) {
 
 // Sorted, segmented view of the non-padding entries of a batch.
 struct SortedEntries {
-  std::vector<uint64_t> keys;        // [M] ids, ascending
-  std::vector<int64_t> positions;    // [M] entry positions, ascending per id
-  std::vector<int64_t> seg_starts;   // [U + 1] segment boundaries into keys
-  std::vector<int64_t> bag_of;       // [nnz] bag of each entry
-  std::vector<int64_t> bags;         // [M] bag of each sorted entry
-  int64_t num_unique() const {
-    return static_cast<int64_t>(seg_starts.size()) - 1;
-  }
+  std::vector<uint64_t> keys;       // [M] ids, ascending
+  std::vector<int64_t> positions;   // [M] entry positions, ascending per id
+  std::vector<int64_t> seg_starts;  // [U + 1] segment boundaries into keys
+  std::vector<int64_t> bag_of;      // [nnz] bag of each entry
+  std::vector<int64_t> bags;        // [M] bag of each sorted entry
+  int64_t num_unique() const { return static_cast<int64_t>(seg_starts.size()) - 1; }
 };
 
 template <typename Tindex>
-void SortEntries(thread::ThreadPool* pool, const Tindex* ids,
-                 const int64_t* splits, int64_t num_bags, int64_t nnz,
-                 int64_t num_rows, const BagAttrs& attrs, SortedEntries* s) {
+void SortEntries(thread::ThreadPool* pool, const Tindex* ids, const int64_t* splits,
+                 int64_t num_bags, int64_t nnz, int64_t num_rows, const BagAttrs& attrs,
+                 SortedEntries* s) {
   s->bag_of.resize(nnz);
   int64_t* bag_of = s->bag_of.data();
-  ForBalancedBlocks(pool, splits, num_bags, 1,
-                    [&](int64_t begin, int64_t end) {
-                      for (int64_t b = begin; b < end; ++b) {
-                        std::fill(bag_of + splits[b], bag_of + splits[b + 1], b);
-                      }
-                    });
+  ForBalancedBlocks(pool, splits, num_bags, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      std::fill(bag_of + splits[b], bag_of + splits[b + 1], b);
+    }
+  });
   s->keys.clear();
   s->positions.clear();
   s->keys.reserve(nnz);
@@ -410,9 +395,8 @@ void SortEntries(thread::ThreadPool* pool, const Tindex* ids,
 
 // Per-bag scale (see BagScale), computed once per bag.
 template <typename T, typename Tindex>
-void ComputeBagScales(thread::ThreadPool* pool, const Tindex* ids,
-                      const T* weights, const int64_t* splits, int64_t num_bags,
-                      const BagAttrs& attrs,
+void ComputeBagScales(thread::ThreadPool* pool, const Tindex* ids, const T* weights,
+                      const int64_t* splits, int64_t num_bags, const BagAttrs& attrs,
                       std::vector<AccT<T>>* scales) {
   scales->resize(num_bags);
   auto* out = scales->data();
@@ -426,13 +410,10 @@ void ComputeBagScales(thread::ThreadPool* pool, const Tindex* ids,
 // Reduces segment u of the sorted entries into acc ([D]).
 template <typename T>
 inline void ReduceSegment(const SortedEntries& s, int64_t u,
-                          const T* grad,         // [B, D]
-                          const T* weights,      // [nnz] or null
-                          const int32* argmax,   // [B, D] or null
-                          const int64_t* splits,
-                          const AccT<T>* scales,
-                          int64_t dim,
-                          AccT<T>* acc) {
+                          const T* grad,        // [B, D]
+                          const T* weights,     // [nnz] or null
+                          const int32* argmax,  // [B, D] or null
+                          const int64_t* splits, const AccT<T>* scales, int64_t dim, AccT<T>* acc) {
   using Acc = AccT<T>;
   std::fill(acc, acc + dim, Acc(0));
   const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
@@ -451,20 +432,17 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
       }
       continue;
     }
-    const Acc c =
-        scales[b] * (weights != nullptr ? static_cast<Acc>(weights[j]) : Acc(1));
+    const Acc c = scales[b] * (weights != nullptr ? static_cast<Acc>(weights[j]) : Acc(1));
     Axpy(acc, c, dy, dim);
   }
 }
 
 // Registers `...` (the kernel class with its template arguments) as the CPU kernel
 // of `op` for values T and indices Tindex.
-#define TF_TTEMB_REGISTER_CPU_BAG_KERNEL(op, T, Tindex, ...)  \
-  REGISTER_KERNEL_BUILDER(Name(op)                            \
-                              .Device(DEVICE_CPU)             \
-                              .TypeConstraint<T>("T")         \
-                              .TypeConstraint<Tindex>("Tindices"), \
-                          __VA_ARGS__);
+#define TF_TTEMB_REGISTER_CPU_BAG_KERNEL(op, T, Tindex, ...)                                 \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name(op).Device(DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<Tindex>("Tindices"), \
+      __VA_ARGS__);
 
 // Expands M(T, Tindex) for every value and index type of the family's CPU kernels.
 #define TF_TTEMB_FOR_CPU_BAG_TYPES(M) \

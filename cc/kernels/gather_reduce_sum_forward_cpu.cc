@@ -4,9 +4,6 @@
 // at a time into a [D] float (double for float64) buffer, so no [nnz, D] tensor
 // is ever built.
 
-#include "cc/kernels/gather_reduce_sum_cpu.h"
-#include "cc/kernels/gather_reduce_sum_kernels.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -15,6 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/kernels/gather_reduce_sum_cpu.h"
+#include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -59,22 +58,18 @@ struct Vec<float> {
   static V Add(V acc, V x) { return _mm256_add_ps(acc, x); }
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
   static V Load(const Eigen::half* p) {
-    return _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static V Load(const bfloat16* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static __m256i Mask(int n) {  // the first n lanes
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
-                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   // The first n < kLanes values; the other lanes are 0 and never read.
-  static V LoadPartial(const float* p, int n) {
-    return _mm256_maskload_ps(p, Mask(n));
-  }
+  static V LoadPartial(const float* p, int n) { return _mm256_maskload_ps(p, Mask(n)); }
   template <typename T>
   static V LoadPartial(const T* p, int n) {
     T tmp[kLanes] = {};
@@ -82,9 +77,7 @@ struct Vec<float> {
     return Load(tmp);
   }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static void StorePartial(float* p, V v, int n) {
-    _mm256_maskstore_ps(p, Mask(n), v);
-  }
+  static void StorePartial(float* p, V v, int n) { _mm256_maskstore_ps(p, Mask(n), v); }
 };
 
 template <>
@@ -97,16 +90,11 @@ struct Vec<double> {
   static V Add(V acc, V x) { return _mm256_add_pd(acc, x); }
   static V Load(const double* p) { return _mm256_loadu_pd(p); }
   static __m256i Mask(int n) {
-    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n),
-                              _mm256_setr_epi64x(0, 1, 2, 3));
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
   }
-  static V LoadPartial(const double* p, int n) {
-    return _mm256_maskload_pd(p, Mask(n));
-  }
+  static V LoadPartial(const double* p, int n) { return _mm256_maskload_pd(p, Mask(n)); }
   static void Store(double* p, V v) { _mm256_storeu_pd(p, v); }
-  static void StorePartial(double* p, V v, int n) {
-    _mm256_maskstore_pd(p, Mask(n), v);
-  }
+  static void StorePartial(double* p, V v, int n) { _mm256_maskstore_pd(p, Mask(n), v); }
 };
 
 // Vectors of columns one pass over a bag's entries keeps in registers.
@@ -123,9 +111,8 @@ template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex,
 inline void BagChunkSum(const T* params,    // [N, D]
                         const Tindex* ids,  // [nnz]
                         const T* weights,   // [nnz] when kWeighted
-                        int64_t begin, int64_t end, int64_t prefetch_end,
-                        int64_t prefetch_bytes, int64_t dim, int64_t col,
-                        int tail, const BagAttrs& attrs,
+                        int64_t begin, int64_t end, int64_t prefetch_end, int64_t prefetch_bytes,
+                        int64_t dim, int64_t col, int tail, const BagAttrs& attrs,
                         Acc* sums) {  // [kVecs * kLanes]
   using VA = Vec<Acc>;
   constexpr int kLanes = VA::kLanes;
@@ -135,17 +122,15 @@ inline void BagChunkSum(const T* params,    // [N, D]
   const int64_t padding_id = attrs.padding_id;
   // About 4 KiB of rows in flight: 16 entries ahead for rows of up to 256
   // bytes, at least 4 for long rows.
-  const int64_t distance = std::max<int64_t>(
-      4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, prefetch_bytes)));
+  const int64_t distance =
+      std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, prefetch_bytes)));
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (prefetch_bytes > 0 && j + distance < prefetch_end) {
       const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
       if (!padding || ahead != padding_id) {
-        const uintptr_t first =
-            reinterpret_cast<uintptr_t>(params + ahead * dim) & ~uintptr_t{63};
-        const uintptr_t last =
-            reinterpret_cast<uintptr_t>(params + ahead * dim) + prefetch_bytes;
+        const uintptr_t first = reinterpret_cast<uintptr_t>(params + ahead * dim) & ~uintptr_t{63};
+        const uintptr_t last = reinterpret_cast<uintptr_t>(params + ahead * dim) + prefetch_bytes;
         for (uintptr_t p = first; p < last; p += 64) {
           __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
         }
@@ -156,16 +141,14 @@ inline void BagChunkSum(const T* params,    // [N, D]
     if (kWeighted) {
       const typename VA::V w = VA::Set(static_cast<Acc>(weights[j]));
       for (int v = 0; v < kVecs; ++v) {
-        const typename VA::V x = (kTail && v == kVecs - 1)
-                                     ? VA::LoadPartial(row + v * kLanes, tail)
-                                     : VA::Load(row + v * kLanes);
+        const typename VA::V x = (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
+                                                           : VA::Load(row + v * kLanes);
         acc[v] = VA::Fma(w, x, acc[v]);
       }
     } else {
       for (int v = 0; v < kVecs; ++v) {
-        const typename VA::V x = (kTail && v == kVecs - 1)
-                                     ? VA::LoadPartial(row + v * kLanes, tail)
-                                     : VA::Load(row + v * kLanes);
+        const typename VA::V x = (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
+                                                           : VA::Load(row + v * kLanes);
         acc[v] = VA::Add(acc[v], x);
       }
     }
@@ -180,19 +163,15 @@ inline void BagChunkSum(const T* params,    // [N, D]
 }
 
 template <int kVecs, bool kWeighted, typename T, typename Tindex, typename Acc>
-inline void BagChunkSumTail(const T* params, const Tindex* ids,
-                            const T* weights, int64_t begin, int64_t end,
-                            int64_t prefetch_end, int64_t prefetch_bytes,
-                            int64_t dim, int64_t col, int tail,
-                            const BagAttrs& attrs, Acc* sums) {
+inline void BagChunkSumTail(const T* params, const Tindex* ids, const T* weights, int64_t begin,
+                            int64_t end, int64_t prefetch_end, int64_t prefetch_bytes, int64_t dim,
+                            int64_t col, int tail, const BagAttrs& attrs, Acc* sums) {
   if (tail == 0) {
-    BagChunkSum<kVecs, false, kWeighted>(params, ids, weights, begin, end,
-                                         prefetch_end, prefetch_bytes, dim,
-                                         col, tail, attrs, sums);
+    BagChunkSum<kVecs, false, kWeighted>(params, ids, weights, begin, end, prefetch_end,
+                                         prefetch_bytes, dim, col, tail, attrs, sums);
   } else {
-    BagChunkSum<kVecs, true, kWeighted>(params, ids, weights, begin, end,
-                                        prefetch_end, prefetch_bytes, dim, col,
-                                        tail, attrs, sums);
+    BagChunkSum<kVecs, true, kWeighted>(params, ids, weights, begin, end, prefetch_end,
+                                        prefetch_bytes, dim, col, tail, attrs, sums);
   }
 }
 
@@ -200,9 +179,8 @@ inline void BagChunkSumTail(const T* params, const Tindex* ids,
 // (weighted) rows, chunk by chunk of columns; the first chunk's pass
 // prefetches whole rows ahead, up to entry prefetch_end.
 template <bool kWeighted, typename T, typename Tindex, typename Acc>
-void BagSum(const T* params, const Tindex* ids, const T* weights,
-            int64_t begin, int64_t end, int64_t prefetch_end, int64_t dim,
-            const BagAttrs& attrs, Acc* sums) {
+void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+            int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* sums) {
   constexpr int kLanes = Vec<Acc>::kLanes;
   const int64_t vecs = (dim + kLanes - 1) / kLanes;
   const int tail = static_cast<int>(dim % kLanes);
@@ -210,16 +188,14 @@ void BagSum(const T* params, const Tindex* ids, const T* weights,
   int64_t col = 0;
   int64_t left = vecs;
   for (; left > kMaxVecs; left -= kMaxVecs, col += kMaxVecs * kLanes) {
-    BagChunkSum<kMaxVecs, false, kWeighted>(params, ids, weights, begin, end,
-                                            prefetch_end, prefetch_bytes, dim,
-                                            col, 0, attrs, sums + col);
+    BagChunkSum<kMaxVecs, false, kWeighted>(params, ids, weights, begin, end, prefetch_end,
+                                            prefetch_bytes, dim, col, 0, attrs, sums + col);
     prefetch_bytes = 0;
   }
-#define TF_TTEMB_CHUNK_CASE(k)                                               \
-  case k:                                                                    \
-    BagChunkSumTail<k, kWeighted>(params, ids, weights, begin, end,          \
-                                  prefetch_end, prefetch_bytes, dim, col,    \
-                                  tail, attrs, sums + col);                  \
+#define TF_TTEMB_CHUNK_CASE(k)                                                                    \
+  case k:                                                                                         \
+    BagChunkSumTail<k, kWeighted>(params, ids, weights, begin, end, prefetch_end, prefetch_bytes, \
+                                  dim, col, tail, attrs, sums + col);                             \
     break;
   switch (left) {
     TF_TTEMB_CHUNK_CASE(1)
@@ -240,17 +216,13 @@ void BagSum(const T* params, const Tindex* ids, const T* weights,
 
 // Portable fallback: one column sum per element, in memory.
 template <bool kWeighted, typename T, typename Tindex, typename Acc>
-void BagSum(const T* params, const Tindex* ids, const T* weights,
-            int64_t begin, int64_t end, int64_t prefetch_end, int64_t dim,
-            const BagAttrs& attrs, Acc* sums) {
+void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+            int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* sums) {
   std::fill(sums, sums + dim, Acc(0));
   for (int64_t j = begin; j < end; ++j) {
     if (IsPadding(ids[j], attrs)) continue;
-    if (j + kPrefetchDistance < end &&
-        !IsPadding(ids[j + kPrefetchDistance], attrs)) {
-      PrefetchRow(
-          params + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
-          dim);
+    if (j + kPrefetchDistance < end && !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+      PrefetchRow(params + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim, dim);
     }
     const T* row = params + static_cast<int64_t>(ids[j]) * dim;
     if (kWeighted) {
@@ -267,8 +239,7 @@ template <typename T, typename Tindex>
 void ForwardMaxBags(const T* params,        // [N, D]
                     const Tindex* ids,      // [nnz]
                     const int64_t* splits,  // [B + 1]
-                    int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
-                    int64_t bag_end,
+                    int64_t dim, const BagAttrs& attrs, int64_t bag_begin, int64_t bag_end,
                     T* out,           // [B, D]
                     int32* argmax) {  // [B, D]
   using Acc = AccT<T>;
@@ -286,8 +257,7 @@ void ForwardMaxBags(const T* params,        // [N, D]
       const int32 p = static_cast<int32>(j - begin);
       for (int64_t d = 0; d < dim; ++d) {
         const Acc v = static_cast<Acc>(row[d]);
-        const bool take = pos[d] < 0 || v > acc[d] ||
-                          (std::isnan(v) && !std::isnan(acc[d]));
+        const bool take = pos[d] < 0 || v > acc[d] || (std::isnan(v) && !std::isnan(acc[d]));
         acc[d] = take ? v : acc[d];
         pos[d] = take ? p : pos[d];
       }
@@ -303,8 +273,7 @@ void ForwardSumBags(const T* params,        // [N, D]
                     const Tindex* ids,      // [nnz]
                     const int64_t* splits,  // [B + 1]
                     const T* weights,       // [nnz] when kWeighted
-                    int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
-                    int64_t bag_end,
+                    int64_t dim, const BagAttrs& attrs, int64_t bag_begin, int64_t bag_end,
                     T* out) {  // [B, D]
   using Acc = AccT<T>;
   // A bag's (or a block's) column sums; Acc-typed outputs take them in place.
@@ -314,26 +283,23 @@ void ForwardSumBags(const T* params,        // [N, D]
   for (int64_t b = bag_begin; b < bag_end; ++b) {
     const int64_t begin = splits[b], end = splits[b + 1];
     T* out_row = out + b * dim;
-    const Acc scale = BagScaleOf<!std::is_same<T, Acc>::value>(
-        ids, weights, begin, end, attrs);
+    const Acc scale = BagScaleOf<!std::is_same<T, Acc>::value>(ids, weights, begin, end, attrs);
     if (scale == Acc(0)) {  // +0, also where a row holds Inf or NaN
       std::fill(out_row, out_row + dim, T(0));
       continue;
     }
     const Acc* total;
     if (end - begin <= kSumBlock) {
-      Acc* sums = std::is_same<T, Acc>::value ? reinterpret_cast<Acc*>(out_row)
-                                              : scratch.data();
-      BagSum<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim,
-                        attrs, sums);
+      Acc* sums = std::is_same<T, Acc>::value ? reinterpret_cast<Acc*>(out_row) : scratch.data();
+      BagSum<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim, attrs, sums);
       total = sums;
     } else {
       if (!blocks) blocks.emplace(dim);
       blocks->Reset();
       for (int64_t block = begin; block < end; block += kSumBlock) {
         const int64_t block_end = std::min(end, block + kSumBlock);
-        BagSum<kWeighted>(params, ids, weights, block, block_end,
-                          prefetch_end, dim, attrs, blocks->current());
+        BagSum<kWeighted>(params, ids, weights, block, block_end, prefetch_end, dim, attrs,
+                          blocks->current());
         if (block_end < end) blocks->Carry();
       }
       total = blocks->Total();
@@ -349,19 +315,15 @@ void ForwardBags(const T* params,        // [N, D]
                  const Tindex* ids,      // [nnz]
                  const int64_t* splits,  // [B + 1]
                  const T* weights,       // [nnz] or null
-                 int64_t dim, const BagAttrs& attrs, int64_t bag_begin,
-                 int64_t bag_end,
-                 T* out,          // [B, D]
+                 int64_t dim, const BagAttrs& attrs, int64_t bag_begin, int64_t bag_end,
+                 T* out,           // [B, D]
                  int32* argmax) {  // [B, D] for max, else null
   if (attrs.combiner == Combiner::kMax) {
-    ForwardMaxBags(params, ids, splits, dim, attrs, bag_begin, bag_end, out,
-                   argmax);
+    ForwardMaxBags(params, ids, splits, dim, attrs, bag_begin, bag_end, out, argmax);
   } else if (attrs.has_weights) {
-    ForwardSumBags<true>(params, ids, splits, weights, dim, attrs, bag_begin,
-                         bag_end, out);
+    ForwardSumBags<true>(params, ids, splits, weights, dim, attrs, bag_begin, bag_end, out);
   } else {
-    ForwardSumBags<false>(params, ids, splits, weights, dim, attrs, bag_begin,
-                          bag_end, out);
+    ForwardSumBags<false>(params, ids, splits, weights, dim, attrs, bag_begin, bag_end, out);
   }
 }
 
@@ -375,9 +337,8 @@ class GatherReduceSumOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    WithParams<T, ParamsFromResource>(ctx, 0, [&](const Tensor& params) {
-      ComputeWithParams(ctx, params);
-    });
+    WithParams<T, ParamsFromResource>(
+        ctx, 0, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
   }
 
  private:
@@ -387,8 +348,7 @@ class GatherReduceSumOp : public OpKernel {
     const Tensor& weights = ctx->input(3);
     BagShapes shapes;
     TensorShape output_shape;
-    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits,
-                                              weights, attrs_, &shapes,
+    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits, weights, attrs_, &shapes,
                                               &output_shape));
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
@@ -396,18 +356,14 @@ class GatherReduceSumOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
     const Tindex* ids = indices.flat<Tindex>().data();
     thread::ThreadPool* pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx,
-                   ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
+    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
     const bool is_max = attrs_.combiner == Combiner::kMax;
     if (is_max) {
       for (int64_t b = 0; b < shapes.num_bags; ++b) {
-        OP_REQUIRES(ctx,
-                    splits[b + 1] - splits[b] <=
-                        std::numeric_limits<int32>::max(),
-                    errors::InvalidArgument(
-                        "combiner 'max' supports bags of at most 2^31 - 1 "
-                        "entries, bag ",
-                        b, " has ", splits[b + 1] - splits[b]));
+        OP_REQUIRES(ctx, splits[b + 1] - splits[b] <= std::numeric_limits<int32>::max(),
+                    errors::InvalidArgument("combiner 'max' supports bags of at most 2^31 - 1 "
+                                            "entries, bag ",
+                                            b, " has ", splits[b + 1] - splits[b]));
       }
     }
 
@@ -415,33 +371,27 @@ class GatherReduceSumOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape, &output));
     Tensor* argmax = nullptr;
     OP_REQUIRES_OK(
-        ctx, ctx->allocate_output(
-                 1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
+        ctx, ctx->allocate_output(1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
     if (shapes.num_bags == 0 || dim == 0) return;
 
     const T* params_data = params.flat<T>().data();
-    const T* weights_data = attrs_.has_weights ? weights.flat<T>().data()
-                                               : nullptr;
+    const T* weights_data = attrs_.has_weights ? weights.flat<T>().data() : nullptr;
     T* out = output->flat<T>().data();
     int32* argmax_data = is_max ? argmax->flat<int32>().data() : nullptr;
     const BagAttrs attrs = attrs_;
-    ForBalancedBlocks(pool, splits, shapes.num_bags, dim,
-                      [&](int64_t begin, int64_t end) {
-                        ForwardBags(params_data, ids, splits, weights_data, dim,
-                                    attrs, begin, end, out, argmax_data);
-                      });
+    ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin, int64_t end) {
+      ForwardBags(params_data, ids, splits, weights_data, dim, attrs, begin, end, out, argmax_data);
+    });
   }
 
   BagAttrs attrs_;
 };
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                         \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>GatherReduceSum", T, Tindex,                                  \
-      GatherReduceSumOp<T, Tindex, false>)                                   \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>ResourceGatherReduceSum", T, Tindex,                          \
-      GatherReduceSumOp<T, Tindex, true>)
+#define TF_TTEMB_REGISTER(T, Tindex)                                             \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSum", T, Tindex,         \
+                                   GatherReduceSumOp<T, Tindex, false>)          \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSum", T, Tindex, \
+                                   GatherReduceSumOp<T, Tindex, true>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
 #undef TF_TTEMB_REGISTER
 

@@ -4,7 +4,6 @@
 // same attrs and reject bad input with the same messages.
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
-#include "cc/kernels/shape_util.h"
 
 #include <cmath>
 #include <cstring>
@@ -12,6 +11,7 @@
 #include <limits>
 #include <string>
 
+#include "cc/kernels/shape_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
@@ -74,9 +74,8 @@ Status ValidateParamsShape(const Tensor& params) {
   return OkStatus();
 }
 
-Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits,
-                         const Tensor& weights, const BagAttrs& attrs,
-                         BagShapes* shapes) {
+Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits, const Tensor& weights,
+                         const BagAttrs& attrs, BagShapes* shapes) {
   if (indices.dims() != 1) {
     return errors::InvalidArgument("indices must be a vector [nnz], got shape ",
                                    indices.shape().DebugString());
@@ -105,19 +104,16 @@ Status RowSplitsStartError(int64_t first_split) {
 }
 
 Status RowSplitsOrderError(int64_t bag, int64_t next_split, int64_t split) {
-  return errors::InvalidArgument(
-      "row_splits must be non-decreasing: row_splits[", bag + 1,
-      "] = ", next_split, " < row_splits[", bag, "] = ", split);
+  return errors::InvalidArgument("row_splits must be non-decreasing: row_splits[", bag + 1,
+                                 "] = ", next_split, " < row_splits[", bag, "] = ", split);
 }
 
 Status RowSplitsEndError(int64_t num_bags, int64_t last_split, int64_t nnz) {
   return errors::InvalidArgument("row_splits[", num_bags, "] = ", last_split,
-                                 " must equal the number of indices (", nnz,
-                                 ")");
+                                 " must equal the number of indices (", nnz, ")");
 }
 
-Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
-                         int64_t nnz) {
+Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags, int64_t nnz) {
   if (row_splits[0] != 0) return RowSplitsStartError(row_splits[0]);
   for (int64_t b = 0; b < num_bags; ++b) {
     if (row_splits[b + 1] < row_splits[b]) {
@@ -130,33 +126,27 @@ Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
   return OkStatus();
 }
 
-Status ValidateForwardInputs(const Tensor& params, const Tensor& indices,
-                             const Tensor& row_splits, const Tensor& weights,
-                             const BagAttrs& attrs, BagShapes* shapes,
+Status ValidateForwardInputs(const Tensor& params, const Tensor& indices, const Tensor& row_splits,
+                             const Tensor& weights, const BagAttrs& attrs, BagShapes* shapes,
                              TensorShape* output_shape) {
   TF_RETURN_IF_ERROR(ValidateParamsShape(params));
-  TF_RETURN_IF_ERROR(
-      ValidateBagShapes(indices, row_splits, weights, attrs, shapes));
-  return MatrixShape("output [num_bags, D]", shapes->num_bags,
-                     params.dim_size(1), output_shape);
+  TF_RETURN_IF_ERROR(ValidateBagShapes(indices, row_splits, weights, attrs, shapes));
+  return MatrixShape("output [num_bags, D]", shapes->num_bags, params.dim_size(1), output_shape);
 }
 
-Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params,
-                                 const BagAttrs& attrs, BagShapes* shapes) {
+Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, const BagAttrs& attrs,
+                                 BagShapes* shapes) {
   TF_RETURN_IF_ERROR(ValidateParamsShape(params));
-  TF_RETURN_IF_ERROR(ValidateBagShapes(ctx->input(2), ctx->input(3),
-                                       ctx->input(4), attrs, shapes));
+  TF_RETURN_IF_ERROR(ValidateBagShapes(ctx->input(2), ctx->input(3), ctx->input(4), attrs, shapes));
   const TensorShape bag_shape({shapes->num_bags, params.dim_size(1)});
   const Tensor& grad = ctx->input(0);
   const Tensor& output = ctx->input(5);
   if (grad.shape() != bag_shape) {
-    return errors::InvalidArgument("grad must have shape ",
-                                   bag_shape.DebugString(), ", got ",
+    return errors::InvalidArgument("grad must have shape ", bag_shape.DebugString(), ", got ",
                                    grad.shape().DebugString());
   }
   if (output.shape() != bag_shape) {
-    return errors::InvalidArgument("output must have shape ",
-                                   bag_shape.DebugString(), ", got ",
+    return errors::InvalidArgument("output must have shape ", bag_shape.DebugString(), ", got ",
                                    output.shape().DebugString());
   }
   return OkStatus();
@@ -177,41 +167,35 @@ Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
   }
   shapes->num_rows = num_rows.scalar<int64_t>()();
   if (shapes->num_rows < 0) {
-    return errors::InvalidArgument("num_rows = ", shapes->num_rows,
-                                   " must be >= 0");
+    return errors::InvalidArgument("num_rows = ", shapes->num_rows, " must be >= 0");
   }
-  TF_RETURN_IF_ERROR(ValidateBagShapes(ctx->input(1), ctx->input(2),
-                                       ctx->input(3), attrs, &shapes->bags));
+  TF_RETURN_IF_ERROR(
+      ValidateBagShapes(ctx->input(1), ctx->input(2), ctx->input(3), attrs, &shapes->bags));
   const int64_t num_bags = shapes->bags.num_bags;
   shapes->dim = grad.dim_size(1);
   TensorShape dense_shape;  // a table [num_rows, D] that a tensor can hold
-  TF_RETURN_IF_ERROR(MatrixShape("params_grad [num_rows, D]", shapes->num_rows,
-                                 shapes->dim, &dense_shape));
+  TF_RETURN_IF_ERROR(
+      MatrixShape("params_grad [num_rows, D]", shapes->num_rows, shapes->dim, &dense_shape));
   if (grad.dim_size(0) != num_bags) {
-    return errors::InvalidArgument("grad has ", grad.dim_size(0),
-                                   " rows but row_splits describes ", num_bags,
-                                   " bags");
+    return errors::InvalidArgument("grad has ", grad.dim_size(0), " rows but row_splits describes ",
+                                   num_bags, " bags");
   }
   const int64_t argmax_rows = attrs.combiner == Combiner::kMax ? num_bags : 0;
   if (argmax.dims() != 2 || argmax.dim_size(0) != argmax_rows ||
       (argmax_rows > 0 && argmax.dim_size(1) != shapes->dim)) {
-    return errors::InvalidArgument("argmax must have shape [", argmax_rows,
-                                   ", ", shapes->dim, "], got ",
-                                   argmax.shape().DebugString());
+    return errors::InvalidArgument("argmax must have shape [", argmax_rows, ", ", shapes->dim,
+                                   "], got ", argmax.shape().DebugString());
   }
   return OkStatus();
 }
 
-Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
-                     const BagAttrs& attrs) {
+Status BadIndexError(int64_t position, int64_t value, int64_t num_rows, const BagAttrs& attrs) {
   if (attrs.has_padding_id) {
-    return errors::InvalidArgument("indices[", position, "] = ", value,
-                                   " is not in [0, ", num_rows,
-                                   ") and is not padding_id (",
-                                   attrs.padding_id, ")");
+    return errors::InvalidArgument("indices[", position, "] = ", value, " is not in [0, ", num_rows,
+                                   ") and is not padding_id (", attrs.padding_id, ")");
   }
-  return errors::InvalidArgument("indices[", position, "] = ", value,
-                                 " is not in [0, ", num_rows, ")");
+  return errors::InvalidArgument("indices[", position, "] = ", value, " is not in [0, ", num_rows,
+                                 ")");
 }
 
 const char* RowOptimizerName(RowOptimizer optimizer) {
@@ -226,8 +210,8 @@ const char* RowOptimizerName(RowOptimizer optimizer) {
   return "sgd";
 }
 
-Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
-                           DataType acc_type, SparseApplyAttrs* attrs) {
+Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type, DataType acc_type,
+                           SparseApplyAttrs* attrs) {
   TF_RETURN_IF_ERROR(GetBagAttrs(ctx, &attrs->bag));
   std::string name;
   TF_RETURN_IF_ERROR(ctx->GetAttr("optimizer", &name));
@@ -239,36 +223,32 @@ Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
     attrs->optimizer = RowOptimizer::kAdagrad;
   } else {
     return errors::InvalidArgument(
-        "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '",
-        name, "'");
+        "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '", name, "'");
   }
   int num_accumulators = 0;
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_accumulators", &num_accumulators));
   const int expected = attrs->optimizer == RowOptimizer::kSgd ? 0 : 1;
   if (num_accumulators != expected) {
     return errors::InvalidArgument("optimizer '", name, "' takes ", expected,
-                                   " accumulator variable(s), got ",
-                                   num_accumulators);
+                                   " accumulator variable(s), got ", num_accumulators);
   }
   DataType tacc;
   TF_RETURN_IF_ERROR(ctx->GetAttr("Tacc", &tacc));
   if (tacc != acc_type) {
-    return errors::InvalidArgument(
-        "learning_rate, epsilon and the accumulator must be ",
-        DataTypeString(acc_type), " for params of type ",
-        DataTypeString(params_type), ", got ", DataTypeString(tacc));
+    return errors::InvalidArgument("learning_rate, epsilon and the accumulator must be ",
+                                   DataTypeString(acc_type), " for params of type ",
+                                   DataTypeString(params_type), ", got ", DataTypeString(tacc));
   }
   return OkStatus();
 }
 
-Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype,
-                           const char* what, core::RefCountPtr<Var>* variable) {
+Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype, const char* what,
+                           core::RefCountPtr<Var>* variable) {
   TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), variable));
   if ((*variable)->tensor()->dtype() != dtype) {
-    return errors::InvalidArgument(
-        what, " variable has dtype ",
-        DataTypeString((*variable)->tensor()->dtype()), " but the op expects ",
-        DataTypeString(dtype));
+    return errors::InvalidArgument(what, " variable has dtype ",
+                                   DataTypeString((*variable)->tensor()->dtype()),
+                                   " but the op expects ", DataTypeString(dtype));
   }
   if (!(*variable)->is_initialized) {
     return errors::FailedPrecondition(what, " variable is not initialized");
@@ -278,8 +258,7 @@ Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype,
 
 template <typename Acc>
 Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
-                                 const Tensor* accumulator,
-                                 const SparseApplyAttrs& attrs,
+                                 const Tensor* accumulator, const SparseApplyAttrs& attrs,
                                  BagShapes* shapes, Acc* lr, Acc* eps) {
   TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs.bag, shapes));
   const Tensor& argmax = ctx->input(6);
@@ -287,12 +266,10 @@ Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
   const Tensor& epsilon = ctx->input(8);
   const int64_t num_rows = params.dim_size(0);
   const int64_t dim = params.dim_size(1);
-  const int64_t argmax_rows =
-      attrs.bag.combiner == Combiner::kMax ? shapes->num_bags : 0;
+  const int64_t argmax_rows = attrs.bag.combiner == Combiner::kMax ? shapes->num_bags : 0;
   if (argmax.dims() != 2 || argmax.dim_size(0) != argmax_rows ||
       (argmax_rows != 0 && argmax.dim_size(1) != dim)) {
-    return errors::InvalidArgument("argmax must have shape [", argmax_rows,
-                                   ", ", dim, "], got ",
+    return errors::InvalidArgument("argmax must have shape [", argmax_rows, ", ", dim, "], got ",
                                    argmax.shape().DebugString());
   }
   if (!TensorShapeUtils::IsScalar(learning_rate.shape())) {
@@ -309,54 +286,46 @@ Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
     return errors::InvalidArgument("learning_rate = ", *lr, " must be finite");
   }
   if (!std::isfinite(*eps) || *eps < Acc(0)) {
-    return errors::InvalidArgument("epsilon = ", *eps,
-                                   " must be finite and >= 0");
+    return errors::InvalidArgument("epsilon = ", *eps, " must be finite and >= 0");
   }
   if (accumulator != nullptr) {
-    const TensorShape expected =
-        attrs.optimizer == RowOptimizer::kRowwiseAdagrad
-            ? TensorShape({num_rows})
-            : TensorShape({num_rows, dim});
+    const TensorShape expected = attrs.optimizer == RowOptimizer::kRowwiseAdagrad
+                                     ? TensorShape({num_rows})
+                                     : TensorShape({num_rows, dim});
     if (accumulator->shape() != expected) {
-      return errors::InvalidArgument(
-          "accumulator must have shape ", expected.DebugString(),
-          " for optimizer '", RowOptimizerName(attrs.optimizer),
-          "' and params of shape ", params.shape().DebugString(), ", got ",
-          accumulator->shape().DebugString());
+      return errors::InvalidArgument("accumulator must have shape ", expected.DebugString(),
+                                     " for optimizer '", RowOptimizerName(attrs.optimizer),
+                                     "' and params of shape ", params.shape().DebugString(),
+                                     ", got ", accumulator->shape().DebugString());
     }
   }
   return OkStatus();
 }
 
-Status EnsureExclusiveBuffer(
-    OpKernelContext* ctx, Var* var,
-    const std::function<Status(void*, const void*, size_t)>& copy) {
+Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var,
+                             const std::function<Status(void*, const void*, size_t)>& copy) {
   Tensor* tensor = var->tensor();
   if (tensor->RefCountIsOne()) return OkStatus();
   Tensor copied;
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copied));
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copied));
   TF_RETURN_IF_ERROR(copy(copied.data(), tensor->data(), tensor->TotalBytes()));
   *tensor = copied;
   return OkStatus();
 }
 
 Status EnsureExclusiveHostBuffer(OpKernelContext* ctx, Var* var) {
-  return EnsureExclusiveBuffer(
-      ctx, var, [](void* dst, const void* src, size_t bytes) {
-        std::memcpy(dst, src, bytes);
-        return OkStatus();
-      });
+  return EnsureExclusiveBuffer(ctx, var, [](void* dst, const void* src, size_t bytes) {
+    std::memcpy(dst, src, bytes);
+    return OkStatus();
+  });
 }
 
-template Status ValidateSparseApplyInputs<float>(OpKernelContext*,
-                                                 const Tensor&, const Tensor*,
-                                                 const SparseApplyAttrs&,
-                                                 BagShapes*, float*, float*);
-template Status ValidateSparseApplyInputs<double>(OpKernelContext*,
-                                                  const Tensor&, const Tensor*,
-                                                  const SparseApplyAttrs&,
-                                                  BagShapes*, double*, double*);
+template Status ValidateSparseApplyInputs<float>(OpKernelContext*, const Tensor&, const Tensor*,
+                                                 const SparseApplyAttrs&, BagShapes*, float*,
+                                                 float*);
+template Status ValidateSparseApplyInputs<double>(OpKernelContext*, const Tensor&, const Tensor*,
+                                                  const SparseApplyAttrs&, BagShapes*, double*,
+                                                  double*);
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow

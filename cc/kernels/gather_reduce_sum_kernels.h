@@ -1,5 +1,5 @@
-// Shared pieces of the gather_reduce_sum kernels: attrs and validation. Used by the CPU kernels and by the GPU op glue, so that
-// both reject bad input with the same messages.
+// Shared pieces of the gather_reduce_sum kernels: attrs and validation. Used by the CPU kernels and
+// by the GPU op glue, so that both reject bad input with the same messages.
 
 #ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
 #define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <utility>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda/common_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -42,22 +42,19 @@ struct BagShapes {
   int64_t num_bags = 0;
   int64_t nnz = 0;
 };
-Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits,
-                         const Tensor& weights, const BagAttrs& attrs,
-                         BagShapes* shapes);
+Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits, const Tensor& weights,
+                         const BagAttrs& attrs, BagShapes* shapes);
 Status ValidateParamsShape(const Tensor& params);
 
 // The forward's host-side checks (params, the CSR inputs, and an output
 // [num_bags, D] that a tensor can hold); sets `shapes` and `output_shape`.
-Status ValidateForwardInputs(const Tensor& params, const Tensor& indices,
-                             const Tensor& row_splits, const Tensor& weights,
-                             const BagAttrs& attrs, BagShapes* shapes,
+Status ValidateForwardInputs(const Tensor& params, const Tensor& indices, const Tensor& row_splits,
+                             const Tensor& weights, const BagAttrs& attrs, BagShapes* shapes,
                              TensorShape* output_shape);
 
 // Content checks of host-resident row_splits: row_splits[0] == 0,
 // non-decreasing, row_splits[B] == nnz.
-Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags,
-                         int64_t nnz);
+Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags, int64_t nnz);
 
 // The messages of ValidateRowSplits, one per rule, also raised by the GPU
 // kernels from their device-side checks.
@@ -66,8 +63,7 @@ Status RowSplitsOrderError(int64_t bag, int64_t next_split, int64_t split);
 Status RowSplitsEndError(int64_t num_bags, int64_t last_split, int64_t nnz);
 
 // The message for an id outside [0, num_rows) that is not the padding id.
-Status BadIndexError(int64_t position, int64_t value, int64_t num_rows,
-                     const BagAttrs& attrs);
+Status BadIndexError(int64_t position, int64_t value, int64_t num_rows, const BagAttrs& attrs);
 
 // Host-side shape checks of the params-gradient ops (inputs grad [B, D],
 // indices, row_splits, weights, argmax, num_rows in host memory).
@@ -83,21 +79,19 @@ Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
 // indices, row_splits, weights [nnz], output [B, D]) as inputs 0..5 (the
 // weights gradient and the fused gradient); `params` is passed separately
 // because the Resource* variants read it from a variable.
-Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params,
-                                 const BagAttrs& attrs, BagShapes* shapes);
+Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, const BagAttrs& attrs,
+                                 BagShapes* shapes);
 
 // Looks up the variable behind resource input `input` and checks that it is
 // initialized and holds `dtype`; `what` names it in the errors ("params",
 // "accumulator").
-Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype,
-                           const char* what, core::RefCountPtr<Var>* variable);
+Status LookupTypedVariable(OpKernelContext* ctx, int input, DataType dtype, const char* what,
+                           core::RefCountPtr<Var>* variable);
 
 // The params variable of a Resource* op (resource input `input`, holding T).
 template <typename T>
-Status LookupVariable(OpKernelContext* ctx, int input,
-                      core::RefCountPtr<Var>* variable) {
-  return LookupTypedVariable(ctx, input, DataTypeToEnum<T>::value, "params",
-                             variable);
+Status LookupVariable(OpKernelContext* ctx, int input, core::RefCountPtr<Var>* variable) {
+  return LookupTypedVariable(ctx, input, DataTypeToEnum<T>::value, "params", variable);
 }
 
 template <typename Tindex>
@@ -122,11 +116,10 @@ Status WithParamsStatus(OpKernelContext* ctx, int input, Compute compute) {
 // WithParamsStatus for a compute that reports through the context.
 template <typename T, bool FromResource, typename Compute>
 void WithParams(OpKernelContext* ctx, int input, Compute compute) {
-  OP_REQUIRES_OK(ctx, (WithParamsStatus<T, FromResource>(
-                          ctx, input, [&](const Tensor& params) {
-                            compute(params);
-                            return OkStatus();
-                          })));
+  OP_REQUIRES_OK(ctx, (WithParamsStatus<T, FromResource>(ctx, input, [&](const Tensor& params) {
+                   compute(params);
+                   return OkStatus();
+                 })));
 }
 
 // ---------------------------------------------------------------------------
@@ -143,25 +136,23 @@ struct SparseApplyAttrs {
   BagAttrs bag;
   RowOptimizer optimizer = RowOptimizer::kSgd;
 };
-Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type,
-                           DataType acc_type, SparseApplyAttrs* attrs);
+Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type, DataType acc_type,
+                           SparseApplyAttrs* attrs);
 
 // The host-side checks of the op's inputs (shapes, learning_rate, epsilon, the
 // accumulator's shape) with the variables' tensors; sets `shapes`, `lr` and
 // `eps`. learning_rate and epsilon are host tensors on both devices.
 template <typename Acc>
 Status ValidateSparseApplyInputs(OpKernelContext* ctx, const Tensor& params,
-                                 const Tensor* accumulator,
-                                 const SparseApplyAttrs& attrs,
+                                 const Tensor* accumulator, const SparseApplyAttrs& attrs,
                                  BagShapes* shapes, Acc* lr, Acc* eps);
 
 // Makes the variable's buffer exclusively owned before an in-place update: a
 // tensor read from it earlier (a dense read outside copy-on-read mode) may
 // still share it, and must keep the old values. `copy(dst, src, bytes)` copies
 // the buffer on the variable's device.
-Status EnsureExclusiveBuffer(
-    OpKernelContext* ctx, Var* var,
-    const std::function<Status(void*, const void*, size_t)>& copy);
+Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var,
+                             const std::function<Status(void*, const void*, size_t)>& copy);
 // EnsureExclusiveBuffer for a variable in host memory.
 Status EnsureExclusiveHostBuffer(OpKernelContext* ctx, Var* var);
 
@@ -171,18 +162,16 @@ Status EnsureExclusiveHostBuffer(OpKernelContext* ctx, Var* var);
 // calls compute(params_var, acc_var) (acc_var null for sgd) under the locks.
 
 template <typename T, typename Acc, typename Compute>
-void WithLockedSparseApplyVariables(OpKernelContext* ctx,
-                                    const SparseApplyAttrs& attrs,
+void WithLockedSparseApplyVariables(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
                                     Compute compute) {
   core::RefCountPtr<Var> params_var;
   OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
   core::RefCountPtr<Var> acc_var;
   if (attrs.optimizer != RowOptimizer::kSgd) {
-    OP_REQUIRES_OK(ctx, LookupTypedVariable(ctx, 9, DataTypeToEnum<Acc>::value,
-                                            "accumulator", &acc_var));
+    OP_REQUIRES_OK(
+        ctx, LookupTypedVariable(ctx, 9, DataTypeToEnum<Acc>::value, "accumulator", &acc_var));
     OP_REQUIRES(ctx, acc_var.get() != params_var.get(),
-                errors::InvalidArgument(
-                    "the accumulator must be another variable than params"));
+                errors::InvalidArgument("the accumulator must be another variable than params"));
   }
   mutex* first = params_var->mu();
   mutex* second = acc_var ? acc_var->mu() : nullptr;

@@ -20,8 +20,8 @@
 //
 // The sparse apply reduces and updates the rows in one launcher
 // (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
-// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these kernels through
-// TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
+// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these
+// kernels through TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
 
 #if GOOGLE_CUDA
 
@@ -63,8 +63,7 @@ P* NonEmptyOr(P* data, int64_t num_elements, void* placeholder) {
   return num_elements > 0 ? data : static_cast<P*>(placeholder);
 }
 
-launchers::BagProblem MakeProblem(const BagAttrs& attrs,
-                                  const BagShapes& shapes, int64_t num_rows,
+launchers::BagProblem MakeProblem(const BagAttrs& attrs, const BagShapes& shapes, int64_t num_rows,
                                   int64_t dim) {
   launchers::BagProblem p;
   static_cast<BagAttrs&>(p) = attrs;
@@ -77,12 +76,11 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs,
 
 // The CPU kernel's error for the first problem in the report, in the CPU
 // kernel's order (row_splits, then ids). Messages match ValidateRowSplits.
-Status ReportStatus(const launchers::DeviceReport& r, const BagShapes& shapes,
-                    int64_t num_rows, const BagAttrs& attrs) {
+Status ReportStatus(const launchers::DeviceReport& r, const BagShapes& shapes, int64_t num_rows,
+                    const BagAttrs& attrs) {
   if (r.first_split != 0) return RowSplitsStartError(r.first_split);
   if (r.first_bad_split >= 0) {
-    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value,
-                               r.bad_split_prev);
+    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value, r.bad_split_prev);
   }
   if (r.last_split != shapes.nnz) {
     return RowSplitsEndError(shapes.num_bags, r.last_split, shapes.nnz);
@@ -103,14 +101,13 @@ class GpuCall {
     if (device_context == nullptr || device_context->stream() == nullptr) {
       return errors::Internal("tf_ttemb: the op has no GPU stream");
     }
-    stream_ = static_cast<cudaStream_t>(
-        device_context->stream()->platform_specific_handle().stream);
+    stream_ =
+        static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
     if (stream_ == nullptr) {
       return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
     }
     const TensorShape report_shape({kReportWords});
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
     AllocatorAttributes pinned;
     pinned.set_on_host(true);
     pinned.set_gpu_compatible(true);
@@ -120,18 +117,16 @@ class GpuCall {
   cudaStream_t stream() const { return stream_; }
 
   launchers::DeviceReport* device_report() {
-    return reinterpret_cast<launchers::DeviceReport*>(
-        device_report_.flat<int64_t>().data());
+    return reinterpret_cast<launchers::DeviceReport*>(device_report_.flat<int64_t>().data());
   }
 
   // Device scratch of at least `bytes` bytes (the launchers align it).
   Status AllocateScratch(size_t bytes, void** scratch) {
     if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
-      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes,
-                                       " bytes is too large");
+      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
     }
-    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-        DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), &scratch_));
+    TF_RETURN_IF_ERROR(
+        ctx_->allocate_temp(DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), &scratch_));
     *scratch = scratch_.flat<int8>().data();
     return OkStatus();
   }
@@ -139,8 +134,7 @@ class GpuCall {
   // A small device buffer standing in for outputs without elements (see
   // NonEmptyOr); never written.
   Status AllocatePlaceholder(void** placeholder) {
-    TF_RETURN_IF_ERROR(
-        ctx_->allocate_temp(DT_INT64, TensorShape({2}), &placeholder_));
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({2}), &placeholder_));
     *placeholder = placeholder_.flat<int64_t>().data();
     return OkStatus();
   }
@@ -149,12 +143,11 @@ class GpuCall {
   // launchers queued before has finished when this returns OK.
   Status ReadReport(launchers::DeviceReport* report) {
     int64_t* host = host_report_.flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(host, device_report(), sizeof(launchers::DeviceReport),
-                        cudaMemcpyDeviceToHost, stream_),
-        "copy of the device report"));
     TF_RETURN_IF_ERROR(
-        CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
+        CudaStatus(cudaMemcpyAsync(host, device_report(), sizeof(launchers::DeviceReport),
+                                   cudaMemcpyDeviceToHost, stream_),
+                   "copy of the device report"));
+    TF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
     std::memcpy(report, host, sizeof(launchers::DeviceReport));
     return OkStatus();
   }
@@ -170,15 +163,13 @@ class GpuCall {
     const Tensor host = call->host_report_;
     const launchers::DeviceReport* report = call->device_report();
     ::tensorflow::tf_ttemb::ThenCheckReport<launchers::DeviceReport>(
-        ctx, stream, host, report, std::move(call), std::move(check),
-        std::move(done));
+        ctx, stream, host, report, std::move(call), std::move(check), std::move(done));
   }
 
  private:
   static_assert(sizeof(launchers::DeviceReport) % sizeof(int64_t) == 0,
                 "DeviceReport must be a whole number of int64 words");
-  static constexpr int64_t kReportWords =
-      sizeof(launchers::DeviceReport) / sizeof(int64_t);
+  static constexpr int64_t kReportWords = sizeof(launchers::DeviceReport) / sizeof(int64_t);
 
   OpKernelContext* ctx_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -196,8 +187,7 @@ class GpuCall {
 // variable read in place is locked only while the work is queued: later
 // writers run on the same compute stream, after it.
 template <typename Launch>
-void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
-                     Launch launch) {
+void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, Launch launch) {
   auto call = std::make_shared<GpuCall>();
   GpuCall::ReportCheck check;
   OP_REQUIRES_OK_ASYNC(ctx, launch(call.get(), &check), done);
@@ -213,27 +203,23 @@ void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
 Status GradSizeLimits(const BagShapes& shapes) {
   if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
     return errors::InvalidArgument(
-        "the GPU params gradient supports fewer than 2^31 - 2 indices, got ",
-        shapes.nnz);
+        "the GPU params gradient supports fewer than 2^31 - 2 indices, got ", shapes.nnz);
   }
   if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
     return errors::InvalidArgument(
-        "the GPU params gradient supports fewer than 2^31 - 1 bags, got ",
-        shapes.num_bags);
+        "the GPU params gradient supports fewer than 2^31 - 1 bags, got ", shapes.num_bags);
   }
   return OkStatus();
 }
 
 // The launchers' U (distinct non-padding ids) as read back in the report,
 // checked against what it can be.
-Status NumUnique(const launchers::DeviceReport& report,
-                 const BagShapes& shapes, int64_t num_rows,
+Status NumUnique(const launchers::DeviceReport& report, const BagShapes& shapes, int64_t num_rows,
                  int64_t* num_unique) {
   *num_unique = report.num_unique;
   if (*num_unique < 0 || *num_unique > std::min(shapes.nnz, num_rows)) {
-    return errors::Internal("tf_ttemb GPU params grad: the device found ",
-                            *num_unique, " unique ids among ", shapes.nnz,
-                            " indices");
+    return errors::Internal("tf_ttemb GPU params grad: the device found ", *num_unique,
+                            " unique ids among ", shapes.nnz, " indices");
   }
   return OkStatus();
 }
@@ -244,24 +230,20 @@ Status NumUnique(const launchers::DeviceReport& report,
 template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumGpuOp(OpKernelConstruction* ctx)
-      : AsyncOpKernel(ctx) {
+  explicit GatherReduceSumGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck(ctx, std::move(done),
-                    [&](GpuCall* call, GpuCall::ReportCheck* check) {
-                      return WithParamsStatus<T, ParamsFromResource>(
-                          ctx, 0, [&](const Tensor& params) {
-                            return Launch(ctx, params, call, check);
-                          });
-                    });
+    LaunchThenCheck(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+      return WithParamsStatus<T, ParamsFromResource>(
+          ctx, 0, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
+    });
   }
 
  private:
   Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
-              GpuCall::ReportCheck* check) {
+                GpuCall::ReportCheck* check) {
     GpuCall& call = *call_ptr;
     using CT = typename CudaTypeOf<T>::type;
     const Tensor& indices = ctx->input(1);
@@ -269,41 +251,38 @@ class GatherReduceSumGpuOp : public AsyncOpKernel {
     const Tensor& weights = ctx->input(3);
     BagShapes shapes;
     TensorShape output_shape;
-    TF_RETURN_IF_ERROR(ValidateForwardInputs(params, indices, row_splits,
-                                              weights, attrs_, &shapes,
-                                              &output_shape));
+    TF_RETURN_IF_ERROR(ValidateForwardInputs(params, indices, row_splits, weights, attrs_, &shapes,
+                                             &output_shape));
     const bool is_max = attrs_.combiner == Combiner::kMax;
     // argmax holds int32 positions inside a bag; the CPU kernel checks each
     // bag's length, which the GPU kernel cannot see on the host.
-    if (!(!is_max || shapes.nnz <= std::numeric_limits<int32>::max())) return errors::InvalidArgument(
-                    "combiner 'max' on GPU supports at most 2^31 - 1 indices, "
-                    "got ",
-                    shapes.nnz);
+    if (!(!is_max || shapes.nnz <= std::numeric_limits<int32>::max()))
+      return errors::InvalidArgument(
+          "combiner 'max' on GPU supports at most 2^31 - 1 indices, "
+          "got ",
+          shapes.nnz);
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
 
     Tensor* output = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, output_shape, &output));
     Tensor* argmax = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(
-                 1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_output(1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
 
     TF_RETURN_IF_ERROR(call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    const CT* weights_ptr =
-        attrs_.has_weights ? DevicePtr<T>(weights) : nullptr;
+    const CT* weights_ptr = attrs_.has_weights ? DevicePtr<T>(weights) : nullptr;
     int32* argmax_ptr = is_max ? argmax->flat<int32>().data() : nullptr;
-    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchForward<CT, Tindex>(
-                            p, DevicePtr<T>(params),
-                            indices.flat<Tindex>().data(),
-                            row_splits.flat<int64_t>().data(), weights_ptr,
-                            DevicePtr<T>(output), argmax_ptr,
-                            call.device_report(), scratch, scratch_bytes,
-                            call.stream()),
-                        "gather_reduce_sum forward launch"));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchForward<CT, Tindex>(p, DevicePtr<T>(params), indices.flat<Tindex>().data(),
+                                             row_splits.flat<int64_t>().data(), weights_ptr,
+                                             DevicePtr<T>(output), argmax_ptr, call.device_report(),
+                                             scratch, scratch_bytes, call.stream()),
+        "gather_reduce_sum forward launch"));
     *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
       return ReportStatus(report, shapes, num_rows, attrs_);
     };
@@ -324,19 +303,18 @@ struct ParamsGradInputs {
   BagShapes shapes;
   int64_t num_rows = 0;
   int64_t dim = 0;
-  const CT* grad = nullptr;                     // [B, D]
-  const Tindex* ids = nullptr;                  // [nnz]
-  const int64_t* splits = nullptr;              // [B + 1]
-  const CT* weights = nullptr;                  // [nnz] or null
-  const int32* argmax = nullptr;                // [B, D] for max, else null
+  const CT* grad = nullptr;         // [B, D]
+  const Tindex* ids = nullptr;      // [nnz]
+  const int64_t* splits = nullptr;  // [B + 1]
+  const CT* weights = nullptr;      // [nnz] or null
+  const int32* argmax = nullptr;    // [B, D] for max, else null
   bool is_max = false;
   bool argmax_empty = true;
 
   // The argmax pointer for the reduce launch, which needs a non-null one for
   // max even when argmax has no elements.
   const int32* ArgmaxOr(void* placeholder) const {
-    return is_max && argmax_empty ? static_cast<const int32*>(placeholder)
-                                  : argmax;
+    return is_max && argmax_empty ? static_cast<const int32*>(placeholder) : argmax;
   }
 
   Status Validate(OpKernelContext* ctx, const BagAttrs& attrs) {
@@ -366,8 +344,7 @@ struct ParamsGradInputs {
 template <typename T, typename Tindex>
 class GatherReduceSumGradGpuOp : public OpKernel {
  public:
-  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
@@ -377,18 +354,15 @@ class GatherReduceSumGradGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, in.Validate(ctx, attrs_));
     GpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx));
-    const launchers::BagProblem p =
-        MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
+    const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
     const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
         p, /*dense=*/false, /*fuse_weights_grad=*/false);
     void* scratch = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                            p, in.ids, in.splits, in.weights,
-                            call.device_report(), /*dense=*/false,
-                            /*fuse_weights_grad=*/false, scratch,
-                            scratch_bytes, call.stream()),
+                            p, in.ids, in.splits, in.weights, call.device_report(), /*dense=*/false,
+                            /*fuse_weights_grad=*/false, scratch, scratch_bytes, call.stream()),
                         "gather_reduce_sum params grad prepare"));
     launchers::DeviceReport report;
     OP_REQUIRES_OK(ctx, call.ReadReport(&report));
@@ -398,23 +372,19 @@ class GatherReduceSumGradGpuOp : public OpKernel {
 
     Tensor* unique_ids = nullptr;
     Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}),
-                                             &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, TensorShape({num_unique, in.dim}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_unique, in.dim}), &values));
     if (num_unique == 0) return;
     void* placeholder = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
     // Queued after the outputs exist; the stream orders it before any reader.
     OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                            p, in.grad, in.ArgmaxOr(placeholder),
-                            unique_ids->flat<Tindex>().data(),
-                            NonEmptyOr(DevicePtr<T>(values),
-                                       values->NumElements(), placeholder),
-                            /*dense=*/nullptr, /*fusion=*/nullptr, scratch,
-                            scratch_bytes, call.stream()),
-                        "gather_reduce_sum params grad reduce"));
+        ctx, CudaStatus(
+                 launchers::LaunchParamsGradReduce<CT, Tindex>(
+                     p, in.grad, in.ArgmaxOr(placeholder), unique_ids->flat<Tindex>().data(),
+                     NonEmptyOr(DevicePtr<T>(values), values->NumElements(), placeholder),
+                     /*dense=*/nullptr, /*fusion=*/nullptr, scratch, scratch_bytes, call.stream()),
+                 "gather_reduce_sum params grad reduce"));
   }
 
  private:
@@ -426,53 +396,46 @@ class GatherReduceSumGradGpuOp : public OpKernel {
 template <typename T, typename Tindex>
 class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx)
-      : AsyncOpKernel(ctx) {
+  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck(ctx, std::move(done),
-                    [&](GpuCall* call, GpuCall::ReportCheck* check) {
-                      return Launch(ctx, call, check);
-                    });
+    LaunchThenCheck(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+      return Launch(ctx, call, check);
+    });
   }
 
  private:
-  Status Launch(OpKernelContext* ctx, GpuCall* call_ptr,
-              GpuCall::ReportCheck* check) {
+  Status Launch(OpKernelContext* ctx, GpuCall* call_ptr, GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall& call = *call_ptr;
     ParamsGradInputs<T, Tindex> in;
     TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
     Tensor* output = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(
-                            0, TensorShape({in.num_rows, in.dim}), &output));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({in.num_rows, in.dim}), &output));
     TF_RETURN_IF_ERROR(call.Init(ctx));
-    const launchers::BagProblem p =
-        MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
+    const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
     const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
         p, /*dense=*/true, /*fuse_weights_grad=*/false);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
     // Prepare always runs: it checks the ids and row_splits.
-    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                            p, in.ids, in.splits, in.weights,
-                            call.device_report(), /*dense=*/true,
-                            /*fuse_weights_grad=*/false, scratch,
-                            scratch_bytes, call.stream()),
-                        "gather_reduce_sum params grad prepare"));
+    TF_RETURN_IF_ERROR(
+        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                       p, in.ids, in.splits, in.weights, call.device_report(), /*dense=*/true,
+                       /*fuse_weights_grad=*/false, scratch, scratch_bytes, call.stream()),
+                   "gather_reduce_sum params grad prepare"));
     if (output->NumElements() > 0) {
       void* placeholder = nullptr;
       TF_RETURN_IF_ERROR(call.AllocatePlaceholder(&placeholder));
       // Safe whatever the ids hold: the launchers never read out of bounds.
       TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                              p, in.grad, in.ArgmaxOr(placeholder),
-                              /*unique_ids=*/nullptr,
-                              /*values=*/nullptr, DevicePtr<T>(output),
-                              /*fusion=*/nullptr, scratch, scratch_bytes,
-                              call.stream()),
-                          "gather_reduce_sum params grad reduce"));
+                                        p, in.grad, in.ArgmaxOr(placeholder),
+                                        /*unique_ids=*/nullptr,
+                                        /*values=*/nullptr, DevicePtr<T>(output),
+                                        /*fusion=*/nullptr, scratch, scratch_bytes, call.stream()),
+                                    "gather_reduce_sum params grad reduce"));
     }
     const BagShapes shapes = in.shapes;
     const int64_t num_rows = in.num_rows;
@@ -492,27 +455,22 @@ class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
 template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumWeightsGradGpuOp(OpKernelConstruction* ctx)
-      : AsyncOpKernel(ctx) {
+  explicit GatherReduceSumWeightsGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
     OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument(
-                    "GatherReduceSumWeightsGrad needs has_weights = true"));
+                errors::InvalidArgument("GatherReduceSumWeightsGrad needs has_weights = true"));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck(ctx, std::move(done),
-                    [&](GpuCall* call, GpuCall::ReportCheck* check) {
-                      return WithParamsStatus<T, ParamsFromResource>(
-                          ctx, 1, [&](const Tensor& params) {
-                            return Launch(ctx, params, call, check);
-                          });
-                    });
+    LaunchThenCheck(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+      return WithParamsStatus<T, ParamsFromResource>(
+          ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
+    });
   }
 
  private:
   Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
-              GpuCall::ReportCheck* check) {
+                GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall& call = *call_ptr;
     const Tensor& grad = ctx->input(0);
@@ -525,22 +483,20 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
     Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({shapes.nnz}),
-                                             &weights_grad));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({shapes.nnz}), &weights_grad));
 
     TF_RETURN_IF_ERROR(call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
-                            p, DevicePtr<T>(grad), DevicePtr<T>(params),
-                            indices.flat<Tindex>().data(),
-                            row_splits.flat<int64_t>().data(),
-                            DevicePtr<T>(weights), DevicePtr<T>(output),
-                            DevicePtr<T>(weights_grad), call.device_report(),
-                            scratch, scratch_bytes, call.stream()),
-                        "gather_reduce_sum weights grad launch"));
+    TF_RETURN_IF_ERROR(
+        CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
+                       p, DevicePtr<T>(grad), DevicePtr<T>(params), indices.flat<Tindex>().data(),
+                       row_splits.flat<int64_t>().data(), DevicePtr<T>(weights),
+                       DevicePtr<T>(output), DevicePtr<T>(weights_grad), call.device_report(),
+                       scratch, scratch_bytes, call.stream()),
+                   "gather_reduce_sum weights grad launch"));
     *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
       return ReportStatus(report, shapes, num_rows, attrs_);
     };
@@ -559,22 +515,19 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
 template <typename T, typename Tindex, bool ParamsFromResource>
 class GatherReduceSumFusedGradGpuOp : public OpKernel {
  public:
-  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
     OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument(
-                    "GatherReduceSumFusedGrad needs has_weights = true"));
+                errors::InvalidArgument("GatherReduceSumFusedGrad needs has_weights = true"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     // A variable's lock is held until the stream has read the table: the
     // deduplicated form reads the report back after Prepare, the dense form
     // after the reduction.
-    WithParams<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) {
-      ComputeWithParams(ctx, params);
-    });
+    WithParams<T, ParamsFromResource>(
+        ctx, 1, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
   }
 
  private:
@@ -591,25 +544,23 @@ class GatherReduceSumFusedGradGpuOp : public OpKernel {
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({shapes.nnz}),
-                                             &weights_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({shapes.nnz}), &weights_grad));
 
     GpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
-    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
-        p, dense_grad_, /*fuse_weights_grad=*/true);
+    const size_t scratch_bytes =
+        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense_grad_, /*fuse_weights_grad=*/true);
     void* scratch = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     const Tindex* ids = indices.flat<Tindex>().data();
     const int64_t* splits = row_splits.flat<int64_t>().data();
     OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                            p, ids, splits, DevicePtr<T>(weights),
-                            call.device_report(), dense_grad_,
-                            /*fuse_weights_grad=*/true, scratch, scratch_bytes,
-                            call.stream()),
-                        "gather_reduce_sum fused grad prepare"));
+        ctx,
+        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                       p, ids, splits, DevicePtr<T>(weights), call.device_report(), dense_grad_,
+                       /*fuse_weights_grad=*/true, scratch, scratch_bytes, call.stream()),
+                   "gather_reduce_sum fused grad prepare"));
     launchers::DeviceReport report;
     int64_t grad_rows = num_rows;
     if (!dense_grad_) {
@@ -619,29 +570,24 @@ class GatherReduceSumFusedGradGpuOp : public OpKernel {
     }
     Tensor* unique_ids = nullptr;
     Tensor* params_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({dense_grad_ ? 0 : grad_rows}),
-                            &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, TensorShape({grad_rows, dim}), &params_grad));
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : grad_rows}), &unique_ids));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({grad_rows, dim}), &params_grad));
     void* placeholder = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
-    CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad),
-                              params_grad->NumElements(), placeholder);
-    const launchers::WeightsGradFusion<CT> fusion{
-        DevicePtr<T>(params), DevicePtr<T>(output), DevicePtr<T>(weights),
-        DevicePtr<T>(weights_grad)};
+    CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad), params_grad->NumElements(), placeholder);
+    const launchers::WeightsGradFusion<CT> fusion{DevicePtr<T>(params), DevicePtr<T>(output),
+                                                  DevicePtr<T>(weights),
+                                                  DevicePtr<T>(weights_grad)};
     // Safe whatever the ids hold: the launchers never read out of bounds.
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
                             p, DevicePtr<T>(grad), /*argmax=*/nullptr,
                             dense_grad_ ? nullptr
-                                        : NonEmptyOr(
-                                              unique_ids->flat<Tindex>().data(),
-                                              grad_rows, placeholder),
-                            dense_grad_ ? nullptr : grad_out,
-                            dense_grad_ ? grad_out : nullptr, &fusion, scratch,
-                            scratch_bytes, call.stream()),
+                                        : NonEmptyOr(unique_ids->flat<Tindex>().data(), grad_rows,
+                                                     placeholder),
+                            dense_grad_ ? nullptr : grad_out, dense_grad_ ? grad_out : nullptr,
+                            &fusion, scratch, scratch_bytes, call.stream()),
                         "gather_reduce_sum fused grad reduce"));
     if (dense_grad_) {
       OP_REQUIRES_OK(ctx, call.ReadReport(&report));
@@ -665,14 +611,11 @@ class GatherReduceSumFusedGradGpuOp : public OpKernel {
 // run on the op's stream, so later readers of the variable see the update.
 
 // EnsureExclusiveBuffer's copy for device memory, on the op's stream.
-Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var,
-                                   cudaStream_t stream) {
-  return EnsureExclusiveBuffer(
-      ctx, var, [stream](void* dst, const void* src, size_t bytes) {
-        return CudaStatus(cudaMemcpyAsync(dst, src, bytes,
-                                          cudaMemcpyDeviceToDevice, stream),
-                          "copy of a shared variable buffer");
-      });
+Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t stream) {
+  return EnsureExclusiveBuffer(ctx, var, [stream](void* dst, const void* src, size_t bytes) {
+    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream),
+                      "copy of a shared variable buffer");
+  });
 }
 
 template <typename T, typename Tindex>
@@ -680,18 +623,15 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
  public:
   using Acc = AccT<T>;
 
-  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
-                                            DataTypeToEnum<Acc>::value,
-                                            &attrs_));
+                                            DataTypeToEnum<Acc>::value, &attrs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    WithLockedSparseApplyVariables<T, Acc>(
-        ctx, attrs_, [&](Var* params_var, Var* acc_var) {
-          ComputeLocked(ctx, params_var, acc_var);
-        });
+    WithLockedSparseApplyVariables<T, Acc>(ctx, attrs_, [&](Var* params_var, Var* acc_var) {
+      ComputeLocked(ctx, params_var, acc_var);
+    });
   }
 
  private:
@@ -706,34 +646,32 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
     const Tensor& argmax = ctx->input(6);
     BagShapes shapes;
     Acc lr, eps;
-    OP_REQUIRES_OK(ctx, ValidateSparseApplyInputs<Acc>(
-                            ctx, *params_var->tensor(),
-                            acc_var != nullptr ? acc_var->tensor() : nullptr,
-                            attrs_, &shapes, &lr, &eps));
+    OP_REQUIRES_OK(ctx,
+                   ValidateSparseApplyInputs<Acc>(ctx, *params_var->tensor(),
+                                                  acc_var != nullptr ? acc_var->tensor() : nullptr,
+                                                  attrs_, &shapes, &lr, &eps));
     OP_REQUIRES_OK(ctx, GradSizeLimits(shapes));
     const int64_t num_rows = params_var->tensor()->dim_size(0);
     const int64_t dim = params_var->tensor()->dim_size(1);
     const bool is_max = bag.combiner == Combiner::kMax;
     const bool fuse = bag.has_weights;  // max takes no weights
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({fuse ? shapes.nnz : 0}),
-                            &weights_grad));
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_output(0, TensorShape({fuse ? shapes.nnz : 0}), &weights_grad));
 
     GpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx));
     const launchers::BagProblem p = MakeProblem(bag, shapes, num_rows, dim);
-    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
-        p, /*dense=*/false, fuse);
+    const size_t scratch_bytes =
+        launchers::ParamsGradScratchBytes<CT, Tindex>(p, /*dense=*/false, fuse);
     void* scratch = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     const CT* weights_ptr = fuse ? DevicePtr<T>(weights) : nullptr;
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                            p, indices.flat<Tindex>().data(),
-                            row_splits.flat<int64_t>().data(), weights_ptr,
-                            call.device_report(), /*dense=*/false, fuse,
-                            scratch, scratch_bytes, call.stream()),
+                            p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(),
+                            weights_ptr, call.device_report(), /*dense=*/false, fuse, scratch,
+                            scratch_bytes, call.stream()),
                         "gather_reduce_sum sparse apply prepare"));
     launchers::DeviceReport report;
     OP_REQUIRES_OK(ctx, call.ReadReport(&report));
@@ -743,34 +681,28 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
     if (shapes.nnz == 0) return;
     if (dim == 0) {
       if (fuse) {
-        OP_REQUIRES_OK(ctx, CudaStatus(cudaMemsetAsync(
-                                           weights_grad->data(), 0,
-                                           weights_grad->TotalBytes(),
-                                           call.stream()),
+        OP_REQUIRES_OK(ctx, CudaStatus(cudaMemsetAsync(weights_grad->data(), 0,
+                                                       weights_grad->TotalBytes(), call.stream()),
                                        "zeroing the weights gradient"));
       }
       return;
     }
 
-    OP_REQUIRES_OK(ctx,
-                   EnsureExclusiveDeviceBuffer(ctx, params_var, call.stream()));
+    OP_REQUIRES_OK(ctx, EnsureExclusiveDeviceBuffer(ctx, params_var, call.stream()));
     if (acc_var != nullptr) {
-      OP_REQUIRES_OK(ctx,
-                     EnsureExclusiveDeviceBuffer(ctx, acc_var, call.stream()));
+      OP_REQUIRES_OK(ctx, EnsureExclusiveDeviceBuffer(ctx, acc_var, call.stream()));
     }
     CT* table = DevicePtr<T>(params_var->tensor());
-    Acc* state =
-        acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
+    Acc* state = acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
 
     void* placeholder = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
-    const launchers::WeightsGradFusion<CT> fusion{
-        table, DevicePtr<T>(output), weights_ptr, DevicePtr<T>(weights_grad)};
+    const launchers::WeightsGradFusion<CT> fusion{table, DevicePtr<T>(output), weights_ptr,
+                                                  DevicePtr<T>(weights_grad)};
     const int32* argmax_ptr = nullptr;
     if (is_max) {
-      argmax_ptr = argmax.NumElements() > 0
-                       ? argmax.flat<int32>().data()
-                       : static_cast<const int32*>(placeholder);
+      argmax_ptr = argmax.NumElements() > 0 ? argmax.flat<int32>().data()
+                                            : static_cast<const int32*>(placeholder);
     }
     launchers::RowUpdate<Acc> update;
     update.optimizer = attrs_.optimizer;
@@ -783,35 +715,27 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
       OP_REQUIRES_OK(
           ctx, CudaStatus(launchers::LaunchParamsGradApply<CT, Tindex>(
                               p, DevicePtr<T>(grad), argmax_ptr, update, table, state,
-                              fuse ? &fusion : nullptr, scratch, scratch_bytes,
-                              call.stream()),
+                              fuse ? &fusion : nullptr, scratch, scratch_bytes, call.stream()),
                           "gather_reduce_sum sparse apply"));
       return;
     }
     // Row-wise Adagrad on rows cut into column chunks: the sums go to a
     // [U, D] temporary, then LaunchApplyRows.
     Tensor unique_ids, values;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Tindex>::value,
-                                           TensorShape({num_unique}),
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Tindex>::value, TensorShape({num_unique}),
                                            &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<T>::value,
-                                           TensorShape({num_unique, dim}),
-                                           &values));
-    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique,
-                                 placeholder);
-    CT* values_out =
-        NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), placeholder);
     OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                            p, DevicePtr<T>(grad), argmax_ptr, ids_out,
-                            values_out, /*dense=*/nullptr,
-                            fuse ? &fusion : nullptr, scratch, scratch_bytes,
-                            call.stream()),
-                        "gather_reduce_sum sparse apply reduce"));
+        ctx, ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, dim}), &values));
+    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, placeholder);
+    CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), placeholder);
+    OP_REQUIRES_OK(ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                                       p, DevicePtr<T>(grad), argmax_ptr, ids_out, values_out,
+                                       /*dense=*/nullptr, fuse ? &fusion : nullptr, scratch,
+                                       scratch_bytes, call.stream()),
+                                   "gather_reduce_sum sparse apply reduce"));
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
-                            update, ids_out, values_out, num_unique, table,
-                            state, call.stream()),
+                            update, ids_out, values_out, num_unique, table, state, call.stream()),
                         "gather_reduce_sum sparse apply update"));
   }
 
@@ -822,63 +746,60 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
 // Registration: the dtypes of the CPU kernels. num_rows is read on the host;
 // a resource handle always lives in host memory.
 
-#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                  \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                 \
-                              .Device(DEVICE_GPU)                         \
-                              .TypeConstraint<T>("T")                     \
-                              .TypeConstraint<Tindex>("Tindices"),        \
-                          GatherReduceSumGpuOp<T, Tindex, false>);        \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")         \
-                              .Device(DEVICE_GPU)                         \
-                              .HostMemory("params")                       \
-                              .TypeConstraint<T>("T")                     \
-                              .TypeConstraint<Tindex>("Tindices"),        \
-                          GatherReduceSumGpuOp<T, Tindex, true>);         \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")             \
-                              .Device(DEVICE_GPU)                         \
-                              .HostMemory("num_rows")                     \
-                              .TypeConstraint<T>("T")                     \
-                              .TypeConstraint<Tindex>("Tindices"),        \
-                          GatherReduceSumGradGpuOp<T, Tindex>);           \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")        \
-                              .Device(DEVICE_GPU)                         \
-                              .HostMemory("num_rows")                     \
-                              .TypeConstraint<T>("T")                     \
-                              .TypeConstraint<Tindex>("Tindices"),        \
-                          GatherReduceSumDenseGradGpuOp<T, Tindex>);      \
-  REGISTER_KERNEL_BUILDER(                                                \
-      Name("TfTtemb>GatherReduceSumWeightsGrad")                          \
-          .Device(DEVICE_GPU)                                             \
-          .TypeConstraint<T>("T")                                         \
-          .TypeConstraint<Tindex>("Tindices"),                            \
-      GatherReduceSumWeightsGradGpuOp<T, Tindex, false>);                 \
-  REGISTER_KERNEL_BUILDER(                                                \
-      Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")                  \
-          .Device(DEVICE_GPU)                                             \
-          .HostMemory("params")                                           \
-          .TypeConstraint<T>("T")                                         \
-          .TypeConstraint<Tindex>("Tindices"),                            \
-      GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);                 \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")        \
-                              .Device(DEVICE_GPU)                         \
-                              .TypeConstraint<T>("T")                     \
-                              .TypeConstraint<Tindex>("Tindices"),        \
-                          GatherReduceSumFusedGradGpuOp<T, Tindex, false>); \
-  REGISTER_KERNEL_BUILDER(                                                \
-      Name("TfTtemb>ResourceGatherReduceSumFusedGrad")                    \
-          .Device(DEVICE_GPU)                                             \
-          .HostMemory("params")                                           \
-          .TypeConstraint<T>("T")                                         \
-          .TypeConstraint<Tindex>("Tindices"),                            \
-      GatherReduceSumFusedGradGpuOp<T, Tindex, true>);                    \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")      \
-                              .Device(DEVICE_GPU)                         \
-                              .HostMemory("params")                       \
-                              .HostMemory("learning_rate")                \
-                              .HostMemory("epsilon")                      \
-                              .HostMemory("accumulators")                 \
-                              .TypeConstraint<T>("T")                     \
-                              .TypeConstraint<Tindex>("Tindices"),        \
+#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                      \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                     \
+                              .Device(DEVICE_GPU)                             \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumGpuOp<T, Tindex, false>);            \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")             \
+                              .Device(DEVICE_GPU)                             \
+                              .HostMemory("params")                           \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumGpuOp<T, Tindex, true>);             \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                 \
+                              .Device(DEVICE_GPU)                             \
+                              .HostMemory("num_rows")                         \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumGradGpuOp<T, Tindex>);               \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")            \
+                              .Device(DEVICE_GPU)                             \
+                              .HostMemory("num_rows")                         \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumDenseGradGpuOp<T, Tindex>);          \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad")          \
+                              .Device(DEVICE_GPU)                             \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumWeightsGradGpuOp<T, Tindex, false>); \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")  \
+                              .Device(DEVICE_GPU)                             \
+                              .HostMemory("params")                           \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);  \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")            \
+                              .Device(DEVICE_GPU)                             \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumFusedGradGpuOp<T, Tindex, false>);   \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumFusedGrad")    \
+                              .Device(DEVICE_GPU)                             \
+                              .HostMemory("params")                           \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
+                          GatherReduceSumFusedGradGpuOp<T, Tindex, true>);    \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")          \
+                              .Device(DEVICE_GPU)                             \
+                              .HostMemory("params")                           \
+                              .HostMemory("learning_rate")                    \
+                              .HostMemory("epsilon")                          \
+                              .HostMemory("accumulators")                     \
+                              .TypeConstraint<T>("T")                         \
+                              .TypeConstraint<Tindex>("Tindices"),            \
                           GatherReduceSumSparseApplyGpuOp<T, Tindex>);
 
 #define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \

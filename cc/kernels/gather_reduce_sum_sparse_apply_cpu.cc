@@ -2,9 +2,6 @@
 // bags reduced per distinct row and an optimizer step applied to those rows in
 // place, without a [U, D] gradient buffer.
 
-#include "cc/kernels/gather_reduce_sum_cpu.h"
-#include "cc/kernels/gather_reduce_sum_kernels.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -13,6 +10,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/kernels/gather_reduce_sum_cpu.h"
+#include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -40,18 +39,15 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
  public:
   using Acc = AccT<T>;
 
-  explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {
+  explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
-                                            DataTypeToEnum<Acc>::value,
-                                            &attrs_));
+                                            DataTypeToEnum<Acc>::value, &attrs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    WithLockedSparseApplyVariables<T, Acc>(
-        ctx, attrs_, [&](Var* params_var, Var* acc_var) {
-          ComputeLocked(ctx, params_var, acc_var);
-        });
+    WithLockedSparseApplyVariables<T, Acc>(ctx, attrs_, [&](Var* params_var, Var* acc_var) {
+      ComputeLocked(ctx, params_var, acc_var);
+    });
   }
 
  private:
@@ -65,9 +61,8 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     BagShapes shapes;
     Acc lr, eps;
     OP_REQUIRES_OK(ctx, ValidateSparseApplyInputs<Acc>(
-                            ctx, params,
-                            acc_var != nullptr ? acc_var->tensor() : nullptr,
-                            attrs_, &shapes, &lr, &eps));
+                            ctx, params, acc_var != nullptr ? acc_var->tensor() : nullptr, attrs_,
+                            &shapes, &lr, &eps));
     const BagAttrs& bag = attrs_.bag;
     const int64_t num_bags = shapes.num_bags;
     const int64_t nnz = shapes.nnz;
@@ -81,9 +76,8 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, nnz, num_rows, bag));
 
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({bag.has_weights ? nnz : 0}),
-                            &weights_grad));
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(0, TensorShape({bag.has_weights ? nnz : 0}), &weights_grad));
     T* dw = weights_grad->flat<T>().data();
     if (bag.has_weights) std::fill(dw, dw + nnz, T(0));
     if (nnz == 0 || dim == 0) return;
@@ -93,8 +87,7 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
       OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, acc_var));
     }
     T* table = params_var->tensor()->flat<T>().data();
-    Acc* state =
-        acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
+    Acc* state = acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
 
     SortedEntries s;
     SortEntries(pool, ids, splits, num_bags, nnz, num_rows, bag, &s);
@@ -109,21 +102,18 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
     if (bag.has_weights && bag.combiner != Combiner::kSum) {
       dy_dot_out.assign(num_bags, Acc(0));
       const T* out_data = output.flat<T>().data();
-      ForBalancedBlocks(pool, splits, num_bags, dim,
-                        [&](int64_t begin, int64_t end) {
-                          for (int64_t b = begin; b < end; ++b) {
-                            dy_dot_out[b] = Dot<Acc>(dy_data + b * dim,
-                                                     out_data + b * dim, dim);
-                          }
-                        });
+      ForBalancedBlocks(pool, splits, num_bags, dim, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          dy_dot_out[b] = Dot<Acc>(dy_data + b * dim, out_data + b * dim, dim);
+        }
+      });
     }
     const int32* argmax_data = is_max ? argmax.flat<int32>().data() : nullptr;
     const int64_t num_unique = s.num_unique();
     const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
     const BagAttrs attrs = bag;
     const RowOptimizer optimizer = attrs_.optimizer;
-    ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim,
-                      [&](int64_t begin, int64_t end) {
+    ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim, [&](int64_t begin, int64_t end) {
       std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
       for (int64_t u = begin; u < end; ++u) {
         const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
@@ -164,18 +154,17 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
           dw[j] = static_cast<T>(grad_w);
         }
         ApplyRow(optimizer, lr, eps, g.data(), dim, row,
-                 state == nullptr ? nullptr
-                 : optimizer == RowOptimizer::kRowwiseAdagrad
-                     ? state + id
-                     : state + id * dim);
+                 state == nullptr                             ? nullptr
+                 : optimizer == RowOptimizer::kRowwiseAdagrad ? state + id
+                                                              : state + id * dim);
       }
     });
   }
 
   // Applies the optimizer to one row `row` [D] with its summed gradient
   // `g` [D] and its accumulator (`a` [1] row-wise, [D] element-wise).
-  static void ApplyRow(RowOptimizer optimizer, Acc lr, Acc eps,
-                       const Acc* g, int64_t dim, T* row, Acc* a) {
+  static void ApplyRow(RowOptimizer optimizer, Acc lr, Acc eps, const Acc* g, int64_t dim, T* row,
+                       Acc* a) {
     switch (optimizer) {
       case RowOptimizer::kSgd:
         for (int64_t d = 0; d < dim; ++d) {
@@ -199,8 +188,7 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
           a[d] += g[d] * g[d];
           const Acc denominator = std::sqrt(a[d]) + eps;
           if (denominator == Acc(0)) continue;  // then g[d] is 0
-          row[d] = static_cast<T>(static_cast<Acc>(row[d]) -
-                                  lr * g[d] / denominator);
+          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d] / denominator);
         }
         return;
     }
@@ -209,10 +197,9 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
   SparseApplyAttrs attrs_;
 };
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                         \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL(                                          \
-      "TfTtemb>GatherReduceSumSparseApply", T, Tindex,                       \
-      GatherReduceSumSparseApplyOp<T, Tindex>)
+#define TF_TTEMB_REGISTER(T, Tindex)                                                \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumSparseApply", T, Tindex, \
+                                   GatherReduceSumSparseApplyOp<T, Tindex>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
 #undef TF_TTEMB_REGISTER
 

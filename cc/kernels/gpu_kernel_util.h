@@ -19,7 +19,6 @@
 
 #include "tensorflow/core/common_runtime/device/device_event_mgr.h"
 #include "tensorflow/core/framework/op_kernel.h"
-
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/platform/status.h"
@@ -41,8 +40,7 @@ template <>
 struct CudaTypeOf<bfloat16> {
   using type = __nv_bfloat16;
 };
-static_assert(sizeof(Eigen::half) == sizeof(__half) &&
-                  alignof(Eigen::half) == alignof(__half),
+static_assert(sizeof(Eigen::half) == sizeof(__half) && alignof(Eigen::half) == alignof(__half),
               "Eigen::half and __half must have the same layout");
 static_assert(sizeof(bfloat16) == sizeof(__nv_bfloat16) &&
                   alignof(bfloat16) == alignof(__nv_bfloat16),
@@ -50,8 +48,7 @@ static_assert(sizeof(bfloat16) == sizeof(__nv_bfloat16) &&
 
 template <typename T>
 const typename CudaTypeOf<T>::type* DevicePtr(const Tensor& t) {
-  return reinterpret_cast<const typename CudaTypeOf<T>::type*>(
-      t.flat<T>().data());
+  return reinterpret_cast<const typename CudaTypeOf<T>::type*>(t.flat<T>().data());
 }
 template <typename T>
 typename CudaTypeOf<T>::type* DevicePtr(Tensor* t) {
@@ -61,9 +58,8 @@ typename CudaTypeOf<T>::type* DevicePtr(Tensor* t) {
 // A launcher's CUDA error as an Internal status naming the step.
 inline Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return OkStatus();
-  return errors::Internal("tf_ttemb GPU ", what, " failed: ",
-                          cudaGetErrorName(err), " (", cudaGetErrorString(err),
-                          ")");
+  return errors::Internal("tf_ttemb GPU ", what, " failed: ", cudaGetErrorName(err), " (",
+                          cudaGetErrorString(err), ")");
 }
 
 // Finishes an AsyncOpKernel from its launchers' report without a TensorFlow
@@ -77,11 +73,9 @@ inline Status CudaStatus(cudaError_t err, const char* what) {
 template <typename Report>
 void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
                      const Report* device_report, std::shared_ptr<void> keep,
-                     std::function<Status(const Report&)> check,
-                     AsyncOpKernel::DoneCallback done) {
+                     std::function<Status(const Report&)> check, AsyncOpKernel::DoneCallback done) {
   const Status copied = CudaStatus(
-      cudaMemcpyAsync(host.data(), device_report, sizeof(Report),
-                      cudaMemcpyDeviceToHost, stream),
+      cudaMemcpyAsync(host.data(), device_report, sizeof(Report), cudaMemcpyDeviceToHost, stream),
       "copy of the device report");
   if (!copied.ok()) {
     ctx->SetStatus(copied);
@@ -100,14 +94,12 @@ void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
   const DeviceBase::AcceleratorDeviceInfo* info =
       ctx->device()->tensorflow_accelerator_device_info();
   if (info == nullptr || info->event_mgr == nullptr) {  // no event manager
-    const Status synced =
-        CudaStatus(cudaStreamSynchronize(stream), "stream synchronization");
+    const Status synced = CudaStatus(cudaStreamSynchronize(stream), "stream synchronization");
     if (!synced.ok()) ctx->SetStatus(synced);
     finish();
     return;
   }
-  info->event_mgr->ThenExecute(ctx->op_device_context()->stream(),
-                               std::move(finish));
+  info->event_mgr->ThenExecute(ctx->op_device_context()->stream(), std::move(finish));
 }
 
 }  // namespace tf_ttemb

@@ -18,12 +18,10 @@ namespace tf_ttemb {
 
 // The [rows, cols] shape of `what` (named in the error with its dims, e.g.
 // "output [num_bags, D]").
-inline Status MatrixShape(const char* what, int64_t rows, int64_t cols,
-                          TensorShape* shape) {
+inline Status MatrixShape(const char* what, int64_t rows, int64_t cols, TensorShape* shape) {
   int64_t elements = 0;
   if (rows < 0 || cols < 0 || __builtin_mul_overflow(rows, cols, &elements)) {
-    return errors::InvalidArgument(what, " would have shape [", rows, ", ",
-                                   cols,
+    return errors::InvalidArgument(what, " would have shape [", rows, ", ", cols,
                                    "]: more elements than a tensor can hold "
                                    "(2^63 - 1)");
   }

@@ -4,13 +4,13 @@
 // messages. See docs/tt_embedding_contract.md for the layout.
 
 #include "cc/kernels/tt_embedding_kernels.h"
-#include "cc/kernels/shape_util.h"
 
 #include <cstdint>
 #include <limits>
 #include <vector>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/shape_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
@@ -29,8 +29,7 @@ namespace {
 Status CheckedMul(int64_t a, int64_t b, const char* what, int64_t* out) {
   constexpr int64_t kLimit = int64_t{1} << 62;
   if (a != 0 && b > kLimit / a) {
-    return errors::InvalidArgument(what, " is too large: ", a, " * ", b,
-                                   " exceeds 2^62");
+    return errors::InvalidArgument(what, " is too large: ", a, " * ", b, " exceeds 2^62");
   }
   *out = a * b;
   return OkStatus();
@@ -49,28 +48,23 @@ Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("ranks", &ranks));
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_cores", &num_cores));
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_tables", &shape->num_tables));
-  if (static_cast<int64_t>(p.size()) != num_cores ||
-      static_cast<int64_t>(q.size()) != num_cores ||
+  if (static_cast<int64_t>(p.size()) != num_cores || static_cast<int64_t>(q.size()) != num_cores ||
       static_cast<int64_t>(ranks.size()) != num_cores - 1) {
-    return errors::InvalidArgument(
-        "p_shapes and q_shapes need num_cores = ", num_cores,
-        " entries and ranks num_cores - 1, got ", p.size(), ", ", q.size(),
-        " and ", ranks.size());
+    return errors::InvalidArgument("p_shapes and q_shapes need num_cores = ", num_cores,
+                                   " entries and ranks num_cores - 1, got ", p.size(), ", ",
+                                   q.size(), " and ", ranks.size());
   }
   for (int k = 0; k < num_cores; ++k) {
     if (p[k] < 1) {
-      return errors::InvalidArgument("p_shapes[", k, "] = ", p[k],
-                                     " must be >= 1");
+      return errors::InvalidArgument("p_shapes[", k, "] = ", p[k], " must be >= 1");
     }
     if (q[k] < 1) {
-      return errors::InvalidArgument("q_shapes[", k, "] = ", q[k],
-                                     " must be >= 1");
+      return errors::InvalidArgument("q_shapes[", k, "] = ", q[k], " must be >= 1");
     }
   }
   for (int k = 0; k + 1 < num_cores; ++k) {
     if (ranks[k] < 1) {
-      return errors::InvalidArgument("ranks[", k, "] = ", ranks[k],
-                                     " must be >= 1");
+      return errors::InvalidArgument("ranks[", k, "] = ", ranks[k], " must be >= 1");
     }
   }
   const int T = static_cast<int>(num_cores);
@@ -81,23 +75,20 @@ Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape) {
   for (int k = 1; k < T; ++k) shape->r[k] = ranks[k - 1];
   shape->stride.assign(T, 1);
   for (int k = T - 2; k >= 0; --k) {
-    TF_RETURN_IF_ERROR(CheckedMul(shape->stride[k + 1], p[k + 1],
-                                  "prod(p_shapes)", &shape->stride[k]));
+    TF_RETURN_IF_ERROR(
+        CheckedMul(shape->stride[k + 1], p[k + 1], "prod(p_shapes)", &shape->stride[k]));
   }
-  TF_RETURN_IF_ERROR(CheckedMul(shape->stride[0], p[0], "prod(p_shapes)",
-                                &shape->rows_per_table));
+  TF_RETURN_IF_ERROR(CheckedMul(shape->stride[0], p[0], "prod(p_shapes)", &shape->rows_per_table));
   int64_t unused;
-  TF_RETURN_IF_ERROR(CheckedMul(shape->rows_per_table, shape->num_tables,
-                                "num_tables * prod(p_shapes)", &unused));
+  TF_RETURN_IF_ERROR(
+      CheckedMul(shape->rows_per_table, shape->num_tables, "num_tables * prod(p_shapes)", &unused));
   shape->width.resize(T);
   shape->cols.resize(T);
   int64_t cols = 1;
   for (int k = 0; k < T; ++k) {
     int64_t width;
-    TF_RETURN_IF_ERROR(
-        CheckedMul(shape->r[k], q[k], "a core's row width", &width));
-    TF_RETURN_IF_ERROR(
-        CheckedMul(width, shape->r[k + 1], "a core's row width", &width));
+    TF_RETURN_IF_ERROR(CheckedMul(shape->r[k], q[k], "a core's row width", &width));
+    TF_RETURN_IF_ERROR(CheckedMul(width, shape->r[k + 1], "a core's row width", &width));
     shape->width[k] = width;
     TF_RETURN_IF_ERROR(CheckedMul(cols, q[k], "prod(q_shapes)", &cols));
     shape->cols[k] = cols;
@@ -105,15 +96,13 @@ Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape) {
     // (q_0 * ... * q_k) x r_{k+1} elements: bound it before any kernel sizes
     // scratch from it (an allocation that large would fail in the kernel).
     int64_t partial;
-    TF_RETURN_IF_ERROR(
-        CheckedMul(cols, shape->r[k + 1], "a partial product's size", &partial));
+    TF_RETURN_IF_ERROR(CheckedMul(cols, shape->r[k + 1], "a partial product's size", &partial));
     if (partial > kMaxPartialElements) {
-      return errors::ResourceExhausted(
-          "the TT partial product of one id after core ", k,
-          " has (q_shapes[0] * ... * q_shapes[", k, "]) * r_", k + 1, " = ",
-          cols, " * ", shape->r[k + 1], " = ", partial,
-          " elements, more than the ", kMaxPartialElements,
-          " the kernels allow (check q_shapes and ranks)");
+      return errors::ResourceExhausted("the TT partial product of one id after core ", k,
+                                       " has (q_shapes[0] * ... * q_shapes[", k, "]) * r_", k + 1,
+                                       " = ", cols, " * ", shape->r[k + 1], " = ", partial,
+                                       " elements, more than the ", kMaxPartialElements,
+                                       " the kernels allow (check q_shapes and ranks)");
     }
   }
   shape->dim = cols;
@@ -122,12 +111,10 @@ Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape) {
 
 Status ValidateCore(const Tensor& core, int k, const TTShape& shape) {
   const int64_t rows = shape.num_tables * shape.p[k];
-  if (core.dims() != 2 || core.dim_size(0) != rows ||
-      core.dim_size(1) != shape.width[k]) {
-    return errors::InvalidArgument(
-        "cores[", k, "] must be [num_tables * p_shapes[", k, "], r_", k,
-        " * q_", k, " * r_", k + 1, "] = [", rows, ", ", shape.width[k],
-        "], got shape ", core.shape().DebugString());
+  if (core.dims() != 2 || core.dim_size(0) != rows || core.dim_size(1) != shape.width[k]) {
+    return errors::InvalidArgument("cores[", k, "] must be [num_tables * p_shapes[", k, "], r_", k,
+                                   " * q_", k, " * r_", k + 1, "] = [", rows, ", ", shape.width[k],
+                                   "], got shape ", core.shape().DebugString());
   }
   return OkStatus();
 }
@@ -141,8 +128,7 @@ Status ValidateGlobalIdsShape(const Tensor& ids) {
 }
 
 Status GlobalIdError(int64_t position, int64_t value, int64_t limit) {
-  return errors::InvalidArgument("ids[", position, "] = ", value,
-                                 " is not in [0, ", limit, ")");
+  return errors::InvalidArgument("ids[", position, "] = ", value, " is not in [0, ", limit, ")");
 }
 
 Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape) {
@@ -157,29 +143,24 @@ Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape) {
   return OkStatus();
 }
 
-Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids,
-                             const TTShape& shape) {
-  if (grad.dims() != 2 || grad.dim_size(0) != num_ids ||
-      grad.dim_size(1) != shape.dim) {
+Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape& shape) {
+  if (grad.dims() != 2 || grad.dim_size(0) != num_ids || grad.dim_size(1) != shape.dim) {
     return errors::InvalidArgument("grad must be [", num_ids, ", ", shape.dim,
-                                   "] like the rows, got shape ",
-                                   grad.shape().DebugString());
+                                   "] like the rows, got shape ", grad.shape().DebugString());
   }
   return OkStatus();
 }
 
 Status SavedMismatchError(const Tensor& saved, const char* what) {
-  return errors::InvalidArgument(
-      "saved (shape ", saved.shape().DebugString(), ") ", what,
-      ": pass the saved output of the TTRows op for the same ids and "
-      "cores, or an empty tensor");
+  return errors::InvalidArgument("saved (shape ", saved.shape().DebugString(), ") ", what,
+                                 ": pass the saved output of the TTRows op for the same ids and "
+                                 "cores, or an empty tensor");
 }
 
 namespace {
 
 Status TableSplitsError(int64_t position, int64_t value, const char* rule) {
-  return errors::InvalidArgument("table_splits[", position, "] = ", value,
-                                 " ", rule);
+  return errors::InvalidArgument("table_splits[", position, "] = ", value, " ", rule);
 }
 
 }  // namespace
@@ -188,11 +169,9 @@ Status GetUniqueIdsAttrs(OpKernelConstruction* ctx, UniqueIdsAttrs* attrs) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_embeddings", &attrs->num_embeddings));
   TF_RETURN_IF_ERROR(ctx->GetAttr("stride", &attrs->stride));
   TF_RETURN_IF_ERROR(ctx->GetAttr("padding_id", &attrs->bag.padding_id));
-  TF_RETURN_IF_ERROR(
-      ctx->GetAttr("has_padding_id", &attrs->bag.has_padding_id));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("has_padding_id", &attrs->bag.has_padding_id));
   if (attrs->stride < attrs->num_embeddings) {
-    return errors::InvalidArgument("stride (", attrs->stride,
-                                   ") must be >= num_embeddings (",
+    return errors::InvalidArgument("stride (", attrs->stride, ") must be >= num_embeddings (",
                                    attrs->num_embeddings, ")");
   }
   return OkStatus();
@@ -216,13 +195,11 @@ Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
   if (splits(0) != 0) return TableSplitsError(0, splits(0), "must be 0");
   for (int64_t t = 0; t < num_tables; ++t) {
     if (splits(t + 1) < splits(t)) {
-      return TableSplitsError(t + 1, splits(t + 1),
-                              "must be >= the previous split");
+      return TableSplitsError(t + 1, splits(t + 1), "must be >= the previous split");
     }
   }
   if (splits(num_tables) != nnz) {
-    return TableSplitsError(num_tables, splits(num_tables),
-                            "must equal the number of ids");
+    return TableSplitsError(num_tables, splits(num_tables), "must equal the number of ids");
   }
   int64_t unused;
   return CheckedMul(num_tables, attrs.stride, "num_tables * stride", &unused);
@@ -230,8 +207,7 @@ Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
 
 Status ValidateCacheCountIds(const Tensor& ids) {
   if (ids.dims() != 1) {
-    return errors::InvalidArgument("ids must be a vector, got shape ",
-                                   ids.shape().DebugString());
+    return errors::InvalidArgument("ids must be a vector, got shape ", ids.shape().DebugString());
   }
   return OkStatus();
 }
@@ -244,8 +220,7 @@ Status LookupInt64Vector(OpKernelContext* ctx, int input, const char* name,
   const Tensor* t = (*var)->tensor();
   if (t->dtype() != DT_INT64 || t->dims() != 1) {
     return errors::InvalidArgument(name, " must be an int64 vector variable, got ",
-                                   DataTypeString(t->dtype()), " ",
-                                   t->shape().DebugString());
+                                   DataTypeString(t->dtype()), " ", t->shape().DebugString());
   }
   if (!(*var)->is_initialized) {
     return errors::FailedPrecondition(name, " variable is not initialized");
@@ -260,8 +235,7 @@ Status LookupCacheTables(OpKernelContext* ctx, core::RefCountPtr<Var>* keys,
   TF_RETURN_IF_ERROR(LookupInt64Vector(ctx, 0, "keys", keys));
   TF_RETURN_IF_ERROR(LookupInt64Vector(ctx, 1, "counts", counts));
   if (keys->get() == counts->get()) {
-    return errors::InvalidArgument(
-        "keys and counts must be different variables");
+    return errors::InvalidArgument("keys and counts must be different variables");
   }
   return OkStatus();
 }
@@ -269,9 +243,8 @@ Status LookupCacheTables(OpKernelContext* ctx, core::RefCountPtr<Var>* keys,
 Status ValidateCacheTableSizes(Var* keys, Var* counts) {
   const int64_t size = keys->tensor()->NumElements();
   if (counts->tensor()->NumElements() != size) {
-    return errors::InvalidArgument(
-        "keys and counts must have the same size, got ", size, " and ",
-        counts->tensor()->NumElements());
+    return errors::InvalidArgument("keys and counts must have the same size, got ", size, " and ",
+                                   counts->tensor()->NumElements());
   }
   return OkStatus();
 }

@@ -61,8 +61,7 @@ Status ValidateGlobalIdsShape(const Tensor& ids);
 Status GlobalIdError(int64_t position, int64_t value, int64_t limit);
 
 // Checks that TTRowsGrad's grad is [num_ids, D].
-Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids,
-                             const TTShape& shape);
+Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape& shape);
 
 // The message for a `saved` input of TTRowsGrad that does not belong to these
 // ids and cores; `what` says why.

@@ -18,9 +18,6 @@
 // gradient is written by one thread: the result is bitwise reproducible
 // without atomics.
 
-#include "cc/kernels/tt_embedding_kernels.h"
-#include "cc/kernels/shape_util.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -32,6 +29,8 @@
 #include <vector>
 
 #include "Eigen/Core"
+#include "cc/kernels/shape_util.h"
+#include "cc/kernels/tt_embedding_kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -43,7 +42,6 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/threadpool.h"
 
-
 namespace tensorflow {
 namespace tf_ttemb {
 
@@ -54,8 +52,7 @@ namespace {
 constexpr int64_t kChunkBytes = int64_t{32} << 20;
 
 template <typename Acc>
-using RowMajorMatrix =
-    Eigen::Matrix<Acc, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using RowMajorMatrix = Eigen::Matrix<Acc, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 template <typename Acc>
 using ConstMatrixMap = Eigen::Map<const RowMajorMatrix<Acc>>;
 template <typename Acc>
@@ -104,9 +101,7 @@ struct Level {
   std::vector<int64_t> children;  // [count + 1] offsets of each node's children
                                   // among the next level's nodes
   int64_t count() const { return static_cast<int64_t>(parent.size()); }
-  int64_t num_groups() const {
-    return static_cast<int64_t>(groups.size()) - 1;
-  }
+  int64_t num_groups() const { return static_cast<int64_t>(groups.size()) - 1; }
 };
 
 // The prefix tree of ids[0, n): nodes are runs of consecutive ids with equal
@@ -125,8 +120,8 @@ struct PrefixTree {
       int first_new = 0;
       if (j > 0) {
         // Equal keys at level k imply equal keys at every level below it.
-        while (first_new < T && s.PrefixKey(ids[j], first_new) ==
-                                    s.PrefixKey(ids[j - 1], first_new)) {
+        while (first_new < T &&
+               s.PrefixKey(ids[j], first_new) == s.PrefixKey(ids[j - 1], first_new)) {
           ++first_new;
         }
       }
@@ -143,15 +138,12 @@ struct PrefixTree {
       level.order.resize(count);
       std::iota(level.order.begin(), level.order.end(), 0);
       std::stable_sort(level.order.begin(), level.order.end(),
-                       [&](int64_t a, int64_t b) {
-                         return level.core_row[a] < level.core_row[b];
-                       });
+                       [&](int64_t a, int64_t b) { return level.core_row[a] < level.core_row[b]; });
       level.slot.resize(count);
       for (int64_t i = 0; i < count; ++i) level.slot[level.order[i]] = i;
       level.groups.clear();
       for (int64_t i = 0; i < count; ++i) {
-        if (i == 0 || level.core_row[level.order[i]] !=
-                          level.core_row[level.order[i - 1]]) {
+        if (i == 0 || level.core_row[level.order[i]] != level.core_row[level.order[i - 1]]) {
           level.groups.push_back(i);
         }
       }
@@ -196,8 +188,8 @@ inline float HorizontalSum(__m256 v) {
 
 // c [m, N] = a [m, k] * b [k, N]: N dot products of length k per row of a.
 template <int N>
-void SkinnyProduct(const float* __restrict a, const float* __restrict b,
-                   float* __restrict c, int64_t m, int64_t k) {
+void SkinnyProduct(const float* __restrict a, const float* __restrict b, float* __restrict c,
+                   int64_t m, int64_t k) {
   std::vector<float> bt(N * k);  // b transposed: [N, k]
   for (int j = 0; j < N; ++j) {
     for (int64_t x = 0; x < k; ++x) bt[j * k + x] = b[x * N + j];
@@ -213,10 +205,9 @@ void SkinnyProduct(const float* __restrict a, const float* __restrict b,
       }
     }
     if constexpr (N == 4) {
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]),
-                                      _mm256_hadd_ps(acc[2], acc[3]));
-      _mm_storeu_ps(c + i * N, _mm_add_ps(_mm256_castps256_ps128(s),
-                                          _mm256_extractf128_ps(s, 1)));
+      const __m256 s =
+          _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      _mm_storeu_ps(c + i * N, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
     } else {
       for (int j = 0; j < N; ++j) c[i * N + j] = HorizontalSum(acc[j]);
     }
@@ -225,9 +216,8 @@ void SkinnyProduct(const float* __restrict a, const float* __restrict b,
 
 // g [k, N] += a [m, k]^T * d [m, N], summed over the rows of a in order.
 template <int N>
-void SkinnyTransposedProduct(const float* __restrict a,
-                             const float* __restrict d, float* __restrict g,
-                             int64_t m, int64_t k) {
+void SkinnyTransposedProduct(const float* __restrict a, const float* __restrict d,
+                             float* __restrict g, int64_t m, int64_t k) {
   for (int64_t x = 0; x < k; x += 8) {
     __m256 acc[N];
     for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
@@ -247,9 +237,8 @@ void SkinnyTransposedProduct(const float* __restrict a,
 
 // c [m, k] = d [m, N] * b [k, N]^T.
 template <int N>
-void SkinnyProductTransposed(const float* __restrict d,
-                             const float* __restrict b, float* __restrict c,
-                             int64_t m, int64_t k) {
+void SkinnyProductTransposed(const float* __restrict d, const float* __restrict b,
+                             float* __restrict c, int64_t m, int64_t k) {
   std::vector<float> bt(N * k);  // b transposed: [N, k]
   for (int j = 0; j < N; ++j) {
     for (int64_t x = 0; x < k; ++x) bt[j * k + x] = b[x * N + j];
@@ -258,8 +247,8 @@ void SkinnyProductTransposed(const float* __restrict d,
     for (int64_t x = 0; x < k; x += 8) {
       __m256 acc = _mm256_setzero_ps();
       for (int j = 0; j < N; ++j) {
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + i * N + j),
-                              _mm256_loadu_ps(&bt[j * k + x]), acc);
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + i * N + j), _mm256_loadu_ps(&bt[j * k + x]),
+                              acc);
       }
       _mm256_storeu_ps(c + i * k + x, acc);
     }
@@ -270,14 +259,30 @@ void SkinnyProductTransposed(const float* __restrict d,
 template <typename Fn>
 void WithSkinnyWidth(int64_t n, Fn fn) {
   switch (n) {
-    case 1: fn(std::integral_constant<int, 1>()); break;
-    case 2: fn(std::integral_constant<int, 2>()); break;
-    case 3: fn(std::integral_constant<int, 3>()); break;
-    case 4: fn(std::integral_constant<int, 4>()); break;
-    case 5: fn(std::integral_constant<int, 5>()); break;
-    case 6: fn(std::integral_constant<int, 6>()); break;
-    case 7: fn(std::integral_constant<int, 7>()); break;
-    default: fn(std::integral_constant<int, 8>()); break;
+    case 1:
+      fn(std::integral_constant<int, 1>());
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>());
+      break;
+    case 3:
+      fn(std::integral_constant<int, 3>());
+      break;
+    case 4:
+      fn(std::integral_constant<int, 4>());
+      break;
+    case 5:
+      fn(std::integral_constant<int, 5>());
+      break;
+    case 6:
+      fn(std::integral_constant<int, 6>());
+      break;
+    case 7:
+      fn(std::integral_constant<int, 7>());
+      break;
+    default:
+      fn(std::integral_constant<int, 8>());
+      break;
   }
 }
 #endif  // __AVX2__ && __FMA__
@@ -293,32 +298,26 @@ bool UseSkinny(int64_t k, int64_t n) {
 
 // c [m, n] = a [m, k] * b [k, n].
 template <typename Acc>
-void Product(const Acc* a, const Acc* b, Acc* c, int64_t m, int64_t k,
-             int64_t n) {
+void Product(const Acc* a, const Acc* b, Acc* c, int64_t m, int64_t k, int64_t n) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
     if (UseSkinny<Acc>(k, n)) {
-      WithSkinnyWidth(n, [&](auto width) {
-        SkinnyProduct<decltype(width)::value>(a, b, c, m, k);
-      });
+      WithSkinnyWidth(n, [&](auto width) { SkinnyProduct<decltype(width)::value>(a, b, c, m, k); });
       return;
     }
   }
 #endif
-  MatrixMap<Acc>(c, m, n).noalias() =
-      ConstMatrixMap<Acc>(a, m, k) * ConstMatrixMap<Acc>(b, k, n);
+  MatrixMap<Acc>(c, m, n).noalias() = ConstMatrixMap<Acc>(a, m, k) * ConstMatrixMap<Acc>(b, k, n);
 }
 
 // g [k, n] += a [m, k]^T * d [m, n].
 template <typename Acc>
-void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m,
-                          int64_t k, int64_t n) {
+void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m, int64_t k, int64_t n) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
     if (UseSkinny<Acc>(k, n)) {
-      WithSkinnyWidth(n, [&](auto width) {
-        SkinnyTransposedProduct<decltype(width)::value>(a, d, g, m, k);
-      });
+      WithSkinnyWidth(
+          n, [&](auto width) { SkinnyTransposedProduct<decltype(width)::value>(a, d, g, m, k); });
       return;
     }
   }
@@ -329,14 +328,12 @@ void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m,
 
 // c [m, k] = d [m, n] * b [k, n]^T.
 template <typename Acc>
-void ProductTransposed(const Acc* d, const Acc* b, Acc* c, int64_t m,
-                       int64_t k, int64_t n) {
+void ProductTransposed(const Acc* d, const Acc* b, Acc* c, int64_t m, int64_t k, int64_t n) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
     if (UseSkinny<Acc>(k, n)) {
-      WithSkinnyWidth(n, [&](auto width) {
-        SkinnyProductTransposed<decltype(width)::value>(d, b, c, m, k);
-      });
+      WithSkinnyWidth(
+          n, [&](auto width) { SkinnyProductTransposed<decltype(width)::value>(d, b, c, m, k); });
       return;
     }
   }
@@ -381,12 +378,10 @@ int64_t ChunkSize(int64_t bytes_per_id) {
 
 // Runs fn(g) for every group of `level`, spread over the pool.
 template <typename Fn>
-void ForGroups(thread::ThreadPool* pool, const Level& level,
-               int64_t flops_per_node, Fn fn) {
+void ForGroups(thread::ThreadPool* pool, const Level& level, int64_t flops_per_node, Fn fn) {
   const int64_t num_groups = level.num_groups();
   if (num_groups <= 0) return;
-  const int64_t cost =
-      std::max<int64_t>(1, level.count() * flops_per_node / num_groups);
+  const int64_t cost = std::max<int64_t>(1, level.count() * flops_per_node / num_groups);
   pool->ParallelFor(num_groups, cost, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) fn(g);
   });
@@ -396,11 +391,9 @@ void ForGroups(thread::ThreadPool* pool, const Level& level,
 // blocks at their slots, [count_k, cols_k * r_{k+1}]) into `buffers`, or, for
 // level `external_level`, into `external`; data[k] points at level k's.
 template <typename T, typename Acc>
-void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
-                   const Cores<T, Acc>& cores, const PrefixTree& tree,
-                   int last_level, int external_level, Acc* external,
-                   std::vector<Buffer<Acc>>* buffers,
-                   std::vector<const Acc*>* data) {
+void ForwardLevels(thread::ThreadPool* pool, const TTShape& s, const Cores<T, Acc>& cores,
+                   const PrefixTree& tree, int last_level, int external_level, Acc* external,
+                   std::vector<Buffer<Acc>>* buffers, std::vector<const Acc*>* data) {
   buffers->resize(s.num_cores);
   data->assign(s.num_cores, nullptr);
   auto storage = [&](int k, int64_t size) {
@@ -414,16 +407,15 @@ void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
     const int64_t width = s.width[0];
     Acc* out = storage(0, level.count() * width);
     for (int64_t i = 0; i < level.count(); ++i) {
-      std::copy_n(cores.Row(0, level.core_row[level.order[i]]), width,
-                  out + i * width);
+      std::copy_n(cores.Row(0, level.core_row[level.order[i]]), width, out + i * width);
     }
     (*data)[0] = out;
   }
   for (int k = 1; k <= last_level; ++k) {
     const Level& level = tree.levels[k];
     const Level& up = tree.levels[k - 1];
-    const int64_t rows = s.cols[k - 1];         // rows of one node's block
-    const int64_t inner = s.r[k];               // contracted rank
+    const int64_t rows = s.cols[k - 1];  // rows of one node's block
+    const int64_t inner = s.r[k];        // contracted rank
     const int64_t out_cols = s.q[k] * s.r[k + 1];
     const int64_t in_size = rows * inner;
     const int64_t out_size = rows * out_cols;
@@ -456,8 +448,8 @@ void ForwardLevels(thread::ThreadPool* pool, const TTShape& s,
 constexpr int64_t kSavedBytes = int64_t{64} << 20;
 
 // Number of level-`level` nodes of each chunk: runs of equal prefix keys.
-std::vector<int64_t> NodesPerChunk(const int64_t* ids, int64_t num_ids,
-                                   int64_t chunk, int level, const TTShape& s) {
+std::vector<int64_t> NodesPerChunk(const int64_t* ids, int64_t num_ids, int64_t chunk, int level,
+                                   const TTShape& s) {
   std::vector<int64_t> counts;
   for (int64_t begin = 0; begin < num_ids; begin += chunk) {
     const int64_t end = std::min(num_ids, begin + chunk);
@@ -471,9 +463,7 @@ std::vector<int64_t> NodesPerChunk(const int64_t* ids, int64_t num_ids,
 }
 
 // Elements of the saved products per level-(T-2) node.
-int64_t SavedNodeSize(const TTShape& s) {
-  return s.cols[s.num_cores - 2] * s.r[s.num_cores - 1];
-}
+int64_t SavedNodeSize(const TTShape& s) { return s.cols[s.num_cores - 2] * s.r[s.num_cores - 1]; }
 
 // `saved` starts with a 64-bit fingerprint of the ids and of the cores it was
 // computed from (cores 0..T-2, those level T-2's products read), so that
@@ -507,8 +497,8 @@ uint64_t BytesChecksum(const Tensor& t) {
   return sum;
 }
 
-uint64_t SavedFingerprint(const int64_t* ids, int64_t num_ids,
-                          const OpInputList& cores, int num_cores) {
+uint64_t SavedFingerprint(const int64_t* ids, int64_t num_ids, const OpInputList& cores,
+                          int num_cores) {
   uint64_t h = 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(num_ids);
   for (int64_t j = 0; j < num_ids; ++j) {
     h = Mix(h, static_cast<uint64_t>(ids[j]));
@@ -571,24 +561,21 @@ class TTUniqueIdsOp : public OpKernel {
 
     Tensor* unique_t = nullptr;
     Tensor* slots_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({static_cast<int64_t>(sorted.size())}),
-                            &unique_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(sorted.size())}),
+                                             &unique_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ids_t.shape(), &slots_t));
     std::copy(sorted.begin(), sorted.end(), unique_t->flat<int64_t>().data());
     Tindex* slots = slots_t->flat<Tindex>().data();
     auto assign = [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
-        slots[j] = global[j] < 0
-                       ? Tindex(-1)
-                       : static_cast<Tindex>(
-                             std::lower_bound(sorted.begin(), sorted.end(),
-                                              global[j]) -
-                             sorted.begin());
+        slots[j] =
+            global[j] < 0
+                ? Tindex(-1)
+                : static_cast<Tindex>(std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
+                                      sorted.begin());
       }
     };
-    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
-        nnz, 40, assign);
+    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(nnz, 40, assign);
   }
 
  private:
@@ -619,8 +606,7 @@ class TTRowsOp : public OpKernel {
     const int64_t num_ids = ids_t.NumElements();
     Tensor* rows_t = nullptr;
     TensorShape rows_shape;
-    OP_REQUIRES_OK(ctx, MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids,
-                                    s.dim, &rows_shape));
+    OP_REQUIRES_OK(ctx, MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids, s.dim, &rows_shape));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, rows_shape, &rows_t));
     if (num_ids == 0) {
       Tensor* saved_t = nullptr;
@@ -629,8 +615,7 @@ class TTRowsOp : public OpKernel {
     }
     const int64_t* ids = ids_t.flat<int64_t>().data();
     T* rows = rows_t->flat<T>().data();
-    thread::ThreadPool* pool =
-        ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const Cores<T, Acc> cores(cores_in, s);
     const int T_last = s.num_cores - 1;
     // The same chunks as TTRowsGrad, so that it can use the saved products.
@@ -640,21 +625,17 @@ class TTRowsOp : public OpKernel {
     int64_t saved_size = 0;
     if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
       saved_counts = NodesPerChunk(ids, num_ids, chunk, save_level, s);
-      const int64_t nodes =
-          std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
-      if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <=
-          kSavedBytes) {
+      const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
+      if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
         saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
       }
     }
     Tensor* saved_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({saved_size}),
-                                             &saved_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({saved_size}), &saved_t));
     Acc* saved = nullptr;
     if (saved_size > 0) {
       saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
-      const uint64_t fingerprint =
-          SavedFingerprint(ids, num_ids, cores_in, s.num_cores);
+      const uint64_t fingerprint = SavedFingerprint(ids, num_ids, cores_in, s.num_cores);
       std::memcpy(saved, &fingerprint, sizeof(fingerprint));
       saved += SavedHeader<Acc>();
     }
@@ -665,8 +646,7 @@ class TTRowsOp : public OpKernel {
     for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
       const int64_t n = std::min(chunk, num_ids - begin);
       tree.Build(ids + begin, n, s);
-      ForwardLevels(pool, s, cores, tree, T_last, saved ? save_level : -1,
-                    saved, &buffers, &data);
+      ForwardLevels(pool, s, cores, tree, T_last, saved ? save_level : -1, saved, &buffers, &data);
       if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
       const Acc* last = data[T_last];
       const int64_t dim = s.dim;
@@ -711,8 +691,7 @@ class TTRowsGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad_t, num_ids, s));
     const int64_t* ids = ids_t.flat<int64_t>().data();
     const T* grad = grad_t.flat<T>().data();
-    thread::ThreadPool* pool =
-        ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
 
     // The core rows each core's gradient has: those any id touches.
     std::vector<std::vector<int64_t>> touched(T_count);
@@ -730,8 +709,7 @@ class TTRowsGradOp : public OpKernel {
     }
     auto grad_block = [&](int k, int64_t core_row) {
       const std::vector<int64_t>& rows = touched[k];
-      const int64_t slot =
-          std::lower_bound(rows.begin(), rows.end(), core_row) - rows.begin();
+      const int64_t slot = std::lower_bound(rows.begin(), rows.end(), core_row) - rows.begin();
       return core_grad[k].data() + slot * s.width[k];
     };
 
@@ -745,21 +723,16 @@ class TTRowsGradOp : public OpKernel {
       if (std::is_same<T, Acc>::value && T_count >= 3) {
         saved_counts = NodesPerChunk(ids, num_ids, chunk, T_count - 2, s);
         expected = SavedHeader<Acc>() +
-                   std::accumulate(saved_counts.begin(), saved_counts.end(),
-                                   int64_t{0}) *
+                   std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0}) *
                        SavedNodeSize(s);
       }
-      const auto mismatch = [&](const char* what) {
-        return SavedMismatchError(saved_t, what);
-      };
+      const auto mismatch = [&](const char* what) { return SavedMismatchError(saved_t, what); };
       OP_REQUIRES(ctx, saved_t.dims() == 1 && saved_t.NumElements() == expected,
                   mismatch("does not have the size these ids need"));
       saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
       uint64_t fingerprint;
       std::memcpy(&fingerprint, saved, sizeof(fingerprint));
-      OP_REQUIRES(ctx,
-                  fingerprint ==
-                      SavedFingerprint(ids, num_ids, cores_in, T_count),
+      OP_REQUIRES(ctx, fingerprint == SavedFingerprint(ids, num_ids, cores_in, T_count),
                   mismatch("was computed for other ids or other cores"));
       saved += SavedHeader<Acc>();
     }
@@ -775,13 +748,13 @@ class TTRowsGradOp : public OpKernel {
         const int64_t n = std::min(chunk, num_ids - begin);
         tree.Build(ids + begin, n, s);
         if (saved) {
-          ForwardLevels(pool, s, cores, tree, T_count - 3, -1, static_cast<Acc*>(nullptr),
-                        &buffers, &prefix);
+          ForwardLevels(pool, s, cores, tree, T_count - 3, -1, static_cast<Acc*>(nullptr), &buffers,
+                        &prefix);
           prefix[T_count - 2] = saved;
           saved += saved_counts[chunk_index] * SavedNodeSize(s);
         } else {
-          ForwardLevels(pool, s, cores, tree, T_count - 2, -1, static_cast<Acc*>(nullptr),
-                        &buffers, &prefix);
+          ForwardLevels(pool, s, cores, tree, T_count - 2, -1, static_cast<Acc*>(nullptr), &buffers,
+                        &prefix);
         }
 
         // dP_{T-1} per leaf: the grad rows of its ids, in id order.
@@ -792,8 +765,7 @@ class TTRowsGradOp : public OpKernel {
           for (int64_t leaf = lo; leaf < hi; ++leaf) {
             Acc* dst = d_prefix.data() + leaves.slot[leaf] * dim;
             std::fill_n(dst, dim, Acc(0));
-            for (int64_t j = tree.leaf_ids[leaf]; j < tree.leaf_ids[leaf + 1];
-                 ++j) {
+            for (int64_t j = tree.leaf_ids[leaf]; j < tree.leaf_ids[leaf + 1]; ++j) {
               const T* src = grad + (begin + j) * dim;
               for (int64_t d = 0; d < dim; ++d) {
                 dst[d] += static_cast<Acc>(src[d]);
@@ -818,43 +790,36 @@ class TTRowsGradOp : public OpKernel {
             const int64_t core_row = level.core_row[level.order[first]];
             auto a_buf = Scratch<Acc>(count * in_size);
             for (int64_t i = 0; i < count; ++i) {
-              const int64_t parent =
-                  up.slot[level.parent[level.order[first + i]]];
-              std::copy_n(parents + parent * in_size, in_size,
-                          a_buf.get() + i * in_size);
+              const int64_t parent = up.slot[level.parent[level.order[first + i]]];
+              std::copy_n(parents + parent * in_size, in_size, a_buf.get() + i * in_size);
             }
             const Acc* d = d_prefix.data() + first * out_size;
-            AddTransposedProduct(a_buf.get(), d, grad_block(k, core_row),
-                                 count * rows, inner, out_cols);
-            ProductTransposed(d, cores.Row(k, core_row),
-                              contrib.data() + first * in_size, count * rows,
-                              inner, out_cols);
+            AddTransposedProduct(a_buf.get(), d, grad_block(k, core_row), count * rows, inner,
+                                 out_cols);
+            ProductTransposed(d, cores.Row(k, core_row), contrib.data() + first * in_size,
+                              count * rows, inner, out_cols);
           });
           // dP_{k-1} of each parent: its children's contributions in node
           // order (children of a parent are consecutive nodes).
           d_parent.Resize(up.count() * in_size);
-          pool->ParallelFor(
-              up.count(), 2 * in_size, [&](int64_t lo, int64_t hi) {
-                for (int64_t v = lo; v < hi; ++v) {
-                  Acc* dst = d_parent.data() + up.slot[v] * in_size;
-                  const int64_t first = up.children[v];
-                  std::copy_n(contrib.data() + level.slot[first] * in_size,
-                              in_size, dst);
-                  for (int64_t node = first + 1; node < up.children[v + 1];
-                       ++node) {
-                    const Acc* src = contrib.data() + level.slot[node] * in_size;
-                    for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
-                  }
-                }
-              });
+          pool->ParallelFor(up.count(), 2 * in_size, [&](int64_t lo, int64_t hi) {
+            for (int64_t v = lo; v < hi; ++v) {
+              Acc* dst = d_parent.data() + up.slot[v] * in_size;
+              const int64_t first = up.children[v];
+              std::copy_n(contrib.data() + level.slot[first] * in_size, in_size, dst);
+              for (int64_t node = first + 1; node < up.children[v + 1]; ++node) {
+                const Acc* src = contrib.data() + level.slot[node] * in_size;
+                for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
+              }
+            }
+          });
           d_prefix.swap(d_parent);
         }
         // Level 0: dG_0[row] = sum of dP_0 over its nodes, in node order.
         const Level& level0 = tree.levels[0];
         const int64_t width0 = s.width[0];
         ForGroups(pool, level0, width0, [&](int64_t g) {
-          Acc* dst =
-              grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
+          Acc* dst = grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
           for (int64_t i = level0.groups[g]; i < level0.groups[g + 1]; ++i) {
             const Acc* src = d_prefix.data() + i * width0;
             for (int64_t w = 0; w < width0; ++w) dst[w] += src[w];
@@ -870,12 +835,9 @@ class TTRowsGradOp : public OpKernel {
       const int64_t count = static_cast<int64_t>(touched[k].size());
       Tensor* indices_t = nullptr;
       Tensor* values_t = nullptr;
-      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}),
-                                               &indices_t));
-      OP_REQUIRES_OK(ctx, values_out.allocate(
-                              k, TensorShape({count, s.width[k]}), &values_t));
-      std::copy(touched[k].begin(), touched[k].end(),
-                indices_t->flat<int64_t>().data());
+      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}), &indices_t));
+      OP_REQUIRES_OK(ctx, values_out.allocate(k, TensorShape({count, s.width[k]}), &values_t));
+      std::copy(touched[k].begin(), touched[k].end(), indices_t->flat<int64_t>().data());
       T* values = values_t->flat<T>().data();
       const std::vector<Acc>& acc = core_grad[k];
       for (size_t i = 0; i < acc.size(); ++i) values[i] = static_cast<T>(acc[i]);
@@ -929,8 +891,7 @@ class TTCacheCountOp : public OpKernel {
       const int64_t multiplicity = static_cast<int64_t>(end - i);
       i = end;
       const int64_t base =
-          static_cast<int64_t>(MixId(static_cast<uint64_t>(id)) %
-                               static_cast<uint64_t>(num_sets)) *
+          static_cast<int64_t>(MixId(static_cast<uint64_t>(id)) % static_cast<uint64_t>(num_sets)) *
           ways;
       const int64_t set_end = std::min(size, base + ways);
       int64_t found = -1, empty = -1, smallest = base;
@@ -960,30 +921,26 @@ class TTCacheCountOp : public OpKernel {
 
 }  // namespace
 
-#define REGISTER_TT_UNIQUE_IDS(Tindex)                                \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTUniqueIds")                 \
-                              .Device(DEVICE_CPU)                     \
-                              .TypeConstraint<Tindex>("Tindices"),    \
-                          TTUniqueIdsOp<Tindex>);
+#define REGISTER_TT_UNIQUE_IDS(Tindex)                                                   \
+  REGISTER_KERNEL_BUILDER(                                                               \
+      Name("TfTtemb>TTUniqueIds").Device(DEVICE_CPU).TypeConstraint<Tindex>("Tindices"), \
+      TTUniqueIdsOp<Tindex>);
 REGISTER_TT_UNIQUE_IDS(int32_t)
 REGISTER_TT_UNIQUE_IDS(int64_t)
 #undef REGISTER_TT_UNIQUE_IDS
 
-#define REGISTER_TT_ROWS(T)                                                   \
-  REGISTER_KERNEL_BUILDER(                                                    \
-      Name("TfTtemb>TTRows").Device(DEVICE_CPU).TypeConstraint<T>("T"),       \
-      TTRowsOp<T>);                                                           \
-  REGISTER_KERNEL_BUILDER(                                                    \
-      Name("TfTtemb>TTRowsGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"),   \
-      TTRowsGradOp<T>);
+#define REGISTER_TT_ROWS(T)                                                                     \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
+                          TTRowsOp<T>);                                                         \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          TTRowsGradOp<T>);
 REGISTER_TT_ROWS(Eigen::half)
 REGISTER_TT_ROWS(Eigen::bfloat16)
 REGISTER_TT_ROWS(float)
 REGISTER_TT_ROWS(double)
 #undef REGISTER_TT_ROWS
 
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU),
-                        TTCacheCountOp);
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp);
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow

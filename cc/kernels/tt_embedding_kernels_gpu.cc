@@ -82,8 +82,8 @@ constexpr int64_t kMaxGpuIds = (int64_t{1} << 31) - 3;
 
 Status GpuIdsLimit(const char* op, const char* what, int64_t count) {
   if (count > kMaxGpuIds) {
-    return errors::InvalidArgument("the GPU kernel of ", op, " supports at most ",
-                                   kMaxGpuIds, " ", what, ", got ", count);
+    return errors::InvalidArgument("the GPU kernel of ", op, " supports at most ", kMaxGpuIds, " ",
+                                   what, ", got ", count);
   }
   return OkStatus();
 }
@@ -92,8 +92,7 @@ Status GpuIdsLimit(const char* op, const char* what, int64_t count) {
 // (checked once, in the kernel constructor).
 Status MakeTTProblem(const TTShape& s, launchers::TTProblem* p) {
   if (s.num_cores > launchers::kMaxTTCores) {
-    return errors::InvalidArgument("the GPU TT kernels support at most ",
-                                   launchers::kMaxTTCores,
+    return errors::InvalidArgument("the GPU TT kernels support at most ", launchers::kMaxTTCores,
                                    " cores, got num_cores = ", s.num_cores);
   }
   if (s.dim > (int64_t{1} << 31)) {
@@ -135,24 +134,21 @@ class TTGpuCall {
     if (device_context == nullptr || device_context->stream() == nullptr) {
       return errors::Internal("tf_ttemb: the op has no GPU stream");
     }
-    stream_ = static_cast<cudaStream_t>(
-        device_context->stream()->platform_specific_handle().stream);
+    stream_ =
+        static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
     if (stream_ == nullptr) {
       return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
     }
     if (!with_report) return OkStatus();
     const TensorShape report_shape({kReportWords});
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
-    return ctx->allocate_temp(DT_INT64, report_shape, &host_report_,
-                              PinnedHost());
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
+    return ctx->allocate_temp(DT_INT64, report_shape, &host_report_, PinnedHost());
   }
 
   cudaStream_t stream() const { return stream_; }
 
   launchers::TTReport* device_report() {
-    return reinterpret_cast<launchers::TTReport*>(
-        device_report_.flat<int64_t>().data());
+    return reinterpret_cast<launchers::TTReport*>(device_report_.flat<int64_t>().data());
   }
 
   // Device scratch of at least `bytes` bytes (the launchers align it).
@@ -162,26 +158,21 @@ class TTGpuCall {
 
   // A second device scratch (TTRowsGrad's work part), alive as long as this
   // call, like the first.
-  Status AllocateWork(size_t bytes, void** work) {
-    return Allocate(bytes, &work_, work);
-  }
+  Status AllocateWork(size_t bytes, void** work) { return Allocate(bytes, &work_, work); }
 
   // Copies a host int64 tensor to a new device temporary, through pinned
   // memory (the copy is asynchronous; the staging buffer lives as long as
   // this call, which waits for the stream before Compute returns).
   Status CopyToDevice(const Tensor& host, Tensor* device) {
     const int64_t n = host.NumElements();
-    TF_RETURN_IF_ERROR(
-        ctx_->allocate_temp(DT_INT64, TensorShape({n}), &staging_, PinnedHost()));
+    TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({n}), &staging_, PinnedHost()));
     TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({n}), device));
     if (n == 0) return OkStatus();
-    std::memcpy(staging_.flat<int64_t>().data(), host.flat<int64_t>().data(),
-                n * sizeof(int64_t));
+    std::memcpy(staging_.flat<int64_t>().data(), host.flat<int64_t>().data(), n * sizeof(int64_t));
     copy_pending_ = true;
     return CudaStatus(
-        cudaMemcpyAsync(device->flat<int64_t>().data(),
-                        staging_.flat<int64_t>().data(), n * sizeof(int64_t),
-                        cudaMemcpyHostToDevice, stream_),
+        cudaMemcpyAsync(device->flat<int64_t>().data(), staging_.flat<int64_t>().data(),
+                        n * sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
         "copy to the device");
   }
 
@@ -189,12 +180,11 @@ class TTGpuCall {
   // launchers queued before has finished when this returns OK.
   Status ReadReport(launchers::TTReport* report) {
     int64_t* host = host_report_.flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(host, device_report(), sizeof(launchers::TTReport),
-                        cudaMemcpyDeviceToHost, stream_),
-        "copy of the device report"));
     TF_RETURN_IF_ERROR(
-        CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
+        CudaStatus(cudaMemcpyAsync(host, device_report(), sizeof(launchers::TTReport),
+                                   cudaMemcpyDeviceToHost, stream_),
+                   "copy of the device report"));
+    TF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
     copy_pending_ = false;
     std::memcpy(report, host, sizeof(launchers::TTReport));
     return OkStatus();
@@ -204,8 +194,7 @@ class TTGpuCall {
   // is `check`'s and `done` is called once the stream has run what is queued;
   // the call (report, scratch, staging) lives until then.
   using ReportCheck = std::function<Status(const launchers::TTReport&)>;
-  static void ThenCheckReport(std::shared_ptr<TTGpuCall> call,
-                              ReportCheck check,
+  static void ThenCheckReport(std::shared_ptr<TTGpuCall> call, ReportCheck check,
                               AsyncOpKernel::DoneCallback done) {
     OpKernelContext* ctx = call->ctx_;
     const cudaStream_t stream = call->stream_;
@@ -224,11 +213,10 @@ class TTGpuCall {
  private:
   Status Allocate(size_t bytes, Tensor* tensor, void** ptr) {
     if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
-      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes,
-                                       " bytes is too large");
+      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
     }
-    TF_RETURN_IF_ERROR(ctx_->allocate_temp(
-        DT_INT8, TensorShape({std::max<int64_t>(1, bytes)}), tensor));
+    TF_RETURN_IF_ERROR(
+        ctx_->allocate_temp(DT_INT8, TensorShape({std::max<int64_t>(1, bytes)}), tensor));
     *ptr = tensor->flat<int8>().data();
     return OkStatus();
   }
@@ -242,8 +230,7 @@ class TTGpuCall {
 
   static_assert(sizeof(launchers::TTReport) % sizeof(int64_t) == 0,
                 "TTReport must be a whole number of int64 words");
-  static constexpr int64_t kReportWords =
-      sizeof(launchers::TTReport) / sizeof(int64_t);
+  static constexpr int64_t kReportWords = sizeof(launchers::TTReport) / sizeof(int64_t);
 
   OpKernelContext* ctx_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -256,11 +243,9 @@ class TTGpuCall {
 };
 
 // The CPU kernels' error for a bad global id of TTRows / TTRowsGrad.
-Status GlobalIdsReportStatus(const launchers::TTReport& r,
-                             const TTShape& shape) {
+Status GlobalIdsReportStatus(const launchers::TTReport& r, const TTShape& shape) {
   if (r.first_bad_index >= 0) {
-    return GlobalIdError(r.first_bad_index, r.bad_index_value,
-                         shape.num_ids());
+    return GlobalIdError(r.first_bad_index, r.bad_index_value, shape.num_ids());
   }
   return OkStatus();
 }
@@ -284,9 +269,8 @@ class TTUniqueIdsGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, GpuIdsLimit("TTUniqueIds", "ids", nnz));
     // The launcher's bound on global ids (the CPU check allows 2^62 itself).
     OP_REQUIRES(ctx, attrs_.stride <= ((int64_t{1} << 62) - 1) / num_tables,
-                errors::InvalidArgument(
-                    "num_tables * stride is too large for the GPU kernel: ",
-                    num_tables, " * ", attrs_.stride, " >= 2^62"));
+                errors::InvalidArgument("num_tables * stride is too large for the GPU kernel: ",
+                                        num_tables, " * ", attrs_.stride, " >= 2^62"));
     Tensor* slots = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ids.shape(), &slots));
     if (nnz == 0) {
@@ -301,8 +285,7 @@ class TTUniqueIdsGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, call.CopyToDevice(splits, &device_splits));
     // Upper bound of the output; its first U entries become the output.
     Tensor unique_buffer;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({nnz}),
-                                           &unique_buffer));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({nnz}), &unique_buffer));
     launchers::UniqueIdsProblem p;
     p.nnz = nnz;
     p.num_tables = num_tables;
@@ -315,22 +298,19 @@ class TTUniqueIdsGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchUniqueIds<Tindex>(
-                            p, ids.flat<Tindex>().data(),
-                            device_splits.flat<int64_t>().data(),
-                            unique_buffer.flat<int64_t>().data(),
-                            slots->flat<Tindex>().data(), call.device_report(),
-                            scratch, scratch_bytes, call.stream()),
+                            p, ids.flat<Tindex>().data(), device_splits.flat<int64_t>().data(),
+                            unique_buffer.flat<int64_t>().data(), slots->flat<Tindex>().data(),
+                            call.device_report(), scratch, scratch_bytes, call.stream()),
                         "TTUniqueIds launch"));
     launchers::TTReport report;
     OP_REQUIRES_OK(ctx, call.ReadReport(&report));
     OP_REQUIRES(ctx, report.first_bad_index < 0,
-                BadIndexError(report.first_bad_index, report.bad_index_value,
-                              attrs_.num_embeddings, attrs_.bag));
+                BadIndexError(report.first_bad_index, report.bad_index_value, attrs_.num_embeddings,
+                              attrs_.bag));
     const int64_t num_unique = report.num_unique;
     OP_REQUIRES(ctx, num_unique >= 0 && num_unique <= nnz,
-                errors::Internal("tf_ttemb GPU TTUniqueIds: the device found ",
-                                 num_unique, " unique ids among ", nnz,
-                                 " ids"));
+                errors::Internal("tf_ttemb GPU TTUniqueIds: the device found ", num_unique,
+                                 " unique ids among ", nnz, " ids"));
     // A view of the buffer's first U ids: no copy (the buffer's tail stays
     // allocated as long as the output lives, at most 8 bytes per id).
     ctx->set_output(0, unique_buffer.Slice(0, num_unique));
@@ -345,8 +325,8 @@ class TTUniqueIdsGpuOp : public OpKernel {
 
 // Host checks shared by TTRows and TTRowsGrad: the cores' shapes, then the
 // ids' shape and count, in the CPU kernels' order.
-Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape,
-                          const char* op, OpInputList* cores) {
+Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape, const char* op,
+                          OpInputList* cores) {
   TF_RETURN_IF_ERROR(ctx->input_list("cores", cores));
   for (int k = 0; k < shape.num_cores; ++k) {
     TF_RETURN_IF_ERROR(ValidateCore((*cores)[k], k, shape));
@@ -377,13 +357,11 @@ class TTRowsGpuOp : public AsyncOpKernel {
       done();
       return;
     }
-    TTGpuCall::ThenCheckReport(std::move(call), std::move(check),
-                               std::move(done));
+    TTGpuCall::ThenCheckReport(std::move(call), std::move(check), std::move(done));
   }
 
  private:
-  Status Launch(OpKernelContext* ctx, TTGpuCall* call_ptr,
-              TTGpuCall::ReportCheck* check) {
+  Status Launch(OpKernelContext* ctx, TTGpuCall* call_ptr, TTGpuCall::ReportCheck* check) {
     TTGpuCall& call = *call_ptr;
     OpInputList cores;
     TF_RETURN_IF_ERROR(ValidateRowsInputs(ctx, shape_, "TTRows", &cores));
@@ -391,8 +369,8 @@ class TTRowsGpuOp : public AsyncOpKernel {
     const int64_t num_ids = ids.NumElements();
     Tensor* rows = nullptr;
     TensorShape rows_shape;
-    TF_RETURN_IF_ERROR(MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids,
-                                    shape_.dim, &rows_shape));
+    TF_RETURN_IF_ERROR(
+        MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids, shape_.dim, &rows_shape));
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, rows_shape, &rows));
     Tensor* saved = nullptr;  // never produced on GPU (see the top comment)
     TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved));
@@ -403,16 +381,14 @@ class TTRowsGpuOp : public AsyncOpKernel {
     for (int k = 0; k < shape_.num_cores; ++k) {
       core_ptrs[k] = DevicePtr<T>(cores[k]);
     }
-    const size_t scratch_bytes =
-        launchers::RowsScratchBytes<CT>(problem_, num_ids);
+    const size_t scratch_bytes = launchers::RowsScratchBytes<CT>(problem_, num_ids);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchRows<CT>(
-                            problem_, ids.flat<int64_t>().data(), num_ids,
-                            /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(rows),
-                            call.device_report(), scratch, scratch_bytes,
-                            call.stream()),
-                        "TTRows launch"));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchRows<CT>(problem_, ids.flat<int64_t>().data(), num_ids,
+                                  /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(rows),
+                                  call.device_report(), scratch, scratch_bytes, call.stream()),
+        "TTRows launch"));
     *check = [this](const launchers::TTReport& report) {
       return GlobalIdsReportStatus(report, shape_);
     };
@@ -452,8 +428,7 @@ class TTRowsGradGpuOp : public OpKernel {
       for (int k = 0; k < num_cores; ++k) {
         Tensor* unused = nullptr;
         OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({0}), &unused));
-        OP_REQUIRES_OK(ctx, values_out.allocate(
-                                k, TensorShape({0, shape_.width[k]}), &unused));
+        OP_REQUIRES_OK(ctx, values_out.allocate(k, TensorShape({0, shape_.width[k]}), &unused));
       }
       return;
     }
@@ -462,17 +437,14 @@ class TTRowsGradGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
     // The index part now; Compute's float work part after the read-back, sized
     // for these ids (the distinct prefixes), not for num_ids arbitrary ids.
-    const size_t scratch_bytes =
-        launchers::RowsGradPrepareScratchBytes<CT>(problem_, num_ids);
+    const size_t scratch_bytes = launchers::RowsGradPrepareScratchBytes<CT>(problem_, num_ids);
     void* scratch = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     const int64_t* ids_ptr = ids.flat<int64_t>().data();
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchRowsGradPrepare<CT>(
-                            problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
-                            call.device_report(), scratch, scratch_bytes,
-                            call.stream()),
-                        "TTRowsGrad prepare"));
+    OP_REQUIRES_OK(ctx, CudaStatus(launchers::LaunchRowsGradPrepare<CT>(
+                                       problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
+                                       call.device_report(), scratch, scratch_bytes, call.stream()),
+                                   "TTRowsGrad prepare"));
     launchers::TTReport report;
     OP_REQUIRES_OK(ctx, call.ReadReport(&report));
     OP_REQUIRES_OK(ctx, GlobalIdsReportStatus(report, shape_));
@@ -487,34 +459,27 @@ class TTRowsGradGpuOp : public OpKernel {
       const int64_t count = report.core_rows[k];
       const int64_t core_rows = shape_.num_tables * shape_.p[k];
       OP_REQUIRES(ctx, count >= 0 && count <= std::min(num_ids, core_rows),
-                  errors::Internal("tf_ttemb GPU TTRowsGrad: the device found ",
-                                   count, " rows of core ", k, " touched by ",
-                                   num_ids, " ids"));
+                  errors::Internal("tf_ttemb GPU TTRowsGrad: the device found ", count,
+                                   " rows of core ", k, " touched by ", num_ids, " ids"));
       Tensor* indices = nullptr;
       Tensor* values = nullptr;
-      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}),
-                                               &indices));
-      OP_REQUIRES_OK(ctx, values_out.allocate(
-                              k, TensorShape({count, shape_.width[k]}),
-                              &values));
+      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}), &indices));
+      OP_REQUIRES_OK(ctx, values_out.allocate(k, TensorShape({count, shape_.width[k]}), &values));
       core_ptrs[k] = DevicePtr<T>(cores[k]);
       // Null where n_k == 0, which the launcher allows.
       index_ptrs[k] = count > 0 ? indices->flat<int64_t>().data() : nullptr;
       value_ptrs[k] = values->NumElements() > 0 ? DevicePtr<T>(values) : nullptr;
     }
-    const size_t work_bytes =
-        launchers::RowsGradWorkBytes<CT>(problem_, num_ids, &report);
+    const size_t work_bytes = launchers::RowsGradWorkBytes<CT>(problem_, num_ids, &report);
     void* work = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateWork(work_bytes, &work));
     // Queued after the outputs exist; the stream orders it before any reader.
     // The scratch is the prepare launch's, untouched since.
     OP_REQUIRES_OK(
         ctx, CudaStatus(launchers::LaunchRowsGradCompute<CT>(
-                            problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
-                            core_ptrs, DevicePtr<T>(grad), index_ptrs,
-                            value_ptrs, /*core_dense=*/nullptr, scratch,
-                            scratch_bytes, &report, work, work_bytes,
-                            call.stream()),
+                            problem_, ids_ptr, num_ids, /*num_ids=*/nullptr, core_ptrs,
+                            DevicePtr<T>(grad), index_ptrs, value_ptrs, /*core_dense=*/nullptr,
+                            scratch, scratch_bytes, &report, work, work_bytes, call.stream()),
                         "TTRowsGrad compute"));
   }
 
@@ -529,21 +494,18 @@ class TTRowsGradGpuOp : public OpKernel {
 // Makes the variable's device buffer exclusively owned before the in-place
 // update (a tensor read from it earlier may still share it): a device copy
 // queued on the op's stream.
-Status EnsureExclusiveOnGpu(OpKernelContext* ctx, cudaStream_t stream,
-                            Var* var) {
+Status EnsureExclusiveOnGpu(OpKernelContext* ctx, cudaStream_t stream, Var* var) {
   Tensor* tensor = var->tensor();
   if (tensor->RefCountIsOne()) return OkStatus();
   Tensor copy;
   AllocatorAttributes attr;
   attr.set_gpu_compatible(true);
   attr.set_nic_compatible(true);
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy, attr));
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy, attr));
   if (tensor->TotalBytes() > 0) {
-    TF_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(copy.data(), tensor->data(), tensor->TotalBytes(),
-                        cudaMemcpyDeviceToDevice, stream),
-        "copy of a variable"));
+    TF_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(copy.data(), tensor->data(), tensor->TotalBytes(),
+                                                  cudaMemcpyDeviceToDevice, stream),
+                                  "copy of a variable"));
   }
   *tensor = copy;
   return OkStatus();
@@ -560,8 +522,7 @@ class TTCacheCountGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, LookupCacheTables(ctx, &keys_var, &counts_var));
     mutex_lock keys_lock(*keys_var->mu());
     mutex_lock counts_lock(*counts_var->mu());
-    OP_REQUIRES_OK(ctx,
-                   ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
+    OP_REQUIRES_OK(ctx, ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
     const int64_t size = keys_var->tensor()->NumElements();
     const int64_t n = ids.NumElements();
     if (size == 0 || n == 0) return;
@@ -569,22 +530,18 @@ class TTCacheCountGpuOp : public OpKernel {
 
     TTGpuCall call;
     OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/false));
-    OP_REQUIRES_OK(ctx,
-                   EnsureExclusiveOnGpu(ctx, call.stream(), keys_var.get()));
-    OP_REQUIRES_OK(ctx,
-                   EnsureExclusiveOnGpu(ctx, call.stream(), counts_var.get()));
+    OP_REQUIRES_OK(ctx, EnsureExclusiveOnGpu(ctx, call.stream(), keys_var.get()));
+    OP_REQUIRES_OK(ctx, EnsureExclusiveOnGpu(ctx, call.stream(), counts_var.get()));
     // No bound on the ids is known here: the launcher sorts all 64 bits.
     constexpr int64_t kIdBound = 0;
-    const size_t scratch_bytes =
-        launchers::CacheCountScratchBytes(n, size, kIdBound);
+    const size_t scratch_bytes = launchers::CacheCountScratchBytes(n, size, kIdBound);
     void* scratch = nullptr;
     OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
     OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchCacheCount(
-                            ids.flat<int64_t>().data(), n, kIdBound,
-                            keys_var->tensor()->flat<int64_t>().data(),
-                            counts_var->tensor()->flat<int64_t>().data(), size,
-                            scratch, scratch_bytes, call.stream()),
+        ctx, CudaStatus(launchers::LaunchCacheCount(ids.flat<int64_t>().data(), n, kIdBound,
+                                                    keys_var->tensor()->flat<int64_t>().data(),
+                                                    counts_var->tensor()->flat<int64_t>().data(),
+                                                    size, scratch, scratch_bytes, call.stream()),
                         "TTCacheCount launch"));
   }
 };
@@ -593,34 +550,30 @@ class TTCacheCountGpuOp : public OpKernel {
 // Registration: the dtypes of the CPU kernels. table_splits is read on the
 // host; resource handles live in host memory.
 
-#define TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(Tindex)                 \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTUniqueIds")               \
-                              .Device(DEVICE_GPU)                   \
-                              .HostMemory("table_splits")           \
-                              .TypeConstraint<Tindex>("Tindices"),  \
+#define TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(Tindex)                \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTUniqueIds")              \
+                              .Device(DEVICE_GPU)                  \
+                              .HostMemory("table_splits")          \
+                              .TypeConstraint<Tindex>("Tindices"), \
                           TTUniqueIdsGpuOp<Tindex>);
 TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int32_t)
 TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int64_t)
 #undef TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU
 
-#define TF_TTEMB_REGISTER_TT_ROWS_GPU(T)                                      \
-  REGISTER_KERNEL_BUILDER(                                                    \
-      Name("TfTtemb>TTRows").Device(DEVICE_GPU).TypeConstraint<T>("T"),       \
-      TTRowsGpuOp<T>);                                                        \
-  REGISTER_KERNEL_BUILDER(                                                    \
-      Name("TfTtemb>TTRowsGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"),   \
-      TTRowsGradGpuOp<T>);
+#define TF_TTEMB_REGISTER_TT_ROWS_GPU(T)                                                        \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_GPU).TypeConstraint<T>("T"),     \
+                          TTRowsGpuOp<T>);                                                      \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"), \
+                          TTRowsGradGpuOp<T>);
 TF_TTEMB_REGISTER_TT_ROWS_GPU(Eigen::half)
 TF_TTEMB_REGISTER_TT_ROWS_GPU(bfloat16)
 TF_TTEMB_REGISTER_TT_ROWS_GPU(float)
 TF_TTEMB_REGISTER_TT_ROWS_GPU(double)
 #undef TF_TTEMB_REGISTER_TT_ROWS_GPU
 
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount")
-                            .Device(DEVICE_GPU)
-                            .HostMemory("keys")
-                            .HostMemory("counts"),
-                        TTCacheCountGpuOp);
+REGISTER_KERNEL_BUILDER(
+    Name("TfTtemb>TTCacheCount").Device(DEVICE_GPU).HostMemory("keys").HostMemory("counts"),
+    TTCacheCountGpuOp);
 
 }  // namespace
 }  // namespace tf_ttemb

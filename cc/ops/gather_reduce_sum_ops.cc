@@ -46,8 +46,7 @@ Status BagInputShapes(InferenceContext* c, int indices_input, int row_splits_inp
 // Shapes of the ops taking (grad [B, D], params, indices, row_splits,
 // weights, output [B, D]): merges grad with output and D with *dim (which
 // returns the merged D), B with row_splits, and returns indices' shape [nnz].
-Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim,
-                              ShapeHandle* indices) {
+Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHandle* indices) {
   ShapeHandle grad, output;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
   TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &output));
@@ -61,23 +60,23 @@ Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim,
 
 }  // namespace
 
-#define TF_TTEMB_BAG_ATTRS                                         \
-  Attr("T: {half, bfloat16, float, double}")                       \
-      .Attr("Tindices: {int32, int64}")                            \
-      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'")   \
-      .Attr("has_weights: bool = false")                           \
-      .Attr("padding_id: int = -1")                                \
+#define TF_TTEMB_BAG_ATTRS                                       \
+  Attr("T: {half, bfloat16, float, double}")                     \
+      .Attr("Tindices: {int32, int64}")                          \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'") \
+      .Attr("has_weights: bool = false")                         \
+      .Attr("padding_id: int = -1")                              \
       .Attr("has_padding_id: bool = false")
 
 // Forward. `argmax` is [B, D] for combiner 'max' (position of the winning
 // entry inside its bag, -1 for a bag without entries) and [0, D] otherwise.
 REGISTER_OP("TfTtemb>GatherReduceSum")
-    .Input("params: T")           // [N, D]
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz] or [0]
-    .Output("output: T")          // [B, D]
-    .Output("argmax: int32")      // [B, D] or [0, D]
+    .Input("params: T")          // [N, D]
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [B + 1]
+    .Input("weights: T")         // [nnz] or [0]
+    .Output("output: T")         // [B, D]
+    .Output("argmax: int32")     // [B, D] or [0, D]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle params;
@@ -100,12 +99,12 @@ without materialising the gathered [nnz, D] tensor.
 // the distinct non-padding ids sorted ascending, `values[u]` the summed
 // gradient of row unique_indices[u]. Deterministic.
 REGISTER_OP("TfTtemb>GatherReduceSumGrad")
-    .Input("grad: T")             // [B, D]
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz] or [0]
-    .Input("argmax: int32")       // [B, D] for 'max', else [0, D]
-    .Input("num_rows: int64")     // scalar N
+    .Input("grad: T")                    // [B, D]
+    .Input("indices: Tindices")          // [nnz]
+    .Input("row_splits: int64")          // [B + 1]
+    .Input("weights: T")                 // [nnz] or [0]
+    .Input("argmax: int32")              // [B, D] for 'max', else [0, D]
+    .Input("num_rows: int64")            // scalar N
     .Output("unique_indices: Tindices")  // [U]
     .Output("values: T")                 // [U, D]
     .TF_TTEMB_BAG_ATTRS
@@ -126,13 +125,13 @@ REGISTER_OP("TfTtemb>GatherReduceSumGrad")
 // Gradient w.r.t. params as a dense [N, D] tensor, written directly from the
 // sorted, segment-reduced entries (no [nnz, D] intermediate).
 REGISTER_OP("TfTtemb>GatherReduceSumDenseGrad")
-    .Input("grad: T")             // [B, D]
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz] or [0]
-    .Input("argmax: int32")       // [B, D] for 'max', else [0, D]
-    .Input("num_rows: int64")     // scalar N
-    .Output("params_grad: T")     // [N, D]
+    .Input("grad: T")            // [B, D]
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [B + 1]
+    .Input("weights: T")         // [nnz] or [0]
+    .Input("argmax: int32")      // [B, D] for 'max', else [0, D]
+    .Input("num_rows: int64")    // scalar N
+    .Output("params_grad: T")    // [N, D]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle grad, num_rows_shape;
@@ -152,13 +151,13 @@ REGISTER_OP("TfTtemb>GatherReduceSumDenseGrad")
 // `output` is the forward result, needed by mean and sqrtn. Padding entries
 // get a zero gradient.
 REGISTER_OP("TfTtemb>GatherReduceSumWeightsGrad")
-    .Input("grad: T")             // [B, D]
-    .Input("params: T")           // [N, D]
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz]
-    .Input("output: T")           // [B, D]
-    .Output("weights_grad: T")    // [nnz]
+    .Input("grad: T")            // [B, D]
+    .Input("params: T")          // [N, D]
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [B + 1]
+    .Input("weights: T")         // [nnz]
+    .Input("output: T")          // [B, D]
+    .Output("weights_grad: T")   // [nnz]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle params, indices;
@@ -191,12 +190,12 @@ Status ResourceParamsDim(InferenceContext* c, DimensionHandle* dim) {
 }  // namespace
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSum")
-    .Input("params: resource")    // a variable holding [N, D] of dtype T
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz] or [0]
-    .Output("output: T")          // [B, D]
-    .Output("argmax: int32")      // [B, D] or [0, D]
+    .Input("params: resource")   // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [B + 1]
+    .Input("weights: T")         // [nnz] or [0]
+    .Output("output: T")         // [B, D]
+    .Output("argmax: int32")     // [B, D] or [0, D]
     .Attr("dense_grad: bool = false")
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
@@ -212,13 +211,13 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSum")
     .Doc("GatherReduceSum reading params from a resource variable, without a copy.");
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
-    .Input("grad: T")             // [B, D]
-    .Input("params: resource")    // a variable holding [N, D] of dtype T
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz]
-    .Input("output: T")           // [B, D]
-    .Output("weights_grad: T")    // [nnz]
+    .Input("grad: T")            // [B, D]
+    .Input("params: resource")   // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [B + 1]
+    .Input("weights: T")         // [nnz]
+    .Input("output: T")          // [B, D]
+    .Output("weights_grad: T")   // [nnz]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle indices;
@@ -249,12 +248,12 @@ Status FusedGradShapes(InferenceContext* c, DimensionHandle dim) {
 }  // namespace
 
 REGISTER_OP("TfTtemb>GatherReduceSumFusedGrad")
-    .Input("grad: T")             // [B, D]
-    .Input("params: T")           // [N, D]
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz]
-    .Input("output: T")           // [B, D]
+    .Input("grad: T")                    // [B, D]
+    .Input("params: T")                  // [N, D]
+    .Input("indices: Tindices")          // [nnz]
+    .Input("row_splits: int64")          // [B + 1]
+    .Input("weights: T")                 // [nnz]
+    .Input("output: T")                  // [B, D]
     .Output("unique_indices: Tindices")  // [U], or [0] with dense_grad
     .Output("params_grad: T")            // [U, D], or [N, D] with dense_grad
     .Output("weights_grad: T")           // [nnz]
@@ -268,20 +267,18 @@ REGISTER_OP("TfTtemb>GatherReduceSumFusedGrad")
     .Doc("Params and weights gradients of a weighted GatherReduceSum in one pass.");
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSumFusedGrad")
-    .Input("grad: T")             // [B, D]
-    .Input("params: resource")    // a variable holding [N, D] of dtype T
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz]
-    .Input("output: T")           // [B, D]
+    .Input("grad: T")            // [B, D]
+    .Input("params: resource")   // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [B + 1]
+    .Input("weights: T")         // [nnz]
+    .Input("output: T")          // [B, D]
     .Output("unique_indices: Tindices")
     .Output("params_grad: T")
     .Output("weights_grad: T")
     .Attr("dense_grad: bool = false")
     .TF_TTEMB_BAG_ATTRS
-    .SetShapeFn([](InferenceContext* c) {
-      return FusedGradShapes(c, c->UnknownDim());
-    })
+    .SetShapeFn([](InferenceContext* c) { return FusedGradShapes(c, c->UnknownDim()); })
     .Doc("GatherReduceSumFusedGrad reading params from a resource variable.");
 
 // Backward with the optimizer fused in (CPU): the params gradient of each
@@ -299,22 +296,21 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumFusedGrad")
 // it is an empty [0] vector. `output` is the forward result (used by weighted
 // mean and sqrtn), `argmax` the forward's second output (used by max).
 REGISTER_OP("TfTtemb>GatherReduceSumSparseApply")
-    .Input("grad: T")             // [B, D]
-    .Input("params: resource")    // a variable holding [N, D] of dtype T
-    .Input("indices: Tindices")   // [nnz]
-    .Input("row_splits: int64")   // [B + 1]
-    .Input("weights: T")          // [nnz] or [0]
-    .Input("output: T")           // [B, D]
-    .Input("argmax: int32")       // [B, D] for 'max', else [0, D]
-    .Input("learning_rate: Tacc") // scalar
-    .Input("epsilon: Tacc")       // scalar, >= 0
+    .Input("grad: T")                                    // [B, D]
+    .Input("params: resource")                           // a variable holding [N, D] of dtype T
+    .Input("indices: Tindices")                          // [nnz]
+    .Input("row_splits: int64")                          // [B + 1]
+    .Input("weights: T")                                 // [nnz] or [0]
+    .Input("output: T")                                  // [B, D]
+    .Input("argmax: int32")                              // [B, D] for 'max', else [0, D]
+    .Input("learning_rate: Tacc")                        // scalar
+    .Input("epsilon: Tacc")                              // scalar, >= 0
     .Input("accumulators: num_accumulators * resource")  // 0 (sgd) or 1
-    .Output("weights_grad: T")    // [nnz], or [0] without weights
+    .Output("weights_grad: T")                           // [nnz], or [0] without weights
     .Attr("optimizer: {'sgd', 'rowwise_adagrad', 'adagrad'} = 'sgd'")
     .Attr("num_accumulators: int >= 0 = 0")
     .Attr("Tacc: {float, double} = DT_FLOAT")
-    .TF_TTEMB_BAG_ATTRS
-    .SetIsStateful()
+    .TF_TTEMB_BAG_ATTRS.SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle indices, argmax, scalar;
       DimensionHandle dim = c->UnknownDim();

@@ -37,10 +37,9 @@ Status TTAttrShapes(InferenceContext* c, int64_t* dim) {
   if (static_cast<int64_t>(p_shapes.size()) != num_cores ||
       static_cast<int64_t>(q_shapes.size()) != num_cores ||
       static_cast<int64_t>(ranks.size()) != num_cores - 1) {
-    return errors::InvalidArgument(
-        "p_shapes and q_shapes need num_cores = ", num_cores,
-        " entries and ranks num_cores - 1, got ", p_shapes.size(), ", ",
-        q_shapes.size(), " and ", ranks.size());
+    return errors::InvalidArgument("p_shapes and q_shapes need num_cores = ", num_cores,
+                                   " entries and ranks num_cores - 1, got ", p_shapes.size(), ", ",
+                                   q_shapes.size(), " and ", ranks.size());
   }
   *dim = 1;
   for (int64_t q : q_shapes) {
@@ -65,8 +64,7 @@ Status TTRowsInputShapes(InferenceContext* c, int64_t* dim, ShapeHandle* ids) {
     const int64_t r_in = k == 0 ? 1 : ranks[k - 1];
     const int64_t r_out = k == num_cores - 1 ? 1 : ranks[k];
     DimensionHandle width;
-    TF_RETURN_IF_ERROR(
-        c->WithValue(c->Dim(core, 1), r_in * q_shapes[k] * r_out, &width));
+    TF_RETURN_IF_ERROR(c->WithValue(c->Dim(core, 1), r_in * q_shapes[k] * r_out, &width));
   }
   return OkStatus();
 }
@@ -74,10 +72,10 @@ Status TTRowsInputShapes(InferenceContext* c, int64_t* dim, ShapeHandle* ids) {
 }  // namespace
 
 REGISTER_OP("TfTtemb>TTUniqueIds")
-    .Input("ids: Tindices")           // [nnz]
-    .Input("table_splits: int64")     // [num_tables + 1]
-    .Output("unique_ids: int64")      // [U] sorted distinct global ids
-    .Output("slots: Tindices")        // [nnz] position in unique_ids, -1 = padding
+    .Input("ids: Tindices")        // [nnz]
+    .Input("table_splits: int64")  // [num_tables + 1]
+    .Output("unique_ids: int64")   // [U] sorted distinct global ids
+    .Output("slots: Tindices")     // [nnz] position in unique_ids, -1 = padding
     .Attr("num_embeddings: int >= 1")
     .Attr("stride: int >= 1")
     .Attr("padding_id: int = -1")
@@ -102,10 +100,10 @@ slots: Position of each entry's global id in unique_ids, -1 for padding entries.
 )doc");
 
 REGISTER_OP("TfTtemb>TTRows")
-    .Input("ids: int64")              // [U] global ids
-    .Input("cores: num_cores * T")    // core k: [num_tables * p_k, r_k q_k r_{k+1}]
-    .Output("rows: T")                // [U, prod(q_shapes)]
-    .Output("saved: T")               // [S] partial products for TTRowsGrad
+    .Input("ids: int64")            // [U] global ids
+    .Input("cores: num_cores * T")  // core k: [num_tables * p_k, r_k q_k r_{k+1}]
+    .Output("rows: T")              // [U, prod(q_shapes)]
+    .Output("saved: T")             // [S] partial products for TTRowsGrad
     .Attr("p_shapes: list(int) >= 2")
     .Attr("q_shapes: list(int) >= 2")
     .Attr("ranks: list(int) >= 1")
@@ -133,10 +131,10 @@ saved: The partial products of the second-to-last level, which TTRowsGrad
 )doc");
 
 REGISTER_OP("TfTtemb>TTRowsGrad")
-    .Input("ids: int64")              // [U]
+    .Input("ids: int64")  // [U]
     .Input("cores: num_cores * T")
-    .Input("grad: T")                 // [U, D]
-    .Input("saved: T")                // TTRows' saved output, or empty
+    .Input("grad: T")                                // [U, D]
+    .Input("saved: T")                               // TTRows' saved output, or empty
     .Output("core_grad_indices: num_cores * int64")  // core k: [n_k]
     .Output("core_grad_values: num_cores * T")       // core k: [n_k, width_k]
     .Attr("p_shapes: list(int) >= 2")
@@ -160,8 +158,7 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
       for (int64_t k = 0; k < num_cores; ++k) {
         DimensionHandle count = c->UnknownDim();
         c->set_output(k, c->Vector(count));
-        c->set_output(num_cores + k,
-                      c->Matrix(count, c->Dim(c->input(1 + k), 1)));
+        c->set_output(num_cores + k, c->Matrix(count, c->Dim(c->input(1 + k), 1)));
       }
       return OkStatus();
     })
@@ -177,9 +174,9 @@ core_grad_values: For core k, their gradients. Summed in a fixed order: the
 )doc");
 
 REGISTER_OP("TfTtemb>TTCacheCount")
-    .Input("keys: resource")          // int64 [H], -1 = empty
-    .Input("counts: resource")        // int64 [H]
-    .Input("ids: int64")              // [n], negative ids are skipped
+    .Input("keys: resource")    // int64 [H], -1 = empty
+    .Input("counts: resource")  // int64 [H]
+    .Input("ids: int64")        // [n], negative ids are skipped
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ids;
       return c->WithRank(c->input(2), 1, &ids);

@@ -111,11 +111,11 @@ int ttemb_forward(int dtype, int index_dtype, const TtembProblem* problem, const
   Dispatch(dtype, index_dtype, [&](auto t, auto i) {
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
-    err = tf_ttemb::gpu::LaunchForward<T, I>(
-        p, static_cast<const T*>(params), static_cast<const I*>(ids), splits,
-        static_cast<const T*>(weights), static_cast<T*>(out), argmax,
-        static_cast<DeviceReport*>(report), scratch, scratch_bytes,
-        static_cast<cudaStream_t>(stream));
+    err = tf_ttemb::gpu::LaunchForward<T, I>(p, static_cast<const T*>(params),
+                                             static_cast<const I*>(ids), splits,
+                                             static_cast<const T*>(weights), static_cast<T*>(out),
+                                             argmax, static_cast<DeviceReport*>(report), scratch,
+                                             scratch_bytes, static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
@@ -127,7 +127,7 @@ size_t ttemb_params_grad_scratch_bytes(int dtype, int index_dtype, const TtembPr
   Dispatch(dtype, index_dtype, [&](auto t, auto i) {
     bytes = tf_ttemb::gpu::ParamsGradScratchBytes<typename decltype(t)::type,
                                                   typename decltype(i)::type>(p, dense != 0,
-                                                                               fused != 0);
+                                                                              fused != 0);
   });
   return bytes;
 }
@@ -161,9 +161,9 @@ int ttemb_params_grad_reduce(int dtype, int index_dtype, const TtembProblem* pro
   Dispatch(dtype, index_dtype, [&](auto t, auto i) {
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
-    WeightsGradFusion<T> fusion{static_cast<const T*>(fused_params),
-                                static_cast<const T*>(fused_output),
-                                static_cast<const T*>(fused_weights), static_cast<T*>(weights_grad)};
+    WeightsGradFusion<T> fusion{
+        static_cast<const T*>(fused_params), static_cast<const T*>(fused_output),
+        static_cast<const T*>(fused_weights), static_cast<T*>(weights_grad)};
     err = tf_ttemb::gpu::LaunchParamsGradReduce<T, I>(
         p, static_cast<const T*>(grad), argmax, static_cast<I*>(unique_ids),
         static_cast<T*>(values), static_cast<T*>(dense),
@@ -192,10 +192,9 @@ int ttemb_weights_grad(int dtype, int index_dtype, const TtembProblem* problem, 
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
     err = tf_ttemb::gpu::LaunchWeightsGrad<T, I>(
-        p, static_cast<const T*>(grad), static_cast<const T*>(params),
-        static_cast<const I*>(ids), splits, static_cast<const T*>(weights),
-        static_cast<const T*>(output), static_cast<T*>(weights_grad),
-        static_cast<DeviceReport*>(report), scratch, scratch_bytes,
+        p, static_cast<const T*>(grad), static_cast<const T*>(params), static_cast<const I*>(ids),
+        splits, static_cast<const T*>(weights), static_cast<const T*>(output),
+        static_cast<T*>(weights_grad), static_cast<DeviceReport*>(report), scratch, scratch_bytes,
         static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);

@@ -117,8 +117,8 @@ static size_t TTBytes(int dtype, const TtembTTProblem* problem, F&& size) {
 int ttemb_tt_report_bytes(void) { return static_cast<int>(sizeof(TTReport)); }
 
 size_t ttemb_tt_unique_scratch_bytes(int index_dtype, int64_t nnz, int64_t num_tables,
-                                     int64_t num_embeddings, int64_t stride,
-                                     int32_t has_padding_id, int64_t padding_id) {
+                                     int64_t num_embeddings, int64_t stride, int32_t has_padding_id,
+                                     int64_t padding_id) {
   size_t bytes = 0;
   const UniqueIdsProblem p =
       ToUniqueProblem(nnz, num_tables, num_embeddings, stride, has_padding_id, padding_id);
@@ -137,10 +137,9 @@ int ttemb_tt_unique(int index_dtype, int64_t nnz, int64_t num_tables, int64_t nu
       ToUniqueProblem(nnz, num_tables, num_embeddings, stride, has_padding_id, padding_id);
   DispatchIndex(index_dtype, [&](auto i) {
     using I = typename decltype(i)::type;
-    err = tf_ttemb::gpu::LaunchUniqueIds<I>(p, static_cast<const I*>(ids), table_splits,
-                                            unique_ids, static_cast<I*>(slots),
-                                            static_cast<TTReport*>(report), scratch,
-                                            scratch_bytes, static_cast<cudaStream_t>(stream));
+    err = tf_ttemb::gpu::LaunchUniqueIds<I>(
+        p, static_cast<const I*>(ids), table_splits, unique_ids, static_cast<I*>(slots),
+        static_cast<TTReport*>(report), scratch, scratch_bytes, static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
@@ -159,16 +158,14 @@ int ttemb_tt_rows(int dtype, const TtembTTProblem* problem, const int64_t* ids, 
   if (!ToTTProblem(problem, &p)) return static_cast<int>(err);
   DispatchValue(dtype, [&](auto t) {
     using T = typename decltype(t)::type;
-    err = tf_ttemb::gpu::LaunchRows<T>(p, ids, max_ids, num_ids,
-                                       reinterpret_cast<const T* const*>(cores),
-                                       static_cast<T*>(rows), static_cast<TTReport*>(report),
-                                       scratch, scratch_bytes, static_cast<cudaStream_t>(stream));
+    err = tf_ttemb::gpu::LaunchRows<T>(
+        p, ids, max_ids, num_ids, reinterpret_cast<const T* const*>(cores), static_cast<T*>(rows),
+        static_cast<TTReport*>(report), scratch, scratch_bytes, static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
 
-size_t ttemb_tt_rows_grad_scratch_bytes(int dtype, const TtembTTProblem* problem,
-                                        int64_t max_ids) {
+size_t ttemb_tt_rows_grad_scratch_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids) {
   return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
     return tf_ttemb::gpu::RowsGradScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
@@ -192,8 +189,8 @@ size_t ttemb_tt_rows_grad_work_bytes(int dtype, const TtembTTProblem* problem, i
 }
 
 int ttemb_tt_rows_grad_prepare(int dtype, const TtembTTProblem* problem, const int64_t* ids,
-                               int64_t max_ids, const int64_t* num_ids, void* report,
-                               void* scratch, size_t scratch_bytes, void* stream) {
+                               int64_t max_ids, const int64_t* num_ids, void* report, void* scratch,
+                               size_t scratch_bytes, void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
   TTProblem p;
   if (!ToTTProblem(problem, &p)) return static_cast<int>(err);
@@ -201,8 +198,7 @@ int ttemb_tt_rows_grad_prepare(int dtype, const TtembTTProblem* problem, const i
     using T = typename decltype(t)::type;
     err = tf_ttemb::gpu::LaunchRowsGradPrepare<T>(p, ids, max_ids, num_ids,
                                                   static_cast<TTReport*>(report), scratch,
-                                                  scratch_bytes,
-                                                  static_cast<cudaStream_t>(stream));
+                                                  scratch_bytes, static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
@@ -214,8 +210,7 @@ int ttemb_tt_rows_grad_compute(int dtype, const TtembTTProblem* problem, const i
                                int64_t max_ids, const int64_t* num_ids, const void* const* cores,
                                const void* grad, int64_t* const* indices, void* const* values,
                                void* const* dense, void* scratch, size_t scratch_bytes,
-                               const void* prepared, void* work, size_t work_bytes,
-                               void* stream) {
+                               const void* prepared, void* work, size_t work_bytes, void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
   TTProblem p;
   if (!ToTTProblem(problem, &p)) return static_cast<int>(err);

@@ -71,8 +71,8 @@ int ttupd_sparse_update(int dtype, int optimizer, const TtupdSlice* slices, int 
       s[k].width = slices[k].width;
       s[k].n = slices[k].n;
     }
-    return static_cast<int>(g::LaunchSparseUpdate<T>(static_cast<g::SparseOptimizer>(optimizer),
-                                                     s, num_slices, learning_rate, eps,
+    return static_cast<int>(g::LaunchSparseUpdate<T>(static_cast<g::SparseOptimizer>(optimizer), s,
+                                                     num_slices, learning_rate, eps,
                                                      static_cast<cudaStream_t>(stream)));
   });
 }
@@ -83,8 +83,8 @@ int ttupd_select_rows(int dtype, int64_t n, int64_t width, const void* a, int64_
   return WithType(dtype, [&](auto tag) {
     using T = decltype(tag);
     return static_cast<int>(g::LaunchSelectRows<T>(
-        n, width, static_cast<const T*>(a), a_rows, sel_a, static_cast<const T*>(b), b_rows,
-        sel_b, static_cast<T*>(out), static_cast<cudaStream_t>(stream)));
+        n, width, static_cast<const T*>(a), a_rows, sel_a, static_cast<const T*>(b), b_rows, sel_b,
+        static_cast<T*>(out), static_cast<cudaStream_t>(stream)));
   });
 }
 
@@ -95,22 +95,19 @@ size_t ttupd_cache_count_scratch_bytes(int64_t n, int64_t table_size, int64_t id
 int ttupd_cache_count(const int64_t* ids, int64_t n, int64_t id_bound, int64_t* keys,
                       int64_t* counts, int64_t table_size, void* scratch, size_t scratch_bytes,
                       void* stream) {
-  return static_cast<int>(g::LaunchCacheCount(ids, n, id_bound, keys, counts, table_size,
-                                              scratch, scratch_bytes,
-                                              static_cast<cudaStream_t>(stream)));
+  return static_cast<int>(g::LaunchCacheCount(ids, n, id_bound, keys, counts, table_size, scratch,
+                                              scratch_bytes, static_cast<cudaStream_t>(stream)));
 }
 
 size_t ttupd_cache_lookup_scratch_bytes(int64_t n) { return g::CacheLookupScratchBytes(n); }
 
-int ttupd_cache_lookup(const int64_t* ids, int64_t n, const int64_t* cache_ids,
-                       int64_t cache_size, int64_t miss_pad_id, int64_t* position,
-                       int64_t* miss_rank, int64_t* miss_ids, int64_t* miss_at, int64_t* hit_at,
-                       int64_t* hit_pos, int64_t* counts, void* scratch, size_t scratch_bytes,
-                       void* stream) {
-  return static_cast<int>(g::LaunchCacheLookup(ids, n, cache_ids, cache_size, miss_pad_id,
-                                               position, miss_rank, miss_ids, miss_at, hit_at,
-                                               hit_pos, counts, scratch, scratch_bytes,
-                                               static_cast<cudaStream_t>(stream)));
+int ttupd_cache_lookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, int64_t cache_size,
+                       int64_t miss_pad_id, int64_t* position, int64_t* miss_rank,
+                       int64_t* miss_ids, int64_t* miss_at, int64_t* hit_at, int64_t* hit_pos,
+                       int64_t* counts, void* scratch, size_t scratch_bytes, void* stream) {
+  return static_cast<int>(g::LaunchCacheLookup(
+      ids, n, cache_ids, cache_size, miss_pad_id, position, miss_rank, miss_ids, miss_at, hit_at,
+      hit_pos, counts, scratch, scratch_bytes, static_cast<cudaStream_t>(stream)));
 }
 
 size_t ttupd_cache_populate_scratch_bytes(int64_t table_size, int64_t cache_size) {
@@ -119,9 +116,9 @@ size_t ttupd_cache_populate_scratch_bytes(int64_t table_size, int64_t cache_size
 
 int ttupd_cache_populate(const int64_t* keys, const int64_t* counts, int64_t table_size,
                          const int64_t* old_ids, int64_t cache_size, int64_t fresh_pad_id,
-                         int64_t* new_ids, int64_t* src, int64_t* fresh_rank,
-                         int64_t* fresh_ids, int64_t* fresh_at, int64_t* num_fresh,
-                         void* scratch, size_t scratch_bytes, void* stream) {
+                         int64_t* new_ids, int64_t* src, int64_t* fresh_rank, int64_t* fresh_ids,
+                         int64_t* fresh_at, int64_t* num_fresh, void* scratch, size_t scratch_bytes,
+                         void* stream) {
   return static_cast<int>(g::LaunchCachePopulate(
       keys, counts, table_size, old_ids, cache_size, fresh_pad_id, new_ids, src, fresh_rank,
       fresh_ids, fresh_at, num_fresh, scratch, scratch_bytes, static_cast<cudaStream_t>(stream)));
