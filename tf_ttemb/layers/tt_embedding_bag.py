@@ -731,9 +731,6 @@ class TTEmbeddingBag(_TTEmbeddingBagBase):
         """[..., L] ids give [..., embedding_dim]; ragged and sparse [B, L] give [B, D]."""
         return self._output_shape(input_shape)
 
-    def get_config(self) -> dict:
-        return super().get_config()
-
 
 @keras.saving.register_keras_serializable(package="tf_ttemb")
 class TableBatchedTTEmbeddingBag(_TTEmbeddingBagBase):
@@ -774,50 +771,6 @@ class TableBatchedTTEmbeddingBag(_TTEmbeddingBagBase):
     TensorShape([3, 100, 8])
     """
     )
-
-    def __init__(
-        self,
-        num_tables: int,
-        num_embeddings: int,
-        embedding_dim: int,
-        tt_ranks: int | Sequence[int],
-        tt_p_shapes: Sequence[int] | None = None,
-        tt_q_shapes: Sequence[int] | None = None,
-        combiner: str = "sum",
-        padding_id: int | None = None,
-        sparse: bool = False,
-        optimizer: str = "sgd",
-        learning_rate: float = 0.1,
-        eps: float = 1e-10,
-        use_cache: bool = False,
-        cache_size: int = 0,
-        hashtbl_size: int = 0,
-        weight_dist: str = "approx-uniform",
-        seed: int | None = None,
-        implementation: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            num_tables,
-            num_embeddings,
-            embedding_dim,
-            tt_ranks,
-            tt_p_shapes,
-            tt_q_shapes,
-            combiner,
-            padding_id,
-            sparse,
-            optimizer,
-            learning_rate,
-            eps,
-            use_cache,
-            cache_size,
-            hashtbl_size,
-            weight_dist,
-            seed,
-            implementation,
-            **kwargs,
-        )
 
     def call(self, indices: Any, weights: Any = None, training: bool | None = None) -> tf.Tensor:
         """Combines the rows of each bag of each table; see the class docstring."""
