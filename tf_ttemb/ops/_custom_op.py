@@ -28,8 +28,8 @@ def _attrs_of(op) -> dict:
     }
 
 
-def _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs):
-    params_shape = tf.shape(params, out_type=tf.int64)
+def _params_grad_sparse(lib, params_shape, ids, row_splits, weights, argmax, grad, attrs):
+    """The two-op backward's params gradient: IndexedSlices over the sorted unique ids."""
     unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
         grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
     )
@@ -57,7 +57,10 @@ def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
         )
         params_shape = tf.shape(params, out_type=tf.int64)
         return tf.IndexedSlices(values, unique_ids, params_shape), None, None, weights_grad
-    params_grad = _params_grad_sparse(lib, params, ids, row_splits, weights, argmax, grad, attrs)
+    params_shape = tf.shape(params, out_type=tf.int64)
+    params_grad = _params_grad_sparse(
+        lib, params_shape, ids, row_splits, weights, argmax, grad, attrs
+    )
     weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs)
     return params_grad, None, None, weights_grad
 
@@ -92,10 +95,9 @@ def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad):
             grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
         )
     else:
-        unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
-            grad, ids, row_splits, weights, argmax, params_shape[0], **attrs
+        params_grad = _params_grad_sparse(
+            lib, params_shape, ids, row_splits, weights, argmax, grad, attrs
         )
-        params_grad = tf.IndexedSlices(values, unique_ids, dense_shape=params_shape)
     weights_grad = None
     if attrs["has_weights"]:
         weights_grad = lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
