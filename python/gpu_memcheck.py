@@ -119,6 +119,9 @@ def main(argv=None) -> int:
             "no:cacheprovider",
             "-rfE",
             "--tb=short",
+            # A test that hangs leaves every thread's Python stack in the shard's output.
+            "-o",
+            f"faulthandler_timeout={max(30, int(args.timeout) // 3)}",
             *shard,
         ]
         out = open(os.path.join(args.out, f"pytest_{i}.txt"), "w")  # noqa: SIM115 (closed below)

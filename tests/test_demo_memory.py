@@ -52,7 +52,8 @@ def test_a_measurement_below_the_gathered_rows_is_reported_as_not_measured(monke
         return Done(spec["lookup"])
 
     monkeypatch.setattr(demo.subprocess, "run", fake_run)
-    records = demo._run_memory_worker(shape, [4], 0, demo.memory_method(), lambda _: None)
+    # A method measured in worker processes (the GPU allocator's is measured in this one).
+    records = demo._run_memory_worker(shape, [4], 0, demo.RSS, lambda _: None)
     got = {r["lookup"]: r["bytes"] for r in records}
     assert got == {demo.BASELINE: None, demo.FUSED: 0}
     assert _util.mib(None) == _util.NOT_MEASURED
