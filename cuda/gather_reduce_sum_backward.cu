@@ -97,6 +97,21 @@ __global__ void HotPiecesKernel(const int32_t* __restrict__ seg_start,
   }
 }
 
+// One thread, after FinishReport: where the report holds a problem (bad ids
+// or row_splits), leaves the launches after Prepare nothing to do (U = 0, no
+// valid entry, no piece), so that no output row and, for the sparse apply, no
+// table row is written before the caller raises the error.
+__global__ void DisarmOnBadInputKernel(const DeviceReport* __restrict__ report, int64_t nnz,
+                                       int64_t* __restrict__ meta,       // [2]: U, m
+                                       int32_t* __restrict__ hot_off) {  // [nnz + 1]
+  const bool bad = report->first_split != 0 || report->first_bad_split >= 0 ||
+                   report->last_split != nnz || report->first_bad_index >= 0;
+  if (!bad) return;
+  meta[0] = 0;
+  meta[1] = 0;
+  hot_off[nnz] = 0;
+}
+
 // One thread per sorted valid entry k: its bag, and either its coefficient
 // scale[b] * w (sum, mean, sqrtn) or its position inside the bag (max).
 template <typename T>
@@ -274,7 +289,10 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids, cons
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
     }
   }
-  return FinishReport<Tindex>(ids, p.nnz, splits, p.num_bags, report, stream);
+  TTEMB_RETURN_IF_CUDA_ERROR(FinishReport<Tindex>(ids, p.nnz, splits, p.num_bags, report, stream));
+  if (p.nnz == 0) return cudaSuccess;  // nothing to disarm: U = m = 0 already
+  DisarmOnBadInputKernel<<<1, 1, 0, stream>>>(report, p.nnz, s.meta, s.hot_off);
+  return LastLaunchError();
 }
 
 template <typename T>

@@ -94,7 +94,9 @@ cudaError_t LaunchForward(const BagProblem& p,
 // deduplicated output:
 //   1. LaunchParamsGradPrepare sorts the (id, position) pairs of the valid
 //      entries by id and finds the segments of equal ids; report->num_unique
-//      holds U once the stream has run it.
+//      holds U once the stream has run it. Where the report holds a problem
+//      (bad ids or row_splits), it leaves the launches after it no segment,
+//      so they write nothing (no output row, no table row in step 3).
 //   2. LaunchParamsGradReduce reduces each segment in float (double for
 //      double) in position order and writes either the deduplicated form
 //      (unique_ids [U] ascending, values [U, D]) or the dense form [N, D].
@@ -142,8 +144,9 @@ cudaError_t LaunchParamsGradReduce(const BagProblem& p,
 //    gather_reduce_sum_update_kernels.cuh, taken in AccT<T> on the unrounded
 //    sum, so the [U, D] gradient is never stored. With a fusion, whose params
 //    must be `table`, the weights gradient is computed from the rows as they
-//    were: a row is read and written by the one group that reduces it. Ids
-//    must have been checked (the caller reads the report of step 1 first).
+//    were: a row is read and written by the one group that reduces it. On
+//    bad ids or row_splits step 1 leaves it nothing to update, so the caller
+//    may queue it at once and check step 1's report when the stream has run.
 //    Row-wise Adagrad needs a whole row's sum of squares in one group: where
 //    ApplyFusesIntoReduce is false (rows cut into several column chunks), the
 //    caller reduces with LaunchParamsGradReduce and applies with

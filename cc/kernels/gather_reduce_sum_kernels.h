@@ -159,19 +159,21 @@ Status EnsureExclusiveHostBuffer(OpKernelContext* ctx, Var* var);
 // Looks up the params variable (input 1, holding T) and, for the optimizers
 // with state, the accumulator (input 9, holding Acc); locks both exclusively,
 // in address order so that two ops locking the same pair cannot deadlock, and
-// calls compute(params_var, acc_var) (acc_var null for sgd) under the locks.
+// returns compute(params_var, acc_var) (acc_var null for sgd), called under
+// the locks.
 
 template <typename T, typename Acc, typename Compute>
-void WithLockedSparseApplyVariables(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
-                                    Compute compute) {
+Status WithLockedSparseApplyVariablesStatus(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
+                                            Compute compute) {
   core::RefCountPtr<Var> params_var;
-  OP_REQUIRES_OK(ctx, LookupVariable<T>(ctx, 1, &params_var));
+  TF_RETURN_IF_ERROR(LookupVariable<T>(ctx, 1, &params_var));
   core::RefCountPtr<Var> acc_var;
   if (attrs.optimizer != RowOptimizer::kSgd) {
-    OP_REQUIRES_OK(
-        ctx, LookupTypedVariable(ctx, 9, DataTypeToEnum<Acc>::value, "accumulator", &acc_var));
-    OP_REQUIRES(ctx, acc_var.get() != params_var.get(),
-                errors::InvalidArgument("the accumulator must be another variable than params"));
+    TF_RETURN_IF_ERROR(
+        LookupTypedVariable(ctx, 9, DataTypeToEnum<Acc>::value, "accumulator", &acc_var));
+    if (acc_var.get() == params_var.get()) {
+      return errors::InvalidArgument("the accumulator must be another variable than params");
+    }
   }
   mutex* first = params_var->mu();
   mutex* second = acc_var ? acc_var->mu() : nullptr;
@@ -179,7 +181,19 @@ void WithLockedSparseApplyVariables(OpKernelContext* ctx, const SparseApplyAttrs
   mutex_lock first_lock(*first);
   std::optional<mutex_lock> second_lock;
   if (second != nullptr) second_lock.emplace(*second);
-  compute(params_var.get(), acc_var.get());
+  return compute(params_var.get(), acc_var.get());
+}
+
+// WithLockedSparseApplyVariablesStatus for a compute that reports through the
+// context.
+template <typename T, typename Acc, typename Compute>
+void WithLockedSparseApplyVariables(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
+                                    Compute compute) {
+  OP_REQUIRES_OK(ctx, (WithLockedSparseApplyVariablesStatus<T, Acc>(
+                          ctx, attrs, [&](Var* params_var, Var* acc_var) {
+                            compute(params_var, acc_var);
+                            return OkStatus();
+                          })));
 }
 
 }  // namespace tf_ttemb

@@ -179,25 +179,6 @@ class GpuCall {
   Tensor placeholder_;
 };
 
-// ComputeAsync of the ops whose output shapes are known on the host: `launch`
-// validates, allocates and queues the work on `call` and sets `check`, or
-// returns an error (an AsyncOpKernel must not fail through OP_REQUIRES, which
-// aborts the process there); the op then finishes from the stream
-// (GpuCall::ThenCheckReport), so no TensorFlow thread waits on the GPU. A
-// variable read in place is locked only while the work is queued: later
-// writers run on the same compute stream, after it.
-template <typename Launch>
-void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, Launch launch) {
-  auto call = std::make_shared<GpuCall>();
-  GpuCall::ReportCheck check;
-  OP_REQUIRES_OK_ASYNC(ctx, launch(call.get(), &check), done);
-  if (!check) {  // nothing queued that needs checking
-    done();
-    return;
-  }
-  GpuCall::ThenCheckReport(std::move(call), std::move(check), std::move(done));
-}
-
 // The sizes the params-gradient launchers take: the sort and the segment
 // bookkeeping use int32 positions.
 Status GradSizeLimits(const BagShapes& shapes) {
@@ -235,7 +216,7 @@ class GatherReduceSumGpuOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
       return WithParamsStatus<T, ParamsFromResource>(
           ctx, 0, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
     });
@@ -340,54 +321,62 @@ struct ParamsGradInputs {
   }
 };
 
-// Deduplicated form: unique_indices [U] ascending, values [U, D].
+// Deduplicated form: unique_indices [U] ascending, values [U, D]. U is known
+// only on the device: Prepare is queued, and once the stream has run it the
+// report's check (on the EventMgr thread) allocates the outputs at U and
+// queues the reduction, as TensorFlow core's GPU Unique sizes its output. No
+// TensorFlow thread waits on the stream.
 template <typename T, typename Tindex>
-class GatherReduceSumGradGpuOp : public OpKernel {
+class GatherReduceSumGradGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+      return Launch(ctx, call, check);
+    });
+  }
+
+ private:
+  Status Launch(OpKernelContext* ctx, GpuCall* call, GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     ParamsGradInputs<T, Tindex> in;
-    OP_REQUIRES_OK(ctx, in.Validate(ctx, attrs_));
-    GpuCall call;
-    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
+    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
     const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
         p, /*dense=*/false, /*fuse_weights_grad=*/false);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                            p, in.ids, in.splits, in.weights, call.device_report(), /*dense=*/false,
-                            /*fuse_weights_grad=*/false, scratch, scratch_bytes, call.stream()),
-                        "gather_reduce_sum params grad prepare"));
-    launchers::DeviceReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, ReportStatus(report, in.shapes, in.num_rows, attrs_));
-    int64_t num_unique = 0;
-    OP_REQUIRES_OK(ctx, NumUnique(report, in.shapes, in.num_rows, &num_unique));
-
-    Tensor* unique_ids = nullptr;
-    Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_unique, in.dim}), &values));
-    if (num_unique == 0) return;
-    void* placeholder = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
-    // Queued after the outputs exist; the stream orders it before any reader.
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(
-                 launchers::LaunchParamsGradReduce<CT, Tindex>(
-                     p, in.grad, in.ArgmaxOr(placeholder), unique_ids->flat<Tindex>().data(),
-                     NonEmptyOr(DevicePtr<T>(values), values->NumElements(), placeholder),
-                     /*dense=*/nullptr, /*fusion=*/nullptr, scratch, scratch_bytes, call.stream()),
-                 "gather_reduce_sum params grad reduce"));
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(
+        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                       p, in.ids, in.splits, in.weights, call->device_report(), /*dense=*/false,
+                       /*fuse_weights_grad=*/false, scratch, scratch_bytes, call->stream()),
+                   "gather_reduce_sum params grad prepare"));
+    *check = [this, ctx, call, in, p, scratch,
+              scratch_bytes](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, in.shapes, in.num_rows, attrs_));
+      int64_t num_unique = 0;
+      TF_RETURN_IF_ERROR(NumUnique(report, in.shapes, in.num_rows, &num_unique));
+      Tensor* unique_ids = nullptr;
+      Tensor* values = nullptr;
+      TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
+      TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({num_unique, in.dim}), &values));
+      if (num_unique == 0) return OkStatus();
+      void* placeholder = nullptr;
+      TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
+      return CudaStatus(
+          launchers::LaunchParamsGradReduce<CT, Tindex>(
+              p, in.grad, in.ArgmaxOr(placeholder), unique_ids->flat<Tindex>().data(),
+              NonEmptyOr(DevicePtr<T>(values), values->NumElements(), placeholder),
+              /*dense=*/nullptr, /*fusion=*/nullptr, scratch, scratch_bytes, call->stream()),
+          "gather_reduce_sum params grad reduce");
+    };
+    return OkStatus();
   }
 
- private:
   BagAttrs attrs_;
 };
 
@@ -401,7 +390,7 @@ class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
       return Launch(ctx, call, check);
     });
   }
@@ -462,7 +451,7 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
       return WithParamsStatus<T, ParamsFromResource>(
           ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
     });
@@ -513,86 +502,95 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
 // distinct id).
 
 template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumFusedGradGpuOp : public OpKernel {
+class GatherReduceSumFusedGradGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
     OP_REQUIRES(ctx, attrs_.has_weights,
                 errors::InvalidArgument("GatherReduceSumFusedGrad needs has_weights = true"));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    // A variable's lock is held until the stream has read the table: the
-    // deduplicated form reads the report back after Prepare, the dense form
-    // after the reduction.
-    WithParams<T, ParamsFromResource>(
-        ctx, 1, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
+  // The dense form queues both steps at once; the deduplicated form queues
+  // Prepare, and the report's check sizes the outputs at U and queues the
+  // reduction (GatherReduceSumGradGpuOp's way). A variable's lock is held
+  // while work is queued; the deduplicated form's reduction, queued later,
+  // reads the table through a reference that keeps its buffer: a writer in
+  // between copies the buffer first (TensorFlow's copy-on-write of a shared
+  // variable buffer), so the reduction sees the rows as Prepare did.
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+      return WithParamsStatus<T, ParamsFromResource>(
+          ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
+    });
   }
 
  private:
-  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call,
+                GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
     BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
-    OP_REQUIRES_OK(ctx, GradSizeLimits(shapes));
+    TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
+    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
     const int64_t num_rows = params.dim_size(0);
     const int64_t dim = params.dim_size(1);
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({shapes.nnz}), &weights_grad));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({shapes.nnz}), &weights_grad));
 
-    GpuCall call;
-    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
     const size_t scratch_bytes =
         launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense_grad_, /*fuse_weights_grad=*/true);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
-    const Tindex* ids = indices.flat<Tindex>().data();
-    const int64_t* splits = row_splits.flat<int64_t>().data();
-    OP_REQUIRES_OK(
-        ctx,
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    const Tensor& indices = ctx->input(2);
+    const Tensor& row_splits = ctx->input(3);
+    const Tensor& weights = ctx->input(4);
+    TF_RETURN_IF_ERROR(
         CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, ids, splits, DevicePtr<T>(weights), call.device_report(), dense_grad_,
-                       /*fuse_weights_grad=*/true, scratch, scratch_bytes, call.stream()),
+                       p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(),
+                       DevicePtr<T>(weights), call->device_report(), dense_grad_,
+                       /*fuse_weights_grad=*/true, scratch, scratch_bytes, call->stream()),
                    "gather_reduce_sum fused grad prepare"));
-    launchers::DeviceReport report;
-    int64_t grad_rows = num_rows;
-    if (!dense_grad_) {
-      OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-      OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
-      OP_REQUIRES_OK(ctx, NumUnique(report, shapes, num_rows, &grad_rows));
-    }
-    Tensor* unique_ids = nullptr;
-    Tensor* params_grad = nullptr;
-    OP_REQUIRES_OK(
-        ctx, ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : grad_rows}), &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({grad_rows, dim}), &params_grad));
-    void* placeholder = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
-    CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad), params_grad->NumElements(), placeholder);
-    const launchers::WeightsGradFusion<CT> fusion{DevicePtr<T>(params), DevicePtr<T>(output),
-                                                  DevicePtr<T>(weights),
-                                                  DevicePtr<T>(weights_grad)};
-    // Safe whatever the ids hold: the launchers never read out of bounds.
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                            p, DevicePtr<T>(grad), /*argmax=*/nullptr,
-                            dense_grad_ ? nullptr
-                                        : NonEmptyOr(unique_ids->flat<Tindex>().data(), grad_rows,
-                                                     placeholder),
+    // Queues the reduction into outputs of grad_rows rows.
+    auto reduce = [this, ctx, call, p, scratch, scratch_bytes, weights_grad,
+                   table = params](int64_t grad_rows) -> Status {
+      Tensor* unique_ids = nullptr;
+      Tensor* params_grad = nullptr;
+      TF_RETURN_IF_ERROR(
+          ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : grad_rows}), &unique_ids));
+      TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({grad_rows, p.dim}), &params_grad));
+      void* placeholder = nullptr;
+      TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
+      CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad), params_grad->NumElements(), placeholder);
+      const launchers::WeightsGradFusion<CT> fusion{
+          DevicePtr<T>(table), DevicePtr<T>(ctx->input(5)), DevicePtr<T>(ctx->input(4)),
+          DevicePtr<T>(weights_grad)};
+      Tindex* ids_out = dense_grad_
+                            ? nullptr
+                            : NonEmptyOr(unique_ids->flat<Tindex>().data(), grad_rows, placeholder);
+      // Safe whatever the ids hold: the launchers never read out of bounds.
+      return CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                            p, DevicePtr<T>(ctx->input(0)), /*argmax=*/nullptr, ids_out,
                             dense_grad_ ? nullptr : grad_out, dense_grad_ ? grad_out : nullptr,
-                            &fusion, scratch, scratch_bytes, call.stream()),
-                        "gather_reduce_sum fused grad reduce"));
+                            &fusion, scratch, scratch_bytes, call->stream()),
+                        "gather_reduce_sum fused grad reduce");
+    };
     if (dense_grad_) {
-      OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-      OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, attrs_));
+      TF_RETURN_IF_ERROR(reduce(num_rows));
+      *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
+        return ReportStatus(report, shapes, num_rows, attrs_);
+      };
+      return OkStatus();
     }
+    *check = [this, shapes, num_rows,
+              reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, shapes, num_rows, attrs_));
+      int64_t num_unique = 0;
+      TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
+      return reduce(num_unique);
+    };
+    return OkStatus();
   }
 
   BagAttrs attrs_;
@@ -602,13 +600,17 @@ class GatherReduceSumFusedGradGpuOp : public OpKernel {
 // ---------------------------------------------------------------------------
 // Backward with the optimizer fused in (GatherReduceSumSparseApply): under the
 // variables' exclusive locks, Prepare sorts the entries and checks the ids and
-// row_splits; the report is read back, so a bad input raises before any row is
-// written; LaunchParamsGradApply then reduces each distinct row's gradient and
-// updates the row (and its accumulator) in place where the sum is complete,
-// with the weights gradient from the rows as they were. Row-wise Adagrad on
-// rows wider than one column chunk needs the whole row's sum of squares
-// first: its sums go to a [U, D] temporary that LaunchApplyRows applies. All
-// run on the op's stream, so later readers of the variable see the update.
+// row_splits, and LaunchParamsGradApply reduces each distinct row's gradient
+// and updates the row (and its accumulator) in place where the sum is
+// complete, with the weights gradient from the rows as they were. On bad ids
+// or row_splits Prepare leaves the launches after it no segment to reduce, so
+// no row is written, and the report's check raises the CPU kernel's error once
+// the stream has run: the op queues its work and returns (an AsyncOpKernel),
+// as TensorFlow's own GPU scatter updates do. Row-wise Adagrad on rows wider
+// than one column chunk needs the whole row's sum of squares first: its sums
+// go to a [U, D] temporary that LaunchApplyRows applies, so that form reads U
+// back (waiting for the stream) to size it. All run on the op's stream, so
+// later readers of the variable see the update.
 
 // EnsureExclusiveBuffer's copy for device memory, on the op's stream.
 Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t stream) {
@@ -619,23 +621,27 @@ Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t 
 }
 
 template <typename T, typename Tindex>
-class GatherReduceSumSparseApplyGpuOp : public OpKernel {
+class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
  public:
   using Acc = AccT<T>;
 
-  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
                                             DataTypeToEnum<Acc>::value, &attrs_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    WithLockedSparseApplyVariables<T, Acc>(ctx, attrs_, [&](Var* params_var, Var* acc_var) {
-      ComputeLocked(ctx, params_var, acc_var);
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
+      return WithLockedSparseApplyVariablesStatus<T, Acc>(
+          ctx, attrs_, [&](Var* params_var, Var* acc_var) {
+            return Launch(ctx, params_var, acc_var, call, check);
+          });
     });
   }
 
  private:
-  void ComputeLocked(OpKernelContext* ctx, Var* params_var, Var* acc_var) {
+  Status Launch(OpKernelContext* ctx, Var* params_var, Var* acc_var, GpuCall* call,
+                GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     const BagAttrs& bag = attrs_.bag;
     const Tensor& grad = ctx->input(0);
@@ -646,57 +652,50 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
     const Tensor& argmax = ctx->input(6);
     BagShapes shapes;
     Acc lr, eps;
-    OP_REQUIRES_OK(ctx,
-                   ValidateSparseApplyInputs<Acc>(ctx, *params_var->tensor(),
-                                                  acc_var != nullptr ? acc_var->tensor() : nullptr,
-                                                  attrs_, &shapes, &lr, &eps));
-    OP_REQUIRES_OK(ctx, GradSizeLimits(shapes));
+    TF_RETURN_IF_ERROR(ValidateSparseApplyInputs<Acc>(
+        ctx, *params_var->tensor(), acc_var != nullptr ? acc_var->tensor() : nullptr, attrs_,
+        &shapes, &lr, &eps));
+    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
     const int64_t num_rows = params_var->tensor()->dim_size(0);
     const int64_t dim = params_var->tensor()->dim_size(1);
     const bool is_max = bag.combiner == Combiner::kMax;
     const bool fuse = bag.has_weights;  // max takes no weights
     Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx,
-                   ctx->allocate_output(0, TensorShape({fuse ? shapes.nnz : 0}), &weights_grad));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_output(0, TensorShape({fuse ? shapes.nnz : 0}), &weights_grad));
 
-    GpuCall call;
-    OP_REQUIRES_OK(ctx, call.Init(ctx));
+    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p = MakeProblem(bag, shapes, num_rows, dim);
     const size_t scratch_bytes =
         launchers::ParamsGradScratchBytes<CT, Tindex>(p, /*dense=*/false, fuse);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
     const CT* weights_ptr = fuse ? DevicePtr<T>(weights) : nullptr;
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                            p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(),
-                            weights_ptr, call.device_report(), /*dense=*/false, fuse, scratch,
-                            scratch_bytes, call.stream()),
-                        "gather_reduce_sum sparse apply prepare"));
-    launchers::DeviceReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, ReportStatus(report, shapes, num_rows, bag));
-    int64_t num_unique = 0;
-    OP_REQUIRES_OK(ctx, NumUnique(report, shapes, num_rows, &num_unique));
-    if (shapes.nnz == 0) return;
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchParamsGradPrepare<CT, Tindex>(
+            p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(), weights_ptr,
+            call->device_report(), /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
+        "gather_reduce_sum sparse apply prepare"));
+    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
+      return ReportStatus(report, shapes, num_rows, attrs_.bag);
+    };
+    if (shapes.nnz == 0) return OkStatus();
     if (dim == 0) {
-      if (fuse) {
-        OP_REQUIRES_OK(ctx, CudaStatus(cudaMemsetAsync(weights_grad->data(), 0,
-                                                       weights_grad->TotalBytes(), call.stream()),
-                                       "zeroing the weights gradient"));
-      }
-      return;
+      if (!fuse) return OkStatus();
+      return CudaStatus(
+          cudaMemsetAsync(weights_grad->data(), 0, weights_grad->TotalBytes(), call->stream()),
+          "zeroing the weights gradient");
     }
 
-    OP_REQUIRES_OK(ctx, EnsureExclusiveDeviceBuffer(ctx, params_var, call.stream()));
+    TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, params_var, call->stream()));
     if (acc_var != nullptr) {
-      OP_REQUIRES_OK(ctx, EnsureExclusiveDeviceBuffer(ctx, acc_var, call.stream()));
+      TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, acc_var, call->stream()));
     }
     CT* table = DevicePtr<T>(params_var->tensor());
     Acc* state = acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
 
     void* placeholder = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocatePlaceholder(&placeholder));
+    TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
     const launchers::WeightsGradFusion<CT> fusion{table, DevicePtr<T>(output), weights_ptr,
                                                   DevicePtr<T>(weights_grad)};
     const int32* argmax_ptr = nullptr;
@@ -712,31 +711,34 @@ class GatherReduceSumSparseApplyGpuOp : public OpKernel {
     update.dim = dim;
     if (launchers::ApplyFusesIntoReduce<CT>(p, update.optimizer)) {
       // Each row's sum updates the row where it is reduced: no [U, D] temporary.
-      OP_REQUIRES_OK(
-          ctx, CudaStatus(launchers::LaunchParamsGradApply<CT, Tindex>(
-                              p, DevicePtr<T>(grad), argmax_ptr, update, table, state,
-                              fuse ? &fusion : nullptr, scratch, scratch_bytes, call.stream()),
-                          "gather_reduce_sum sparse apply"));
-      return;
+      return CudaStatus(launchers::LaunchParamsGradApply<CT, Tindex>(
+                            p, DevicePtr<T>(grad), argmax_ptr, update, table, state,
+                            fuse ? &fusion : nullptr, scratch, scratch_bytes, call->stream()),
+                        "gather_reduce_sum sparse apply");
     }
-    // Row-wise Adagrad on rows cut into column chunks: the sums go to a
-    // [U, D] temporary, then LaunchApplyRows.
+    // Row-wise Adagrad on rows cut into column chunks: U sizes a [U, D]
+    // temporary for the sums, then LaunchApplyRows.
+    launchers::DeviceReport report;
+    TF_RETURN_IF_ERROR(call->ReadReport(&report));
+    TF_RETURN_IF_ERROR((*check)(report));
+    *check = nullptr;  // checked
+    int64_t num_unique = 0;
+    TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
     Tensor unique_ids, values;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<Tindex>::value, TensorShape({num_unique}),
-                                           &unique_ids));
-    OP_REQUIRES_OK(
-        ctx, ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, dim}), &values));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DataTypeToEnum<Tindex>::value, TensorShape({num_unique}), &unique_ids));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, dim}), &values));
     Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, placeholder);
     CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), placeholder);
-    OP_REQUIRES_OK(ctx, CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                                       p, DevicePtr<T>(grad), argmax_ptr, ids_out, values_out,
-                                       /*dense=*/nullptr, fuse ? &fusion : nullptr, scratch,
-                                       scratch_bytes, call.stream()),
-                                   "gather_reduce_sum sparse apply reduce"));
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
-                            update, ids_out, values_out, num_unique, table, state, call.stream()),
-                        "gather_reduce_sum sparse apply update"));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchParamsGradReduce<CT, Tindex>(
+            p, DevicePtr<T>(grad), argmax_ptr, ids_out, values_out,
+            /*dense=*/nullptr, fuse ? &fusion : nullptr, scratch, scratch_bytes, call->stream()),
+        "gather_reduce_sum sparse apply reduce"));
+    return CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
+                          update, ids_out, values_out, num_unique, table, state, call->stream()),
+                      "gather_reduce_sum sparse apply update");
   }
 
   SparseApplyAttrs attrs_;

@@ -22,6 +22,9 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/platform/status.h"
+#include "xla/stream_executor/activate_context.h"
+#include "xla/stream_executor/stream.h"
+#include "xla/stream_executor/stream_executor.h"
 
 namespace tensorflow {
 namespace tf_ttemb {
@@ -68,8 +71,13 @@ inline Status CudaStatus(cudaError_t err, const char* what) {
 // Once the stream has run everything queued so far, `check` turns the report
 // into the op's status (the CPU kernel's InvalidArgument, or OK) and `done`
 // is called, on the device's EventMgr thread, as TensorFlow core's GPU Where
-// and Unique finish. `keep` (the call's temporaries) is released before
-// `done`.
+// and Unique finish. `check` runs with the device's context active, so it may
+// also allocate outputs sized by the report and queue more work on `stream`
+// (the second step of a deduplicated gradient, as Unique's GPU kernel does);
+// that work runs before any consumer of the outputs, which TensorFlow queues
+// on the same stream after `done`. `keep` (the call's temporaries) is
+// released before `done`: TensorFlow's GPU allocator orders a freed buffer's
+// next use after the work already queued on the stream.
 template <typename Report>
 void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
                      const Report* device_report, std::shared_ptr<void> keep,
@@ -82,11 +90,17 @@ void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
     done();
     return;
   }
-  auto finish = [ctx, host, keep = std::move(keep), check = std::move(check),
+  ::stream_executor::Stream* se_stream = ctx->op_device_context()->stream();
+  auto finish = [ctx, se_stream, host, keep = std::move(keep), check = std::move(check),
                  done = std::move(done)]() mutable {
     Report report;
     std::memcpy(&report, host.data(), sizeof(report));
-    const Status status = check(report);
+    Status status;
+    {
+      const std::unique_ptr<::stream_executor::ActivateContext> active =
+          se_stream->parent()->Activate();
+      status = check(report);
+    }
     if (!status.ok()) ctx->SetStatus(status);
     keep.reset();
     done();
@@ -99,7 +113,28 @@ void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
     finish();
     return;
   }
-  info->event_mgr->ThenExecute(ctx->op_device_context()->stream(), std::move(finish));
+  info->event_mgr->ThenExecute(se_stream, std::move(finish));
+}
+
+// ComputeAsync of a GPU op: `launch(call, &check)` validates, allocates and
+// queues the work on a new Call (GpuCall or TTGpuCall: one op call's stream,
+// report and temporaries) and sets `check`, or returns an error (an
+// AsyncOpKernel must not fail through OP_REQUIRES, which aborts the process
+// there). The op then finishes from the stream (Call::ThenCheckReport, where
+// `check` may also size outputs and queue a second step), so no TensorFlow
+// thread waits on the GPU; an unset `check` (nothing queued that needs
+// checking) finishes at once. A variable read in place is locked only while
+// the work is queued: later writers run on the same compute stream, after it.
+template <typename Call, typename Launch>
+void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, Launch launch) {
+  auto call = std::make_shared<Call>();
+  typename Call::ReportCheck check;
+  OP_REQUIRES_OK_ASYNC(ctx, launch(call.get(), &check), done);
+  if (!check) {
+    done();
+    return;
+  }
+  Call::ThenCheckReport(std::move(call), std::move(check), std::move(done));
 }
 
 }  // namespace tf_ttemb

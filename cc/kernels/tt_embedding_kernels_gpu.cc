@@ -10,28 +10,26 @@
 //     allocate_temp sized by the launchers' size queries;
 //   * for the ops that read ids, copies the launchers' TTReport (16 int64
 //     words) into pinned host memory and raises the CPU kernel's
-//     InvalidArgument for the first bad id the device found: TTRows without
-//     waiting (an AsyncOpKernel finished from the stream), the ops whose
-//     output sizes come from the device after waiting for the stream.
+//     InvalidArgument for the first bad id the device found. These ops are
+//     AsyncOpKernels: they queue their work and finish from the device's
+//     EventMgr thread once the stream has run it (LaunchThenCheck), so no
+//     TensorFlow thread waits on the GPU.
 //
 // Data-dependent output sizes. TensorFlow allocates an output before a kernel
 // writes it, but U (TTUniqueIds) and n_k (TTRowsGrad) are only known on the
-// device. Both ops therefore make exactly one stream synchronisation, which
-// they need anyway for the id check:
+// device. Both ops finish in the report's check, which runs once the stream
+// has run the first step, as TensorFlow core's GPU Unique does:
 //   * TTUniqueIds: the launcher writes the sorted distinct ids into an
-//     upper-bound buffer [nnz] and U into the report; after the read-back the
-//     output is the first U entries of that buffer (a Tensor slice, no copy).
+//     upper-bound buffer [nnz] and U into the report; the check sets the
+//     output to the first U entries of that buffer (a Tensor slice, no copy).
 //     slots [nnz] has a static size and is final.
 //   * TTRowsGrad: LaunchRowsGradPrepare sorts the core rows and writes n_k
-//     into the report; after the read-back the outputs [n_k] and
-//     [n_k, width_k] are allocated, and so is Compute's float work buffer,
-//     sized by the same report for these ids (not the upper bound for any
-//     num_ids ids: 0.6 instead of 8.2 GB in all at FBTT's shape and 1.24M ids); then
-//     LaunchRowsGradCompute (Prepare's scratch, untouched in between) is
-//     queued to fill them; nothing waits for it.
-// TTRows' output [U, D] has a static size: it is an AsyncOpKernel whose
-// report is checked on the device's EventMgr thread once the stream has run
-// it (tf_ttemb::ThenCheckReport), like gather_reduce_sum's GPU forward.
+//     into the report; the check allocates the outputs [n_k] and
+//     [n_k, width_k] and Compute's float work buffer, sized by the same
+//     report for these ids (not the upper bound for any num_ids ids: 0.6
+//     instead of 8.2 GB in all at FBTT's shape and 1.24M ids), and queues
+//     LaunchRowsGradCompute (Prepare's scratch, untouched in between).
+// TTRows' output [U, D] has a static size: its check only checks the ids.
 // TTCacheCount reads nothing back: it queues the update under the variables'
 // locks, as TensorFlow's own GPU variable updates do; later readers of the
 // variables run on the same stream, after it.
@@ -112,9 +110,9 @@ Status MakeTTProblem(const TTShape& s, launchers::TTProblem* p) {
 }
 
 // The op's CUDA stream, the launchers' report in device memory and its pinned
-// host copy, and the call's scratch, for one Compute call. Temporaries live
-// until Compute returns; everything queued that reads host memory has
-// finished by then (ReadReport waits for the stream).
+// host copy, and the call's scratch, for one op call. The call lives until the
+// op finishes from the stream (ThenCheckReport), when everything queued that
+// reads its host memory has run.
 class TTGpuCall {
  public:
   TTGpuCall() = default;
@@ -162,7 +160,7 @@ class TTGpuCall {
 
   // Copies a host int64 tensor to a new device temporary, through pinned
   // memory (the copy is asynchronous; the staging buffer lives as long as
-  // this call, which waits for the stream before Compute returns).
+  // this call, which lasts until the stream has run the copy).
   Status CopyToDevice(const Tensor& host, Tensor* device) {
     const int64_t n = host.NumElements();
     TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({n}), &staging_, PinnedHost()));
@@ -176,22 +174,8 @@ class TTGpuCall {
         "copy to the device");
   }
 
-  // Copies the report to the host and waits for the stream: everything the
-  // launchers queued before has finished when this returns OK.
-  Status ReadReport(launchers::TTReport* report) {
-    int64_t* host = host_report_.flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(host, device_report(), sizeof(launchers::TTReport),
-                                   cudaMemcpyDeviceToHost, stream_),
-                   "copy of the device report"));
-    TF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
-    copy_pending_ = false;
-    std::memcpy(report, host, sizeof(launchers::TTReport));
-    return OkStatus();
-  }
-
-  // ReadReport without waiting (tf_ttemb::ThenCheckReport): the op's status
-  // is `check`'s and `done` is called once the stream has run what is queued;
+  // Reads the report back without waiting (tf_ttemb::ThenCheckReport): the
+  // op's status is `check`'s and `done` is called once the stream has run what is queued;
   // the call (report, scratch, staging) lives until then.
   using ReportCheck = std::function<Status(const launchers::TTReport&)>;
   static void ThenCheckReport(std::shared_ptr<TTGpuCall> call, ReportCheck check,
@@ -253,39 +237,48 @@ Status GlobalIdsReportStatus(const launchers::TTReport& r, const TTShape& shape)
 // ---------------------------------------------------------------------------
 // TTUniqueIds
 
+// U is known only on the device: the launch is queued, and once the stream
+// has run it the report's check (on the EventMgr thread) sets the output to
+// the first U ids, as TensorFlow core's GPU Unique does.
 template <typename Tindex>
-class TTUniqueIdsGpuOp : public OpKernel {
+class TTUniqueIdsGpuOp : public AsyncOpKernel {
  public:
-  explicit TTUniqueIdsGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit TTUniqueIdsGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetUniqueIdsAttrs(ctx, &attrs_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck<TTGpuCall>(
+        ctx, std::move(done),
+        [&](TTGpuCall* call, TTGpuCall::ReportCheck* check) { return Launch(ctx, call, check); });
+  }
+
+ private:
+  Status Launch(OpKernelContext* ctx, TTGpuCall* call, TTGpuCall::ReportCheck* check) {
     const Tensor& ids = ctx->input(0);
     const Tensor& splits = ctx->input(1);  // host memory
-    OP_REQUIRES_OK(ctx, ValidateUniqueIdsInputs(ids, splits, attrs_));
+    TF_RETURN_IF_ERROR(ValidateUniqueIdsInputs(ids, splits, attrs_));
     const int64_t nnz = ids.NumElements();
     const int64_t num_tables = splits.NumElements() - 1;
-    OP_REQUIRES_OK(ctx, GpuIdsLimit("TTUniqueIds", "ids", nnz));
+    TF_RETURN_IF_ERROR(GpuIdsLimit("TTUniqueIds", "ids", nnz));
     // The launcher's bound on global ids (the CPU check allows 2^62 itself).
-    OP_REQUIRES(ctx, attrs_.stride <= ((int64_t{1} << 62) - 1) / num_tables,
-                errors::InvalidArgument("num_tables * stride is too large for the GPU kernel: ",
-                                        num_tables, " * ", attrs_.stride, " >= 2^62"));
+    if (attrs_.stride > ((int64_t{1} << 62) - 1) / num_tables) {
+      return errors::InvalidArgument("num_tables * stride is too large for the GPU kernel: ",
+                                     num_tables, " * ", attrs_.stride, " >= 2^62");
+    }
     Tensor* slots = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ids.shape(), &slots));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, ids.shape(), &slots));
     if (nnz == 0) {
       Tensor* unique = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({0}), &unique));
-      return;
+      return ctx->allocate_output(0, TensorShape({0}), &unique);
     }
 
-    TTGpuCall call;
-    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
+    TF_RETURN_IF_ERROR(call->Init(ctx, /*with_report=*/true));
     Tensor device_splits;
-    OP_REQUIRES_OK(ctx, call.CopyToDevice(splits, &device_splits));
+    TF_RETURN_IF_ERROR(call->CopyToDevice(splits, &device_splits));
     // Upper bound of the output; its first U entries become the output.
     Tensor unique_buffer;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(DT_INT64, TensorShape({nnz}), &unique_buffer));
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({nnz}), &unique_buffer));
     launchers::UniqueIdsProblem p;
     p.nnz = nnz;
     p.num_tables = num_tables;
@@ -295,28 +288,31 @@ class TTUniqueIdsGpuOp : public OpKernel {
     p.padding_id = attrs_.bag.padding_id;
     const size_t scratch_bytes = launchers::UniqueIdsScratchBytes<Tindex>(p);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchUniqueIds<Tindex>(
-                            p, ids.flat<Tindex>().data(), device_splits.flat<int64_t>().data(),
-                            unique_buffer.flat<int64_t>().data(), slots->flat<Tindex>().data(),
-                            call.device_report(), scratch, scratch_bytes, call.stream()),
-                        "TTUniqueIds launch"));
-    launchers::TTReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES(ctx, report.first_bad_index < 0,
-                BadIndexError(report.first_bad_index, report.bad_index_value, attrs_.num_embeddings,
-                              attrs_.bag));
-    const int64_t num_unique = report.num_unique;
-    OP_REQUIRES(ctx, num_unique >= 0 && num_unique <= nnz,
-                errors::Internal("tf_ttemb GPU TTUniqueIds: the device found ", num_unique,
-                                 " unique ids among ", nnz, " ids"));
-    // A view of the buffer's first U ids: no copy (the buffer's tail stays
-    // allocated as long as the output lives, at most 8 bytes per id).
-    ctx->set_output(0, unique_buffer.Slice(0, num_unique));
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(
+        CudaStatus(launchers::LaunchUniqueIds<Tindex>(
+                       p, ids.flat<Tindex>().data(), device_splits.flat<int64_t>().data(),
+                       unique_buffer.flat<int64_t>().data(), slots->flat<Tindex>().data(),
+                       call->device_report(), scratch, scratch_bytes, call->stream()),
+                   "TTUniqueIds launch"));
+    *check = [this, ctx, nnz, unique_buffer](const launchers::TTReport& report) -> Status {
+      if (report.first_bad_index >= 0) {
+        return BadIndexError(report.first_bad_index, report.bad_index_value, attrs_.num_embeddings,
+                             attrs_.bag);
+      }
+      const int64_t num_unique = report.num_unique;
+      if (num_unique < 0 || num_unique > nnz) {
+        return errors::Internal("tf_ttemb GPU TTUniqueIds: the device found ", num_unique,
+                                " unique ids among ", nnz, " ids");
+      }
+      // A view of the buffer's first U ids: no copy (the buffer's tail stays
+      // allocated as long as the output lives, at most 8 bytes per id).
+      ctx->set_output(0, unique_buffer.Slice(0, num_unique));
+      return OkStatus();
+    };
+    return OkStatus();
   }
 
- private:
   UniqueIdsAttrs attrs_;
 };
 
@@ -349,15 +345,9 @@ class TTRowsGpuOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    auto call = std::make_shared<TTGpuCall>();
-    TTGpuCall::ReportCheck check;
-    // Fails through the status (OP_REQUIRES would abort in an AsyncOpKernel).
-    OP_REQUIRES_OK_ASYNC(ctx, Launch(ctx, call.get(), &check), done);
-    if (!check) {  // no ids: nothing queued
-      done();
-      return;
-    }
-    TTGpuCall::ThenCheckReport(std::move(call), std::move(check), std::move(done));
+    LaunchThenCheck<TTGpuCall>(
+        ctx, std::move(done),
+        [&](TTGpuCall* call, TTGpuCall::ReportCheck* check) { return Launch(ctx, call, check); });
   }
 
  private:
@@ -402,69 +392,93 @@ class TTRowsGpuOp : public AsyncOpKernel {
 // ---------------------------------------------------------------------------
 // TTRowsGrad
 
+// The cores' gradient sizes (the distinct prefixes n_k) are known only on the
+// device: the index part is queued, and once the stream has run it the
+// report's check (on the EventMgr thread) allocates the outputs and queues the
+// float part, as TensorFlow core's GPU Unique sizes its output.
 template <typename T>
-class TTRowsGradGpuOp : public OpKernel {
+class TTRowsGradGpuOp : public AsyncOpKernel {
  public:
   using CT = typename CudaTypeOf<T>::type;
 
-  explicit TTRowsGradGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit TTRowsGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
     OP_REQUIRES_OK(ctx, MakeTTProblem(shape_, &problem_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    LaunchThenCheck<TTGpuCall>(
+        ctx, std::move(done),
+        [&](TTGpuCall* call, TTGpuCall::ReportCheck* check) { return Launch(ctx, call, check); });
+  }
+
+ private:
+  Status Launch(OpKernelContext* ctx, TTGpuCall* call, TTGpuCall::ReportCheck* check) {
     const int num_cores = shape_.num_cores;
     OpInputList cores;
-    OP_REQUIRES_OK(ctx, ValidateRowsInputs(ctx, shape_, "TTRowsGrad", &cores));
+    TF_RETURN_IF_ERROR(ValidateRowsInputs(ctx, shape_, "TTRowsGrad", &cores));
     const Tensor& ids = ctx->input(0);
     const Tensor& grad = ctx->input(1 + num_cores);
     const int64_t num_ids = ids.NumElements();
     // Input 2 + num_cores (`saved`) is not read: see the top comment.
-    OpOutputList indices_out, values_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("core_grad_indices", &indices_out));
-    OP_REQUIRES_OK(ctx, ctx->output_list("core_grad_values", &values_out));
     if (num_ids == 0) {
-      OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad, num_ids, shape_));
+      TF_RETURN_IF_ERROR(ValidateRowsGradShape(grad, num_ids, shape_));
+      OpOutputList indices_out, values_out;
+      TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
+      TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
       for (int k = 0; k < num_cores; ++k) {
         Tensor* unused = nullptr;
-        OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({0}), &unused));
-        OP_REQUIRES_OK(ctx, values_out.allocate(k, TensorShape({0, shape_.width[k]}), &unused));
+        TF_RETURN_IF_ERROR(indices_out.allocate(k, TensorShape({0}), &unused));
+        TF_RETURN_IF_ERROR(values_out.allocate(k, TensorShape({0, shape_.width[k]}), &unused));
       }
-      return;
+      return OkStatus();
     }
 
-    TTGpuCall call;
-    OP_REQUIRES_OK(ctx, call.Init(ctx, /*with_report=*/true));
-    // The index part now; Compute's float work part after the read-back, sized
+    TF_RETURN_IF_ERROR(call->Init(ctx, /*with_report=*/true));
+    // The index part now; the float work part once the report is back, sized
     // for these ids (the distinct prefixes), not for num_ids arbitrary ids.
     const size_t scratch_bytes = launchers::RowsGradPrepareScratchBytes<CT>(problem_, num_ids);
     void* scratch = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateScratch(scratch_bytes, &scratch));
-    const int64_t* ids_ptr = ids.flat<int64_t>().data();
-    OP_REQUIRES_OK(ctx, CudaStatus(launchers::LaunchRowsGradPrepare<CT>(
-                                       problem_, ids_ptr, num_ids, /*num_ids=*/nullptr,
-                                       call.device_report(), scratch, scratch_bytes, call.stream()),
-                                   "TTRowsGrad prepare"));
-    launchers::TTReport report;
-    OP_REQUIRES_OK(ctx, call.ReadReport(&report));
-    OP_REQUIRES_OK(ctx, GlobalIdsReportStatus(report, shape_));
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchRowsGradPrepare<CT>(problem_, ids.flat<int64_t>().data(), num_ids,
+                                             /*num_ids=*/nullptr, call->device_report(), scratch,
+                                             scratch_bytes, call->stream()),
+        "TTRowsGrad prepare"));
+    *check = [this, ctx, call, num_ids, scratch, scratch_bytes](const launchers::TTReport& report) {
+      return Compute(ctx, call, num_ids, scratch, scratch_bytes, report);
+    };
+    return OkStatus();
+  }
+
+  // The second step, with the report of the first.
+  Status Compute(OpKernelContext* ctx, TTGpuCall* call, int64_t num_ids, void* scratch,
+                 size_t scratch_bytes, const launchers::TTReport& report) {
+    const int num_cores = shape_.num_cores;
+    TF_RETURN_IF_ERROR(GlobalIdsReportStatus(report, shape_));
+    const Tensor& grad = ctx->input(1 + num_cores);
     // Checked after the ids, as the CPU kernel does (prepare does not read
     // grad).
-    OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad, num_ids, shape_));
-
+    TF_RETURN_IF_ERROR(ValidateRowsGradShape(grad, num_ids, shape_));
+    OpInputList cores;
+    TF_RETURN_IF_ERROR(ctx->input_list("cores", &cores));
+    OpOutputList indices_out, values_out;
+    TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
+    TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
     const CT* core_ptrs[launchers::kMaxTTCores] = {};
     int64_t* index_ptrs[launchers::kMaxTTCores] = {};
     CT* value_ptrs[launchers::kMaxTTCores] = {};
     for (int k = 0; k < num_cores; ++k) {
       const int64_t count = report.core_rows[k];
       const int64_t core_rows = shape_.num_tables * shape_.p[k];
-      OP_REQUIRES(ctx, count >= 0 && count <= std::min(num_ids, core_rows),
-                  errors::Internal("tf_ttemb GPU TTRowsGrad: the device found ", count,
-                                   " rows of core ", k, " touched by ", num_ids, " ids"));
+      if (count < 0 || count > std::min(num_ids, core_rows)) {
+        return errors::Internal("tf_ttemb GPU TTRowsGrad: the device found ", count,
+                                " rows of core ", k, " touched by ", num_ids, " ids");
+      }
       Tensor* indices = nullptr;
       Tensor* values = nullptr;
-      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}), &indices));
-      OP_REQUIRES_OK(ctx, values_out.allocate(k, TensorShape({count, shape_.width[k]}), &values));
+      TF_RETURN_IF_ERROR(indices_out.allocate(k, TensorShape({count}), &indices));
+      TF_RETURN_IF_ERROR(values_out.allocate(k, TensorShape({count, shape_.width[k]}), &values));
       core_ptrs[k] = DevicePtr<T>(cores[k]);
       // Null where n_k == 0, which the launcher allows.
       index_ptrs[k] = count > 0 ? indices->flat<int64_t>().data() : nullptr;
@@ -472,18 +486,17 @@ class TTRowsGradGpuOp : public OpKernel {
     }
     const size_t work_bytes = launchers::RowsGradWorkBytes<CT>(problem_, num_ids, &report);
     void* work = nullptr;
-    OP_REQUIRES_OK(ctx, call.AllocateWork(work_bytes, &work));
+    TF_RETURN_IF_ERROR(call->AllocateWork(work_bytes, &work));
     // Queued after the outputs exist; the stream orders it before any reader.
     // The scratch is the prepare launch's, untouched since.
-    OP_REQUIRES_OK(
-        ctx, CudaStatus(launchers::LaunchRowsGradCompute<CT>(
-                            problem_, ids_ptr, num_ids, /*num_ids=*/nullptr, core_ptrs,
-                            DevicePtr<T>(grad), index_ptrs, value_ptrs, /*core_dense=*/nullptr,
-                            scratch, scratch_bytes, &report, work, work_bytes, call.stream()),
-                        "TTRowsGrad compute"));
+    return CudaStatus(launchers::LaunchRowsGradCompute<CT>(
+                          problem_, ctx->input(0).flat<int64_t>().data(), num_ids,
+                          /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(grad), index_ptrs,
+                          value_ptrs, /*core_dense=*/nullptr, scratch, scratch_bytes, &report, work,
+                          work_bytes, call->stream()),
+                      "TTRowsGrad compute");
   }
 
- private:
   TTShape shape_;
   launchers::TTProblem problem_;
 };
