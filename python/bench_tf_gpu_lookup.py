@@ -17,9 +17,13 @@ a layer calls it):
 
 Times, all through TensorFlow, medians:
   fwd per call        one `tf.function` call running the lookup and fetching one element
-  fwd in graph        `--steps` lookups in a `tf.while_loop` inside one call, divided
+  fwd in graph        `--steps` independent lookups (each its own ids) inside one call,
+                      summed at the end, divided: what a model of many tables sees
+  chained             `--steps` lookups in a `tf.while_loop`, each iteration waiting for
+                      the last: the latency of one lookup inside a graph
   fwd+bwd per call    output, IndexedSlices table gradient and weights gradient of a
                       random upstream gradient, one call (tt: the fused SGD step)
+  fwd+bwd in graph    `--steps` independent forward + backward inside one call, divided
 torch (CUDA events, in a child process started by this one: torch initialising CUDA in a
 process that already runs TensorFlow on the GPU died of SIGFPE in torch.randn on the
 H200 machine): `embedding_bag(mode="sum", per_sample_weights=...)`, forward, and forward
@@ -71,14 +75,19 @@ def time_tf(args, rows, dim, bags, length, dtype, rng) -> dict:
     dt = tf.as_dtype(dtype)
     with tf.device("/GPU:0"):
         table = tf.Variable(tf.cast(tf.random.normal([rows, dim], stddev=0.02), dt))
-        ids = tf.constant(rng.integers(0, rows, size=(bags, length)), tf.int64)
+        # One batch of ids per lookup of the in-graph runs, so that no two lookups are alike.
+        ids_list = [
+            tf.constant(rng.integers(0, rows, size=(bags, length)), tf.int64)
+            for _ in range(max(1, args.steps))
+        ]
+        ids = ids_list[0]
         weights = tf.cast(tf.constant(rng.random((bags, length), np.float32)), dt)
         upstream = tf.cast(tf.constant(rng.standard_normal((bags, dim), np.float32)), dt)
 
-    def fwd():
+    def fwd(ids=ids):
         return tf.cast(tf_ttemb.gather_reduce_sum(table, ids, weights)[0, 0], tf.float32)
 
-    def fwd_bwd():
+    def fwd_bwd(ids=ids):
         with tf.GradientTape() as tape:
             tape.watch(weights)
             out = tf_ttemb.gather_reduce_sum(table, ids, weights)
@@ -94,22 +103,40 @@ def time_tf(args, rows, dim, bags, length, dtype, rng) -> dict:
         both = tf.function(fwd_bwd)
 
         @tf.function
-        def many():
+        def chained():
             return tf.while_loop(
                 lambda i, acc: i < args.steps,
                 lambda i, acc: (i + 1, acc + fwd()),
                 (tf.constant(0), tf.constant(0.0)),
             )[1]
 
+        @tf.function
+        def independent():
+            return tf.add_n([fwd(k) for k in ids_list])
+
+        @tf.function
+        def independent_fwd_bwd():
+            return tf.add_n([fwd_bwd(k) for k in ids_list])
+
+    steps = len(ids_list)
+    in_graph_repeats = max(3, args.repeats // 3)
     out = {
         "fwd_per_call": _bench_util.time_calls(lambda: once().numpy(), 3, args.repeats).median_ms,
         "fwd_in_graph": _bench_util.time_calls(
-            lambda: many().numpy(), 2, max(3, args.repeats // 3)
+            lambda: independent().numpy(), 2, in_graph_repeats
+        ).median_ms
+        / steps,
+        "fwd_in_graph_chained": _bench_util.time_calls(
+            lambda: chained().numpy(), 2, in_graph_repeats
         ).median_ms
         / args.steps,
         "fwd_bwd_per_call": _bench_util.time_calls(
             lambda: both().numpy(), 3, args.repeats
         ).median_ms,
+        "fwd_bwd_in_graph": _bench_util.time_calls(
+            lambda: independent_fwd_bwd().numpy(), 2, in_graph_repeats
+        ).median_ms
+        / steps,
     }
     out["gathered_tb_s"] = bags * length * dim * dt.size / (out["fwd_in_graph"] * 1e-3) / 1e12
     return out
@@ -200,16 +227,17 @@ def time_tt(args, bags, length, seed) -> dict:
         if sgd_step is None:
             raise RuntimeError(why)
 
+        ids_list = [ids] + [
+            tf.constant(rng.integers(0, case.num_embeddings, size=(bags, length)), tf.int64)
+            for _ in range(max(1, args.steps) - 1)
+        ]
+
         def fwd():
             return steps["fwd"](ids)[0, 0]
 
         @tf.function
         def many():
-            return tf.while_loop(
-                lambda i, acc: i < args.steps,
-                lambda i, acc: (i + 1, acc + steps["fwd"](ids)[0, 0]),
-                (tf.constant(0), tf.constant(0.0)),
-            )[1]
+            return tf.add_n([steps["fwd"](k)[0, 0] for k in ids_list])
 
         def step():
             return sgd_step(ids, upstream)[0][0, 0]
@@ -219,7 +247,7 @@ def time_tt(args, bags, length, seed) -> dict:
     fwd_ms = _bench_util.time_calls(lambda: fwd().numpy(), 3, args.repeats).median_ms
     many_ms = (
         _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 3)).median_ms
-        / args.steps
+        / len(ids_list)
     )
     step_ms = _bench_util.time_calls(lambda: step().numpy(), 3, args.repeats).median_ms
     return {
@@ -277,8 +305,10 @@ def main(argv=None) -> int:
         print(
             f"{name} {rows}x{dim} {bags}x{length} {dtype}: fwd per call "
             f"{tf_times['fwd_per_call']:.3f} ms, in graph {tf_times['fwd_in_graph']:.3f} ms "
-            f"({tf_times['gathered_tb_s']:.2f} TB/s), fwd+bwd per call "
-            f"{tf_times['fwd_bwd_per_call']:.3f} ms; {torch_text}; "
+            f"({tf_times['gathered_tb_s']:.2f} TB/s; chained "
+            f"{tf_times['fwd_in_graph_chained']:.3f}), fwd+bwd per call "
+            f"{tf_times['fwd_bwd_per_call']:.3f} ms, in graph "
+            f"{tf_times['fwd_bwd_in_graph']:.3f} ms; {torch_text}; "
             f"{_verdicts(tf_times, targets)}",
             flush=True,
         )

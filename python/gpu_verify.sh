@@ -14,8 +14,11 @@
 #           (python -X faulthandler: a crash names its Python line).
 # sparse_apply: the sparse-apply benchmark against the plain backward.
 # demo:     the demo's first section on the GPU (its GPU case, 16,384 tokens at dim 1024).
+# demo_all: the whole demo (every section) on the GPU.
 # sanitize: compute-sanitizer memcheck over the GPU test files (the jit tests apart: XLA's
 #           own generated kernels are not ours) and racecheck over a float32 subset, at once.
+# sanitize_quick: memcheck over the files of the gradients, the sparse apply, the TT ops and
+#           the parity tests only (14 shards, ~2 min).
 set -u
 out="${OUT:-gpu_verify_out}"
 mkdir -p "$out"
@@ -32,7 +35,7 @@ for step in "$@"; do
     # shellcheck disable=SC2086
     tests) pytest_gpu tests 300 ${TESTS:?set TESTS to the test files} ;;
     benches)
-      timeout 150 python3 -X faulthandler python/bench_tf_gpu_lookup.py --repeats 9 \
+      timeout 240 python3 -X faulthandler python/bench_tf_gpu_lookup.py --repeats 9 \
         --json "$out/lookup.json" > "$out/lookup.txt" 2>&1
       echo "exit $?"
       grep -E "^(dlrm|pkm|tt)|Error|Fatal|File " "$out/lookup.txt" | head -30
@@ -45,6 +48,19 @@ for step in "$@"; do
       timeout 90 python3 python/bench_sparse_apply.py --json "$out/sparse_apply.json" \
         > "$out/sparse_apply.txt" 2>&1
       grep -E "per call|target" "$out/sparse_apply.txt"
+      ;;
+    demo_all)
+      timeout 300 python3 -m tf_ttemb demo --out "$out/demo_all" > "$out/demo_all.txt" 2>&1
+      echo "exit $?"
+      grep -v -E "^[IWE][0-9]{4} |━|^$" "$out/demo_all.txt" | grep -E "==|=>|AUC|bits|tokens|x " | tail -40
+      ;;
+    sanitize_quick)
+      # shellcheck disable=SC2086
+      python3 python/gpu_memcheck.py --tool memcheck --shards 14 --timeout 240 \
+        --out "$out/memcheck_quick" -k "not jit and not xla" tests/test_variable_params.py \
+        tests/test_gather_reduce_sum_sparse_apply.py tests/test_tt_ops.py tests/test_gpu_parity.py \
+        > "$out/memcheck_quick.txt" 2>&1
+      grep -v "^          " "$out/memcheck_quick.txt" | tail -18
       ;;
     demo)
       timeout 150 python3 -m tf_ttemb demo --sections gather_reduce_sum --out "$out/demo" \
@@ -68,7 +84,7 @@ for step in "$@"; do
       tail -6 "$out/racecheck.txt"
       ;;
     *)
-      echo "usage: bash python/gpu_verify.sh suite|tests|benches|sparse_apply|demo|sanitize ..." >&2
+      echo "usage: bash python/gpu_verify.sh suite|tests|benches|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
       exit 2
       ;;
   esac
