@@ -159,11 +159,17 @@ def main(argv=None) -> int:
         if rc == "timeout":
             # pytest -q prints one character per finished test: the next one was running.
             finished = sum(
-                len(re.sub(r"\s*\[\s*\d+%\]$", "", line))
+                len(re.match(r"[.FEsxX]*", line).group(0))
                 for line in lines
-                if re.fullmatch(r"[.FEsxX]+\s*(\[\s*\d+%\])?", line)
+                if re.match(r"[.FEsxX]+\s*(\[\s*\d+%\])?(Timeout \(|$)", line)
             )
             running = shard[finished] if finished < len(shard) else "(after the last test)"
+            # faulthandler_timeout's dump names the test function that hung (its stack).
+            frames = re.findall(
+                r'File "[^"]*/(tests/\w+\.py)", line \d+ in (test_\w+)', "\n".join(lines)
+            )
+            if frames:
+                running = "::".join(frames[-1]) + " (from its stack)"
             print(f"          {finished} of {len(shard)} finished; running: {running}", flush=True)
         if os.path.exists(log):
             # Where the errors are: the kernels they name, and the first failed tests.
