@@ -245,10 +245,9 @@ def time_tt(args, bags, length, seed) -> dict:
     lookups = bags * length
     per_lookup = 1e3 / lookups  # ms per call -> microseconds per lookup
     fwd_ms = _bench_util.time_calls(lambda: fwd().numpy(), 3, args.repeats).median_ms
-    many_ms = (
-        _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 3)).median_ms
-        / len(ids_list)
-    )
+    many_ms = _bench_util.time_calls(
+        lambda: many().numpy(), 2, max(3, args.repeats // 3)
+    ).median_ms / len(ids_list)
     step_ms = _bench_util.time_calls(lambda: step().numpy(), 3, args.repeats).median_ms
     return {
         "fwd_per_call_ms": fwd_ms,

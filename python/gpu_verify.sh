@@ -61,7 +61,7 @@ for step in "$@"; do
       ;;
     sanitize_quick)
       # shellcheck disable=SC2086
-      python3 python/gpu_memcheck.py --tool memcheck --shards 14 --timeout 240 \
+      python3 python/gpu_memcheck.py --tool memcheck --shards 14 --timeout "${SANITIZE_TIMEOUT:-240}" \
         --out "$out/memcheck_quick" -k "$sanitize_k" ${FILES:-tests/test_variable_params.py \
         tests/test_gather_reduce_sum_sparse_apply.py tests/test_tt_ops.py tests/test_gpu_parity.py} \
         > "$out/memcheck_quick.txt" 2>&1
