@@ -124,7 +124,9 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
         raise ValueError(
             f"dense indices must have a known rank >= 1 ([..., L]), got shape {dense_ids.shape}"
         )
-    ids = tf.reshape(dense_ids, [-1])
+    device = dense_ids.device if tf.executing_eagerly() else ""
+    flat = _common.eager_constant(("flat",), device, lambda: tf.constant([-1]))
+    ids = tf.reshape(dense_ids, flat)
     if dense_ids.shape.is_fully_defined():
         # Static shapes (every eager call): the bag count and size are Python ints, so the
         # lookup adds two or three ops to the kernel's (the row_splits range and the
@@ -133,10 +135,13 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
         bag_size = dims[-1]
         num_bags = math.prod(dims[:-1])
         batch_shape = None if len(dims) == 2 else tf.constant(dims[:-1], tf.int64)
-        if bag_size == 0:
-            row_splits = tf.zeros([num_bags + 1], tf.int64)
-        else:
-            row_splits = tf.range(0, (num_bags + 1) * bag_size, bag_size, dtype=tf.int64)
+
+        def make_splits() -> tf.Tensor:
+            if bag_size == 0:
+                return tf.zeros([num_bags + 1], tf.int64)
+            return tf.range(0, (num_bags + 1) * bag_size, bag_size, dtype=tf.int64)
+
+        row_splits = _common.eager_constant(("row_splits", num_bags, bag_size), device, make_splits)
     else:
         shape = tf.shape(dense_ids, out_type=tf.int64)
         batch_shape = shape[:-1]
@@ -163,7 +168,7 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
             )
             checks = [same] if same is not None else []
         with tf.control_dependencies(checks):
-            flat_weights = tf.reshape(tf.cast(dense_weights, dtype), [-1])
+            flat_weights = tf.reshape(tf.cast(dense_weights, dtype), flat)
 
     def dense_segment_ids() -> tf.Tensor:
         bags = tf.range(num_bags, dtype=tf.int64)[:, None]

@@ -7,7 +7,9 @@ Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
@@ -35,6 +37,49 @@ def int_ids(ids: tf.Tensor, what: str) -> tf.Tensor:
     if ids.dtype.is_integer:
         return tf.cast(ids, tf.int64)
     raise TypeError(f"{what} must be an integer tensor, got dtype {ids.dtype.name}")
+
+
+_EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
+_EAGER_CACHE_LOCK = threading.Lock()
+EAGER_CACHE_BYTES = 32 << 20  # kept in all, most recently used first
+
+
+def eager_constant(key: tuple, device: str, make: Callable[[], tf.Tensor]) -> tf.Tensor:
+    """`make()` on `device`, made once per (key, device) in eager mode and kept (the most
+    recently used, up to 32 MiB in all): a small constant input (row_splits of a dense
+    batch, an empty weights or index vector) costs more to create per call, 30-45 µs of
+    Python, than the lookup's whole wrapper should. In a graph, `make()` itself (it
+    becomes a constant node)."""
+    if not tf.executing_eagerly():
+        return make()
+    full_key = (key, device)
+    with _EAGER_CACHE_LOCK:
+        hit = _EAGER_CACHE.get(full_key)
+        if hit is not None:
+            _EAGER_CACHE.move_to_end(full_key)
+            return hit[0]
+    with tf.device(device or None):
+        value = make()
+    size = value.shape.num_elements() * value.dtype.size
+    if size > EAGER_CACHE_BYTES // 4:
+        return value
+    with _EAGER_CACHE_LOCK:
+        _EAGER_CACHE[full_key] = (value, size)
+        total = sum(entry[1] for entry in _EAGER_CACHE.values())
+        while total > EAGER_CACHE_BYTES:
+            total -= _EAGER_CACHE.popitem(last=False)[1][1]
+    return value
+
+
+def eager_cache_entries() -> list:
+    """(key, bytes) of each kept constant, least recently used first."""
+    with _EAGER_CACHE_LOCK:
+        return [(key, size) for (key, _), (_, size) in _EAGER_CACHE.items()]
+
+
+def empty(dtype: tf.DType, device: str = "") -> tf.Tensor:
+    """A [0] tensor of `dtype` (cached in eager mode, see `eager_constant`)."""
+    return eager_constant(("empty", dtype), device, lambda: tf.zeros([0], dtype))
 
 
 def static_or_dynamic(static: int | None, dynamic: tf.Tensor):

@@ -10,7 +10,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_ttemb.ops import _bags, _loader
+from tf_ttemb.ops import _bags, _common, _loader
 
 
 def op_attrs(combiner, has_weights: bool, padding_id: int | None) -> dict:
@@ -116,11 +116,11 @@ def custom_op_on_variable(
     lib = _loader.load_op_library()
     has_weights = bags.weights is not None
     attrs = op_attrs(combiner, has_weights, padding_id)
-    weights = bags.weights if has_weights else tf.zeros([0], variable.dtype)
+    weights = bags.weights if has_weights else _common.empty(variable.dtype, variable.device)
     # A read of no rows, through the public API, tells every active GradientTape that
     # the variable was used (the op below reads it through its handle, which tapes do
     # not see as a variable access) and costs nothing.
-    variable.sparse_read(tf.zeros([0], tf.int32))
+    variable.sparse_read(_common.empty(tf.int32, variable.device))
     output, _ = lib.tf_ttemb_resource_gather_reduce_sum(
         variable.handle, bags.ids, bags.row_splits, weights, dense_grad=dense_grad, **attrs
     )
@@ -133,7 +133,7 @@ def custom_op(
     lib = _loader.load_op_library()
     has_weights = bags.weights is not None
     attrs = op_attrs(combiner, has_weights, padding_id)
-    weights = bags.weights if has_weights else tf.zeros([0], params.dtype)
+    weights = bags.weights if has_weights else _common.empty(params.dtype, params.device)
     ids, row_splits = bags.ids, bags.row_splits
     if not dense_grad:
         output, _ = lib.tf_ttemb_gather_reduce_sum(params, ids, row_splits, weights, **attrs)
