@@ -1116,3 +1116,18 @@ def test_long_bag_error_is_blocked_not_sequential(rng, combiner):
     want = totals / denominator  # all terms are positive: the sum is their magnitudes' too
     error = np.max(np.abs(out.numpy()[0].astype(np.float64) - want) / want)
     assert error <= 1e-6, error
+
+
+@pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
+def test_ragged_weights_row_lengths_are_checked(use_function):
+    table = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2))
+    ids = tf.RaggedTensor.from_row_lengths(tf.constant([0, 1, 2, 3], tf.int64), [1, 3])
+    shared = ids.with_values(tf.constant([1.0, 2.0, 3.0, 4.0]))  # one row_splits tensor
+    moved = tf.RaggedTensor.from_row_lengths(tf.constant([1.0, 2.0, 3.0, 4.0]), [2, 2])
+    lookup = tf_ttemb.gather_reduce_sum
+    if use_function:
+        lookup = tf.function(lookup)
+    got = lookup(table, ids, shared).numpy()
+    np.testing.assert_allclose(got, [[0.0, 1.0], [2 * 2 + 3 * 4 + 4 * 6, 2 * 3 + 3 * 5 + 4 * 7]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="same row lengths as indices"):
+        lookup(table, ids, moved)
