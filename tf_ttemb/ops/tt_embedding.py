@@ -20,6 +20,7 @@ An optional row cache (`cache_ids` sorted, `cache_rows`) serves the ids it holds
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Sequence
@@ -320,6 +321,13 @@ class _TableBags(NamedTuple):
     finish: Any  # [num_bags, D] -> the output in the caller's layout
 
 
+def _host(xla: bool):
+    """Where table_splits is computed: the host (its few int64 values come from shapes,
+    and TTUniqueIds takes them in host memory, so a GPU placement would cost a
+    device-to-host copy on every step); under XLA, wherever the cluster runs."""
+    return contextlib.nullcontext() if xla else tf.device("/device:CPU:0")
+
+
 def _entry_tables(table_splits: tf.Tensor, nnz: tf.Tensor, num_tables: int) -> tf.Tensor:
     positions = tf.range(nnz, dtype=tf.int64)
     if num_tables == 1:
@@ -342,7 +350,8 @@ def _table_bags(
     bags = _bags.to_csr(indices, weights, dtype, xla)
     nnz = tf.shape(bags.ids, out_type=tf.int64)[0]
     if num_tables == 1:
-        table_splits = tf.stack([tf.constant(0, tf.int64), nnz])
+        with _host(xla):
+            table_splits = tf.stack([tf.constant(0, tf.int64), nnz])
     else:
         rank = bags.static_batch_shape.rank
         leading = bags.static_batch_shape[0] if rank else None
@@ -364,9 +373,9 @@ def _table_bags(
                 message=f"dense indices must be [num_tables = {num_tables}, ..., L]",
             )
             checks = [same] if same is not None else []
-        with tf.control_dependencies(checks):
+        with tf.control_dependencies(checks), _host(xla):
             per_table = nnz // num_tables
-        table_splits = tf.range(num_tables + 1, dtype=tf.int64) * per_table
+            table_splits = tf.range(num_tables + 1, dtype=tf.int64) * per_table
 
     def finish(output: tf.Tensor) -> tf.Tensor:
         if bags.batch_shape is not None:
@@ -393,8 +402,9 @@ def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xl
     if any(p.ids.dtype != ids_dtype for p in parts):
         ids_dtype = tf.int64
     ids = tf.concat([tf.cast(p.ids, ids_dtype) for p in parts], 0)
-    nnz_each = [tf.shape(p.ids, out_type=tf.int64)[0] for p in parts]
-    table_splits = tf.concat([[0], tf.cumsum(tf.stack(nnz_each))], 0)
+    with _host(xla):
+        nnz_each = [tf.shape(p.ids, out_type=tf.int64)[0] for p in parts]
+        table_splits = tf.concat([[0], tf.cumsum(tf.stack(nnz_each))], 0)
     row_splits = tf.concat(
         [parts[0].row_splits]
         + [p.row_splits[1:] + table_splits[t] for t, p in enumerate(parts) if t > 0],
