@@ -156,11 +156,9 @@ class GatherReduceSumDenseGradOp : public OpKernel {
     if (dim == 0 || num_rows == 0) return;
     T* out = output->flat<T>().data();
     AdviseHugePages(out, num_rows * dim * static_cast<int64_t>(sizeof(T)));
-    // Zero the whole table in parallel, then overwrite the touched rows.
-    call.pool->ParallelFor(num_rows, dim, [&](int64_t begin, int64_t end) {
-      std::fill(out + begin * dim, out + end * dim, T(0));
-    });
+    // Zero the untouched rows in parallel; the reduction writes the others.
     const SortedEntries& s = call.sorted;
+    ZeroUntouchedRows(call.pool, s, num_rows, dim, out);
     call.ReduceAll([&](int64_t u, const auto* acc) {
       T* row = out + static_cast<int64_t>(s.keys[s.seg_starts[u]]) * dim;
       for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
@@ -331,9 +329,7 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     std::fill(dw, dw + nnz, T(0));
     if (dense_grad_ && dim > 0) {
       AdviseHugePages(values, grad_rows * dim * static_cast<int64_t>(sizeof(T)));
-      call.pool->ParallelFor(grad_rows, dim, [&](int64_t begin, int64_t end) {
-        std::fill(values + begin * dim, values + end * dim, T(0));
-      });
+      ZeroUntouchedRows(call.pool, s, grad_rows, dim, values);
     } else {
       Tindex* ids_out = unique_ids->flat<Tindex>().data();
       for (int64_t u = 0; u < num_unique; ++u) {

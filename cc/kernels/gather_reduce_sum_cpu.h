@@ -425,39 +425,62 @@ struct SortedEntries {
 
 // Stable LSD radix sort of packed (key << shift | value) words on bits
 // [shift, shift + key_bits): one array of 8-byte words instead of two (half
-// the memory traffic of RadixSortPairs), all digit histograms counted in one
-// read pass. The low `shift` bits ride along unsorted (stable order).
-inline void RadixSortPacked(std::vector<uint64_t>* words, std::vector<uint64_t>* tmp, int shift,
-                            int key_bits) {
+// the memory traffic of RadixSortPairs). Each pass splits the words into one
+// contiguous chunk per pool thread: the chunks count their digits in
+// parallel, the offsets are laid out digit-major and chunk-minor (so equal
+// digits keep their order: stable, and the same result for any thread
+// count), and the chunks scatter in parallel. A pass whose digit is the same
+// for every word is skipped. The low `shift` bits ride along.
+inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* words,
+                            std::vector<uint64_t>* tmp, int shift, int key_bits) {
   const int64_t n = static_cast<int64_t>(words->size());
   if (n <= 1 || key_bits <= 0) return;
   const int passes = (key_bits + 10) / 11;
   const int digit_bits = (key_bits + passes - 1) / passes;
   const int64_t buckets = int64_t{1} << digit_bits;
   const uint64_t mask = static_cast<uint64_t>(buckets - 1);
-  std::vector<int64_t> count(passes * buckets, 0);
-  const uint64_t* in = words->data();
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t key = in[i] >> shift;
-    for (int pass = 0; pass < passes; ++pass) {
-      ++count[pass * buckets + ((key >> (pass * digit_bits)) & mask)];
+  const int64_t chunks =
+      n < 65536 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool->NumThreads(), n / 32768));
+  auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
+  auto for_chunks = [&](auto fn) {
+    if (chunks == 1) {
+      fn(0);
+      return;
     }
-  }
+    pool->ParallelFor(chunks, std::numeric_limits<int32_t>::max(),
+                      [&](int64_t first, int64_t last) {
+                        for (int64_t c = first; c < last; ++c) fn(c);
+                      });
+  };
+  std::vector<int64_t> count(chunks * buckets);
   tmp->resize(n);
   for (int pass = 0; pass < passes; ++pass) {
-    int64_t* c = count.data() + pass * buckets;
-    // A pass whose digit is the same for every word keeps the order: skipped.
-    if (c[((words->front() >> shift) >> (pass * digit_bits)) & mask] == n) continue;
-    int64_t running = 0;
-    for (int64_t d = 0; d < buckets; ++d) {
-      const int64_t here = c[d];
-      c[d] = running;
-      running += here;
-    }
     const int sh = shift + pass * digit_bits;
     const uint64_t* src = words->data();
+    std::fill(count.begin(), count.end(), 0);
+    for_chunks([&](int64_t c) {
+      int64_t* cc = count.data() + c * buckets;
+      for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) ++cc[(src[i] >> sh) & mask];
+    });
+    const uint64_t first_digit = (src[0] >> sh) & mask;
+    int64_t first_total = 0;
+    for (int64_t c = 0; c < chunks; ++c) first_total += count[c * buckets + first_digit];
+    if (first_total == n) continue;
+    int64_t running = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t here = count[c * buckets + d];
+        count[c * buckets + d] = running;
+        running += here;
+      }
+    }
     uint64_t* dst = tmp->data();
-    for (int64_t i = 0; i < n; ++i) dst[c[(src[i] >> sh) & mask]++] = src[i];
+    for_chunks([&](int64_t c) {
+      int64_t* cc = count.data() + c * buckets;
+      for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) {
+        dst[cc[(src[i] >> sh) & mask]++] = src[i];
+      }
+    });
     words->swap(*tmp);
   }
 }
@@ -488,17 +511,28 @@ void SortEntries(thread::ThreadPool* pool, const Tindex* ids, const int64_t* spl
       }
     }
     words.resize(m);
-    RadixSortPacked(&words, &tmp, low_bits, key_bits);
+    RadixSortPacked(pool, &words, &tmp, low_bits, key_bits);
     const uint64_t pos_mask = pos_bits == 0 ? 0 : (~uint64_t{0} >> (64 - pos_bits));
     const uint64_t bag_mask = bag_bits == 0 ? 0 : (~uint64_t{0} >> (64 - bag_bits));
     s->keys.resize(m);
     s->positions.resize(m);
     s->bags.resize(m);
-    for (int64_t i = 0; i < m; ++i) {
-      const uint64_t w = words[i];
-      s->keys[i] = w >> low_bits;
-      s->bags[i] = static_cast<int64_t>((w >> pos_bits) & bag_mask);
-      s->positions[i] = static_cast<int64_t>(w & pos_mask);
+    uint64_t* keys_out = s->keys.data();
+    int64_t* bags_out = s->bags.data();
+    int64_t* positions_out = s->positions.data();
+    const uint64_t* sorted = words.data();
+    auto unpack = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint64_t w = sorted[i];
+        keys_out[i] = w >> low_bits;
+        bags_out[i] = static_cast<int64_t>((w >> pos_bits) & bag_mask);
+        positions_out[i] = static_cast<int64_t>(w & pos_mask);
+      }
+    };
+    if (m < 65536) {
+      unpack(0, m);
+    } else {
+      pool->ParallelFor(m, 4, unpack);
     }
   } else {
     std::vector<int64_t> bag_of_entry(nnz);  // [nnz] the bag of each entry
@@ -592,6 +626,45 @@ void SortedCoefficients(thread::ThreadPool* pool, const SortedEntries& s, const 
   } else {
     pool->ParallelFor(m, 4, fill);
   }
+}
+
+// Zeroes the rows of a dense [num_rows, dim] gradient that no sorted entry
+// touches: the gaps between consecutive unique ids. The touched rows are
+// written whole by the reduction, so each row is written once (where zeroing
+// the table first wrote the touched ones twice: nearly all of them at
+// 65,536 x 256 with 262,144 lookups).
+template <typename T>
+void ZeroUntouchedRows(thread::ThreadPool* pool, const SortedEntries& s, int64_t num_rows,
+                       int64_t dim,
+                       T* out) {  // [num_rows, dim]
+  const int64_t num_unique = s.num_unique();
+  const uint64_t* keys = s.keys.data();
+  const int64_t* seg_starts = s.seg_starts.data();
+  auto unique_id = [&](int64_t u) { return static_cast<int64_t>(keys[seg_starts[u]]); };
+  pool->ParallelFor(num_rows, dim, [&](int64_t begin, int64_t end) {
+    // The first unique id >= begin.
+    int64_t lo = 0, hi = num_unique;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (unique_id(mid) < begin) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    int64_t u = lo;
+    int64_t row = begin;
+    while (row < end) {
+      const int64_t next = u < num_unique ? std::min(unique_id(u), end) : end;
+      std::fill(out + row * dim, out + next * dim, T(0));
+      if (next < end) {  // rows[next] is touched: skip it
+        row = next + 1;
+        ++u;
+      } else {
+        row = next;
+      }
+    }
+  });
 }
 
 // Advises the kernel to back [p, p + bytes) with transparent huge pages
