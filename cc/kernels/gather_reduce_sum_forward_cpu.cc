@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -248,9 +249,16 @@ struct Vec512 {
 
 constexpr int kMaxVecs512 = 16;
 
+// Whether the AVX-512 path runs: the CPU has AVX512F/BW/VL and the
+// environment variable TF_TTEMB_CPU_ISA is not "avx2" (which keeps the AVX2
+// path, so that it can be tested on an AVX-512 machine). Read once.
 inline bool CpuHasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
+  static const bool has = [] {
+    const char* isa = std::getenv("TF_TTEMB_CPU_ISA");
+    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
   return has;
 }
 
