@@ -5,6 +5,7 @@ Run from the checkout after `bash configure.sh` (which builds tf_ttemb/_tf_ttemb
   .venv/bin/python python/bench_gather_reduce_sum.py                  # the issue's target
   .venv/bin/python python/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
   .venv/bin/python python/bench_gather_reduce_sum.py --sweep --json sweep.json  # issue 19
+  .venv/bin/python python/bench_gather_reduce_sum.py --sweep --sweep-threads 2,1  # + scaling
   .venv/bin/python python/bench_gather_reduce_sum.py --help
 
 The default case is the target of the issue: a float32 table of N=65,536 rows × D=256,
@@ -395,12 +396,26 @@ def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------
 # --sweep: issue 19's shapes, ours against torch, one process per side and shape.
 
-# (num_rows, dim, bags, bag_size): issue 19's table, float32, weighted sum.
+# (num_rows, dim, bags, bag_size): issue 19's table, float32, weighted sum, then two more
+# (a small table where per-call overhead shows, and a mid-size D = 128 one).
 SWEEP_SHAPES: Tuple[Tuple[int, int, int, int], ...] = (
     (65_536, 256, 2_048, 128),
     (1_048_576, 64, 8_192, 20),
     (100_000, 16, 16_384, 40),
     (262_144, 1_024, 512, 128),
+    (10_000, 32, 4_096, 10),
+    (500_000, 128, 4_096, 50),
+)
+# Ours only, at one shape: each combiner and table dtype against float32 weighted sum
+# (issue 19: mean/sqrtn/max within 1.2x of sum, half types within 1.2x of float32 per byte).
+SWEEP_VARIANT_SHAPE = (1_048_576, 64, 8_192, 20)
+SWEEP_VARIANTS: Tuple[Tuple[str, str], ...] = (
+    ("sum", "float32"),
+    ("mean", "float32"),
+    ("sqrtn", "float32"),
+    ("max", "float32"),
+    ("sum", "float16"),
+    ("sum", "bfloat16"),
 )
 SWEEP_COLUMNS = ("fwd", "fwd_bwd_sparse", "fwd_bwd_dense")
 
@@ -471,6 +486,55 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     return {"ok": True, "timings": timings, "versions": {"tensorflow": tf.__version__}}
 
 
+def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """Ours, tf.functions on a tf.Variable table: forward and fwd+bwd (IndexedSlices) for
+    each of SWEEP_VARIANTS (combiner, dtype) at one shape."""
+    import tensorflow as tf
+
+    util.add_checkout_to_path()
+    import tf_ttemb
+
+    problem = Problem(**spec["problem"])
+    if spec["threads"]:
+        tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
+    arrays = make_arrays(problem)
+    warmup, repeats = spec["warmup"], spec["repeats"]
+    ids = tf.constant(arrays["ids"])
+    timings = {}
+    for combiner, dtype in SWEEP_VARIANTS:
+        params = tf.Variable(tf.cast(arrays["params"], dtype))
+        weights = tf.cast(arrays["weights"], dtype)
+        upstream = tf.cast(arrays["upstream"], dtype)
+
+        # max takes no weights: its fwd+bwd has the table gradient only.
+        weighted = combiner != "max"
+
+        @tf.function
+        def forward(ids, weights, params=params, combiner=combiner, weighted=weighted):
+            return tf_ttemb.gather_reduce_sum(
+                params, ids, weights if weighted else None, combiner=combiner
+            )
+
+        @tf.function
+        def step(ids, weights, upstream, params=params, combiner=combiner, weighted=weighted):
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                output = tf_ttemb.gather_reduce_sum(
+                    params, ids, weights if weighted else None, combiner=combiner
+                )
+            sources = [params, weights] if weighted else [params]
+            return output, tape.gradient(output, sources, output_gradients=upstream)
+
+        timings[f"{combiner}/{dtype}"] = {
+            "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
+            "fwd_bwd_sparse": util.time_calls(
+                lambda: step(ids, weights, upstream), warmup, repeats
+            ).to_json(),
+        }
+        del params
+    return {"ok": True, "timings": timings, "versions": {"tensorflow": tf.__version__}}
+
+
 def _sweep_torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     """torch's embedding_bag: forward (no_grad), fwd+bwd with sparse=True and sparse=False.
     The table is numpy's memory (numpy asks for transparent huge pages on Linux); "fwd
@@ -520,29 +584,27 @@ def _sweep_torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     return {"ok": True, "timings": timings, "versions": {"torch": torch.__version__}}
 
 
-def sweep(args: argparse.Namespace) -> Dict[str, Any]:
-    """Runs both workers on every SWEEP_SHAPES case; prints the table with torch / ours."""
-    script = os.path.abspath(__file__)
-    have_torch = importlib.util.find_spec("torch") is not None
-    if not have_torch:
-        util.log("torch is not importable: only our times are printed")
+def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch: bool):
+    """One thread count: both workers on every SWEEP_SHAPES case; the printed table."""
     rows, cases = [], []
     for n, (num_rows, dim, bags, bag_size) in enumerate(SWEEP_SHAPES, 1):
         problem = Problem(num_rows, dim, bags, bag_size, "float32", args.index_dtype, args.seed)
         base = {
             "problem": dataclasses.asdict(problem),
-            "threads": args.threads,
+            "threads": threads,
             "warmup": args.warmup,
             "repeats": args.repeats,
         }
-        util.log(f"[{n}/{len(SWEEP_SHAPES)}] {problem.describe()}")
+        util.log(f"[{threads} thread(s), {n}/{len(SWEEP_SHAPES)}] {problem.describe()}")
         ours = util.run_worker(script, dict(base, impl="sweep_tf"), {})
         theirs = (
             util.run_worker(script, dict(base, impl="sweep_torch"), {})
             if have_torch
             else {"ok": False, "error": "torch is not importable"}
         )
-        cases.append({"problem": base["problem"], "ours": ours, "torch": theirs})
+        cases.append(
+            {"problem": base["problem"], "threads": threads, "ours": ours, "torch": theirs}
+        )
         mine = ours.get("timings", {})
         other = theirs.get("timings", {})
 
@@ -581,23 +643,121 @@ def sweep(args: argparse.Namespace) -> Dict[str, Any]:
         "fwd+bwd sparse: torch / ours",
         "fwd+bwd dense: torch / ours",
     ]
-    threads = args.threads or util.usable_cpus()
     print(
         f"gather_reduce_sum sweep: float32, weighted sum, {args.index_dtype} ids, "
         f"{threads} thread(s), median of {args.repeats} calls (ms); a ratio >= 1 means "
         "ours is at least as fast as torch"
     )
     print(util.format_table(headers, rows))
+    print()
+    return cases
+
+
+def _sweep_scaling(cases: List[Dict[str, Any]], thread_counts: List[int]) -> None:
+    """Prints time at the first thread count over time at each other, per shape and side."""
+    if len(thread_counts) < 2:
+        return
+    first = thread_counts[0]
+    by_key = {(tuple(c["problem"].values()), c["threads"]): c for c in cases}
+    headers = ["N x D, bags x L", "side"] + [
+        f"{key} {t} -> {first} thr" for t in thread_counts[1:] for key in SWEEP_COLUMNS
+    ]
+    rows = []
+    for c in cases:
+        if c["threads"] != first:
+            continue
+        p = c["problem"]
+        for side in ("ours", "torch"):
+            row = [f"{p['num_rows']:,} x {p['dim']}, {p['bags']:,} x {p['bag_size']}", side]
+            for t in thread_counts[1:]:
+                other = by_key.get((tuple(p.values()), t), {}).get(side, {}).get("timings", {})
+                mine = c[side].get("timings", {})
+                for key in SWEEP_COLUMNS:
+                    if key in mine and key in other:
+                        row.append(f"{other[key]['median_ms'] / mine[key]['median_ms']:.2f}x")
+                    else:
+                        row.append("-")
+            rows.append(row)
+    print(
+        f"thread scaling: speed-up at {first} threads over t threads "
+        f"(median time at t / at {first})"
+    )
+    print(util.format_table(headers, rows))
+    print()
+
+
+def _sweep_variants(args: argparse.Namespace, threads: int, script: str) -> Dict[str, Any]:
+    """Ours: every combiner and table dtype against float32 sum at SWEEP_VARIANT_SHAPE."""
+    num_rows, dim, bags, bag_size = SWEEP_VARIANT_SHAPE
+    problem = Problem(num_rows, dim, bags, bag_size, "float32", args.index_dtype, args.seed)
+    spec = {
+        "problem": dataclasses.asdict(problem),
+        "threads": threads,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "impl": "sweep_variants",
+    }
+    util.log(f"[{threads} thread(s)] combiners and dtypes at {problem.describe()}")
+    result = util.run_worker(script, spec, {})
+    timings = result.get("timings", {})
+    ref = timings.get("sum/float32", {})
+    rows = []
+    for combiner, dtype in SWEEP_VARIANTS:
+        t = timings.get(f"{combiner}/{dtype}", {})
+        row = [combiner, dtype]
+        for key in ("fwd", "fwd_bwd_sparse"):
+            if key not in t or key not in ref:
+                row += ["-", "-"]
+                continue
+            ratio = t[key]["median_ms"] / ref[key]["median_ms"]
+            # Per byte: a half table moves half the bytes of a float32 one.
+            per_byte = ratio * ITEMSIZE["float32"] / ITEMSIZE[dtype]
+            row += [f"{t[key]['median_ms']:.2f}", f"{ratio:.2f}x ({per_byte:.2f}x/byte)"]
+        rows.append(row)
+    headers = [
+        "combiner",
+        "table dtype",
+        "fwd ms",
+        "fwd / f32 sum",
+        "fwd+bwd sparse ms",
+        "fwd+bwd / f32 sum",
+    ]
+    print(
+        f"ours, {num_rows:,} x {dim}, {bags:,} x {bag_size}, weighted (max: unweighted), "
+        f"{threads} thread(s): "
+        "each combiner and table dtype against float32 sum (target: <= 1.2x; per byte for "
+        "the half types)"
+    )
+    print(util.format_table(headers, rows))
+    if not result.get("ok"):
+        util.log(f"  variants failed: {result.get('error')}")
+    return result
+
+
+def sweep(args: argparse.Namespace) -> Dict[str, Any]:
+    """Runs both workers on every SWEEP_SHAPES case at each --sweep-threads count, prints the
+    tables with torch / ours, the thread scaling, and our combiner and dtype variants."""
+    script = os.path.abspath(__file__)
+    have_torch = importlib.util.find_spec("torch") is not None
+    if not have_torch:
+        util.log("torch is not importable: only our times are printed")
+    thread_counts = args.sweep_threads or [args.threads or util.usable_cpus()]
+    cases: List[Dict[str, Any]] = []
+    for threads in thread_counts:
+        cases += _sweep_table(args, threads, script, have_torch)
+    _sweep_scaling(cases, thread_counts)
+    variants = _sweep_variants(args, thread_counts[0], script)
     return {
         "benchmark": "gather_reduce_sum_sweep",
         "machine": util.machine_info(),
         "settings": {
             "repeats": args.repeats,
             "warmup": args.warmup,
-            "threads": args.threads,
+            "threads": thread_counts,
             "index_dtype": args.index_dtype,
         },
         "cases": cases,
+        "variants": variants,
     }
 
 
@@ -610,6 +770,8 @@ def worker_main(spec: Dict[str, Any]) -> None:
             result = _sweep_tf_worker(spec)
         elif spec["impl"] == "sweep_torch":
             result = _sweep_torch_worker(spec)
+        elif spec["impl"] == "sweep_variants":
+            result = _sweep_variants_worker(spec)
         else:
             result = _tf_worker(spec)
     except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
@@ -882,9 +1044,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="time issue 19's four float32 shapes (raw op, wrapper, forward, fwd+bwd "
-        "sparse and dense) against torch's embedding_bag and print the ratios; "
-        "honours --repeats, --warmup, --threads, --index-dtype, --seed and --json",
+        help="time issue 19's four float32 shapes and two more (raw op, wrapper, forward, "
+        "fwd+bwd sparse and dense) against torch's embedding_bag and print the ratios, "
+        "the thread scaling and our combiners and half types against float32 sum; "
+        "honours --sweep-threads (or --threads), --repeats, --warmup, --index-dtype, "
+        "--seed and --json",
+    )
+    parser.add_argument(
+        "--sweep-threads",
+        type=lambda text: [_positive_int(t) for t in text.split(",") if t.strip()],
+        default=None,
+        metavar="N,M",
+        help="with --sweep: the thread counts to run the table at, e.g. 2,1 (default: "
+        "--threads, or one per usable CPU)",
     )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

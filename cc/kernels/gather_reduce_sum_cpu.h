@@ -15,6 +15,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -136,10 +140,12 @@ inline void PrefetchRow(const T* row, int64_t dim) {
 }
 
 // Dot product in Acc with 16 independent partial sums (vectorisable without
-// reassociation flags; the summation order is fixed, so results are
-// deterministic).
+// reassociation flags), combined as a fixed tree (8 + 8, 4 + 4, 2 + 2, 1 + 1),
+// where a sequential sum of the lanes was a chain of 16 dependent scalar adds
+// per call. The summation order is fixed, so results are deterministic, and
+// the AVX2 specialisation below computes the same bits.
 template <typename Acc, typename A, typename B>
-inline Acc Dot(const A* __restrict a, const B* __restrict b, int64_t dim) {
+inline Acc DotGeneric(const A* __restrict a, const B* __restrict b, int64_t dim) {
   constexpr int kLanes = 16;
   Acc lanes[kLanes] = {};
   int64_t d = 0;
@@ -151,9 +157,77 @@ inline Acc Dot(const A* __restrict a, const B* __restrict b, int64_t dim) {
   for (int l = 0; d < dim; ++d, ++l) {
     lanes[l] += static_cast<Acc>(a[d]) * static_cast<Acc>(b[d]);
   }
-  Acc sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  return sum;
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0];
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// 8 floats widened exactly from float, half or bfloat16.
+inline __m256 LoadWide8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 LoadWide8(const Eigen::half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 LoadWide8(const bfloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// The first n < 8 values of p, the other lanes 0 (never read past p + n).
+template <typename T>
+inline __m256 LoadWidePartial8(const T* p, int64_t n) {
+  T tmp[8] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return LoadWide8(tmp);
+}
+
+template <typename A, typename B>
+inline float DotF32(const A* __restrict a, const B* __restrict b, int64_t dim) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7, 8-15
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    lo = _mm256_fmadd_ps(LoadWide8(a + d), LoadWide8(b + d), lo);
+    hi = _mm256_fmadd_ps(LoadWide8(a + d + 8), LoadWide8(b + d + 8), hi);
+  }
+  const int64_t rest = dim - d;  // the tail adds into lanes 0 .. rest - 1 only
+  if (rest > 0) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int64_t n_lo = std::min<int64_t>(rest, 8);
+    const __m256 mask_lo =
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_lo)), lane));
+    const __m256 t_lo =
+        _mm256_fmadd_ps(LoadWidePartial8(a + d, n_lo), LoadWidePartial8(b + d, n_lo), lo);
+    lo = _mm256_blendv_ps(lo, t_lo, mask_lo);
+    if (rest > 8) {
+      const int64_t n_hi = rest - 8;
+      const __m256 mask_hi =
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n_hi)), lane));
+      const __m256 t_hi =
+          _mm256_fmadd_ps(LoadWidePartial8(a + d + 8, n_hi), LoadWidePartial8(b + d + 8, n_hi), hi);
+      hi = _mm256_blendv_ps(hi, t_hi, mask_hi);
+    }
+  }
+  const __m256 v8 = _mm256_add_ps(lo, hi);
+  const __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+  const __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+  const __m128 v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1));
+  return _mm_cvtss_f32(v1);
+}
+
+template <typename T>
+struct IsWideable : std::integral_constant<bool, std::is_same<T, float>::value ||
+                                                     std::is_same<T, Eigen::half>::value ||
+                                                     std::is_same<T, bfloat16>::value> {};
+#endif
+
+template <typename Acc, typename A, typename B>
+inline Acc Dot(const A* __restrict a, const B* __restrict b, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (std::is_same<Acc, float>::value && IsWideable<A>::value && IsWideable<B>::value) {
+    return DotF32(a, b, dim);
+  }
+#endif
+  return DotGeneric<Acc>(a, b, dim);
 }
 
 // How many entries ahead the gather loops prefetch.
@@ -345,52 +419,270 @@ struct SortedEntries {
   std::vector<uint64_t> keys;       // [M] ids, ascending
   std::vector<int64_t> positions;   // [M] entry positions, ascending per id
   std::vector<int64_t> seg_starts;  // [U + 1] segment boundaries into keys
-  std::vector<int64_t> bag_of;      // [nnz] bag of each entry
   std::vector<int64_t> bags;        // [M] bag of each sorted entry
   int64_t num_unique() const { return static_cast<int64_t>(seg_starts.size()) - 1; }
 };
+
+// Stable LSD radix sort of packed (key << shift | value) words on bits
+// [shift, shift + key_bits): one array of 8-byte words instead of two (half
+// the memory traffic of RadixSortPairs). Each pass splits the words into one
+// contiguous chunk per pool thread: the chunks count their digits in
+// parallel, the offsets are laid out digit-major and chunk-minor (so equal
+// digits keep their order: stable, and the same result for any thread
+// count), and the chunks scatter in parallel. A pass whose digit is the same
+// for every word is skipped. The low `shift` bits ride along.
+inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* words,
+                            std::vector<uint64_t>* tmp, int shift, int key_bits) {
+  const int64_t n = static_cast<int64_t>(words->size());
+  if (n <= 1 || key_bits <= 0) return;
+  const int passes = (key_bits + 10) / 11;
+  const int digit_bits = (key_bits + passes - 1) / passes;
+  const int64_t buckets = int64_t{1} << digit_bits;
+  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
+  const int64_t chunks =
+      n < 65536 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool->NumThreads(), n / 32768));
+  auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
+  auto for_chunks = [&](auto fn) {
+    if (chunks == 1) {
+      fn(0);
+      return;
+    }
+    pool->ParallelFor(chunks, std::numeric_limits<int32_t>::max(),
+                      [&](int64_t first, int64_t last) {
+                        for (int64_t c = first; c < last; ++c) fn(c);
+                      });
+  };
+  std::vector<int64_t> count(chunks * buckets);
+  tmp->resize(n);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int sh = shift + pass * digit_bits;
+    const uint64_t* src = words->data();
+    std::fill(count.begin(), count.end(), 0);
+    for_chunks([&](int64_t c) {
+      int64_t* cc = count.data() + c * buckets;
+      for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) ++cc[(src[i] >> sh) & mask];
+    });
+    const uint64_t first_digit = (src[0] >> sh) & mask;
+    int64_t first_total = 0;
+    for (int64_t c = 0; c < chunks; ++c) first_total += count[c * buckets + first_digit];
+    if (first_total == n) continue;
+    int64_t running = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t here = count[c * buckets + d];
+        count[c * buckets + d] = running;
+        running += here;
+      }
+    }
+    uint64_t* dst = tmp->data();
+    for_chunks([&](int64_t c) {
+      int64_t* cc = count.data() + c * buckets;
+      for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) {
+        dst[cc[(src[i] >> sh) & mask]++] = src[i];
+      }
+    });
+    words->swap(*tmp);
+  }
+}
 
 template <typename Tindex>
 void SortEntries(thread::ThreadPool* pool, const Tindex* ids, const int64_t* splits,
                  int64_t num_bags, int64_t nnz, int64_t num_rows, const BagAttrs& attrs,
                  SortedEntries* s) {
-  s->bag_of.resize(nnz);
-  int64_t* bag_of = s->bag_of.data();
-  ForBalancedBlocks(pool, splits, num_bags, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      std::fill(bag_of + splits[b], bag_of + splits[b + 1], b);
+  const int key_bits = BitsFor(num_rows);
+  const int pos_bits = BitsFor(nnz);
+  const int bag_bits = BitsFor(num_bags);
+  int64_t m = 0;
+  if (key_bits + bag_bits + pos_bits <= 64) {
+    // (id, bag, position) packed into one word, written bag by bag: positions
+    // ascend on input and the sort is stable, so equal ids keep their
+    // positions in order; the bags come out of the sort without a gather.
+    const int low_bits = bag_bits + pos_bits;
+    // Scratch kept per thread between calls (grown, never shrunk): a fresh
+    // multi-MiB vector per call costs a page fault per 4 KiB, as much as the
+    // sort itself at small D.
+    static thread_local std::vector<uint64_t> words, tmp;
+    words.resize(nnz);
+    for (int64_t b = 0; b < num_bags; ++b) {
+      const uint64_t bag = static_cast<uint64_t>(b) << pos_bits;
+      for (int64_t j = splits[b]; j < splits[b + 1]; ++j) {
+        if (IsPadding(ids[j], attrs)) continue;
+        words[m++] = (static_cast<uint64_t>(ids[j]) << low_bits) | bag | static_cast<uint64_t>(j);
+      }
     }
-  });
-  s->keys.clear();
-  s->positions.clear();
-  s->keys.reserve(nnz);
-  s->positions.reserve(nnz);
-  for (int64_t j = 0; j < nnz; ++j) {
-    if (IsPadding(ids[j], attrs)) continue;
-    s->keys.push_back(static_cast<uint64_t>(ids[j]));
-    s->positions.push_back(j);
+    words.resize(m);
+    RadixSortPacked(pool, &words, &tmp, low_bits, key_bits);
+    const uint64_t pos_mask = pos_bits == 0 ? 0 : (~uint64_t{0} >> (64 - pos_bits));
+    const uint64_t bag_mask = bag_bits == 0 ? 0 : (~uint64_t{0} >> (64 - bag_bits));
+    s->keys.resize(m);
+    s->positions.resize(m);
+    s->bags.resize(m);
+    uint64_t* keys_out = s->keys.data();
+    int64_t* bags_out = s->bags.data();
+    int64_t* positions_out = s->positions.data();
+    const uint64_t* sorted = words.data();
+    auto unpack = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint64_t w = sorted[i];
+        keys_out[i] = w >> low_bits;
+        bags_out[i] = static_cast<int64_t>((w >> pos_bits) & bag_mask);
+        positions_out[i] = static_cast<int64_t>(w & pos_mask);
+      }
+    };
+    if (m < 65536) {
+      unpack(0, m);
+    } else {
+      pool->ParallelFor(m, 4, unpack);
+    }
+  } else {
+    std::vector<int64_t> bag_of_entry(nnz);  // [nnz] the bag of each entry
+    int64_t* bag_of = bag_of_entry.data();
+    ForBalancedBlocks(pool, splits, num_bags, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        std::fill(bag_of + splits[b], bag_of + splits[b + 1], b);
+      }
+    });
+    s->keys.clear();
+    s->positions.clear();
+    s->keys.reserve(nnz);
+    s->positions.reserve(nnz);
+    for (int64_t j = 0; j < nnz; ++j) {
+      if (IsPadding(ids[j], attrs)) continue;
+      s->keys.push_back(static_cast<uint64_t>(ids[j]));
+      s->positions.push_back(j);
+    }
+    RadixSortPairs(&s->keys, &s->positions, key_bits);
+    m = static_cast<int64_t>(s->keys.size());
+    // The bag of each sorted entry, gathered once here with independent
+    // loads, so the reduction's inner loop does not wait on a chain of cache
+    // misses (position -> bag -> upstream-gradient row).
+    s->bags.resize(m);
+    int64_t* bags = s->bags.data();
+    const int64_t* positions = s->positions.data();
+    auto gather_bags = [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) bags[k] = bag_of[positions[k]];
+    };
+    if (m < 65536) {
+      gather_bags(0, m);
+    } else {
+      pool->ParallelFor(m, 4, gather_bags);
+    }
   }
-  RadixSortPairs(&s->keys, &s->positions, BitsFor(num_rows));
-  const int64_t m = static_cast<int64_t>(s->keys.size());
   s->seg_starts.clear();
+  const uint64_t* keys = s->keys.data();
   for (int64_t i = 0; i < m; ++i) {
-    if (i == 0 || s->keys[i] != s->keys[i - 1]) s->seg_starts.push_back(i);
+    if (i == 0 || keys[i] != keys[i - 1]) s->seg_starts.push_back(i);
   }
   s->seg_starts.push_back(m);
-  // The bag of each sorted entry, gathered once here with independent loads,
-  // so the reduction's inner loop does not wait on a chain of cache misses
-  // (position -> bag -> upstream-gradient row).
-  s->bags.resize(m);
-  int64_t* bags = s->bags.data();
-  const int64_t* positions = s->positions.data();
-  auto gather_bags = [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) bags[k] = bag_of[positions[k]];
+}
+
+// Scratch of one CPU thread, reused by every params-gradient call that runs on
+// it: the sorted view and the per-entry coefficients are several vectors of
+// [nnz] each, and a fresh multi-MiB vector per call costs a page fault per 4
+// KiB (at D = 16 as much time as the reduction). Grown, never shrunk: a thread
+// keeps about 40 bytes per entry of the largest batch it has seen. A kernel's
+// Compute never re-enters on its thread (ParallelFor's caller waits on a
+// barrier), so one set per thread suffices.
+struct ThreadScratch {
+  SortedEntries sorted;
+  std::vector<float> coef_f, w_f;
+  std::vector<double> coef_d, w_d;
+  static ThreadScratch& Get() {
+    static thread_local ThreadScratch scratch;
+    return scratch;
+  }
+  std::vector<float>* coef(float*) { return &coef_f; }
+  std::vector<double>* coef(double*) { return &coef_d; }
+  std::vector<float>* weights(float*) { return &w_f; }
+  std::vector<double>* weights(double*) { return &w_d; }
+};
+
+// coef[k] = scales[b] * weights[j] (scales[b] unweighted) for sorted entry k of
+// bag b at position j: the factor of its upstream-gradient row, gathered with
+// independent loads before the reduction, whose loop would otherwise wait on
+// the random weights[j] of every entry. w_sorted (when not null) gets
+// weights[j] itself.
+template <typename T>
+void SortedCoefficients(thread::ThreadPool* pool, const SortedEntries& s, const T* weights,
+                        const AccT<T>* scales, std::vector<AccT<T>>* coef,
+                        std::vector<AccT<T>>* w_sorted) {
+  using Acc = AccT<T>;
+  const int64_t m = static_cast<int64_t>(s.bags.size());
+  coef->resize(m);
+  if (w_sorted != nullptr) w_sorted->resize(m);
+  Acc* c = coef->data();
+  Acc* ws = w_sorted != nullptr ? w_sorted->data() : nullptr;
+  const int64_t* bags = s.bags.data();
+  const int64_t* positions = s.positions.data();
+  auto fill = [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const Acc w = weights != nullptr ? static_cast<Acc>(weights[positions[k]]) : Acc(1);
+      c[k] = scales[bags[k]] * w;
+      if (ws != nullptr) ws[k] = w;
+    }
   };
   if (m < 65536) {
-    gather_bags(0, m);
+    fill(0, m);
   } else {
-    pool->ParallelFor(m, 4, gather_bags);
+    pool->ParallelFor(m, 4, fill);
   }
+}
+
+// Zeroes the rows of a dense [num_rows, dim] gradient that no sorted entry
+// touches: the gaps between consecutive unique ids. The touched rows are
+// written whole by the reduction, so each row is written once (where zeroing
+// the table first wrote the touched ones twice: nearly all of them at
+// 65,536 x 256 with 262,144 lookups).
+template <typename T>
+void ZeroUntouchedRows(thread::ThreadPool* pool, const SortedEntries& s, int64_t num_rows,
+                       int64_t dim,
+                       T* out) {  // [num_rows, dim]
+  const int64_t num_unique = s.num_unique();
+  const uint64_t* keys = s.keys.data();
+  const int64_t* seg_starts = s.seg_starts.data();
+  auto unique_id = [&](int64_t u) { return static_cast<int64_t>(keys[seg_starts[u]]); };
+  pool->ParallelFor(num_rows, dim, [&](int64_t begin, int64_t end) {
+    // The first unique id >= begin.
+    int64_t lo = 0, hi = num_unique;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (unique_id(mid) < begin) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    int64_t u = lo;
+    int64_t row = begin;
+    while (row < end) {
+      const int64_t next = u < num_unique ? std::min(unique_id(u), end) : end;
+      std::fill(out + row * dim, out + next * dim, T(0));
+      if (next < end) {  // rows[next] is touched: skip it
+        row = next + 1;
+        ++u;
+      } else {
+        row = next;
+      }
+    }
+  });
+}
+
+// Advises the kernel to back [p, p + bytes) with transparent huge pages
+// before its first touch (the pages of a freshly allocated dense [N, D]
+// gradient): 2 MiB faults instead of 512 of 4 KiB each. Only the whole 2 MiB
+// pages inside the range are advised; a no-op where THP is off or the pages
+// exist already, and never an error.
+inline void AdviseHugePages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < static_cast<int64_t>(4 * kHuge)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 // Per-bag scale (see BagScale), computed once per bag.
@@ -411,9 +703,9 @@ void ComputeBagScales(thread::ThreadPool* pool, const Tindex* ids, const T* weig
 template <typename T>
 inline void ReduceSegment(const SortedEntries& s, int64_t u,
                           const T* grad,        // [B, D]
-                          const T* weights,     // [nnz] or null
+                          const AccT<T>* coef,  // [M] (SortedCoefficients), or null for max
                           const int32* argmax,  // [B, D] or null
-                          const int64_t* splits, const AccT<T>* scales, int64_t dim, AccT<T>* acc) {
+                          const int64_t* splits, int64_t dim, AccT<T>* acc) {
   using Acc = AccT<T>;
   std::fill(acc, acc + dim, Acc(0));
   const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
@@ -432,8 +724,7 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
       }
       continue;
     }
-    const Acc c = scales[b] * (weights != nullptr ? static_cast<Acc>(weights[j]) : Acc(1));
-    Axpy(acc, c, dy, dim);
+    Axpy(acc, coef[k], dy, dim);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -179,8 +180,8 @@ inline void BagChunkSumTail(const T* params, const Tindex* ids, const T* weights
 // (weighted) rows, chunk by chunk of columns; the first chunk's pass
 // prefetches whole rows ahead, up to entry prefetch_end.
 template <bool kWeighted, typename T, typename Tindex, typename Acc>
-void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin, int64_t end,
-            int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* sums) {
+void BagSumAvx2(const T* params, const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+                int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* sums) {
   constexpr int kLanes = Vec<Acc>::kLanes;
   const int64_t vecs = (dim + kLanes - 1) / kLanes;
   const int tail = static_cast<int>(dim % kLanes);
@@ -210,6 +211,184 @@ void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin,
       break;
   }
 #undef TF_TTEMB_CHUNK_CASE
+}
+
+// ---------------------------------------------------------------------------
+// AVX-512, chosen at run time (the library itself is built for AVX2, so one
+// build runs everywhere): 16 float lanes per vector and up to kMaxVecs512 = 16
+// vectors (256 columns) of sums in registers per pass over a bag's entries,
+// where AVX2 holds 64 columns; D = 256 takes one pass instead of four. The
+// arithmetic per column is the same sequential fma (weighted) or add chain
+// over the entries as BagChunkSum's, so both paths give the same bits.
+#define TF_TTEMB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+struct Vec512 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  TF_TTEMB_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  TF_TTEMB_AVX512 static V Load(const Eigen::half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  TF_TTEMB_AVX512 static V Load(const bfloat16* p) {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  // The lanes of `mask` (a prefix); the others 0, never read from memory.
+  TF_TTEMB_AVX512 static V LoadPartial(const float* p, __mmask16 mask) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  }
+  TF_TTEMB_AVX512 static V LoadPartial(const Eigen::half* p, __mmask16 mask) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  }
+  TF_TTEMB_AVX512 static V LoadPartial(const bfloat16* p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+};
+
+constexpr int kMaxVecs512 = 16;
+
+// Whether the AVX-512 path runs: the CPU has AVX512F/BW/VL and the
+// environment variable TF_TTEMB_CPU_ISA is not "avx2" (which keeps the AVX2
+// path, so that it can be tested on an AVX-512 machine). Read once.
+inline bool CpuHasAvx512() {
+  static const bool has = [] {
+    const char* isa = std::getenv("TF_TTEMB_CPU_ISA");
+    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return has;
+}
+
+// As BagChunkSum, 16 lanes per vector; `mask` selects the last vector's lanes
+// when kTail.
+template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex>
+TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
+                                    const Tindex* ids,  // [nnz]
+                                    const T* weights,   // [nnz] when kWeighted
+                                    int64_t begin, int64_t end, int64_t prefetch_end,
+                                    int64_t prefetch_bytes, int64_t dim, int64_t col,
+                                    __mmask16 mask, const BagAttrs& attrs,
+                                    float* sums) {  // [kVecs * 16]
+  constexpr int kLanes = Vec512::kLanes;
+  __m512 acc[kVecs];
+  for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
+  const bool padding = attrs.has_padding_id;
+  const int64_t padding_id = attrs.padding_id;
+  const int64_t distance =
+      std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, prefetch_bytes)));
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if (prefetch_bytes > 0 && j + distance < prefetch_end) {
+      const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
+      if (!padding || ahead != padding_id) {
+        const uintptr_t first = reinterpret_cast<uintptr_t>(params + ahead * dim) & ~uintptr_t{63};
+        const uintptr_t last = reinterpret_cast<uintptr_t>(params + ahead * dim) + prefetch_bytes;
+        for (uintptr_t p = first; p < last; p += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
+        }
+      }
+    }
+    if (padding && id == padding_id) continue;
+    const T* row = params + id * dim + col;
+    if (kWeighted) {
+      const __m512 w = _mm512_set1_ps(static_cast<float>(weights[j]));
+      for (int v = 0; v < kVecs; ++v) {
+        const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
+                                                   : Vec512::Load(row + v * kLanes);
+        acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
+      }
+    } else {
+      for (int v = 0; v < kVecs; ++v) {
+        const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
+                                                   : Vec512::Load(row + v * kLanes);
+        acc[v] = _mm512_add_ps(acc[v], x);
+      }
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    if (kTail && v == kVecs - 1) {
+      _mm512_mask_storeu_ps(sums + v * kLanes, mask, acc[v]);
+    } else {
+      _mm512_storeu_ps(sums + v * kLanes, acc[v]);
+    }
+  }
+}
+
+template <int kVecs, bool kWeighted, typename T, typename Tindex>
+TF_TTEMB_AVX512 void BagChunkSum512Tail(const T* params, const Tindex* ids, const T* weights,
+                                        int64_t begin, int64_t end, int64_t prefetch_end,
+                                        int64_t prefetch_bytes, int64_t dim, int64_t col, int tail,
+                                        const BagAttrs& attrs, float* sums) {
+  if (tail == 0) {
+    BagChunkSum512<kVecs, false, kWeighted>(params, ids, weights, begin, end, prefetch_end,
+                                            prefetch_bytes, dim, col, 0xFFFF, attrs, sums);
+  } else {
+    const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
+    BagChunkSum512<kVecs, true, kWeighted>(params, ids, weights, begin, end, prefetch_end,
+                                           prefetch_bytes, dim, col, mask, attrs, sums);
+  }
+}
+
+template <bool kWeighted, typename T, typename Tindex>
+TF_TTEMB_AVX512 void BagSum512(const T* params, const Tindex* ids, const T* weights, int64_t begin,
+                               int64_t end, int64_t prefetch_end, int64_t dim,
+                               const BagAttrs& attrs, float* sums) {
+  constexpr int kLanes = Vec512::kLanes;
+  const int64_t vecs = (dim + kLanes - 1) / kLanes;
+  const int tail = static_cast<int>(dim % kLanes);
+  int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
+  int64_t col = 0;
+  int64_t left = vecs;
+  for (; left > kMaxVecs512; left -= kMaxVecs512, col += kMaxVecs512 * kLanes) {
+    BagChunkSum512<kMaxVecs512, false, kWeighted>(params, ids, weights, begin, end, prefetch_end,
+                                                  prefetch_bytes, dim, col, 0xFFFF, attrs,
+                                                  sums + col);
+    prefetch_bytes = 0;
+  }
+#define TF_TTEMB_CHUNK_CASE(k)                                                           \
+  case k:                                                                                \
+    BagChunkSum512Tail<k, kWeighted>(params, ids, weights, begin, end, prefetch_end,     \
+                                     prefetch_bytes, dim, col, tail, attrs, sums + col); \
+    break;
+  switch (left) {
+    TF_TTEMB_CHUNK_CASE(1)
+    TF_TTEMB_CHUNK_CASE(2)
+    TF_TTEMB_CHUNK_CASE(3)
+    TF_TTEMB_CHUNK_CASE(4)
+    TF_TTEMB_CHUNK_CASE(5)
+    TF_TTEMB_CHUNK_CASE(6)
+    TF_TTEMB_CHUNK_CASE(7)
+    TF_TTEMB_CHUNK_CASE(8)
+    TF_TTEMB_CHUNK_CASE(9)
+    TF_TTEMB_CHUNK_CASE(10)
+    TF_TTEMB_CHUNK_CASE(11)
+    TF_TTEMB_CHUNK_CASE(12)
+    TF_TTEMB_CHUNK_CASE(13)
+    TF_TTEMB_CHUNK_CASE(14)
+    TF_TTEMB_CHUNK_CASE(15)
+    TF_TTEMB_CHUNK_CASE(16)
+    default:
+      break;
+  }
+#undef TF_TTEMB_CHUNK_CASE
+}
+
+// The bag sum on the widest path this CPU has: AVX-512 for float
+// accumulators (float, half and bfloat16 tables) where the CPU supports it,
+// AVX2 otherwise and for double.
+template <bool kWeighted, typename T, typename Tindex, typename Acc>
+void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin, int64_t end,
+            int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* sums) {
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (CpuHasAvx512()) {
+      BagSum512<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim, attrs, sums);
+      return;
+    }
+  }
+  BagSumAvx2<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim, attrs, sums);
 }
 
 #else  // !TF_TTEMB_CPU_AVX2
