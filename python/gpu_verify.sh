@@ -40,17 +40,17 @@ for step in "$@"; do
     # shellcheck disable=SC2086
     tests) pytest_gpu tests 300 ${TESTS:?set TESTS to the test files} ;;
     benches)
-      timeout 240 python3 -X faulthandler python/bench_tf_gpu_lookup.py --repeats 9 \
+      timeout 240 python3 -X faulthandler python/bench/bench_tf_gpu_lookup.py --repeats 9 \
         --json "$out/lookup.json" > "$out/lookup.txt" 2>&1
       echo "exit $?"
       grep -E "^(dlrm|pkm|tt)|Error|Fatal|File " "$out/lookup.txt" | head -30
-      timeout 100 python3 -X faulthandler python/bench_dlrm_fit.py --steps 30 \
+      timeout 100 python3 -X faulthandler python/bench/bench_dlrm_fit.py --steps 30 \
         --json "$out/dlrm_fit.json" > "$out/dlrm_fit.txt" 2>&1
       echo "exit $?"
       grep -E "steps/s|Error|Fatal|File " "$out/dlrm_fit.txt" | head -10
       ;;
     sparse_apply)
-      timeout 90 python3 python/bench_sparse_apply.py --json "$out/sparse_apply.json" \
+      timeout 90 python3 python/bench/bench_sparse_apply.py --json "$out/sparse_apply.json" \
         > "$out/sparse_apply.txt" 2>&1
       grep -E "per call|target" "$out/sparse_apply.txt"
       ;;

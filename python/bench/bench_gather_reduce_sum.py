@@ -2,10 +2,10 @@
 
 Run from the checkout after `bash configure.sh` (which builds tf_ttemb/_tf_ttemb_ops.so):
 
-  .venv/bin/python python/bench_gather_reduce_sum.py                  # the issue's target
-  .venv/bin/python python/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
-  .venv/bin/python python/bench_gather_reduce_sum.py --sweep --json sweep.json  # issue 19
-  .venv/bin/python python/bench_gather_reduce_sum.py --help
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py                  # the issue's target
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --sweep --json sweep.json  # issue 19
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --help
 
 The default case is the target of the issue: a float32 table of N=65,536 rows × D=256,
 2,048 bags of 128 ids each (uniform random), weighted sum.
@@ -603,19 +603,9 @@ def sweep(args: argparse.Namespace) -> Dict[str, Any]:
 
 def worker_main(spec: Dict[str, Any]) -> None:
     """Entry point of a worker process: measures one implementation, writes JSON."""
-    try:
-        if spec["impl"] == "torch":
-            result = _torch_worker(spec)
-        elif spec["impl"] == "sweep_tf":
-            result = _sweep_tf_worker(spec)
-        elif spec["impl"] == "sweep_torch":
-            result = _sweep_torch_worker(spec)
-        else:
-            result = _tf_worker(spec)
-    except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
-        message = str(e).strip().splitlines()
-        result = {"ok": False, "error": f"{type(e).__name__}: {message[0] if message else ''}"}
-    util.write_worker_result(spec, result)
+    workers = {"torch": _torch_worker, "sweep_tf": _sweep_tf_worker}
+    workers["sweep_torch"] = _sweep_torch_worker
+    util.worker_main(spec, workers.get(spec["impl"], _tf_worker))
 
 
 # ----------------------------------------------------------------------------------------
@@ -759,27 +749,6 @@ def report(
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text.replace(",", "").replace("_", ""))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _impl_list(text: str) -> List[str]:
-    try:
-        return util.parse_list(text, list(IMPLS))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line (see `--help`)."""
     parser = argparse.ArgumentParser(
@@ -792,28 +761,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--num-rows",
         "-N",
-        type=_positive_int,
+        type=util.positive_int,
         default=65_536,
         help="rows of the table (default: %(default)s)",
     )
     parser.add_argument(
         "--dim",
         "-D",
-        type=_positive_int,
+        type=util.positive_int,
         default=256,
         help="embedding dimension (default: %(default)s)",
     )
     parser.add_argument(
         "--bags",
         "-B",
-        type=_positive_int,
+        type=util.positive_int,
         default=2_048,
         help="number of bags (default: %(default)s)",
     )
     parser.add_argument(
         "--bag-size",
         "-L",
-        type=_positive_int,
+        type=util.positive_int,
         default=128,
         help="ids per bag (default: %(default)s)",
     )
@@ -831,26 +800,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=util.positive_int,
         default=10,
         help="timed calls per measurement (default: %(default)s)",
     )
     parser.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=2,
         help="untimed calls before timing (default: %(default)s)",
     )
     parser.add_argument(
         "--impls",
-        type=_impl_list,
+        type=util.choice_list(IMPLS),
         default=None,
         help="comma-separated implementations to run (default: all; torch "
         "is skipped where it is not importable)",
     )
     parser.add_argument(
         "--threads",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=0,
         help="TF intra-op threads, and torch threads (default: 0 = "
         "TensorFlow's default, one per usable CPU)",
@@ -899,9 +868,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.sweep:
         document = sweep(args)
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(document, f, indent=2)
-            util.log(f"wrote {args.json}")
+            util.write_json(args.json, document)
         return 0 if all(c["ours"].get("ok") for c in document["cases"]) else 1
 
     problem = Problem(
@@ -947,9 +914,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "reference_bytes": reference,
             "results": results,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=2)
-        util.log(f"wrote {args.json}")
+        util.write_json(args.json, document)
     return 0 if all(r.get("ok") for r in results) else 1
 
 
