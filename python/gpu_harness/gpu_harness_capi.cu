@@ -1,6 +1,6 @@
 // C ABI over the gather_reduce_sum launchers, for the ctypes harness
-// (python/gpu_harness.py), which runs the kernels on a machine without
-// TensorFlow. Built with nvcc alone by python/build_gpu_harness.sh into
+// (python/gpu_harness/harness.py), which runs the kernels on a machine without
+// TensorFlow. Built with nvcc alone by python/gpu_harness/build_gpu_harness.sh into
 // libtf_ttemb_gpu_harness.so. Not part of the op library: Bazel globs only
 // cuda/*.cu, not this folder.
 //
