@@ -296,32 +296,43 @@ def _tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         )
     as_numpy = lambda x: tf.cast(x, tf.float64).numpy()  # noqa: E731
     prints = fingerprints(
-        as_numpy(output),
-        as_numpy(params_grad),
-        as_numpy(weights_grad),
+        *map(as_numpy, (output, params_grad, weights_grad)),
         arrays["upstream"],
         make_probes(problem),
     )
     del output, params_grad, weights_grad
 
+    threads = threads or util.usable_cpus()
+    result = _timed_result(
+        spec,
+        versions,
+        threads,
+        meter,
+        rss_growth,
+        prints,
+        lambda: forward(ids, weights),
+        lambda: forward_backward(ids, weights, upstream),
+    )
+    if spec["eager"]:
+        result["eager_fwd_bwd"] = util.time_calls(
+            lambda: forward_backward_eager(ids, weights, upstream), spec["warmup"], spec["repeats"]
+        ).to_json()
+    return result
+
+
+def _timed_result(spec, versions, threads, meter, rss_growth, prints, fwd, fwd_bwd):
+    """A worker's result: what it measured before, then fwd() and fwd_bwd() timed."""
     warmup, repeats = spec["warmup"], spec["repeats"]
-    result = {
+    return {
         "ok": True,
         "versions": versions,
-        "threads": threads or util.usable_cpus(),
+        "threads": threads,
         "rss_growth_bytes": rss_growth,
         "rss_method": meter.method,
         "fingerprints": prints,
-        "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
-        "fwd_bwd": util.time_calls(
-            lambda: forward_backward(ids, weights, upstream), warmup, repeats
-        ).to_json(),
+        "fwd": util.time_calls(fwd, warmup, repeats).to_json(),
+        "fwd_bwd": util.time_calls(fwd_bwd, warmup, repeats).to_json(),
     }
-    if spec["eager"]:
-        result["eager_fwd_bwd"] = util.time_calls(
-            lambda: forward_backward_eager(ids, weights, upstream), warmup, repeats
-        ).to_json()
-    return result
 
 
 def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -369,27 +380,23 @@ def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     if params_grad.is_sparse:
         params_grad = params_grad.coalesce().to_dense()
     prints = fingerprints(
-        as_numpy(output),
-        as_numpy(params_grad),
-        as_numpy(weights_grad),
+        *map(as_numpy, (output, params_grad, weights_grad)),
         arrays["upstream"],
         make_probes(problem),
     )
     del output, params_grad, weights_grad
 
-    warmup, repeats = spec["warmup"], spec["repeats"]
-    return {
-        "ok": True,
-        "versions": {"torch": torch.__version__, "numpy": np.__version__},
-        "threads": threads,
-        "rss_growth_bytes": rss_growth,
-        "rss_method": meter.method,
-        "fingerprints": prints,
-        "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
-        "fwd_bwd": util.time_calls(
-            lambda: forward_backward(ids, weights, upstream), warmup, repeats
-        ).to_json(),
-    }
+    versions = {"torch": torch.__version__, "numpy": np.__version__}
+    return _timed_result(
+        spec,
+        versions,
+        threads,
+        meter,
+        rss_growth,
+        prints,
+        lambda: forward(ids, weights),
+        lambda: forward_backward(ids, weights, upstream),
+    )
 
 
 # ----------------------------------------------------------------------------------------
