@@ -10,7 +10,7 @@
 #      (incremental: seconds when nothing changed).
 #   2. bazel build //:wheel, with --config=cuda exactly when the build info says the
 #      library has CUDA kernels (so Bazel reuses configure.sh's library instead of
-#      building another one); //:wheel runs python/build_wheel.py.
+#      building another one); //:wheel runs python/tools/build_wheel.py.
 #   3. The wheel is copied to dist/ and its path printed.
 #
 # The wheel requires tensorflow==<the version of .venv that it was built against>
@@ -19,7 +19,7 @@
 # info`), and works on any Python >= 3.10 that the pinned TensorFlow supports.
 #
 # Without Bazel, on the library configure.sh already built (what tests/test_wheel.py does):
-#   python3 python/build_wheel.py --out-dir dist
+#   python3 python/tools/build_wheel.py --out-dir dist
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"

@@ -1,7 +1,7 @@
 // CUDA kernels of the gather_reduce_sum family (EmbeddingBag) behind plain
 // launcher functions. No TensorFlow headers: the TF GPU OpKernels
 // (cc/kernels/gather_reduce_sum_kernels_gpu.cc) and the ctypes harness
-// (cuda/harness/gpu_harness_capi.cu) both call these.
+// (python/gpu_harness/gpu_harness_capi.cu) both call these.
 //
 // Inputs are the CSR form of a batch of bags (see cc/ops/gather_reduce_sum_ops.cc):
 //   params  [N, D]   ids [nnz]   splits [B + 1] (int64)   weights [nnz] or null

@@ -1,7 +1,7 @@
 // CUDA kernels of the TT embedding family (TTUniqueIds, TTRows, TTRowsGrad)
 // behind plain launcher functions. No TensorFlow headers: the TF GPU
 // OpKernels (cc/kernels/tt_embedding_kernels_gpu.cc) and the ctypes harness
-// (cuda/harness/tt_embedding_capi.cu) both call these. The op semantics and
+// (python/gpu_harness/tt_embedding_capi.cu) both call these. The op semantics and
 // the core layout are docs/tt_embedding_contract.md; the bag reduction of a
 // TT embedding bag is gather_reduce_sum's (rows [U, D] as params, slots as
 // ids, padding_id -1), see cuda/gather_reduce_sum_kernels.cuh.

@@ -393,6 +393,16 @@ def test_max_with_nan_and_inf_gives_one_result_everywhere(rng, device, dtype, pa
     _assert_same(dense_value(grad), want_grad, "params grad")
 
 
+def _zero_denominator_case(rng, combiner, dtype):
+    """bags, then (quantized, float64) table, weights and upstream of one zero-denominator
+    case."""
+    rows, weight_rows = ZERO_DENOMINATOR_CASES[combiner]
+    bags = _ragged(rows)
+    params = quantize(ZERO_TABLE, dtype)
+    weights = quantize([x for row in weight_rows for x in row], dtype)
+    return bags, params, weights, _small_upstream(rng, bags, 2, dtype)
+
+
 @pytest.mark.parametrize("path", PATHS + ["sparse_apply/eager"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("combiner", list(ZERO_DENOMINATOR_CASES))
@@ -400,11 +410,7 @@ def test_max_with_nan_and_inf_gives_one_result_everywhere(rng, device, dtype, pa
 def test_zero_denominator_gives_zeros_whatever_the_rows_hold(rng, device, combiner, dtype, path):
     implementation, mode = path.split("/")
     dtype = DTYPES[dtype]
-    rows, weight_rows = ZERO_DENOMINATOR_CASES[combiner]
-    bags = _ragged(rows)
-    params, params64 = quantize(ZERO_TABLE, dtype)
-    w, w64 = quantize([x for row in weight_rows for x in row], dtype)
-    up, up64 = _small_upstream(rng, bags, 2, dtype)
+    bags, (params, params64), (w, w64), (up, up64) = _zero_denominator_case(rng, combiner, dtype)
     (want, _), (want_grad, _), (want_dw, _) = reference_all(params64, bags, w64, up64, combiner, 2)
     with tf.device(device):
         if implementation == "sparse_apply":
@@ -514,11 +520,7 @@ def test_zero_denominator_weights_grad_of_every_backward_op(rng, device, dtype, 
 
     lib = _loader.load_op_library()
     dtype = DTYPES[dtype]
-    rows, weight_rows = ZERO_DENOMINATOR_CASES[combiner]
-    bags = _ragged(rows)
-    params, params64 = quantize(ZERO_TABLE, dtype)
-    w, w64 = quantize([x for row in weight_rows for x in row], dtype)
-    up, up64 = _small_upstream(rng, bags, 2, dtype)
+    bags, (params, params64), (w, w64), (up, up64) = _zero_denominator_case(rng, combiner, dtype)
     _, _, (want_dw, _) = reference_all(params64, bags, w64, up64, combiner, 2)
     ids = tf.constant(bags.flat_ids)
     splits = tf.constant(bags.splits)

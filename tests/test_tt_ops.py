@@ -222,11 +222,17 @@ def _check_rows_grad_is_bitwise_deterministic(rng, device, p, q, ranks):
 def test_every_core_row_gets_its_gradient_for_large_p(rng):
     # FBTT's fused update missed core rows for p_k > ~128: here every row of a
     # p = 1000 core is touched and must get exactly the reference gradient.
+    _check_large_p_rows_grad(rng, np.arange(3000, dtype=np.int64), lambda f, *a, **k: f(*a, **k))
+
+
+def _check_large_p_rows_grad(rng, ids, call):
+    """TTRowsGrad of 3,000 ids that touch every row of a p = 1000 core, run as
+    `call(op, *args, **attrs)`: every row gets exactly the reference gradient."""
     p, q, ranks = [1000, 3], [2, 2], [3]
     cores = random_cores(rng, p, q, ranks, 1)
-    ids = np.arange(3000, dtype=np.int64)
     grad = rng.standard_normal((3000, 4))
-    indices, values = lib().tf_ttemb_tt_rows_grad(
+    indices, values = call(
+        lib().tf_ttemb_tt_rows_grad,
         ids,
         [tf.constant(c) for c in cores],
         grad,
@@ -597,23 +603,8 @@ def test_gpu_rows_grad_is_bitwise_deterministic_and_ignores_saved(rng, dtype):
 def test_gpu_every_core_row_gets_its_gradient_for_large_p(rng):
     if not built_with_cuda():
         pytest.skip("op library built without CUDA")
-    p, q, ranks = [1000, 3], [2, 2], [3]
-    cores = random_cores(rng, p, q, ranks, 1)
     ids = rng.permutation(3000).astype(np.int64)
-    grad = rng.standard_normal((3000, 4))
-    indices, values = _on(
-        "/GPU:0",
-        lib().tf_ttemb_tt_rows_grad,
-        ids,
-        [tf.constant(c) for c in cores],
-        grad,
-        tf.zeros([0], tf.float64),
-        **attrs_of(p, q, ranks, 1),
-    )
-    np.testing.assert_array_equal(indices[0].numpy(), np.arange(1000))
-    expected = reference_core_grads(cores, p, q, ranks, ids, grad)
-    np.testing.assert_allclose(values[0].numpy(), expected[0], atol=1e-10)
-    np.testing.assert_allclose(values[1].numpy(), expected[1], atol=1e-10)
+    _check_large_p_rows_grad(rng, ids, lambda f, *a, **k: _on("/GPU:0", f, *a, **k))
 
 
 @pytest.mark.gpu

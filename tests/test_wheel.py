@@ -1,6 +1,6 @@
 """The platform wheel: its contents and metadata, and a working install in a fresh venv.
 
-The wheel is built by `python/build_wheel.py` (what Bazel's `//:wheel` runs) from the
+The wheel is built by `python/tools/build_wheel.py` (what Bazel's `//:wheel` runs) from the
 op library `bash configure.sh` already built, so no Bazel build happens here.
 
 The fresh venv, and why it is built this way (the fastest honest way found):
@@ -66,7 +66,12 @@ def _clean_env() -> dict:
 def wheel(tmp_path_factory) -> pathlib.Path:
     out_dir = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
-        [sys.executable, str(CHECKOUT / "python" / "build_wheel.py"), "--out-dir", str(out_dir)],
+        [
+            sys.executable,
+            str(CHECKOUT / "python" / "tools" / "build_wheel.py"),
+            "--out-dir",
+            str(out_dir),
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -234,7 +239,7 @@ def test_builder_refuses_build_info_of_another_build(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(CHECKOUT / "python" / "build_wheel.py"),
+            str(CHECKOUT / "python" / "tools" / "build_wheel.py"),
             "--build-info",
             str(path),
             "--out-dir",

@@ -49,10 +49,11 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Sequence
+
+from tf_ttemb import _timing
 
 CASES = ("gather_reduce_sum", "tt_rows", "pkm")
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -85,22 +86,8 @@ EPILOG = """examples:
       --rows 1000000 --dim 64 --threads 2 --json bench.json
   python -m tf_ttemb bench --device GPU:0        # where a GPU and CUDA kernels exist
 
-The benchmark programs in the checkout's python/ directory (bench_*.py) measure more
+The benchmark programs in the checkout's python/bench/ directory measure more
 (peak memory, PyTorch, FLOP rates); this command is the one that ships in the wheel."""
-
-
-def _csv(allowed: Sequence[str]) -> Callable[[str], List[str]]:
-    def parse(text: str) -> List[str]:
-        items = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
-        unknown = [item for item in items if item not in allowed]
-        if unknown or not items:
-            raise argparse.ArgumentTypeError(
-                f"unknown choice(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-                f"choose from {', '.join(allowed)}"
-            )
-        return items
-
-    return parse
 
 
 def _positive(text: str) -> int:
@@ -120,13 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument(
         "--cases",
-        type=_csv(CASES),
+        type=_timing.choice_list(CASES),
         default=list(CASES),
         help=f"comma-separated cases to run (default: all: {','.join(CASES)})",
     )
     parser.add_argument(
         "--dtypes",
-        type=_csv(DTYPES),
+        type=_timing.choice_list(DTYPES),
         default=["float32"],
         help="comma-separated value dtypes of gather_reduce_sum and tt_rows "
         f"(from {','.join(DTYPES)}; default: float32)",
@@ -202,19 +189,10 @@ def in_graph(fn: Callable[[], Any], steps: int) -> Callable[[], Any]:
 
 def time_alternating(steps: Sequence[Step], warmup: int, repeats: int) -> Dict[str, Dict]:
     """impl -> {"median_ms", "min_ms", "repeats"}: the steps timed in alternation."""
-    for _ in range(warmup):
-        for step in steps:
-            _sync(step.fn())
-    samples: Dict[str, List[float]] = {step.impl: [] for step in steps}
-    for _ in range(repeats):
-        for step in steps:
-            start = time.perf_counter()
-            _sync(step.fn())
-            samples[step.impl].append((time.perf_counter() - start) * 1e3)
-    return {
-        impl: {"median_ms": statistics.median(s), "min_ms": min(s), "repeats": len(s)}
-        for impl, s in samples.items()
-    }
+    timings = _timing.time_alternating(
+        {step.impl: step.fn for step in steps}, warmup, repeats, sync=_sync
+    )
+    return {impl: t.to_json() for impl, t in timings.items()}
 
 
 def _dense_numpy(value: Any):
@@ -350,7 +328,7 @@ def _torch_embedding_bag_steps(table, ids, weights, upstream, opts) -> tuple:
 
     On a GPU, torch initialising CUDA inside a process that already runs TensorFlow there
     died (SIGFPE) on the H200 machine, so this command leaves it out there;
-    python/bench_tf_gpu_lookup.py times it in a child process.
+    python/bench/bench_tf_gpu_lookup.py times it in a child process.
     """
     if "CPU" not in opts.device.upper():
         return [], []
@@ -563,8 +541,7 @@ def _environment(opts) -> Dict[str, Any]:
     }
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+_log = _timing.log
 
 
 def main(args: argparse.Namespace) -> int:

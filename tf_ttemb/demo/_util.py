@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-MIB = float(1 << 20)
+from tf_ttemb import _timing
+
+MIB = _timing.MIB
 
 # ----------------------------------------------------------------------------------------
 # Measuring.
@@ -25,33 +25,11 @@ def median_time_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
     Each call is timed until every device is done with it (on a GPU a call returns once
     its kernels are queued).
     """
-    sync = tf.test.experimental.sync_devices if gpu_visible() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    sync = tf.test.experimental.sync_devices if gpu_visible() else None
+    return _timing.time_calls(fn, warmup, repeats, sync=sync).median_ms
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return " | ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths))
-        )
-
-    return "\n".join(
-        [line(headers), "-+-".join("-" * width for width in widths)] + [line(r) for r in rows]
-    )
-
+format_table = _timing.format_table
 
 NOT_MEASURED = "not measured"
 

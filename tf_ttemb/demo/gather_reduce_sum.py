@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_ttemb
+from tf_ttemb import _timing
 from tf_ttemb.demo import _util
 from tf_ttemb.ops import _loader
 
@@ -46,17 +47,7 @@ from tf_ttemb.ops import _loader
 _RECORD_MARK = "@tf_ttemb-demo-record "
 
 
-def _status_kib(field: str) -> Optional[int]:
-    """A `kB` field of /proc/self/status (Linux), or None."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
+_status_kib = _timing.status_kib
 
 RSS = "peak resident set size"
 TF_ALLOCATOR = "TensorFlow BFC allocator statistics"

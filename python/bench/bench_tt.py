@@ -2,9 +2,9 @@
 
 Run from the checkout after `bash configure.sh`:
 
-  .venv/bin/python python/bench_tt.py                      # all cases, ~1.5 min on 2 cores
-  .venv/bin/python python/bench_tt.py --quick              # the FBTT case only, ~30 s
-  .venv/bin/python python/bench_tt.py --cases fbtt,d128 --json out.json --threads 2
+  .venv/bin/python python/bench/bench_tt.py                      # all cases, ~1.5 min on 2 cores
+  .venv/bin/python python/bench/bench_tt.py --quick              # the FBTT case only, ~30 s
+  .venv/bin/python python/bench/bench_tt.py --cases fbtt,d128 --json out.json --threads 2
 
 Cases (`--cases`; every one with B = 512 bags x 20 ids = 10,240 lookups by default,
 `--bags`, `--bag-size`):
@@ -78,11 +78,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import _bench_util as util
 import numpy as np
@@ -363,7 +362,7 @@ def measure_case(
         result["tt_fwd_bwd"] = _timing(lambda: steps["fwd_bwd"](ids, upstream), args)
         del steps
     except Exception as e:  # noqa: BLE001 -- reported in the table
-        result["tt_error"] = _error(e)
+        result["tt_error"] = util.error_summary(e)
     if args.fused_sgd:
         step, why = fused_sgd_step(tf, case, args.impl)
         if step is None:
@@ -372,7 +371,7 @@ def measure_case(
             try:
                 result["tt_sgd"] = _timing(lambda: step(ids, upstream), args)
             except Exception as e:  # noqa: BLE001
-                result["tt_sgd_error"] = _error(e)
+                result["tt_sgd_error"] = util.error_summary(e)
     if args.dense:
         rows = dense.rows(case)
         dense_ids = tf.constant(ids_np % rows)
@@ -382,14 +381,9 @@ def measure_case(
             result["dense_fwd"] = _timing(lambda: steps["fwd"](dense_ids), args)
             result["dense_fwd_bwd"] = _timing(lambda: steps["fwd_bwd"](dense_ids, upstream), args)
         except Exception as e:  # noqa: BLE001
-            result["dense_error"] = _error(e)
+            result["dense_error"] = util.error_summary(e)
     _derive(result)
     return result
-
-
-def _error(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def _derive(result: Dict[str, Any]) -> None:
@@ -552,30 +546,6 @@ def _checks(results: Sequence[Dict[str, Any]], ceiling: float) -> Dict[str, Any]
 # Command line.
 
 
-def _positive_int(text: str) -> int:
-    value = int(text.replace(",", "").replace("_", ""))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _list_of(allowed: Sequence[str]) -> Callable[[str], List[str]]:
-    def parse(text: str) -> List[str]:
-        try:
-            return util.parse_list(text, list(allowed))
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return parse
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time and FLOP rate of the TT embedding bag (forward, forward+backward, "
@@ -584,19 +554,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cases",
-        type=_list_of(CASE_NAMES),
+        type=util.choice_list(CASE_NAMES),
         default=None,
         help=f"comma-separated cases (default: all: {','.join(CASE_NAMES)}; --quick: fbtt)",
     )
     parser.add_argument(
         "--distributions",
-        type=_list_of(DISTRIBUTIONS),
+        type=util.choice_list(DISTRIBUTIONS),
         default=list(DISTRIBUTIONS),
         help="id distributions (default: uniform,zipf)",
     )
-    parser.add_argument("--bags", "-B", type=_positive_int, default=512, help="bags (default: 512)")
     parser.add_argument(
-        "--bag-size", "-L", type=_positive_int, default=20, help="ids per bag (default: 20)"
+        "--bags", "-B", type=util.positive_int, default=512, help="bags (default: 512)"
+    )
+    parser.add_argument(
+        "--bag-size", "-L", type=util.positive_int, default=20, help="ids per bag (default: 20)"
     )
     parser.add_argument(
         "--zipf-exponent", type=float, default=1.1, help="Zipf exponent (default: 1.1)"
@@ -608,29 +580,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="tt_embedding_bag implementation (default: custom_op)",
     )
     parser.add_argument(
-        "--repeats", type=_positive_int, default=None, help="timed calls (default: 20, --quick 5)"
+        "--repeats",
+        type=util.positive_int,
+        default=None,
+        help="timed calls (default: 20, --quick 5)",
     )
     parser.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=None,
         help="warm-up calls (default: 3, --quick 2)",
     )
     parser.add_argument(
         "--threads",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=0,
         help="TF intra-op threads (default: 0 = TensorFlow's default, one per usable CPU)",
     )
     parser.add_argument(
         "--dense-cap-mib",
-        type=_positive_int,
+        type=util.positive_int,
         default=512,
         help="largest dense comparison table in MiB (default: %(default)s)",
     )
     parser.add_argument(
         "--matmul-size",
-        type=_positive_int,
+        type=util.positive_int,
         default=2048,
         help="matmul ceiling size (default: 2048)",
     )
@@ -731,9 +706,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "results": results,
             "checks": checks,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=2)
-        util.log(f"wrote {args.json}")
+        util.write_json(args.json, document)
     failed = any(k in r for r in results for k in ("tt_error", "tt_sgd_error", "dense_error"))
     return 1 if failed else 0
 

@@ -3,10 +3,10 @@
 # $OUT (or ./gpu_verify_out). Steps run in the order given, each under a time limit, so
 # that a hang still leaves the other steps' logs; keep one call under 10 minutes:
 #
-#   bash .tfgpu/run.sh bash python/gpu_verify.sh suite benches        # ~6 min
-#   bash .tfgpu/run.sh bash python/gpu_verify.sh demo sanitize        # ~8 min
+#   bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh suite benches        # ~6 min
+#   bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh demo sanitize        # ~8 min
 #   TESTS="tests/test_fuzz.py tests/test_hostile_inputs.py" \
-#     bash .tfgpu/run.sh bash python/gpu_verify.sh tests              # the files named
+#     bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh tests              # the files named
 #
 # suite:    the whole test suite with TensorFlow seeing the GPU (pytest -n 14).
 # tests:    the test files or node ids in $TESTS, the same way.
@@ -40,17 +40,17 @@ for step in "$@"; do
     # shellcheck disable=SC2086
     tests) pytest_gpu tests 300 ${TESTS:?set TESTS to the test files} ;;
     benches)
-      timeout 240 python3 -X faulthandler python/bench_tf_gpu_lookup.py --repeats 9 \
+      timeout 240 python3 -X faulthandler python/bench/bench_tf_gpu_lookup.py --repeats 9 \
         --json "$out/lookup.json" > "$out/lookup.txt" 2>&1
       echo "exit $?"
       grep -E "^(dlrm|pkm|tt)|Error|Fatal|File " "$out/lookup.txt" | head -30
-      timeout 100 python3 -X faulthandler python/bench_dlrm_fit.py --steps 30 \
+      timeout 100 python3 -X faulthandler python/bench/bench_dlrm_fit.py --steps 30 \
         --json "$out/dlrm_fit.json" > "$out/dlrm_fit.txt" 2>&1
       echo "exit $?"
       grep -E "steps/s|Error|Fatal|File " "$out/dlrm_fit.txt" | head -10
       ;;
     sparse_apply)
-      timeout 90 python3 python/bench_sparse_apply.py --json "$out/sparse_apply.json" \
+      timeout 90 python3 python/bench/bench_sparse_apply.py --json "$out/sparse_apply.json" \
         > "$out/sparse_apply.txt" 2>&1
       grep -E "per call|target" "$out/sparse_apply.txt"
       ;;
@@ -61,7 +61,7 @@ for step in "$@"; do
       ;;
     sanitize_quick)
       # shellcheck disable=SC2086
-      python3 python/gpu_memcheck.py --tool memcheck --shards 14 --timeout "${SANITIZE_TIMEOUT:-240}" \
+      python3 python/gpu_harness/gpu_memcheck.py --tool memcheck --shards 14 --timeout "${SANITIZE_TIMEOUT:-240}" \
         --out "$out/memcheck_quick" -k "$sanitize_k" ${FILES:-tests/test_variable_params.py \
         tests/test_gather_reduce_sum_sparse_apply.py tests/test_tt_ops.py tests/test_gpu_parity.py} \
         > "$out/memcheck_quick.txt" 2>&1
@@ -78,9 +78,9 @@ for step in "$@"; do
         tests/test_tt_ops.py tests/test_tt_embedding.py tests/test_gpu_parity.py
         tests/test_variable_params.py tests/test_pkm_values_optimizer.py"
       # shellcheck disable=SC2086
-      python3 python/gpu_memcheck.py --tool memcheck --shards 11 --timeout 360 \
+      python3 python/gpu_harness/gpu_memcheck.py --tool memcheck --shards 11 --timeout 360 \
         --out "$out/memcheck" -k "$sanitize_k" $files > "$out/memcheck.txt" 2>&1 &
-      python3 python/gpu_memcheck.py --tool racecheck --shards 3 --timeout 360 \
+      python3 python/gpu_harness/gpu_memcheck.py --tool racecheck --shards 3 --timeout 360 \
         --out "$out/racecheck" \
         -k "float32 and not jit and not xla and (params_grad or sparse_apply or forward)" \
         tests/test_gather_reduce_sum.py tests/test_gpu_parity.py > "$out/racecheck.txt" 2>&1
@@ -89,7 +89,7 @@ for step in "$@"; do
       tail -6 "$out/racecheck.txt"
       ;;
     *)
-      echo "usage: bash python/gpu_verify.sh suite|tests|benches|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
+      echo "usage: bash python/gpu_harness/gpu_verify.sh suite|tests|benches|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
       exit 2
       ;;
   esac

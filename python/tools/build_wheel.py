@@ -4,8 +4,8 @@ Usually run for you, by `bash build_wheel.sh` (through Bazel's `//:wheel` target
 also be run directly on an op library that `bash configure.sh` has already built, with
 any Python 3.8+ (standard library only; TensorFlow is not imported):
 
-  python3 python/build_wheel.py --out-dir dist
-  python3 python/build_wheel.py --library bazel-bin/_tf_ttemb_ops.so \\
+  python3 python/tools/build_wheel.py --out-dir dist
+  python3 python/tools/build_wheel.py --library bazel-bin/_tf_ttemb_ops.so \\
       --build-info tf_ttemb/_build_info.json --out dist/tf_ttemb-0.1.0-py3-none-linux_x86_64.whl \\
       tf_ttemb/__init__.py tf_ttemb/ops/_loader.py ...
 
@@ -240,7 +240,7 @@ def build(
     dist_info = f"{NAME}-{version}.dist-info"
     members[f"{dist_info}/METADATA"] = metadata(version, info, machine).encode()
     members[f"{dist_info}/WHEEL"] = (
-        "Wheel-Version: 1.0\nGenerator: tf_ttemb python/build_wheel.py\n"
+        "Wheel-Version: 1.0\nGenerator: tf_ttemb python/tools/build_wheel.py\n"
         f"Root-Is-Purelib: false\nTag: {tag}\n"
     ).encode()
     members[f"{dist_info}/top_level.txt"] = f"{NAME}\n".encode()
@@ -251,7 +251,7 @@ def build(
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     parser = argparse.ArgumentParser(
         description="Writes the tf_ttemb platform wheel from a built op library.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -1,8 +1,8 @@
 """ctypes harness over the CUDA kernels of gather_reduce_sum, for torch CUDA tensors.
 
 The GPU machine has no TensorFlow, so the kernels in `cuda/` are also built by
-nvcc alone into `libtf_ttemb_gpu_harness.so` (python/build_gpu_harness.sh),
-with a C ABI (cuda/harness/gpu_harness_capi.cu). This module loads that
+nvcc alone into `libtf_ttemb_gpu_harness.so` (python/gpu_harness/build_gpu_harness.sh),
+with a C ABI (python/gpu_harness/gpu_harness_capi.cu). This module loads that
 library and runs the same launchers the TF GPU OpKernels call, on torch's
 current stream, with scratch memory from torch's allocator.
 
@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_LIB = REPO / "build" / "gpu_harness" / "libtf_ttemb_gpu_harness.so"
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -81,14 +81,19 @@ def load(path: Optional[Union[str, os.PathLike]] = None) -> ctypes.CDLL:
         "ttemb_weights_grad_scratch_bytes": (sz, [i32, i32, prob]),
         "ttemb_weights_grad": (i32, [i32, i32, prob, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]),
     }
+    _bind(lib, sigs)
+    if lib.ttemb_report_bytes() != 8 * _REPORT_WORDS:
+        raise RuntimeError("harness library and harness.py disagree on the report layout")
+    _lib = lib
+    return lib
+
+
+def _bind(lib: ctypes.CDLL, sigs: dict) -> None:
+    """Sets each named function's result and argument types: sigs maps name -> (res, args)."""
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
-    if lib.ttemb_report_bytes() != 8 * _REPORT_WORDS:
-        raise RuntimeError("harness library and gpu_harness.py disagree on the report layout")
-    _lib = lib
-    return lib
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -422,7 +427,7 @@ def gather_reduce_sum_backward(
 
 # ---------------------------------------------------------------------------
 # TT embedding bags (cuda/tt_embedding_kernels.cuh, C ABI in
-# cuda/harness/tt_embedding_capi.cu). The composition is the TF layer's:
+# python/gpu_harness/tt_embedding_capi.cu). The composition is the TF layer's:
 #   unique_ids, slots = TTUniqueIds(ids, table_splits)
 #   rows = TTRows(unique_ids, cores)                       [U, D]
 #   out  = gather_reduce_sum(rows, slots, offsets, weights, padding_id=-1)
@@ -472,12 +477,9 @@ def _load_tt() -> ctypes.CDLL:
             [i32, prob, vp, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp, vp, sz, vp],
         ),
     }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
+    _bind(lib, sigs)
     if lib.ttemb_tt_report_bytes() != 8 * _TT_REPORT_WORDS:
-        raise RuntimeError("harness library and gpu_harness.py disagree on the TT report layout")
+        raise RuntimeError("harness library and harness.py disagree on the TT report layout")
     _tt_loaded = True
     return lib
 
@@ -686,22 +688,7 @@ def tt_rows_grad(
             )
             for k in range(shape.num_cores)
         ]
-        code = lib.ttemb_tt_rows_grad_compute(
-            code_t,
-            pr,
-            _ptr(ids),
-            n,
-            num_ptr,
-            _ptr_array(cores),
-            _out_ptr(grad),
-            None,
-            None,
-            _ptr_array(grads),
-            scratch.data_ptr(),
-            scratch.numel(),
-            *work_args,
-            _stream(),
-        )
+        outputs = (None, None, _ptr_array(grads))
     else:
         counts = [int(c) for c in counts]
         idx = [_poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
@@ -709,23 +696,22 @@ def tt_rows_grad(
             _poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
             for k, c in enumerate(counts)
         ]
-        code = lib.ttemb_tt_rows_grad_compute(
-            code_t,
-            pr,
-            _ptr(ids),
-            n,
-            num_ptr,
-            _ptr_array(cores),
-            _out_ptr(grad),
-            _ptr_array(idx),
-            _ptr_array(vals),
-            None,
-            scratch.data_ptr(),
-            scratch.numel(),
-            *work_args,
-            _stream(),
-        )
+        outputs = (_ptr_array(idx), _ptr_array(vals), None)
         grads = list(zip(idx, vals))
+    code = lib.ttemb_tt_rows_grad_compute(
+        code_t,
+        pr,
+        _ptr(ids),
+        n,
+        num_ptr,
+        _ptr_array(cores),
+        _out_ptr(grad),
+        *outputs,  # sparse indices, sparse values, dense gradients
+        scratch.data_ptr(),
+        scratch.numel(),
+        *work_args,
+        _stream(),
+    )
     _check_cuda(code, "tt rows grad compute")
     return grads, report
 
@@ -850,20 +836,7 @@ def tt_embedding_bag_backward_from(state, grad_out, dense=True, check=True):
     return grads, dw
 
 
-def tt_embedding_bag(
-    cores,
-    p_shapes,
-    q_shapes,
-    ranks,
-    ids,
-    offsets,
-    weights=None,
-    combiner="sum",
-    num_tables=1,
-    table_splits=None,
-    padding_id=None,
-    num_embeddings=None,
-) -> torch.Tensor:
+def tt_embedding_bag(cores, p_shapes, q_shapes, ranks, ids, offsets, *args, **kwargs):
     """TT embedding bag on the GPU: out [B, D].
 
     cores: num_cores CUDA tensors, core k [num_tables * p_k, r_k q_k r_{k+1}] (the TF
@@ -871,7 +844,8 @@ def tt_embedding_bag(
     int64 CSR, weights [nnz] or None, combiner sum/mean/sqrtn/max; table_splits [T + 1]
     int64 (entries of table t are table_splits[t] .. table_splits[t + 1] - 1), needed when
     num_tables > 1; padding_id: entries equal to it are skipped. Raises ValueError with the
-    TF op's messages for bad ids.
+    TF op's messages for bad ids. The arguments after offsets are
+    tt_embedding_bag_forward's.
 
     Example:
         cores = [torch.randn(8, 1 * 2 * 3, device="cuda"), torch.randn(5, 3 * 4 * 1, device="cuda")]
@@ -880,339 +854,21 @@ def tt_embedding_bag(
         out = tt_embedding_bag(cores, [8, 5], [2, 4], [3], ids, offsets)   # [2, 8]
     """
     return tt_embedding_bag_forward(
-        cores,
-        p_shapes,
-        q_shapes,
-        ranks,
-        ids,
-        offsets,
-        weights,
-        combiner,
-        num_tables,
-        table_splits,
-        padding_id,
-        num_embeddings,
+        cores, p_shapes, q_shapes, ranks, ids, offsets, *args, **kwargs
     )[0]
 
 
 def tt_embedding_bag_backward(
-    cores,
-    p_shapes,
-    q_shapes,
-    ranks,
-    ids,
-    offsets,
-    grad_out,
-    weights=None,
-    combiner="sum",
-    num_tables=1,
-    table_splits=None,
-    padding_id=None,
-    num_embeddings=None,
-    dense=True,
+    cores, p_shapes, q_shapes, ranks, ids, offsets, grad_out, *args, dense=True, **kwargs
 ):
     """Gradients of tt_embedding_bag: (core_grads, weights_grad).
 
     core_grads[k] is the dense gradient of core k [num_tables * p_k, width_k] (dense=True),
     or (sorted distinct core rows [n_k] int64, values [n_k, width_k]) (dense=False, the TF
-    op's IndexedSlices form). weights_grad is [nnz] or None. Bitwise deterministic.
+    op's IndexedSlices form). weights_grad is [nnz] or None. Bitwise deterministic. The
+    arguments after grad_out are tt_embedding_bag_forward's (weights, combiner, ...).
     """
     _, state = tt_embedding_bag_forward(
-        cores,
-        p_shapes,
-        q_shapes,
-        ranks,
-        ids,
-        offsets,
-        weights,
-        combiner,
-        num_tables,
-        table_splits,
-        padding_id,
-        num_embeddings,
+        cores, p_shapes, q_shapes, ranks, ids, offsets, *args, **kwargs
     )
     return tt_embedding_bag_backward_from(state, grad_out, dense=dense)
-
-
-# ---------------------------------------------------------------------------------------
-# TT embedding bags with the device-side row cache (cuda/tt_update_kernels.cuh, C ABI in
-# cuda/harness/tt_update_capi.cu). The cached forward is the layer's composition
-# (tf_ttemb/ops/tt_embedding.py `_rows_with_cache`: hits read the cache rows, only the
-# misses go to TTRows, the two are stitched into the rows [U, D]), with U and the number of
-# misses kept on the device:
-#   unique_ids, slots = TTUniqueIds(ids)            unique_ids [nnz]: the first U sorted,
-#                                                   the rest EMPTY_CACHE_ID (skipped below)
-#   lookup(unique_ids, cache_ids)                   position (cache slot or -1), miss_rank,
-#                                                   miss_ids (compacted, padded with id 0),
-#                                                   counts = {hits, misses} on the device
-#   miss_rows = TTRows(miss_ids, num_ids=misses)    [nnz, D], the first `misses` rows written
-#   rows = select(cache_rows[position] | miss_rows[miss_rank])   [nnz, D] (rows U.. zero)
-#   out = gather_reduce_sum(rows, slots, offsets, weights, padding_id=-1)
-# Buffers are sized by the upper bound nnz; nothing is read back unless check=True.
-# Populating the cache (count, populate, TT rows of the fresh ids, select) is also here.
-
-EMPTY_CACHE_ID = 2**63 - 1
-
-_cache_loaded = False
-
-
-def _load_cache() -> ctypes.CDLL:
-    global _cache_loaded
-    lib = _load_tt()
-    if _cache_loaded:
-        return lib
-    vp, sz, i32, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int64
-    sigs = {
-        "ttupd_error_string": (ctypes.c_char_p, [i32]),
-        "ttupd_select_rows": (i32, [i32, i64, i64, vp, i64, vp, vp, i64, vp, vp, vp]),
-        "ttupd_cache_count_scratch_bytes": (sz, [i64, i64, i64]),
-        "ttupd_cache_count": (i32, [vp, i64, i64, vp, vp, i64, vp, sz, vp]),
-        "ttupd_cache_lookup_scratch_bytes": (sz, [i64]),
-        "ttupd_cache_lookup": (
-            i32,
-            [vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
-        ),
-        "ttupd_cache_populate_scratch_bytes": (sz, [i64, i64]),
-        "ttupd_cache_populate": (
-            i32,
-            [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp],
-        ),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    _cache_loaded = True
-    return lib
-
-
-def _check_upd(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"{what} failed: {_load_cache().ttupd_error_string(code).decode()}")
-
-
-def _scratch_for(nbytes: int, device) -> torch.Tensor:
-    return torch.empty(max(int(nbytes), 256), dtype=torch.uint8, device=device)
-
-
-def tt_cache_count(ids, keys, counts, id_bound=0):
-    """TTCacheCount: adds the batch's ids (int64 global ids, negatives skipped) to the
-    frequency table (keys, counts: [H] int64 CUDA tensors, updated in place). id_bound: every
-    id is below it (the radix sort then runs on fewer bits); 0 = unknown."""
-    lib = _load_cache()
-    ids = ids.contiguous()
-    if ids.dtype != torch.int64 or keys.dtype != torch.int64 or counts.dtype != torch.int64:
-        raise TypeError("ids, keys and counts must be int64")
-    n, h = ids.numel(), keys.numel()
-    nbytes = lib.ttupd_cache_count_scratch_bytes(n, h, int(id_bound))
-    scratch = _scratch_for(nbytes, ids.device)
-    _check_upd(
-        lib.ttupd_cache_count(
-            _out_ptr(ids),
-            n,
-            int(id_bound),
-            _out_ptr(keys),
-            _out_ptr(counts),
-            h,
-            scratch.data_ptr(),
-            scratch.numel(),
-            _stream(),
-        ),
-        "cache count",
-    )
-
-
-def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
-    """Cache populate (ids part): dict of new_ids, src, fresh_rank, fresh_ids, fresh_at
-    ([C] int64 each) and num_fresh ([1], on the device)."""
-    lib = _load_cache()
-    c = old_ids.numel()
-    dev = old_ids.device
-    out = {
-        k: _poison(torch.empty(c, dtype=torch.int64, device=dev))
-        for k in ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
-    }
-    out["num_fresh"] = _poison(torch.empty(1, dtype=torch.int64, device=dev))
-    nbytes = lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
-    scratch = _scratch_for(nbytes, dev)
-    _check_upd(
-        lib.ttupd_cache_populate(
-            _out_ptr(keys),
-            _out_ptr(counts),
-            keys.numel(),
-            _out_ptr(old_ids.contiguous()),
-            c,
-            int(fresh_pad_id),
-            _out_ptr(out["new_ids"]),
-            _out_ptr(out["src"]),
-            _out_ptr(out["fresh_rank"]),
-            _out_ptr(out["fresh_ids"]),
-            _out_ptr(out["fresh_at"]),
-            out["num_fresh"].data_ptr(),
-            scratch.data_ptr(),
-            scratch.numel(),
-            _stream(),
-        ),
-        "cache populate",
-    )
-    return out
-
-
-def tt_cache_lookup(ids, cache_ids, miss_pad_id=0):
-    """Cache lookup of sorted distinct global ids [n] (entries >= EMPTY_CACHE_ID or < 0 are
-    neither hits nor misses): dict of position, miss_rank, miss_ids, miss_at ([n] int64) and
-    counts ([2] = {hits, misses}, on the device)."""
-    lib = _load_cache()
-    ids = ids.contiguous()
-    n = ids.numel()
-    dev = ids.device
-    out = {
-        k: _poison(torch.empty(n, dtype=torch.int64, device=dev))
-        for k in ("position", "miss_rank", "miss_ids", "miss_at")
-    }
-    out["counts"] = _poison(torch.empty(2, dtype=torch.int64, device=dev))
-    nbytes = lib.ttupd_cache_lookup_scratch_bytes(n)
-    scratch = _scratch_for(nbytes, dev)
-    _check_upd(
-        lib.ttupd_cache_lookup(
-            _out_ptr(ids),
-            n,
-            _out_ptr(cache_ids.contiguous()),
-            cache_ids.numel(),
-            int(miss_pad_id),
-            _out_ptr(out["position"]),
-            _out_ptr(out["miss_rank"]),
-            _out_ptr(out["miss_ids"]),
-            _out_ptr(out["miss_at"]),
-            None,
-            None,
-            out["counts"].data_ptr(),
-            scratch.data_ptr(),
-            scratch.numel(),
-            _stream(),
-        ),
-        "cache lookup",
-    )
-    return out
-
-
-def tt_select_rows(a, sel_a, b=None, sel_b=None, out=None):
-    """out[j] = a[sel_a[j]] if sel_a[j] >= 0, else b[sel_b[j]] if sel_b[j] >= 0, else 0."""
-    lib = _load_cache()
-    n = sel_a.numel()
-    width = a.shape[1]
-    if out is None:
-        out = _poison(torch.empty(n, width, dtype=a.dtype, device=a.device))
-    if b is not None and (b.dtype != a.dtype or b.shape[1] != width):
-        raise ValueError("a and b must have the same dtype and width")
-    _check_upd(
-        lib.ttupd_select_rows(
-            _DTYPE_CODES[a.dtype],
-            n,
-            width,
-            _ptr(a.contiguous()),
-            a.shape[0],
-            _ptr(sel_a),
-            None if b is None else _ptr(b.contiguous()),
-            0 if b is None else b.shape[0],
-            None if sel_b is None else _ptr(sel_b),
-            _out_ptr(out),
-            _stream(),
-        ),
-        "select rows",
-    )
-    return out
-
-
-def tt_cache_fill(shape: TTShape, cores, keys, counts, cache_size, old_ids=None, old_rows=None):
-    """The layer's cache_populate on the device: the cache_size most frequent ids of the
-    frequency table, staying rows kept from old_rows, fresh rows computed by TTRows from the
-    cores (only num_fresh of them, a device count), empty slots zero. Returns (cache_ids [C]
-    sorted, EMPTY_CACHE_ID for empty slots, cache_rows [C, D], populate dict). No read-back."""
-    cores = shape.check_cores(cores)
-    dev = keys.device
-    dtype = cores[0].dtype
-    if old_ids is None:
-        old_ids = torch.full((cache_size,), EMPTY_CACHE_ID, dtype=torch.int64, device=dev)
-        old_rows = torch.zeros(cache_size, shape.dim, dtype=dtype, device=dev)
-    pop = tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0)
-    fresh_rows, _ = tt_rows_async(shape, cores, pop["fresh_ids"], pop["num_fresh"])
-    rows = tt_select_rows(old_rows, pop["src"], fresh_rows, pop["fresh_rank"])
-    return pop["new_ids"], rows, pop
-
-
-def tt_embedding_bag_forward_cached(
-    cores,
-    p_shapes,
-    q_shapes,
-    ranks,
-    ids,
-    offsets,
-    cache_ids,
-    cache_rows,
-    weights=None,
-    combiner="sum",
-    num_tables=1,
-    table_splits=None,
-    padding_id=None,
-    num_embeddings=None,
-    check=True,
-):
-    """Forward of a TT embedding bag with a row cache; returns (out [B, D], TTState).
-
-    cache_ids [C] int64: sorted global ids, EMPTY_CACHE_ID in empty slots (at the end);
-    cache_rows [C, D] of the cores' dtype. Cached ids read their cache row, the others are
-    computed from the cores. No host synchronisation unless check=True. The state holds the
-    intermediates (unique, slots, num_unique, lookup, miss_rows, rows)."""
-    shape = TTShape(p_shapes, q_shapes, ranks, num_tables)
-    cores = shape.check_cores(cores)
-    n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
-    if not 1 <= n_emb <= shape.rows_per_table:
-        raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
-    if cache_ids.dtype != torch.int64 or cache_ids.dim() != 1:
-        raise ValueError("cache_ids must be an int64 vector")
-    if (
-        tuple(cache_rows.shape) != (cache_ids.numel(), shape.dim)
-        or cache_rows.dtype != cores[0].dtype
-    ):
-        raise ValueError(
-            f"cache_rows must be [{cache_ids.numel()}, {shape.dim}] of the cores' dtype"
-        )
-    dev = ids.device
-    if table_splits is None:
-        if num_tables != 1:
-            raise ValueError("table_splits is needed when num_tables > 1")
-        table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
-    if table_splits.numel() != num_tables + 1:
-        raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
-    unique, slots, urep = tt_unique_ids_async(
-        ids, table_splits, n_emb, shape.rows_per_table, padding_id, unique_fill=EMPTY_CACHE_ID
-    )
-    lookup = tt_cache_lookup(unique, cache_ids, miss_pad_id=0)
-    num_miss = lookup["counts"][1:2]
-    miss_rows, rrep = tt_rows_async(shape, cores, lookup["miss_ids"], num_miss)
-    rows = tt_select_rows(cache_rows, lookup["position"], miss_rows, lookup["miss_rank"])
-    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner, padding_id=-1)
-    if check:
-        _tt_raise_unique(urep, n_emb, padding_id)
-        call.raise_for(brep)
-    state = TTState(
-        shape=shape,
-        cores=cores,
-        unique=unique,
-        slots=slots,
-        num_unique=urep[2:3],
-        lookup=lookup,
-        num_miss=num_miss,
-        miss_rows=miss_rows,
-        rows=rows,
-        offsets=offsets,
-        weights=weights,
-        combiner=combiner,
-        out=out,
-        argmax=argmax,
-        unique_report=urep,
-        n_emb=n_emb,
-        padding_id=padding_id,
-    )
-    return out, state

@@ -1,6 +1,6 @@
 // C ABI over the TT embedding launchers (cuda/tt_embedding_kernels.cuh), for
-// the ctypes harness (python/gpu_harness.py). Built with nvcc alone by
-// python/build_gpu_harness.sh into libtf_ttemb_gpu_harness.so, beside the
+// the ctypes harness (python/gpu_harness/harness.py). Built with nvcc alone by
+// python/gpu_harness/build_gpu_harness.sh into libtf_ttemb_gpu_harness.so, beside the
 // gather_reduce_sum C ABI (gpu_harness_capi.cu). Not part of the op library.
 //
 // dtype codes: 0 float16, 1 bfloat16, 2 float32, 3 float64.

@@ -1,8 +1,14 @@
-"""Helpers shared by the benchmark programs in `python/`: timing, peak memory, machine info.
+"""The one timing and memory utility of tf_ttemb's measurements: `python -m tf_ttemb bench`
+(tf_ttemb/bench.py), the demo (tf_ttemb/demo/) and the benchmark programs in python/bench/
+(through python/bench/_bench_util.py, which loads this file without importing the package).
 
-Nothing here imports TensorFlow or PyTorch: the benchmark drivers stay light and each
-measurement runs in a worker process that imports the framework it measures (see
-`run_worker`).
+Timing: `time_calls` (one callable, repeated) and `time_alternating` (several callables
+timed in turn, so a shared machine's load affects all alike); both take a `sync` that
+waits until the call's work is done (a GPU call returns once its kernels are queued).
+
+Nothing here imports TensorFlow or PyTorch (the standard library only, and no tf_ttemb
+module): the benchmark drivers stay light and each measurement runs in a worker process
+that imports the framework it measures (see `run_worker`).
 
 Peak memory is measured two ways:
 
@@ -24,6 +30,7 @@ Peak memory is measured two ways:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -39,13 +46,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 MIB = float(1 << 20)
 
+# The checkout this package lies in (for `git rev-parse`; an installed wheel has none).
 CHECKOUT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def add_checkout_to_path() -> None:
-    """Makes `import tf_ttemb` find the package of this checkout (not an installed one)."""
-    if CHECKOUT_ROOT not in sys.path:
-        sys.path.insert(0, CHECKOUT_ROOT)
 
 
 # ----------------------------------------------------------------------------------------
@@ -64,30 +66,68 @@ class Timing:
         return dataclasses.asdict(self)
 
 
-def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> Timing:
+def _no_sync(result: Any = None) -> None:
+    pass
+
+
+def time_calls(
+    fn: Callable[[], Any],
+    warmup: int,
+    repeats: int,
+    sync: Optional[Callable[[], Any]] = None,
+) -> Timing:
     """Times `fn()` `repeats` times after `warmup` untimed calls.
 
-    `fn` must return only once its work is done (TensorFlow on CPU and PyTorch on CPU
-    both run synchronously). Its result is dropped before the next call, so consecutive
-    calls do not hold each other's outputs.
+    Without `sync`, `fn` must return only once its work is done (TensorFlow on CPU and
+    PyTorch on CPU both run synchronously). With it, `sync()` runs after the warm-up and
+    inside every timed call, after `fn()`. Its result is dropped before the next call, so
+    consecutive calls do not hold each other's outputs.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sync = sync or _no_sync
     for _ in range(warmup):
         fn()
+    sync()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         samples.append((time.perf_counter() - start) * 1e3)
     return Timing(statistics.median(samples), min(samples), repeats)
+
+
+def time_alternating(
+    steps: Mapping[str, Callable[[], Any]],
+    warmup: int,
+    repeats: int,
+    sync: Callable[[Any], Any] = _no_sync,
+) -> Dict[str, Timing]:
+    """name -> Timing of each step, the steps timed in turn (one call of each per round).
+
+    `sync(result)` runs on every call's result, inside the timing: it must wait until the
+    call's work is done.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        for fn in steps.values():
+            sync(fn())
+    samples: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            sync(fn())
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: Timing(statistics.median(s), min(s), len(s)) for name, s in samples.items()}
 
 
 # ----------------------------------------------------------------------------------------
 # Peak memory.
 
 
-def _status_kib(field: str) -> Optional[int]:
+def status_kib(field: str) -> Optional[int]:
     """A `kB` field of /proc/self/status (VmRSS, VmHWM), or None where there is none."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -123,8 +163,8 @@ class PeakRss:
         try:
             with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
                 f.write("5")
-            rss_kib = _status_kib("VmRSS")
-            if rss_kib is None or _status_kib("VmHWM") is None:
+            rss_kib = status_kib("VmRSS")
+            if rss_kib is None or status_kib("VmHWM") is None:
                 raise OSError("no VmRSS/VmHWM in /proc/self/status")
             self.method = "VmHWM (reset via /proc/self/clear_refs)"
             self._baseline = rss_kib * 1024
@@ -137,7 +177,7 @@ class PeakRss:
         if not self.method:
             raise RuntimeError("PeakRss.growth_bytes() called before start()")
         if self.method.startswith("VmHWM"):
-            peak = (_status_kib("VmHWM") or 0) * 1024
+            peak = (status_kib("VmHWM") or 0) * 1024
         else:
             peak = _ru_maxrss_bytes()
         return max(0, peak - self._baseline)
@@ -222,6 +262,22 @@ def write_worker_result(spec: Mapping[str, Any], result: Mapping[str, Any]) -> N
         json.dump(result, f)
 
 
+def error_summary(e: BaseException) -> str:
+    """`Type: first line of the message`, how a failed measurement is reported in a table."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def worker_main(spec: Mapping[str, Any], measure: Callable[[Mapping[str, Any]], Any]) -> None:
+    """The worker side of `run_worker`: writes `measure(spec)`, or `{"ok": False, "error":
+    ...}` when it raised (reported in the table instead of a traceback)."""
+    try:
+        result = measure(spec)
+    except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
+        result = {"ok": False, "error": error_summary(e)}
+    write_worker_result(spec, result)
+
+
 # ----------------------------------------------------------------------------------------
 # Reporting.
 
@@ -288,6 +344,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule] + [line(row) for row in rows])
 
 
+def write_json(path: str, document: Any, indent: int = 2, announce: bool = True) -> None:
+    """Writes `document` to `path` (creating its folder); logs where when `announce`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=indent)
+    if announce:
+        log(f"wrote {path}")
+
+
 def log(message: str) -> None:
     """Progress messages go to stderr, the results to stdout."""
     print(message, file=sys.stderr, flush=True)
@@ -307,3 +373,40 @@ def parse_list(text: str, allowed: Sequence[str]) -> List[str]:
             f"choose from {', '.join(allowed)}"
         )
     return list(dict.fromkeys(items))
+
+
+# ----------------------------------------------------------------------------------------
+# Command-line types (argparse `type=`).
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1; thousands separators (`,` or `_`) are allowed."""
+    value = int(text.replace(",", "").replace("_", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+# argparse names the type in its message for a value int() rejects ("invalid
+# _positive_int value: 'x'"): the benchmarks' messages keep the names they always had.
+positive_int.__name__ = "_positive_int"
+non_negative_int.__name__ = "_non_negative_int"
+
+
+def choice_list(allowed: Sequence[str]) -> Callable[[str], List[str]]:
+    """An argparse type: a comma-separated list of `allowed` choices (see `parse_list`)."""
+
+    def parse(text: str) -> List[str]:
+        try:
+            return parse_list(text, list(allowed))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse

@@ -2,9 +2,9 @@
 
 Run from the checkout after `bash configure.sh`:
 
-  .venv/bin/python python/bench_optimizers.py                 # the issue's case, ~5 min
-  .venv/bin/python python/bench_optimizers.py -N 1000000 --repeats 3      # quicker
-  .venv/bin/python python/bench_optimizers.py --help
+  .venv/bin/python python/bench/bench_optimizers.py                 # the issue's case, ~5 min
+  .venv/bin/python python/bench/bench_optimizers.py -N 1000000 --repeats 3      # quicker
+  .venv/bin/python python/bench/bench_optimizers.py --help
 
 The case is the target of the issue: a float32 `tf_ttemb.layers.EmbeddingBag` table of
 N = 10,000,000 rows × D = 64 (2.56 GB), 8,192 bags × 20 uniformly random ids per step
@@ -220,12 +220,7 @@ def _worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def worker_main(spec: Dict[str, Any]) -> None:
-    try:
-        result = _worker(spec)
-    except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
-        message = str(e).strip().splitlines()
-        result = {"ok": False, "error": f"{type(e).__name__}: {message[0] if message else ''}"}
-    util.write_worker_result(spec, result)
+    util.worker_main(spec, _worker)
 
 
 # ----------------------------------------------------------------------------------------
@@ -377,27 +372,6 @@ def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text.replace(",", "").replace("_", ""))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _optimizer_list(text: str) -> List[str]:
-    try:
-        return util.parse_list(text, list(OPTIMIZERS))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Training-step time and optimizer-state memory of LazyAdam and "
@@ -406,37 +380,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         + "; ".join(f"{key} = {label}" for key, label in OPTIMIZERS.items())
         + ". Each runs in a fresh process. See the module docstring for the method.",
     )
-    parser.add_argument("--num-rows", "-N", type=_positive_int, default=10_000_000)
-    parser.add_argument("--dim", "-D", type=_positive_int, default=64)
-    parser.add_argument("--bags", "-B", type=_positive_int, default=8_192)
-    parser.add_argument("--bag-size", "-L", type=_positive_int, default=20)
+    parser.add_argument("--num-rows", "-N", type=util.positive_int, default=10_000_000)
+    parser.add_argument("--dim", "-D", type=util.positive_int, default=64)
+    parser.add_argument("--bags", "-B", type=util.positive_int, default=8_192)
+    parser.add_argument("--bag-size", "-L", type=util.positive_int, default=20)
     parser.add_argument(
         "--batches",
-        type=_positive_int,
+        type=util.positive_int,
         default=4,
         help="distinct batches of ids the steps cycle through (default: %(default)s)",
     )
     parser.add_argument(
         "--optimizers",
-        type=_optimizer_list,
+        type=util.choice_list(OPTIMIZERS),
         default=list(OPTIMIZERS),
         help="comma-separated optimizers to run (default: all)",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=util.positive_int,
         default=5,
         help="timed steps per optimizer (default: %(default)s)",
     )
     parser.add_argument(
         "--warmup",
-        type=_positive_int,
+        type=util.positive_int,
         default=2,
         help="untimed steps first, the checked first step included (default: %(default)s)",
     )
     parser.add_argument(
         "--threads",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=0,
         help="TF intra-op threads (default: 0 = one per usable CPU)",
     )
@@ -486,10 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "checks": checks,
         "results": results,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=2)
-    util.log(f"wrote {args.json}")
+    util.write_json(args.json, document)
     failed = not all(r.get("ok") for r in results)
     missed = any(not c["pass"] for c in checks.values() if isinstance(c, dict))
     return 1 if failed or missed else 0

@@ -2,9 +2,9 @@
 
 Run from the checkout after `bash configure.sh`:
 
-  .venv/bin/python python/bench_pkm_memory.py --json bench_results/pkm_memory.json
-  .venv/bin/python python/bench_pkm_memory.py --batch 1 --seq 256 --repeats 2   # quicker
-  .venv/bin/python python/bench_pkm_memory.py --help
+  .venv/bin/python python/bench/bench_pkm_memory.py --json bench_results/pkm_memory.json
+  .venv/bin/python python/bench/bench_pkm_memory.py --batch 1 --seq 256 --repeats 2   # quicker
+  .venv/bin/python python/bench/bench_pkm_memory.py --help
 
 The case is the request that motivated the layer (batch 32 x seq 512 tokens, 4 heads x 32
 knn, dim 1024, 512**2 slots) scaled to a 2-core, 24 GiB machine: 4 x 512 tokens by
@@ -649,9 +649,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "optimizer": args.optimizer,
             "learning_rate": LEARNING_RATE,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=2)
-        util.log(f"wrote {args.json}")
+        util.write_json(args.json, document)
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 

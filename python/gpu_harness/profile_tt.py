@@ -1,11 +1,11 @@
 """Per-kernel device time of the TT embedding-bag forward and backward on the GPU.
 
-    python3 python/profile_tt.py --lib build/gpu_harness/libtf_ttemb_gpu_harness.so \
+    python3 python/gpu_harness/profile_tt.py --lib build/gpu_harness/libtf_ttemb_gpu_harness.so \
         [--json OUT.json] [--bags 512 65536] [--dist uniform zipf]
 
 For each (batch, id distribution) at FBTT's benchmark shape (p = [200, 220, 250],
 q = [4, 4, 4], R = [32, 32], bag 20, f32, sum), times the two paths of
-python/gpu_check.py's `--only tt_zipf` section under torch.profiler (CUPTI sees the
+python/gpu_harness/gpu_check.py's `--only tt_zipf` section under torch.profiler (CUPTI sees the
 kernels the ctypes library launches):
   dev    the harness's no-sync path (U and n_k stay on the device, buffers sized by nnz);
   exact  the TF glue's launch sequence with U and n_k given (buffers of the exact sizes).
@@ -23,8 +23,8 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import gpu_check as gc  # noqa: E402
-import gpu_harness as gh  # noqa: E402
+import check_tt as gc  # noqa: E402
+import harness as gh  # noqa: E402
 
 P, Q, RANKS = [200, 220, 250], [4, 4, 4], [32, 32]
 

@@ -1,7 +1,7 @@
 """A small DLRM trained by `model.fit`: tf_ttemb's EmbeddingBag against Keras' Embedding.
 
-  .venv/bin/python python/bench_dlrm_fit.py --quick                  # CPU smoke, seconds
-  bash .tfgpu/run.sh python3 python/bench_dlrm_fit.py --json out.json  # the GPU machine
+  .venv/bin/python python/bench/bench_dlrm_fit.py --quick                  # CPU smoke, seconds
+  bash .tfgpu/run.sh python3 python/bench/bench_dlrm_fit.py --json out.json  # the GPU machine
 
 The model (issue 17's): `--tables` sparse features, each a table of `--rows` x `--dim`
 float32 rows looked up by a weighted bag of `--bag` ids per example, plus 13 dense
@@ -24,7 +24,6 @@ time of the epochs after the first (which traces and warms up), ending on a fetc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -165,10 +164,12 @@ def main(argv=None) -> int:
         flush=True,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"args": vars(args), "device": device, "runs": runs, "ratio": ratio}, f, indent=1
-            )
+        _bench_util.write_json(
+            args.json,
+            {"args": vars(args), "device": device, "runs": runs, "ratio": ratio},
+            indent=1,
+            announce=False,
+        )
     return 0
 
 

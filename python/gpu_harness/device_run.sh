@@ -3,12 +3,12 @@
 # then compute-sanitizer memcheck and racecheck on a small sweep. Logs and JSON
 # go to $OUT (at most 8 files come back).
 #
-#   bash cuda/harness/device_run.sh [LIB]   (e.g. .gpu_harness/libtf_ttemb_gpu_harness.so)
+#   bash python/gpu_harness/device_run.sh [LIB]   (e.g. .gpu_harness/libtf_ttemb_gpu_harness.so)
 #
 # LIB: a prebuilt libtf_ttemb_gpu_harness.so (carried from the build machine);
 # without it the library is built here first. The build is also run here in
 # the background into /tmp to check that it builds on this machine.
-# ONLY=grs or ONLY=tt runs one section of python/gpu_check.py (gather_reduce_sum
+# ONLY=grs or ONLY=tt runs one section of python/gpu_harness/gpu_check.py (gather_reduce_sum
 # or the TT embedding bags); unset runs both. The sanitizers run the same
 # section's small sweep.
 set -uo pipefail
@@ -23,28 +23,28 @@ SECTION=()
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
   --format=csv > "$OUT/check.log" 2>&1
 if [ -n "$LIB" ] && python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LIB"; then
-  (time bash python/build_gpu_harness.sh /tmp/rebuild > "$OUT/build_on_device.log" 2>&1;
+  (time bash python/gpu_harness/build_gpu_harness.sh /tmp/rebuild > "$OUT/build_on_device.log" 2>&1;
    echo "rc=$?" >> "$OUT/build_on_device.log") 2>> "$OUT/build_on_device.log" &
   BUILD=$!
   LIB_ARG=(--lib "$LIB")
 else
   echo "no usable prebuilt library: building here" | tee "$OUT/build_on_device.log"
-  bash python/build_gpu_harness.sh >> "$OUT/build_on_device.log" 2>&1 || exit 1
+  bash python/gpu_harness/build_gpu_harness.sh >> "$OUT/build_on_device.log" 2>&1 || exit 1
   LIB=build/gpu_harness/libtf_ttemb_gpu_harness.so
   LIB_ARG=(--lib "$LIB")
   BUILD=""
 fi
 
-timeout "${CHECK_TIMEOUT:-260}" python3 python/gpu_check.py "${SECTION[@]}" "${LIB_ARG[@]}" 2>&1 | tee -a "$OUT/check.log"
+timeout "${CHECK_TIMEOUT:-260}" python3 python/gpu_harness/gpu_check.py "${SECTION[@]}" "${LIB_ARG[@]}" 2>&1 | tee -a "$OUT/check.log"
 echo "check rc=${PIPESTATUS[0]}" | tee -a "$OUT/check.log"
 
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 timeout "${MEMCHECK_TIMEOUT:-110}" compute-sanitizer --tool memcheck --leak-check no \
-  --print-limit 20 python3 python/gpu_check.py --small "${SECTION[@]}" "${LIB_ARG[@]}" \
+  --print-limit 20 python3 python/gpu_harness/gpu_check.py --small "${SECTION[@]}" "${LIB_ARG[@]}" \
   > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?" >> "$OUT/memcheck.log"
 timeout "${RACECHECK_TIMEOUT:-60}" compute-sanitizer --tool racecheck --print-limit 20 \
-  python3 python/gpu_check.py --small --max-cases 40 "${SECTION[@]}" "${LIB_ARG[@]}" \
+  python3 python/gpu_harness/gpu_check.py --small --max-cases 40 "${SECTION[@]}" "${LIB_ARG[@]}" \
   > "$OUT/racecheck.log" 2>&1
 echo "racecheck rc=$?" >> "$OUT/racecheck.log"
 if [ "${NCU:-1}" = 1 ]; then
@@ -52,7 +52,7 @@ if [ "${NCU:-1}" = 1 ]; then
     -k regex:"ForwardKernel|ReduceRunsKernel|ReduceSegmentsKernel|SortedEntryInfo|FusedWeightsGrad|DeviceRadixSort|LevelForwardKernel|LevelBackwardAKernel|CorePieceKernel" \
     --launch-count 14 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis \
-    python3 python/gpu_check.py --profile "${SECTION[@]}" "${LIB_ARG[@]}" > "$OUT/ncu.txt" 2>&1
+    python3 python/gpu_harness/gpu_check.py --profile "${SECTION[@]}" "${LIB_ARG[@]}" > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >> "$OUT/ncu.txt"
 fi
 [ -n "$BUILD" ] && wait "$BUILD"

@@ -2,9 +2,9 @@
 
 Run from the checkout after `bash configure.sh`:
 
-  .venv/bin/python python/bench_serving.py                 # ~3 min on 2 busy cores
-  .venv/bin/python python/bench_serving.py --quick         # 100,000-row tables, ~1 min
-  .venv/bin/python python/bench_serving.py --json out.json --rows 1000000 --steps 1000
+  .venv/bin/python python/bench/bench_serving.py                 # ~3 min on 2 busy cores
+  .venv/bin/python python/bench/bench_serving.py --quick         # 100,000-row tables, ~1 min
+  .venv/bin/python python/bench/bench_serving.py --json out.json --rows 1000000 --steps 1000
 
 Two sections:
 

@@ -1,6 +1,6 @@
 """TensorFlow ops per `tf_ttemb.gather_reduce_sum` lookup, forward and forward + backward.
 
-  .venv/bin/python python/count_lookup_ops.py
+  .venv/bin/python python/bench/count_lookup_ops.py
 
 Traces one lookup on a `tf.Variable` table inside a `tf.function` for dense `[B, L]` ids
 and for ragged ids, each with weights, and counts the ops of the traced graph by type
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -64,8 +63,7 @@ def main(argv=None) -> int:
             listed = ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
             print(f"{form}, {step}: {sum(counts.values())} ops ({listed})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        _bench_util.write_json(args.json, results, indent=1, announce=False)
     return 0
 
 

@@ -3,7 +3,7 @@ torch alongside.
 
 On the GPU machine through ../shared/tf_gpu/:
 
-  bash .tfgpu/run.sh python3 python/bench_tf_gpu_lookup.py --json "$OUT/lookup.json"
+  bash .tfgpu/run.sh python3 python/bench/bench_tf_gpu_lookup.py --json "$OUT/lookup.json"
 
 Cases (uniform ids; the public API on `tf.Variable` tables and dense `[bags, L]` ids, as
 a layer calls it):
@@ -323,8 +323,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        _bench_util.write_json(args.json, results, indent=1, announce=False)
     return 0
 
 

@@ -1,11 +1,11 @@
 """Cost of the fused sparse update (GatherReduceSumSparseApply) against the plain backward.
 
 Run from the checkout after `bash configure.sh` (on the GPU machine through
-../shared/tf_gpu/: `bash .tfgpu/run.sh python3 python/bench_sparse_apply.py`):
+../shared/tf_gpu/: `bash .tfgpu/run.sh python3 python/bench/bench_sparse_apply.py`):
 
-  .venv/bin/python python/bench_sparse_apply.py                  # the PKM shape
-  .venv/bin/python python/bench_sparse_apply.py -N 65536 -D 256 -B 2048 -L 128
-  .venv/bin/python python/bench_sparse_apply.py --help
+  .venv/bin/python python/bench/bench_sparse_apply.py                  # the PKM shape
+  .venv/bin/python python/bench/bench_sparse_apply.py -N 65536 -D 256 -B 2048 -L 128
+  .venv/bin/python python/bench/bench_sparse_apply.py --help
 
 The default case is the PKM values table: N = 262,144 slots x D = 1024, 16,384 tokens x
 128 (heads x knn) weighted entries per step (uniform ids), a weighted sum. It runs on the
@@ -36,7 +36,6 @@ target: at most 1.3x). A JSON copy of the table is written with `--json`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -163,17 +162,17 @@ def main(argv=None) -> int:
         f"(target <= 1.3x): {verdict}"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "device": device,
-                    "results": results,
-                    "apply_sgd_over_backward": ratio,
-                },
-                f,
-                indent=1,
-            )
+        _bench_util.write_json(
+            args.json,
+            {
+                "args": vars(args),
+                "device": device,
+                "results": results,
+                "apply_sgd_over_backward": ratio,
+            },
+            indent=1,
+            announce=False,
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
-// C ABI over the launchers of cuda/tt_update_kernels.cuh (fused TT update and
-// device-side row cache), for the ctypes check python/gpu_check_tt_update.py.
-// Built by python/build_gpu_harness.sh into libtf_ttemb_gpu_harness.so beside
+// C ABI over the launchers of cuda/tt_update_kernels.cuh (TTCacheCount's counting) and
+// python/gpu_harness/tt_cache_kernels.cuh (fused TT update, the rest of the device-side
+// row cache), for the ctypes check python/gpu_harness/check_tt_update.py.
+// Built by python/gpu_harness/build_gpu_harness.sh into libtf_ttemb_gpu_harness.so beside
 // the other harness files; not part of the op library.
 //
 // dtype codes: 0 float16, 1 bfloat16, 2 float32, 3 float64.
@@ -14,6 +15,7 @@
 #include <cstdint>
 
 #include "cuda/tt_update_kernels.cuh"
+#include "python/gpu_harness/tt_cache_kernels.cuh"
 
 namespace {
 

@@ -2,8 +2,8 @@
 
 On the two-GPU machine through ../shared/tf_gpu/:
 
-  bash .tfgpu/run.sh python3 python/bench_mirrored.py --model dlrm
-  bash .tfgpu/run.sh python3 python/bench_mirrored.py --model pkm
+  bash .tfgpu/run.sh python3 python/bench/bench_mirrored.py --model dlrm
+  bash .tfgpu/run.sh python3 python/bench/bench_mirrored.py --model pkm
 
 Replicas (--replicas): "auto" takes two GPUs with NCCL all-reduce where two are visible;
 with one GPU it splits it into two logical GPUs (a dry run of the code path: the two
@@ -28,7 +28,6 @@ Writes a JSON copy with --json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -178,20 +177,20 @@ def main(argv=None) -> int:
         f"({grads['sparse_as_dense'] / grads['indexed_slices_gathered']:.1f}x more)"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "model": args.model,
-                    "kind": kind,
-                    "devices": devices,
-                    "batch": batch,
-                    "steps_per_s_1": one,
-                    "steps_per_s_2": two,
-                    **grads,
-                },
-                f,
-                indent=1,
-            )
+        _bench_util.write_json(
+            args.json,
+            {
+                "model": args.model,
+                "kind": kind,
+                "devices": devices,
+                "batch": batch,
+                "steps_per_s_1": one,
+                "steps_per_s_2": two,
+                **grads,
+            },
+            indent=1,
+            announce=False,
+        )
     return 0
 
 

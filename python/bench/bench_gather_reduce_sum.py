@@ -2,11 +2,11 @@
 
 Run from the checkout after `bash configure.sh` (which builds tf_ttemb/_tf_ttemb_ops.so):
 
-  .venv/bin/python python/bench_gather_reduce_sum.py                  # the issue's target
-  .venv/bin/python python/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
-  .venv/bin/python python/bench_gather_reduce_sum.py --sweep --json sweep.json  # issue 19
-  .venv/bin/python python/bench_gather_reduce_sum.py --sweep --sweep-threads 2,1  # + scaling
-  .venv/bin/python python/bench_gather_reduce_sum.py --help
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py                  # the issue's target
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --bags 64 --repeats 3 --json out.json
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --sweep --json sweep.json  # issue 19
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --sweep --sweep-threads 2,1  # + scaling
+  .venv/bin/python python/bench/bench_gather_reduce_sum.py --help
 
 The default case is the target of the issue: a float32 table of N=65,536 rows × D=256,
 2,048 bags of 128 ids each (uniform random), weighted sum.
@@ -297,32 +297,43 @@ def _tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         )
     as_numpy = lambda x: tf.cast(x, tf.float64).numpy()  # noqa: E731
     prints = fingerprints(
-        as_numpy(output),
-        as_numpy(params_grad),
-        as_numpy(weights_grad),
+        *map(as_numpy, (output, params_grad, weights_grad)),
         arrays["upstream"],
         make_probes(problem),
     )
     del output, params_grad, weights_grad
 
+    threads = threads or util.usable_cpus()
+    result = _timed_result(
+        spec,
+        versions,
+        threads,
+        meter,
+        rss_growth,
+        prints,
+        lambda: forward(ids, weights),
+        lambda: forward_backward(ids, weights, upstream),
+    )
+    if spec["eager"]:
+        result["eager_fwd_bwd"] = util.time_calls(
+            lambda: forward_backward_eager(ids, weights, upstream), spec["warmup"], spec["repeats"]
+        ).to_json()
+    return result
+
+
+def _timed_result(spec, versions, threads, meter, rss_growth, prints, fwd, fwd_bwd):
+    """A worker's result: what it measured before, then fwd() and fwd_bwd() timed."""
     warmup, repeats = spec["warmup"], spec["repeats"]
-    result = {
+    return {
         "ok": True,
         "versions": versions,
-        "threads": threads or util.usable_cpus(),
+        "threads": threads,
         "rss_growth_bytes": rss_growth,
         "rss_method": meter.method,
         "fingerprints": prints,
-        "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
-        "fwd_bwd": util.time_calls(
-            lambda: forward_backward(ids, weights, upstream), warmup, repeats
-        ).to_json(),
+        "fwd": util.time_calls(fwd, warmup, repeats).to_json(),
+        "fwd_bwd": util.time_calls(fwd_bwd, warmup, repeats).to_json(),
     }
-    if spec["eager"]:
-        result["eager_fwd_bwd"] = util.time_calls(
-            lambda: forward_backward_eager(ids, weights, upstream), warmup, repeats
-        ).to_json()
-    return result
 
 
 def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
@@ -370,27 +381,23 @@ def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     if params_grad.is_sparse:
         params_grad = params_grad.coalesce().to_dense()
     prints = fingerprints(
-        as_numpy(output),
-        as_numpy(params_grad),
-        as_numpy(weights_grad),
+        *map(as_numpy, (output, params_grad, weights_grad)),
         arrays["upstream"],
         make_probes(problem),
     )
     del output, params_grad, weights_grad
 
-    warmup, repeats = spec["warmup"], spec["repeats"]
-    return {
-        "ok": True,
-        "versions": {"torch": torch.__version__, "numpy": np.__version__},
-        "threads": threads,
-        "rss_growth_bytes": rss_growth,
-        "rss_method": meter.method,
-        "fingerprints": prints,
-        "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
-        "fwd_bwd": util.time_calls(
-            lambda: forward_backward(ids, weights, upstream), warmup, repeats
-        ).to_json(),
-    }
+    versions = {"torch": torch.__version__, "numpy": np.__version__}
+    return _timed_result(
+        spec,
+        versions,
+        threads,
+        meter,
+        rss_growth,
+        prints,
+        lambda: forward(ids, weights),
+        lambda: forward_backward(ids, weights, upstream),
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -763,21 +770,10 @@ def sweep(args: argparse.Namespace) -> Dict[str, Any]:
 
 def worker_main(spec: Dict[str, Any]) -> None:
     """Entry point of a worker process: measures one implementation, writes JSON."""
-    try:
-        if spec["impl"] == "torch":
-            result = _torch_worker(spec)
-        elif spec["impl"] == "sweep_tf":
-            result = _sweep_tf_worker(spec)
-        elif spec["impl"] == "sweep_torch":
-            result = _sweep_torch_worker(spec)
-        elif spec["impl"] == "sweep_variants":
-            result = _sweep_variants_worker(spec)
-        else:
-            result = _tf_worker(spec)
-    except Exception as e:  # noqa: BLE001 -- reported in the table instead of a traceback
-        message = str(e).strip().splitlines()
-        result = {"ok": False, "error": f"{type(e).__name__}: {message[0] if message else ''}"}
-    util.write_worker_result(spec, result)
+    workers = {"torch": _torch_worker, "sweep_tf": _sweep_tf_worker}
+    workers["sweep_torch"] = _sweep_torch_worker
+    workers["sweep_variants"] = _sweep_variants_worker
+    util.worker_main(spec, workers.get(spec["impl"], _tf_worker))
 
 
 # ----------------------------------------------------------------------------------------
@@ -921,27 +917,6 @@ def report(
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text.replace(",", "").replace("_", ""))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _impl_list(text: str) -> List[str]:
-    try:
-        return util.parse_list(text, list(IMPLS))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line (see `--help`)."""
     parser = argparse.ArgumentParser(
@@ -954,28 +929,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--num-rows",
         "-N",
-        type=_positive_int,
+        type=util.positive_int,
         default=65_536,
         help="rows of the table (default: %(default)s)",
     )
     parser.add_argument(
         "--dim",
         "-D",
-        type=_positive_int,
+        type=util.positive_int,
         default=256,
         help="embedding dimension (default: %(default)s)",
     )
     parser.add_argument(
         "--bags",
         "-B",
-        type=_positive_int,
+        type=util.positive_int,
         default=2_048,
         help="number of bags (default: %(default)s)",
     )
     parser.add_argument(
         "--bag-size",
         "-L",
-        type=_positive_int,
+        type=util.positive_int,
         default=128,
         help="ids per bag (default: %(default)s)",
     )
@@ -993,26 +968,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=util.positive_int,
         default=10,
         help="timed calls per measurement (default: %(default)s)",
     )
     parser.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=2,
         help="untimed calls before timing (default: %(default)s)",
     )
     parser.add_argument(
         "--impls",
-        type=_impl_list,
+        type=util.choice_list(IMPLS),
         default=None,
         help="comma-separated implementations to run (default: all; torch "
         "is skipped where it is not importable)",
     )
     parser.add_argument(
         "--threads",
-        type=_non_negative_int,
+        type=util.non_negative_int,
         default=0,
         help="TF intra-op threads, and torch threads (default: 0 = "
         "TensorFlow's default, one per usable CPU)",
@@ -1052,7 +1027,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep-threads",
-        type=lambda text: [_positive_int(t) for t in text.split(",") if t.strip()],
+        type=lambda text: [util.positive_int(t) for t in text.split(",") if t.strip()],
         default=None,
         metavar="N,M",
         help="with --sweep: the thread counts to run the table at, e.g. 2,1 (default: "
@@ -1071,9 +1046,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.sweep:
         document = sweep(args)
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(document, f, indent=2)
-            util.log(f"wrote {args.json}")
+            util.write_json(args.json, document)
         return 0 if all(c["ours"].get("ok") for c in document["cases"]) else 1
 
     problem = Problem(
@@ -1119,9 +1092,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "reference_bytes": reference,
             "results": results,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=2)
-        util.log(f"wrote {args.json}")
+        util.write_json(args.json, document)
     return 0 if all(r.get("ok") for r in results) else 1
 
 

@@ -1,6 +1,6 @@
 // C ABI over the gather_reduce_sum launchers, for the ctypes harness
-// (python/gpu_harness.py), which runs the kernels on a machine without
-// TensorFlow. Built with nvcc alone by python/build_gpu_harness.sh into
+// (python/gpu_harness/harness.py), which runs the kernels on a machine without
+// TensorFlow. Built with nvcc alone by python/gpu_harness/build_gpu_harness.sh into
 // libtf_ttemb_gpu_harness.so. Not part of the op library: Bazel globs only
 // cuda/*.cu, not this folder.
 //
@@ -87,6 +87,23 @@ static BagProblem ToProblem(const TtembProblem* c) {
   return p;
 }
 
+}  // extern "C"
+
+namespace {
+
+// What `bytes_for(Tag<T>, Tag<Tindex>, problem)` returns for the codes (0 for unknown codes).
+template <typename F>
+size_t ScratchBytesFor(int dtype, int index_dtype, const TtembProblem* problem, F&& bytes_for) {
+  size_t bytes = 0;
+  const BagProblem p = ToProblem(problem);
+  Dispatch(dtype, index_dtype, [&](auto t, auto i) { bytes = bytes_for(t, i, p); });
+  return bytes;
+}
+
+}  // namespace
+
+extern "C" {
+
 int ttemb_report_bytes(void) { return static_cast<int>(sizeof(DeviceReport)); }
 
 const char* ttemb_error_string(int code) {
@@ -94,12 +111,9 @@ const char* ttemb_error_string(int code) {
 }
 
 size_t ttemb_forward_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem) {
-  size_t bytes = 0;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto) {
-    bytes = tf_ttemb::gpu::ForwardScratchBytes<typename decltype(t)::type>(p);
+  return ScratchBytesFor(dtype, index_dtype, problem, [](auto t, auto, const BagProblem& p) {
+    return tf_ttemb::gpu::ForwardScratchBytes<typename decltype(t)::type>(p);
   });
-  return bytes;
 }
 
 int ttemb_forward(int dtype, int index_dtype, const TtembProblem* problem, const void* params,
@@ -122,14 +136,11 @@ int ttemb_forward(int dtype, int index_dtype, const TtembProblem* problem, const
 
 size_t ttemb_params_grad_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem,
                                        int dense, int fused) {
-  size_t bytes = 0;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
-    bytes = tf_ttemb::gpu::ParamsGradScratchBytes<typename decltype(t)::type,
-                                                  typename decltype(i)::type>(p, dense != 0,
-                                                                              fused != 0);
+  return ScratchBytesFor(dtype, index_dtype, problem, [&](auto t, auto i, const BagProblem& p) {
+    return tf_ttemb::gpu::ParamsGradScratchBytes<typename decltype(t)::type,
+                                                 typename decltype(i)::type>(p, dense != 0,
+                                                                             fused != 0);
   });
-  return bytes;
 }
 
 int ttemb_params_grad_prepare(int dtype, int index_dtype, const TtembProblem* problem,
@@ -174,12 +185,9 @@ int ttemb_params_grad_reduce(int dtype, int index_dtype, const TtembProblem* pro
 }
 
 size_t ttemb_weights_grad_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem) {
-  size_t bytes = 0;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto) {
-    bytes = tf_ttemb::gpu::WeightsGradScratchBytes<typename decltype(t)::type>(p);
+  return ScratchBytesFor(dtype, index_dtype, problem, [](auto t, auto, const BagProblem& p) {
+    return tf_ttemb::gpu::WeightsGradScratchBytes<typename decltype(t)::type>(p);
   });
-  return bytes;
 }
 
 int ttemb_weights_grad(int dtype, int index_dtype, const TtembProblem* problem, const void* grad,

@@ -2,9 +2,9 @@
 
 On the GPU machine, through ../shared/tf_gpu/ (TensorFlow places our ops on the GPU):
 
-  bash .tfgpu/run.sh python3 python/gpu_memcheck.py --tool memcheck --shards 12 \\
+  bash .tfgpu/run.sh python3 python/gpu_harness/gpu_memcheck.py --tool memcheck --shards 12 \\
       --out "$OUT/memcheck" tests/test_gather_reduce_sum.py tests/test_tt_ops.py
-  bash .tfgpu/run.sh python3 python/gpu_memcheck.py --tool racecheck --shards 12 \\
+  bash .tfgpu/run.sh python3 python/gpu_harness/gpu_memcheck.py --tool racecheck --shards 12 \\
       --out "$OUT/racecheck" -k "float32" tests/test_gpu_parity.py
 
 pytest-xdist workers do not run under compute-sanitizer (the sanitizer follows the
