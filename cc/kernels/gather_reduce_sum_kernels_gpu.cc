@@ -327,19 +327,14 @@ struct ParamsGradInputs {
 // queues the reduction, as TensorFlow core's GPU Unique sizes its output. No
 // TensorFlow thread waits on the stream.
 template <typename T, typename Tindex>
-class GatherReduceSumGradGpuOp : public AsyncOpKernel {
+class GatherReduceSumGradGpuOp
+    : public LaunchThenCheckOp<GpuCall, GatherReduceSumGradGpuOp<T, Tindex>> {
  public:
-  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx)
+      : LaunchThenCheckOp<GpuCall, GatherReduceSumGradGpuOp<T, Tindex>>(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return Launch(ctx, call, check);
-    });
-  }
-
- private:
   Status Launch(OpKernelContext* ctx, GpuCall* call, GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     ParamsGradInputs<T, Tindex> in;
@@ -377,25 +372,21 @@ class GatherReduceSumGradGpuOp : public AsyncOpKernel {
     return OkStatus();
   }
 
+ private:
   BagAttrs attrs_;
 };
 
 // Dense form: params_grad [N, D]. No read-back is needed to size it, so the
 // report is read once, after both launches.
 template <typename T, typename Tindex>
-class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
+class GatherReduceSumDenseGradGpuOp
+    : public LaunchThenCheckOp<GpuCall, GatherReduceSumDenseGradGpuOp<T, Tindex>> {
  public:
-  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx)
+      : LaunchThenCheckOp<GpuCall, GatherReduceSumDenseGradGpuOp<T, Tindex>>(ctx) {
     OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
   }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return Launch(ctx, call, check);
-    });
-  }
-
- private:
   Status Launch(OpKernelContext* ctx, GpuCall* call_ptr, GpuCall::ReportCheck* check) {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall& call = *call_ptr;
@@ -434,6 +425,7 @@ class GatherReduceSumDenseGradGpuOp : public AsyncOpKernel {
     return OkStatus();
   }
 
+ private:
   BagAttrs attrs_;
 };
 

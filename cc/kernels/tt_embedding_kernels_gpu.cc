@@ -241,19 +241,13 @@ Status GlobalIdsReportStatus(const launchers::TTReport& r, const TTShape& shape)
 // has run it the report's check (on the EventMgr thread) sets the output to
 // the first U ids, as TensorFlow core's GPU Unique does.
 template <typename Tindex>
-class TTUniqueIdsGpuOp : public AsyncOpKernel {
+class TTUniqueIdsGpuOp : public LaunchThenCheckOp<TTGpuCall, TTUniqueIdsGpuOp<Tindex>> {
  public:
-  explicit TTUniqueIdsGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+  explicit TTUniqueIdsGpuOp(OpKernelConstruction* ctx)
+      : LaunchThenCheckOp<TTGpuCall, TTUniqueIdsGpuOp<Tindex>>(ctx) {
     OP_REQUIRES_OK(ctx, GetUniqueIdsAttrs(ctx, &attrs_));
   }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<TTGpuCall>(
-        ctx, std::move(done),
-        [&](TTGpuCall* call, TTGpuCall::ReportCheck* check) { return Launch(ctx, call, check); });
-  }
-
- private:
   Status Launch(OpKernelContext* ctx, TTGpuCall* call, TTGpuCall::ReportCheck* check) {
     const Tensor& ids = ctx->input(0);
     const Tensor& splits = ctx->input(1);  // host memory
@@ -313,6 +307,7 @@ class TTUniqueIdsGpuOp : public AsyncOpKernel {
     return OkStatus();
   }
 
+ private:
   UniqueIdsAttrs attrs_;
 };
 
@@ -335,22 +330,16 @@ Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape, const char
 // Asynchronous (the output's shape is known on the host): the op finishes
 // from the stream when the report has come back (TTGpuCall::ThenCheckReport).
 template <typename T>
-class TTRowsGpuOp : public AsyncOpKernel {
+class TTRowsGpuOp : public LaunchThenCheckOp<TTGpuCall, TTRowsGpuOp<T>> {
  public:
   using CT = typename CudaTypeOf<T>::type;
 
-  explicit TTRowsGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+  explicit TTRowsGpuOp(OpKernelConstruction* ctx)
+      : LaunchThenCheckOp<TTGpuCall, TTRowsGpuOp<T>>(ctx) {
     OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
     OP_REQUIRES_OK(ctx, MakeTTProblem(shape_, &problem_));
   }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<TTGpuCall>(
-        ctx, std::move(done),
-        [&](TTGpuCall* call, TTGpuCall::ReportCheck* check) { return Launch(ctx, call, check); });
-  }
-
- private:
   Status Launch(OpKernelContext* ctx, TTGpuCall* call_ptr, TTGpuCall::ReportCheck* check) {
     TTGpuCall& call = *call_ptr;
     OpInputList cores;
@@ -385,6 +374,7 @@ class TTRowsGpuOp : public AsyncOpKernel {
     return OkStatus();
   }
 
+ private:
   TTShape shape_;
   launchers::TTProblem problem_;
 };
@@ -397,22 +387,16 @@ class TTRowsGpuOp : public AsyncOpKernel {
 // report's check (on the EventMgr thread) allocates the outputs and queues the
 // float part, as TensorFlow core's GPU Unique sizes its output.
 template <typename T>
-class TTRowsGradGpuOp : public AsyncOpKernel {
+class TTRowsGradGpuOp : public LaunchThenCheckOp<TTGpuCall, TTRowsGradGpuOp<T>> {
  public:
   using CT = typename CudaTypeOf<T>::type;
 
-  explicit TTRowsGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+  explicit TTRowsGradGpuOp(OpKernelConstruction* ctx)
+      : LaunchThenCheckOp<TTGpuCall, TTRowsGradGpuOp<T>>(ctx) {
     OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
     OP_REQUIRES_OK(ctx, MakeTTProblem(shape_, &problem_));
   }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<TTGpuCall>(
-        ctx, std::move(done),
-        [&](TTGpuCall* call, TTGpuCall::ReportCheck* check) { return Launch(ctx, call, check); });
-  }
-
- private:
   Status Launch(OpKernelContext* ctx, TTGpuCall* call, TTGpuCall::ReportCheck* check) {
     const int num_cores = shape_.num_cores;
     OpInputList cores;
@@ -451,6 +435,7 @@ class TTRowsGradGpuOp : public AsyncOpKernel {
     return OkStatus();
   }
 
+ private:
   // The second step, with the report of the first.
   Status Compute(OpKernelContext* ctx, TTGpuCall* call, int64_t num_ids, void* scratch,
                  size_t scratch_bytes, const launchers::TTReport& report) {
