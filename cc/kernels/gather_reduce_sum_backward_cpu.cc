@@ -233,18 +233,8 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
           }
           const T* row = params_data + static_cast<int64_t>(ids[j]) * dim;
           const Acc dot = Dot<Acc>(dy, row, dim);
-          Acc g;
-          switch (attrs.combiner) {
-            case Combiner::kMean:
-              g = (dot - dy_dot_out) * scale;
-              break;
-            case Combiner::kSqrtn:
-              g = dot * scale - static_cast<Acc>(w[j]) * dy_dot_out * scale * scale;
-              break;
-            default:
-              g = dot;
-          }
-          dw[j] = static_cast<T>(g);
+          dw[j] = static_cast<T>(
+              WeightGrad(attrs.combiner, dot, dy_dot_out, scale, static_cast<Acc>(w[j])));
         }
       }
     });
@@ -378,18 +368,7 @@ class GatherReduceSumFusedGradOp : public OpKernel {
           Axpy(acc.data(), coef[k], dy, dim);
           if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
           const Acc dot = Dot<Acc>(dy, row, dim);
-          Acc g;
-          switch (combiner) {
-            case Combiner::kMean:
-              g = (dot - dots[b]) * scale;
-              break;
-            case Combiner::kSqrtn:
-              g = dot * scale - ws[k] * dots[b] * scale * scale;
-              break;
-            default:
-              g = dot;
-          }
-          dw[positions[k]] = static_cast<T>(g);
+          dw[positions[k]] = static_cast<T>(WeightGrad(combiner, dot, dots[b], scale, ws[k]));
         }
         T* out_row = values + (dense ? id : u) * dim;
         for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);

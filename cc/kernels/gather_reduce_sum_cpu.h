@@ -306,6 +306,24 @@ inline Acc BagScale(Combiner combiner, Acc weight_sum, Acc weight_sq_sum) {
   }
 }
 
+// The gradient w.r.t. the weight w of one entry e of a bag b whose scale
+// (BagScale) is `scale`: with dot = <dy_b, e> and dy_dot_out = <dy_b, out_b>,
+//   sum:   dot
+//   mean:  (dot - dy_dot_out) * scale
+//   sqrtn: dot * scale - w * dy_dot_out * scale^2
+// Callers leave 0 for padding entries and for bags of scale 0.
+template <typename Acc>
+inline Acc WeightGrad(Combiner combiner, Acc dot, Acc dy_dot_out, Acc scale, Acc w) {
+  switch (combiner) {
+    case Combiner::kMean:
+      return (dot - dy_dot_out) * scale;
+    case Combiner::kSqrtn:
+      return dot * scale - w * dy_dot_out * scale * scale;
+    default:
+      return dot;
+  }
+}
+
 // w * w rounded on its own, never fused into the addition that follows.
 template <typename Acc>
 inline Acc RoundedSquare(Acc w) {

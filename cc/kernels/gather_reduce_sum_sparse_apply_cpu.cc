@@ -140,18 +140,9 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
           if (w == nullptr) continue;
           if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
           const Acc dot = Dot<Acc>(dy, row, dim);
-          Acc grad_w;
-          switch (attrs.combiner) {
-            case Combiner::kMean:
-              grad_w = (dot - dy_dot_out[b]) * scale;
-              break;
-            case Combiner::kSqrtn:
-              grad_w = dot * scale - wj * dy_dot_out[b] * scale * scale;
-              break;
-            default:
-              grad_w = dot;
-          }
-          dw[j] = static_cast<T>(grad_w);
+          // dy_dot_out is empty for sum, which does not read it.
+          const Acc dot_out = attrs.combiner == Combiner::kSum ? Acc(0) : dy_dot_out[b];
+          dw[j] = static_cast<T>(WeightGrad(attrs.combiner, dot, dot_out, scale, wj));
         }
         ApplyRow(optimizer, lr, eps, g.data(), dim, row,
                  state == nullptr                             ? nullptr
