@@ -46,6 +46,29 @@ struct AccumulatorOf<double> {
 template <typename T>
 using AccT = typename AccumulatorOf<T>::type;
 
+// What a GPU bag op found wrong in its ids and row_splits, written on the device by the
+// launchers (cuda/) and turned into the CPU kernel's InvalidArgument on the host (cc/),
+// either by the op itself or, for the forward, by TfTtemb>CheckBagReport, which reads it
+// from the forward's `report` output. The last three words describe the call, so that
+// the report alone is enough to word the error. Plain int64 words: the CPU check kernel
+// reads a copy of it as a tensor.
+struct DeviceReport {
+  int64_t first_bad_index;  // smallest j with ids[j] outside [0, N) and not padding
+  int64_t bad_index_value;  // ids[first_bad_index]
+  int64_t first_bad_split;  // smallest b with splits[b + 1] < splits[b]
+  int64_t bad_split_value;  // splits[first_bad_split + 1]
+  int64_t bad_split_prev;   // splits[first_bad_split]
+  int64_t first_split;      // splits[0]
+  int64_t last_split;       // splits[B]
+  int64_t num_unique;       // params grad: distinct non-padding ids (U)
+  int64_t num_rows;         // N
+  int64_t nnz;              // number of ids
+  int64_t num_bags;         // B
+};
+constexpr int64_t kDeviceReportWords = sizeof(DeviceReport) / sizeof(int64_t);
+static_assert(sizeof(DeviceReport) % sizeof(int64_t) == 0,
+              "DeviceReport must be a whole number of int64 words");
+
 // Fixed 64-bit mixer (splitmix64's finaliser): which set of TTCacheCount's frequency
 // table an id belongs to, on the CPU and the GPU alike.
 inline TTEMB_HOST_DEVICE uint64_t MixId(uint64_t x) {

@@ -258,7 +258,7 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids, cons
     return cudaErrorInvalidValue;
   }
   CarveGrad<T>(p, g, dense, fuse_weights_grad, scratch, &s);
-  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(p, report, stream));
   TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
   if (p.nnz == 0) {
     TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(s.meta, 0, 2 * sizeof(int64_t), stream));
@@ -317,7 +317,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
   Carver carver(scratch);
   AccT<T>* scale = carver.Take<AccT<T>>(p.num_bags);
   AccT<T>* dyout = carver.Take<AccT<T>>(p.num_bags);
-  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(p, report, stream));
   TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
   if (p.num_bags > 0 && p.nnz > 0) {
     if (scaled) {

@@ -402,8 +402,21 @@ Columns ColumnsFor(int64_t dim, int nv = 1) {
 
 cudaError_t LastLaunchError() { return cudaGetLastError(); }
 
-cudaError_t InitReport(DeviceReport* report, cudaStream_t stream) {
-  return cudaMemsetAsync(report, 0xff, sizeof(DeviceReport), stream);
+// Every finding unset (-1), and the header of the call `p` describes.
+__global__ void InitReportKernel(DeviceReport* report, int64_t num_rows, int64_t nnz,
+                                 int64_t num_bags) {
+  DeviceReport r;
+  r.first_bad_index = r.bad_index_value = r.first_bad_split = r.bad_split_value = -1;
+  r.bad_split_prev = r.first_split = r.last_split = r.num_unique = -1;
+  r.num_rows = num_rows;
+  r.nnz = nnz;
+  r.num_bags = num_bags;
+  *report = r;
+}
+
+cudaError_t InitReport(const BagProblem& p, DeviceReport* report, cudaStream_t stream) {
+  InitReportKernel<<<1, 1, 0, stream>>>(report, p.num_rows, p.nnz, p.num_bags);
+  return LastLaunchError();
 }
 
 cudaError_t CheckSplits(const int64_t* splits, int64_t num_bags, DeviceReport* report,

@@ -1,6 +1,5 @@
-// CUDA kernels of the gather_reduce_sum forward (LaunchForward) and the row_splits
-// check (LaunchCheckSplits). See gather_reduce_sum_kernels.cuh for the contract and
-// gather_reduce_sum_common.cuh for the column layout every row kernel shares.
+// CUDA kernels of the gather_reduce_sum forward (LaunchForward). See gather_reduce_sum_kernels.cuh
+// for the contract and gather_reduce_sum_common.cuh for the column layout every row kernel shares.
 
 #include "cuda/gather_reduce_sum_common.cuh"
 
@@ -339,14 +338,6 @@ size_t CarveForward(const BagProblem& p, const ForwardPlan& plan, void* base,
 // ---------------------------------------------------------------------------
 // Public launchers.
 
-cudaError_t LaunchCheckSplits(const int64_t* splits, int64_t num_bags, DeviceReport* report,
-                              cudaStream_t stream) {
-  if (num_bags < 0) return cudaErrorInvalidValue;
-  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
-  TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, num_bags, report, stream));
-  return FinishReport<int32_t>(nullptr, 0, splits, num_bags, report, stream);
-}
-
 template <typename T>
 size_t ForwardScratchBytes(const BagProblem& p) {
   ForwardScratch<T> s;
@@ -366,7 +357,7 @@ cudaError_t LaunchForward(const BagProblem& p, const T* params, const Tindex* id
   ForwardScratch<T> s;
   if (CarveForward<T>(p, plan, nullptr, &s) > scratch_bytes) return cudaErrorInvalidValue;
   CarveForward<T>(p, plan, scratch, &s);
-  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(report, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(InitReport(p, report, stream));
   TTEMB_RETURN_IF_CUDA_ERROR(CheckSplits(splits, p.num_bags, report, stream));
   if (plan.num_items == 0) {
     // No output elements: the ids are still checked.

@@ -43,6 +43,7 @@ namespace gpu {
 
 using ::tf_ttemb::AccT;
 using ::tf_ttemb::Combiner;
+using ::tf_ttemb::DeviceReport;
 
 // Sizes and attributes of one call: the op's BagOptions (combiner, has_weights,
 // has_padding_id, padding_id; cuda/common_types.h) and the sizes.
@@ -53,25 +54,14 @@ struct BagProblem : ::tf_ttemb::BagOptions {
   int64_t nnz = 0;
 };
 
-// What the device found, in device memory. Every field is -1 when unset.
-// The checks a caller makes, in the CPU kernel's order:
-//   first_split != 0                    -> row_splits[0] = first_split must be 0
-//   first_bad_split >= 0                -> row_splits must be non-decreasing:
-//        row_splits[first_bad_split + 1] = bad_split_value < row_splits[first_bad_split] =
-//        bad_split_prev
-//   last_split != nnz                   -> row_splits[B] = last_split must equal the number of
-//   indices (nnz) first_bad_index >= 0                -> indices[first_bad_index] = bad_index_value
-//   is not in [0, N)
-struct DeviceReport {
-  int64_t first_bad_index;  // smallest j with ids[j] outside [0, N) and not padding
-  int64_t bad_index_value;  // ids[first_bad_index]
-  int64_t first_bad_split;  // smallest b with splits[b + 1] < splits[b]
-  int64_t bad_split_value;  // splits[first_bad_split + 1]
-  int64_t bad_split_prev;   // splits[first_bad_split]
-  int64_t first_split;      // splits[0]
-  int64_t last_split;       // splits[B]
-  int64_t num_unique;       // params grad: distinct non-padding ids (U)
-};
+// The DeviceReport (cuda/common_types.h): what the device found, in device
+// memory; every finding is -1 when unset, and the header (num_rows, nnz,
+// num_bags) is the call's. The checks a caller makes, in the CPU kernel's
+// order (cc/kernels ReportStatus):
+//   first_split != 0       -> row_splits[0] = first_split must be 0
+//   first_bad_split >= 0   -> row_splits must be non-decreasing
+//   last_split != nnz      -> row_splits[B] = last_split must equal nnz
+//   first_bad_index >= 0   -> indices[first_bad_index] = bad_index_value is not in [0, N)
 
 // ---------------------------------------------------------------------------
 // Forward: out[b] = combine over the bag's entries. argmax is written for kMax.
@@ -186,10 +176,6 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p,
                               void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
-// Checks of row_splits alone (for ops that need nothing else checked): fills
-// first_split, last_split and the non-decreasing fields of the report.
-cudaError_t LaunchCheckSplits(const int64_t* splits,  // [B + 1]
-                              int64_t num_bags, DeviceReport* report, cudaStream_t stream);
 
 }  // namespace gpu
 }  // namespace tf_ttemb

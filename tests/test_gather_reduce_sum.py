@@ -926,10 +926,14 @@ def call_raw(
         num_bags = max(int(row_splits.shape[0]) - 1, 0)
     dim = int(params.shape[-1]) if params.shape.rank else 1
     grad = tf.constant(rng.normal(size=(num_bags, dim)), dtype=tf.float32)
-    if op == "tf_ttemb_gather_reduce_sum":
-        return getattr(raw_ops, op)(
+    if op == "tf_ttemb_gather_reduce_sum":  # with the check of its report, as the wrapper runs it
+        outputs = getattr(raw_ops, op)(
             params=params, indices=indices, row_splits=row_splits, weights=weights, **attrs
         )
+        raw_ops.tf_ttemb_check_bag_report(
+            outputs[2], padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
+        )
+        return outputs
     if op == "tf_ttemb_gather_reduce_sum_weights_grad":
         return getattr(raw_ops, op)(
             grad=grad,

@@ -52,12 +52,21 @@ def _attrs(combiner, weighted, padding_id):
 def _op_calls(lib, combiner, weighted):
     """name -> fn(device tensors) calling one op of the family on the bad input."""
 
+    def checked(outputs, a):  # the forward and the check of its report, as the wrapper runs them
+        lib.tf_ttemb_check_bag_report(
+            outputs[2], padding_id=a["padding_id"], has_padding_id=a["has_padding_id"]
+        )
+        return outputs[:2]
+
     def forward(t, a):
-        return lib.tf_ttemb_gather_reduce_sum(t.params, t.ids, t.splits, t.weights, **a)
+        return checked(lib.tf_ttemb_gather_reduce_sum(t.params, t.ids, t.splits, t.weights, **a), a)
 
     def resource_forward(t, a):
-        return lib.tf_ttemb_resource_gather_reduce_sum(
-            t.table.handle, t.ids, t.splits, t.weights, **a
+        return checked(
+            lib.tf_ttemb_resource_gather_reduce_sum(
+                t.table.handle, t.ids, t.splits, t.weights, **a
+            ),
+            a,
         )
 
     def grad(t, a):
@@ -181,6 +190,41 @@ def test_errors_match_cpu_op_by_op(combiner, weighted, case):
                         assert device[1:4] in t.table.device, (device, t.table.device)
         assert messages["/GPU:0"] == messages["/CPU:0"], (name, messages)
         assert ("indices[" in messages["/CPU:0"]) == ("id" in case), (name, messages)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+@pytest.mark.parametrize("check_device", DEVICES)
+def test_gpu_forward_reports_instead_of_waiting(case, check_device):
+    """The GPU forward returns on bad input, its output from the valid entries only (no
+    read out of bounds), and its report raises the CPU op's message wherever the check
+    runs: on the GPU from the stream, or on the CPU from a copy of the report."""
+    ids, splits, padding_id = BAD_INPUTS[case]
+    lib = _loader.load_op_library()
+    attrs = _attrs("sum", True, padding_id)
+    with tf.device("/CPU:0"):
+        t = _Inputs(7, ids, splits, "sum", True)
+        with pytest.raises(tf.errors.InvalidArgumentError) as cpu_info:
+            lib.tf_ttemb_gather_reduce_sum(t.params, t.ids, t.splits, t.weights, **attrs)
+    with tf.device("/GPU:0"):
+        t = _Inputs(7, ids, splits, "sum", True)
+        output, _, report = lib.tf_ttemb_gather_reduce_sum(
+            t.params, t.ids, t.splits, t.weights, **attrs
+        )
+    assert report.shape == [11] and "GPU" in report.device, (report.shape, report.device)
+    if "id" in case:  # well-formed bags: each sums its entries with a valid id
+        params, w = t.params.numpy().astype(np.float64), t.weights.numpy().astype(np.float64)
+        want = np.zeros((len(splits) - 1, DIM))
+        for b in range(len(splits) - 1):
+            for j in range(splits[b], splits[b + 1]):
+                if 0 <= ids[j] < NUM_ROWS:
+                    want[b] += w[j] * params[ids[j]]
+        np.testing.assert_allclose(output.numpy(), want, rtol=1e-6, atol=1e-6)
+    with tf.device(check_device):
+        with pytest.raises(tf.errors.InvalidArgumentError) as gpu_info:
+            lib.tf_ttemb_check_bag_report(
+                report, padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
+            )
+    assert our_message(gpu_info.value.message) == our_message(cpu_info.value.message)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])

@@ -1,8 +1,8 @@
 // CPU kernels of the gather_reduce_sum forward (GatherReduceSum and
-// ResourceGatherReduceSum): bags are split into blocks of about equal entry
-// count; each block runs on one thread of TF's CPU pool and accumulates one bag
-// at a time into a [D] float (double for float64) buffer, so no [nnz, D] tensor
-// is ever built.
+// ResourceGatherReduceSum, through ForwardLaunch<CpuDevice>; the OpKernel is
+// gather_reduce_sum_forward_op.h's) and CheckBagReport: bags are split into blocks of about equal
+// entry count; each block runs on one thread of TF's CPU pool and accumulates one bag at a time
+// into a [D] float (double for float64) buffer, so no [nnz, D] tensor is ever built.
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cc/kernels/gather_reduce_sum_cpu.h"
+#include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -506,71 +507,76 @@ void ForwardBags(const T* params,        // [N, D]
   }
 }
 
-// ParamsFromResource: params arrive as a resource variable, read in place
-// under a shared lock instead of as a (possibly copied) tensor.
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumOp : public OpKernel {
+}  // namespace
+
+// The CPU forward: checks the row_splits and ids on the host (the report stays
+// empty), then sums the bags over the thread pool.
+template <typename T, typename Tindex>
+struct ForwardLaunch<CpuDevice, T, Tindex> {
+  static constexpr int64_t kReportWords = 0;
+
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ForwardArgs& a) {
+    const int64_t num_bags = a.shapes.num_bags;
+    const int64_t* splits = a.row_splits->flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, a.shapes.nnz));
+    const Tindex* ids = a.indices->flat<Tindex>().data();
+    thread::ThreadPool* pool = CpuPool(ctx);
+    TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, a.shapes.nnz, a.num_rows, attrs));
+    const bool is_max = attrs.combiner == Combiner::kMax;
+    if (is_max) {  // argmax holds int32 positions inside a bag
+      for (int64_t b = 0; b < num_bags; ++b) {
+        if (splits[b + 1] - splits[b] > std::numeric_limits<int32>::max()) {
+          return errors::InvalidArgument(
+              "combiner 'max' supports bags of at most 2^31 - 1 entries, bag ", b, " has ",
+              splits[b + 1] - splits[b]);
+        }
+      }
+    }
+    if (num_bags == 0 || a.dim == 0) return OkStatus();
+    const T* params = a.params->flat<T>().data();
+    const T* weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
+    T* out = a.output->flat<T>().data();
+    int32* argmax = is_max ? a.argmax->flat<int32>().data() : nullptr;
+    const int64_t dim = a.dim;
+    ForBalancedBlocks(pool, splits, num_bags, dim, [&](int64_t begin, int64_t end) {
+      ForwardBags(params, ids, splits, weights, dim, attrs, begin, end, out, argmax);
+    });
+    return OkStatus();
+  }
+};
+
+namespace {
+
+// TfTtemb>CheckBagReport on the CPU: an empty report (a CPU forward's) is OK; a
+// GPU forward's report, copied here by TensorFlow, raises what it holds.
+class CheckBagReportOp : public OpKernel {
  public:
-  explicit GatherReduceSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  explicit CheckBagReportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetReportAttrs(ctx, &attrs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    WithParams<T, ParamsFromResource>(
-        ctx, 0, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
+    const Tensor& report = ctx->input(0);
+    if (report.NumElements() == 0) return;
+    OP_REQUIRES(ctx, report.dims() == 1 && report.NumElements() == kDeviceReportWords,
+                errors::InvalidArgument("report must be empty or hold ", kDeviceReportWords,
+                                        " words, got shape ", report.shape().DebugString()));
+    DeviceReport r;
+    std::memcpy(&r, report.flat<int64_t>().data(), sizeof(r));
+    OP_REQUIRES_OK(ctx, ReportStatus(r, attrs_));
   }
 
  private:
-  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
-    const Tensor& indices = ctx->input(1);
-    const Tensor& row_splits = ctx->input(2);
-    const Tensor& weights = ctx->input(3);
-    BagShapes shapes;
-    TensorShape output_shape;
-    OP_REQUIRES_OK(ctx, ValidateForwardInputs(params, indices, row_splits, weights, attrs_, &shapes,
-                                              &output_shape));
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    const int64_t* splits = row_splits.flat<int64_t>().data();
-    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
-    const Tindex* ids = indices.flat<Tindex>().data();
-    thread::ThreadPool* pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
-    const bool is_max = attrs_.combiner == Combiner::kMax;
-    if (is_max) {
-      for (int64_t b = 0; b < shapes.num_bags; ++b) {
-        OP_REQUIRES(ctx, splits[b + 1] - splits[b] <= std::numeric_limits<int32>::max(),
-                    errors::InvalidArgument("combiner 'max' supports bags of at most 2^31 - 1 "
-                                            "entries, bag ",
-                                            b, " has ", splits[b + 1] - splits[b]));
-      }
-    }
-
-    Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape, &output));
-    Tensor* argmax = nullptr;
-    OP_REQUIRES_OK(
-        ctx, ctx->allocate_output(1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
-    if (shapes.num_bags == 0 || dim == 0) return;
-
-    const T* params_data = params.flat<T>().data();
-    const T* weights_data = attrs_.has_weights ? weights.flat<T>().data() : nullptr;
-    T* out = output->flat<T>().data();
-    int32* argmax_data = is_max ? argmax->flat<int32>().data() : nullptr;
-    const BagAttrs attrs = attrs_;
-    ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin, int64_t end) {
-      ForwardBags(params_data, ids, splits, weights_data, dim, attrs, begin, end, out, argmax_data);
-    });
-  }
-
   BagAttrs attrs_;
 };
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                             \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSum", T, Tindex,         \
-                                   GatherReduceSumOp<T, Tindex, false>)          \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSum", T, Tindex, \
-                                   GatherReduceSumOp<T, Tindex, true>)
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_CPU), CheckBagReportOp);
+
+#define TF_TTEMB_REGISTER(T, Tindex)                                               \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSum", T, Tindex,           \
+                                   GatherReduceSumOp<CpuDevice, T, Tindex, false>) \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSum", T, Tindex,   \
+                                   GatherReduceSumOp<CpuDevice, T, Tindex, true>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
 #undef TF_TTEMB_REGISTER
 

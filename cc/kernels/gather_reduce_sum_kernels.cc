@@ -198,6 +198,23 @@ Status BadIndexError(int64_t position, int64_t value, int64_t num_rows, const Ba
                                  ")");
 }
 
+Status ReportStatus(const DeviceReport& r, const BagAttrs& attrs) {
+  if (r.first_split != 0) return RowSplitsStartError(r.first_split);
+  if (r.first_bad_split >= 0) {
+    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value, r.bad_split_prev);
+  }
+  if (r.last_split != r.nnz) return RowSplitsEndError(r.num_bags, r.last_split, r.nnz);
+  if (r.first_bad_index >= 0) {
+    return BadIndexError(r.first_bad_index, r.bad_index_value, r.num_rows, attrs);
+  }
+  return OkStatus();
+}
+
+Status GetReportAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("has_padding_id", &attrs->has_padding_id));
+  return ctx->GetAttr("padding_id", &attrs->padding_id);
+}
+
 const char* RowOptimizerName(RowOptimizer optimizer) {
   switch (optimizer) {
     case RowOptimizer::kRowwiseAdagrad:

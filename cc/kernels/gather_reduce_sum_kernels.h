@@ -27,6 +27,8 @@ namespace tf_ttemb {
 // optimizer choices, and AccT<T>, float32 for half types and T otherwise.
 using ::tf_ttemb::AccT;
 using ::tf_ttemb::Combiner;
+using ::tf_ttemb::DeviceReport;
+using ::tf_ttemb::kDeviceReportWords;
 using ::tf_ttemb::RowOptimizer;
 
 // Attributes common to every op of the family (combiner, weights, padding id),
@@ -64,6 +66,14 @@ Status RowSplitsEndError(int64_t num_bags, int64_t last_split, int64_t nnz);
 
 // The message for an id outside [0, num_rows) that is not the padding id.
 Status BadIndexError(int64_t position, int64_t value, int64_t num_rows, const BagAttrs& attrs);
+
+// The CPU kernel's error for the first problem a GPU op's report holds, in the
+// CPU kernel's order (row_splits, then ids), or OK; worded from the report's own
+// header (num_rows, nnz, num_bags).
+Status ReportStatus(const DeviceReport& report, const BagAttrs& attrs);
+
+// CheckBagReport's attrs (the padding id, which the bad-id message names).
+Status GetReportAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
 
 // Host-side shape checks of the params-gradient ops (inputs grad [B, D],
 // indices, row_splits, weights, argmax, num_rows in host memory).

@@ -1,22 +1,21 @@
 // GPU OpKernels of the gather_reduce_sum family: TensorFlow glue around the
 // CUDA launchers of cuda/gather_reduce_sum_kernels.cuh.
 //
-// Every kernel
-//   * checks shapes on the host with the validation shared with the CPU
-//     kernels (same messages);
-//   * runs the launchers on the op's CUDA stream, with scratch from
-//     allocate_temp sized by the launchers' size queries;
-//   * copies the launchers' DeviceReport (what the device found wrong in the
-//     ids and row_splits) into pinned host memory and raises the CPU kernel's
-//     InvalidArgument for the first problem found.
-// The ops whose output shapes are known on the host (the forward, the weights
-// gradient, the dense params gradient) are AsyncOpKernels: they queue their
-// work and finish from the device's EventMgr thread once the stream has run
-// it (LaunchThenCheck), so no TensorFlow thread waits on the GPU. The
-// deduplicated params gradient waits for the read-back, which sizes its
-// outputs ([U] and [U, D]): it runs the prepare launch, reads U, allocates,
-// then runs the reduce launch. The sparse apply waits too, so that bad ids
-// raise before any row is written.
+// Every kernel checks shapes on the host with the validation shared with the
+// CPU kernels (same messages) and runs the launchers on the op's CUDA stream,
+// with scratch from allocate_temp sized by the launchers' size queries. What
+// the device finds wrong in the ids and row_splits goes to a DeviceReport
+// (cuda/common_types.h) that becomes the CPU kernel's InvalidArgument
+// (ReportStatus):
+//   * the forward (ForwardLaunch<GpuDevice>, the OpKernel of
+//     gather_reduce_sum_forward_op.h) is synchronous and never waits: its
+//     report is an output, raised from by CheckBagReport, which the Python
+//     wrapper adds beside it, so the output's consumers do not wait for it;
+//   * the others are AsyncOpKernels that copy their report to pinned host
+//     memory and finish from the device's EventMgr thread once the stream has
+//     run their work (LaunchThenCheck): no TensorFlow thread waits on the GPU.
+//     The deduplicated params gradient sizes its outputs ([U], [U, D]) there
+//     and queues its reduction, as TensorFlow core's GPU Unique does.
 //
 // The sparse apply reduces and updates the rows in one launcher
 // (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
@@ -37,6 +36,7 @@
 #include <memory>
 #include <utility>
 
+#include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
 #include "cuda/gather_reduce_sum_kernels.cuh"
@@ -74,20 +74,25 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs, const BagShapes& shapes
   return p;
 }
 
-// The CPU kernel's error for the first problem in the report, in the CPU
-// kernel's order (row_splits, then ids). Messages match ValidateRowSplits.
-Status ReportStatus(const launchers::DeviceReport& r, const BagShapes& shapes, int64_t num_rows,
-                    const BagAttrs& attrs) {
-  if (r.first_split != 0) return RowSplitsStartError(r.first_split);
-  if (r.first_bad_split >= 0) {
-    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value, r.bad_split_prev);
+// The CUDA stream TensorFlow runs the op on.
+Status OpStream(OpKernelContext* ctx, cudaStream_t* stream) {
+  const DeviceContext* device_context = ctx->op_device_context();
+  if (device_context == nullptr || device_context->stream() == nullptr) {
+    return errors::Internal("tf_ttemb: the op has no GPU stream");
   }
-  if (r.last_split != shapes.nnz) {
-    return RowSplitsEndError(shapes.num_bags, r.last_split, shapes.nnz);
+  *stream = static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
+  if (*stream == nullptr) return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
+  return OkStatus();
+}
+
+// Device scratch of at least `bytes` bytes in `tensor` (the launchers align it).
+Status AllocateScratchTensor(OpKernelContext* ctx, size_t bytes, Tensor* tensor, void** scratch) {
+  if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+    return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
   }
-  if (r.first_bad_index >= 0) {
-    return BadIndexError(r.first_bad_index, r.bad_index_value, num_rows, attrs);
-  }
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), tensor));
+  *scratch = tensor->flat<int8>().data();
   return OkStatus();
 }
 
@@ -97,15 +102,7 @@ class GpuCall {
  public:
   Status Init(OpKernelContext* ctx) {
     ctx_ = ctx;
-    const DeviceContext* device_context = ctx->op_device_context();
-    if (device_context == nullptr || device_context->stream() == nullptr) {
-      return errors::Internal("tf_ttemb: the op has no GPU stream");
-    }
-    stream_ =
-        static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
-    if (stream_ == nullptr) {
-      return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
-    }
+    TF_RETURN_IF_ERROR(OpStream(ctx, &stream_));
     const TensorShape report_shape({kReportWords});
     TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
     AllocatorAttributes pinned;
@@ -122,13 +119,7 @@ class GpuCall {
 
   // Device scratch of at least `bytes` bytes (the launchers align it).
   Status AllocateScratch(size_t bytes, void** scratch) {
-    if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
-      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
-    }
-    TF_RETURN_IF_ERROR(
-        ctx_->allocate_temp(DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), &scratch_));
-    *scratch = scratch_.flat<int8>().data();
-    return OkStatus();
+    return AllocateScratchTensor(ctx_, bytes, &scratch_, scratch);
   }
 
   // A small device buffer standing in for outputs without elements (see
@@ -167,9 +158,7 @@ class GpuCall {
   }
 
  private:
-  static_assert(sizeof(launchers::DeviceReport) % sizeof(int64_t) == 0,
-                "DeviceReport must be a whole number of int64 words");
-  static constexpr int64_t kReportWords = sizeof(launchers::DeviceReport) / sizeof(int64_t);
+  static constexpr int64_t kReportWords = kDeviceReportWords;
 
   OpKernelContext* ctx_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -208,70 +197,85 @@ Status NumUnique(const launchers::DeviceReport& report, const BagShapes& shapes,
 // ---------------------------------------------------------------------------
 // Forward (GatherReduceSum, ResourceGatherReduceSum).
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumGpuOp : public AsyncOpKernel {
+}  // namespace
+
+// The GPU forward: queues the id and row_splits checks and the forward on the
+// op's stream and returns without waiting; the findings go to the `report`
+// output, which CheckBagReport (below) raises from, off the path of the
+// output's consumers. Bad ids are skipped, never read.
+template <typename T, typename Tindex>
+struct ForwardLaunch<GpuDevice, T, Tindex> {
+  static constexpr int64_t kReportWords = kDeviceReportWords;
+
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ForwardArgs& a) {
+    using CT = typename CudaTypeOf<T>::type;
+    const bool is_max = attrs.combiner == Combiner::kMax;
+    // argmax holds int32 positions inside a bag; the CPU kernel checks each
+    // bag's length, which the GPU kernel cannot see on the host.
+    if (is_max && a.shapes.nnz > std::numeric_limits<int32>::max()) {
+      return errors::InvalidArgument(
+          "combiner 'max' on GPU supports at most 2^31 - 1 indices, got ", a.shapes.nnz);
+    }
+    cudaStream_t stream = nullptr;
+    TF_RETURN_IF_ERROR(OpStream(ctx, &stream));
+    const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
+    const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
+    Tensor
+        scratch_tensor;  // freed on return: TensorFlow's allocator orders its reuse on the stream
+    void* scratch = nullptr;
+    TF_RETURN_IF_ERROR(AllocateScratchTensor(ctx, scratch_bytes, &scratch_tensor, &scratch));
+    const CT* weights = attrs.has_weights ? DevicePtr<T>(*a.weights) : nullptr;
+    int32* argmax = is_max ? a.argmax->flat<int32>().data() : nullptr;
+    auto* report = reinterpret_cast<DeviceReport*>(a.report->flat<int64_t>().data());
+    return CudaStatus(launchers::LaunchForward<CT, Tindex>(
+                          p, DevicePtr<T>(*a.params), a.indices->flat<Tindex>().data(),
+                          a.row_splits->flat<int64_t>().data(), weights, DevicePtr<T>(a.output),
+                          argmax, report, scratch, scratch_bytes, stream),
+                      "gather_reduce_sum forward launch");
+  }
+};
+
+namespace {
+
+// TfTtemb>CheckBagReport on the GPU: copies the forward's report to pinned host
+// memory and finishes from the EventMgr once the stream has run the forward
+// (ThenCheckReport), with the CPU kernel's InvalidArgument for what it holds.
+class CheckBagReportGpuOp : public AsyncOpKernel {
  public:
-  explicit GatherReduceSumGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+  explicit CheckBagReportGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetReportAttrs(ctx, &attrs_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithParamsStatus<T, ParamsFromResource>(
-          ctx, 0, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
-    });
+    const Tensor& report = ctx->input(0);
+    if (report.NumElements() == 0) {
+      done();
+      return;
+    }
+    OP_REQUIRES_ASYNC(ctx, report.dims() == 1 && report.NumElements() == kDeviceReportWords,
+                      errors::InvalidArgument("report must be empty or hold ", kDeviceReportWords,
+                                              " words, got shape ", report.shape().DebugString()),
+                      done);
+    cudaStream_t stream = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, OpStream(ctx, &stream), done);
+    Tensor host;
+    AllocatorAttributes pinned;
+    pinned.set_on_host(true);
+    pinned.set_gpu_compatible(true);
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), &host, pinned), done);
+    const BagAttrs attrs = attrs_;
+    ThenCheckReport<DeviceReport>(
+        ctx, stream, host, reinterpret_cast<const DeviceReport*>(report.flat<int64_t>().data()),
+        /*keep=*/nullptr, [attrs](const DeviceReport& r) { return ReportStatus(r, attrs); },
+        std::move(done));
   }
 
  private:
-  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
-                GpuCall::ReportCheck* check) {
-    GpuCall& call = *call_ptr;
-    using CT = typename CudaTypeOf<T>::type;
-    const Tensor& indices = ctx->input(1);
-    const Tensor& row_splits = ctx->input(2);
-    const Tensor& weights = ctx->input(3);
-    BagShapes shapes;
-    TensorShape output_shape;
-    TF_RETURN_IF_ERROR(ValidateForwardInputs(params, indices, row_splits, weights, attrs_, &shapes,
-                                             &output_shape));
-    const bool is_max = attrs_.combiner == Combiner::kMax;
-    // argmax holds int32 positions inside a bag; the CPU kernel checks each
-    // bag's length, which the GPU kernel cannot see on the host.
-    if (!(!is_max || shapes.nnz <= std::numeric_limits<int32>::max()))
-      return errors::InvalidArgument(
-          "combiner 'max' on GPU supports at most 2^31 - 1 indices, "
-          "got ",
-          shapes.nnz);
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-
-    Tensor* output = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, output_shape, &output));
-    Tensor* argmax = nullptr;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_output(1, TensorShape({is_max ? shapes.num_bags : 0, dim}), &argmax));
-
-    TF_RETURN_IF_ERROR(call.Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
-    const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    const CT* weights_ptr = attrs_.has_weights ? DevicePtr<T>(weights) : nullptr;
-    int32* argmax_ptr = is_max ? argmax->flat<int32>().data() : nullptr;
-    TF_RETURN_IF_ERROR(CudaStatus(
-        launchers::LaunchForward<CT, Tindex>(p, DevicePtr<T>(params), indices.flat<Tindex>().data(),
-                                             row_splits.flat<int64_t>().data(), weights_ptr,
-                                             DevicePtr<T>(output), argmax_ptr, call.device_report(),
-                                             scratch, scratch_bytes, call.stream()),
-        "gather_reduce_sum forward launch"));
-    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
-      return ReportStatus(report, shapes, num_rows, attrs_);
-    };
-    return OkStatus();
-  }
-
   BagAttrs attrs_;
 };
+
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_GPU), CheckBagReportGpuOp);
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. params (GatherReduceSumGrad, GatherReduceSumDenseGrad).
@@ -352,7 +356,7 @@ class GatherReduceSumGradGpuOp
                    "gather_reduce_sum params grad prepare"));
     *check = [this, ctx, call, in, p, scratch,
               scratch_bytes](const launchers::DeviceReport& report) -> Status {
-      TF_RETURN_IF_ERROR(ReportStatus(report, in.shapes, in.num_rows, attrs_));
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs_));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, in.shapes, in.num_rows, &num_unique));
       Tensor* unique_ids = nullptr;
@@ -417,11 +421,7 @@ class GatherReduceSumDenseGradGpuOp
                                         /*fusion=*/nullptr, scratch, scratch_bytes, call.stream()),
                                     "gather_reduce_sum params grad reduce"));
     }
-    const BagShapes shapes = in.shapes;
-    const int64_t num_rows = in.num_rows;
-    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
-      return ReportStatus(report, shapes, num_rows, attrs_);
-    };
+    *check = [this](const launchers::DeviceReport& report) { return ReportStatus(report, attrs_); };
     return OkStatus();
   }
 
@@ -478,9 +478,7 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
                        DevicePtr<T>(output), DevicePtr<T>(weights_grad), call.device_report(),
                        scratch, scratch_bytes, call.stream()),
                    "gather_reduce_sum weights grad launch"));
-    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
-      return ReportStatus(report, shapes, num_rows, attrs_);
-    };
+    *check = [this](const launchers::DeviceReport& report) { return ReportStatus(report, attrs_); };
     return OkStatus();
   }
 
@@ -570,14 +568,14 @@ class GatherReduceSumFusedGradGpuOp : public AsyncOpKernel {
     };
     if (dense_grad_) {
       TF_RETURN_IF_ERROR(reduce(num_rows));
-      *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
-        return ReportStatus(report, shapes, num_rows, attrs_);
+      *check = [this](const launchers::DeviceReport& report) {
+        return ReportStatus(report, attrs_);
       };
       return OkStatus();
     }
     *check = [this, shapes, num_rows,
               reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
-      TF_RETURN_IF_ERROR(ReportStatus(report, shapes, num_rows, attrs_));
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs_));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
       return reduce(num_unique);
@@ -668,8 +666,8 @@ class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
             p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(), weights_ptr,
             call->device_report(), /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
         "gather_reduce_sum sparse apply prepare"));
-    *check = [this, shapes, num_rows](const launchers::DeviceReport& report) {
-      return ReportStatus(report, shapes, num_rows, attrs_.bag);
+    *check = [this](const launchers::DeviceReport& report) {
+      return ReportStatus(report, attrs_.bag);
     };
     if (shapes.nnz == 0) return OkStatus();
     if (dim == 0) {
@@ -745,13 +743,13 @@ class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
                               .Device(DEVICE_GPU)                             \
                               .TypeConstraint<T>("T")                         \
                               .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumGpuOp<T, Tindex, false>);            \
+                          GatherReduceSumOp<GpuDevice, T, Tindex, false>);    \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")             \
                               .Device(DEVICE_GPU)                             \
                               .HostMemory("params")                           \
                               .TypeConstraint<T>("T")                         \
                               .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumGpuOp<T, Tindex, true>);             \
+                          GatherReduceSumOp<GpuDevice, T, Tindex, true>);     \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                 \
                               .Device(DEVICE_GPU)                             \
                               .HostMemory("num_rows")                         \

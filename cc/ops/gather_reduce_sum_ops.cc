@@ -70,6 +70,12 @@ Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHa
 
 // Forward. `argmax` is [B, D] for combiner 'max' (position of the winning
 // entry inside its bag, -1 for a bag without entries) and [0, D] otherwise.
+// `report`: the CPU kernel checks the ids and row_splits itself and returns an
+// empty report; the GPU kernel queues its work and returns without waiting for
+// the device, its findings in `report` (a DeviceReport, cuda/common_types.h).
+// Bad ids never make it read out of bounds (they are skipped), and
+// TfTtemb>CheckBagReport on the report raises the CPU kernel's InvalidArgument,
+// off the path of everything that consumes `output`.
 REGISTER_OP("TfTtemb>GatherReduceSum")
     .Input("params: T")          // [N, D]
     .Input("indices: Tindices")  // [nnz]
@@ -77,6 +83,7 @@ REGISTER_OP("TfTtemb>GatherReduceSum")
     .Input("weights: T")         // [nnz] or [0]
     .Output("output: T")         // [B, D]
     .Output("argmax: int32")     // [B, D] or [0, D]
+    .Output("report: int64")     // [0] on the CPU; see CheckBagReport
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle params;
@@ -88,6 +95,7 @@ REGISTER_OP("TfTtemb>GatherReduceSum")
       std::string combiner;
       TF_RETURN_IF_ERROR(c->GetAttr("combiner", &combiner));
       c->set_output(1, c->Matrix(combiner == "max" ? num_bags : c->MakeDim(0), dim));
+      c->set_output(2, c->Vector(c->UnknownDim()));
       return OkStatus();
     })
     .Doc(R"doc(
@@ -196,6 +204,7 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSum")
     .Input("weights: T")         // [nnz] or [0]
     .Output("output: T")         // [B, D]
     .Output("argmax: int32")     // [B, D] or [0, D]
+    .Output("report: int64")     // [0] on the CPU; see CheckBagReport
     .Attr("dense_grad: bool = false")
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
@@ -206,9 +215,25 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSum")
       std::string combiner;
       TF_RETURN_IF_ERROR(c->GetAttr("combiner", &combiner));
       c->set_output(1, c->Matrix(combiner == "max" ? num_bags : c->MakeDim(0), dim));
+      c->set_output(2, c->Vector(c->UnknownDim()));
       return OkStatus();
     })
     .Doc("GatherReduceSum reading params from a resource variable, without a copy.");
+
+// Raises the CPU kernel's InvalidArgument for what a forward's `report` holds
+// (nothing for an empty report, as the CPU forward returns). Stateful, so that a
+// tf.function runs it although nothing consumes it; the GPU kernel finishes once
+// the forward's work has run, with no TensorFlow thread waiting on the stream.
+REGISTER_OP("TfTtemb>CheckBagReport")
+    .Input("report: int64")  // [0] or a DeviceReport
+    .Attr("padding_id: int = -1")
+    .Attr("has_padding_id: bool = false")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle report;
+      return c->WithRank(c->input(0), 1, &report);
+    })
+    .Doc("Raises the InvalidArgument a GatherReduceSum report describes.");
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
     .Input("grad: T")            // [B, D]

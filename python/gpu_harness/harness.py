@@ -34,7 +34,7 @@ DEFAULT_LIB = REPO / "build" / "gpu_harness" / "libtf_ttemb_gpu_harness.so"
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _INDEX_CODES = {torch.int32: 0, torch.int64: 1}
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "max": 3}
-_REPORT_WORDS = 8
+_REPORT_WORDS = 11  # cuda/common_types.h DeviceReport: 8 findings, 3 header words
 
 # When True, every output is filled with NaN (-7 for integers) before the
 # kernels run, so an element they fail to write shows up in the checks.

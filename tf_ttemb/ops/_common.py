@@ -39,6 +39,17 @@ def int_ids(ids: tf.Tensor, what: str) -> tf.Tensor:
     raise TypeError(f"{what} must be an integer tensor, got dtype {ids.dtype.name}")
 
 
+_GPUS_VISIBLE: list = []
+
+
+def gpus_visible() -> bool:
+    """Whether TensorFlow sees a GPU (asked once per process: the answer cannot change
+    after TensorFlow has initialised its devices)."""
+    if not _GPUS_VISIBLE:
+        _GPUS_VISIBLE.append(bool(tf.config.list_physical_devices("GPU")))
+    return _GPUS_VISIBLE[0]
+
+
 _EAGER_CACHE: collections.OrderedDict = collections.OrderedDict()
 _EAGER_CACHE_LOCK = threading.Lock()
 EAGER_CACHE_BYTES = 32 << 20  # kept in all, most recently used first

@@ -22,6 +22,28 @@ def op_attrs(combiner, has_weights: bool, padding_id: int | None) -> dict:
     }
 
 
+def run_forward(
+    lib, params, ids, row_splits, weights, attrs: dict, resource: bool = False, **extra
+):
+    """The forward op (`ResourceGatherReduceSum` on a variable's handle when `resource`),
+    and the check of its report: (output, argmax).
+
+    The GPU kernel returns without waiting for the device and leaves what it found wrong
+    in the ids and row_splits in its `report` output; `CheckBagReport` raises the CPU
+    kernel's InvalidArgument from it. Nothing consumes the check, so the output's
+    consumers never wait for it: a tf.function runs it (it is stateful) and fails the
+    call, and in eager mode it raises here. Without a GPU the CPU kernel checks on its
+    own and the report is empty, so no check is added.
+    """
+    op = lib.tf_ttemb_resource_gather_reduce_sum if resource else lib.tf_ttemb_gather_reduce_sum
+    output, argmax, report = op(params, ids, row_splits, weights, **attrs, **extra)
+    if _common.gpus_visible():
+        lib.tf_ttemb_check_bag_report(
+            report, padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
+        )
+    return output, argmax
+
+
 def _attrs_of(op) -> dict:
     return {
         key: op.get_attr(key) for key in ("combiner", "has_weights", "padding_id", "has_padding_id")
@@ -45,7 +67,7 @@ def _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs):
 
 
 @tf.RegisterGradient("TfTtemb>GatherReduceSum")
-def _gather_reduce_sum_grad(op, grad, unused_argmax_grad):
+def _gather_reduce_sum_grad(op, grad, unused_argmax_grad, unused_report_grad):
     """Gradients of GatherReduceSum: IndexedSlices over sorted unique ids, weights, None."""
     lib = _loader.load_op_library()
     attrs = _attrs_of(op)
@@ -75,7 +97,7 @@ def _use_fused_backward(attrs: dict) -> bool:
 
 
 @tf.RegisterGradient("TfTtemb>ResourceGatherReduceSum")
-def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad):
+def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad, unused_report_grad):
     """Gradients of ResourceGatherReduceSum, as for GatherReduceSum, w.r.t. the handle."""
     lib = _loader.load_op_library()
     attrs = _attrs_of(op)
@@ -121,8 +143,8 @@ def custom_op_on_variable(
     # the variable was used (the op below reads it through its handle, which tapes do
     # not see as a variable access) and costs nothing.
     variable.sparse_read(_common.empty(tf.int32, variable.device))
-    output, _ = lib.tf_ttemb_resource_gather_reduce_sum(
-        variable.handle, bags.ids, bags.row_splits, weights, dense_grad=dense_grad, **attrs
+    output, _ = run_forward(
+        lib, variable.handle, bags.ids, bags.row_splits, weights, attrs, True, dense_grad=dense_grad
     )
     return output
 
@@ -136,7 +158,7 @@ def custom_op(
     weights = bags.weights if has_weights else _common.empty(params.dtype, params.device)
     ids, row_splits = bags.ids, bags.row_splits
     if not dense_grad:
-        output, _ = lib.tf_ttemb_gather_reduce_sum(params, ids, row_splits, weights, **attrs)
+        output, _ = run_forward(lib, params, ids, row_splits, weights, attrs)
         return output
 
     # The op has no attr for the gradient's form, so the dense-gradient variant replaces
@@ -145,8 +167,8 @@ def custom_op(
     def forward(params, weights):
         # stop_gradient: the registered gradient is replaced, so an eager tape need not
         # record the inner op.
-        output, argmax = lib.tf_ttemb_gather_reduce_sum(
-            tf.stop_gradient(params), ids, row_splits, tf.stop_gradient(weights), **attrs
+        output, argmax = run_forward(
+            lib, tf.stop_gradient(params), ids, row_splits, tf.stop_gradient(weights), attrs
         )
 
         def grad(dy):
@@ -172,6 +194,7 @@ def custom_op(
     return forward(params, weights)
 
 
+tf.no_gradient("TfTtemb>CheckBagReport")
 tf.no_gradient("TfTtemb>GatherReduceSumGrad")
 tf.no_gradient("TfTtemb>GatherReduceSumFusedGrad")
 tf.no_gradient("TfTtemb>ResourceGatherReduceSumFusedGrad")

@@ -152,8 +152,8 @@ def gather_reduce_sum_sparse_apply(
         @tf.custom_gradient
         def lookup(*inputs):
             flat_weights = inputs[0] if has_weights else tf.zeros([0], dtype)
-            output, argmax = lib.tf_ttemb_resource_gather_reduce_sum(
-                variable.handle, ids, row_splits, tf.stop_gradient(flat_weights), **attrs
+            output, argmax = _custom_op.run_forward(
+                lib, variable.handle, ids, row_splits, tf.stop_gradient(flat_weights), attrs, True
             )
 
             def grad(dy, variables=None):
