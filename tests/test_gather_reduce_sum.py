@@ -1135,3 +1135,63 @@ def test_ragged_weights_row_lengths_are_checked(use_function):
     np.testing.assert_allclose(got, [[0.0, 1.0], [2 * 2 + 3 * 4 + 4 * 6, 2 * 3 + 3 * 5 + 4 * 7]])
     with pytest.raises(tf.errors.InvalidArgumentError, match="same row lengths as indices"):
         lookup(table, ids, moved)
+
+
+def _report(**findings):
+    """A DeviceReport (cuda/common_types.h) as the GPU forward writes it: every finding
+    unset (-1) but those given, a well-formed 2-bag call over 6 rows and 4 ids."""
+    words = dict.fromkeys(
+        [
+            "first_bad_index",
+            "bad_index_value",
+            "first_bad_split",
+            "bad_split_value",
+            "bad_split_prev",
+            "first_split",
+            "last_split",
+            "num_unique",
+        ],
+        -1,
+    )
+    words.update(first_split=0, last_split=4, num_rows=6, nnz=4, num_bags=2)
+    words.update(findings)
+    return tf.constant(list(words.values()), tf.int64)
+
+
+@pytest.mark.parametrize(
+    "findings,padding_id,message",
+    [
+        ({}, None, None),
+        ({"first_bad_index": 2, "bad_index_value": 9}, None, "indices[2] = 9 is not in [0, 6)"),
+        (
+            {"first_bad_index": 1, "bad_index_value": -3},
+            5,
+            "indices[1] = -3 is not in [0, 6) and is not padding_id (5)",
+        ),
+        ({"first_split": 1}, None, "row_splits[0] = 1 must be 0"),
+        (
+            {"first_bad_split": 0, "bad_split_value": 1, "bad_split_prev": 3},
+            None,
+            "row_splits must be non-decreasing: row_splits[1] = 1 < row_splits[0] = 3",
+        ),
+        ({"last_split": 3}, None, "row_splits[2] = 3 must equal the number of indices (4)"),
+    ],
+)
+def test_check_bag_report_words_the_cpu_ops_errors(raw_ops, findings, padding_id, message):
+    """CheckBagReport on the CPU (where a GPU forward's report lands when the check is
+    placed there) raises the CPU forward's message for what the report holds."""
+    attrs = dict(
+        padding_id=-1 if padding_id is None else padding_id, has_padding_id=padding_id is not None
+    )
+    with tf.device("/CPU:0"):
+        if message is None:
+            raw_ops.tf_ttemb_check_bag_report(_report(), **attrs)
+            raw_ops.tf_ttemb_check_bag_report(tf.zeros([0], tf.int64), **attrs)
+            return
+        with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+            raw_ops.tf_ttemb_check_bag_report(_report(**findings), **attrs)
+
+
+def test_check_bag_report_rejects_a_report_of_another_size(raw_ops):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="report must be empty or hold 11"):
+        raw_ops.tf_ttemb_check_bag_report(tf.zeros([3], tf.int64))

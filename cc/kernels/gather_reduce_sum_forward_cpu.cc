@@ -557,10 +557,9 @@ class CheckBagReportOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& report = ctx->input(0);
-    if (report.NumElements() == 0) return;
-    OP_REQUIRES(ctx, report.dims() == 1 && report.NumElements() == kDeviceReportWords,
-                errors::InvalidArgument("report must be empty or hold ", kDeviceReportWords,
-                                        " words, got shape ", report.shape().DebugString()));
+    bool empty = false;
+    OP_REQUIRES_OK(ctx, ValidateReportInput(report, &empty));
+    if (empty) return;
     DeviceReport r;
     std::memcpy(&r, report.flat<int64_t>().data(), sizeof(r));
     OP_REQUIRES_OK(ctx, ReportStatus(r, attrs_));

@@ -74,8 +74,8 @@ class GatherReduceSumOp : public OpKernel {
     a.row_splits = &ctx->input(2);
     a.weights = &ctx->input(3);
     TensorShape output_shape;
-    TF_RETURN_IF_ERROR(ValidateForwardInputs(params, *a.indices, *a.row_splits, *a.weights,
-                                             attrs_, &a.shapes, &output_shape));
+    TF_RETURN_IF_ERROR(ValidateForwardInputs(params, *a.indices, *a.row_splits, *a.weights, attrs_,
+                                             &a.shapes, &output_shape));
     a.num_rows = params.dim_size(0);
     a.dim = params.dim_size(1);
     const bool is_max = attrs_.combiner == Combiner::kMax;

@@ -215,6 +215,15 @@ Status GetReportAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
   return ctx->GetAttr("padding_id", &attrs->padding_id);
 }
 
+Status ValidateReportInput(const Tensor& report, bool* empty) {
+  *empty = report.NumElements() == 0;
+  if (*empty || (report.dims() == 1 && report.NumElements() == kDeviceReportWords)) {
+    return OkStatus();
+  }
+  return errors::InvalidArgument("report must be empty or hold ", kDeviceReportWords,
+                                 " words, got shape ", report.shape().DebugString());
+}
+
 const char* RowOptimizerName(RowOptimizer optimizer) {
   switch (optimizer) {
     case RowOptimizer::kRowwiseAdagrad:

@@ -75,6 +75,9 @@ Status ReportStatus(const DeviceReport& report, const BagAttrs& attrs);
 // CheckBagReport's attrs (the padding id, which the bad-id message names).
 Status GetReportAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
 
+// CheckBagReport's input: empty (a CPU forward's; sets *empty) or one DeviceReport.
+Status ValidateReportInput(const Tensor& report, bool* empty);
+
 // Host-side shape checks of the params-gradient ops (inputs grad [B, D],
 // indices, row_splits, weights, argmax, num_rows in host memory).
 struct ParamsGradShapes {

@@ -85,6 +85,14 @@ Status OpStream(OpKernelContext* ctx, cudaStream_t* stream) {
   return OkStatus();
 }
 
+// Pinned host memory for one DeviceReport, which the stream copies the device's into.
+Status AllocatePinnedReport(OpKernelContext* ctx, Tensor* host) {
+  AllocatorAttributes pinned;
+  pinned.set_on_host(true);
+  pinned.set_gpu_compatible(true);
+  return ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), host, pinned);
+}
+
 // Device scratch of at least `bytes` bytes in `tensor` (the launchers align it).
 Status AllocateScratchTensor(OpKernelContext* ctx, size_t bytes, Tensor* tensor, void** scratch) {
   if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
@@ -103,12 +111,9 @@ class GpuCall {
   Status Init(OpKernelContext* ctx) {
     ctx_ = ctx;
     TF_RETURN_IF_ERROR(OpStream(ctx, &stream_));
-    const TensorShape report_shape({kReportWords});
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
-    AllocatorAttributes pinned;
-    pinned.set_on_host(true);
-    pinned.set_gpu_compatible(true);
-    return ctx->allocate_temp(DT_INT64, report_shape, &host_report_, pinned);
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), &device_report_));
+    return AllocatePinnedReport(ctx, &host_report_);
   }
 
   cudaStream_t stream() const { return stream_; }
@@ -158,8 +163,6 @@ class GpuCall {
   }
 
  private:
-  static constexpr int64_t kReportWords = kDeviceReportWords;
-
   OpKernelContext* ctx_ = nullptr;
   cudaStream_t stream_ = nullptr;
   Tensor device_report_;
@@ -220,8 +223,8 @@ struct ForwardLaunch<GpuDevice, T, Tindex> {
     TF_RETURN_IF_ERROR(OpStream(ctx, &stream));
     const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
-    Tensor
-        scratch_tensor;  // freed on return: TensorFlow's allocator orders its reuse on the stream
+    // Freed on return: TensorFlow's allocator orders its reuse after the queued work.
+    Tensor scratch_tensor;
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(AllocateScratchTensor(ctx, scratch_bytes, &scratch_tensor, &scratch));
     const CT* weights = attrs.has_weights ? DevicePtr<T>(*a.weights) : nullptr;
@@ -248,22 +251,16 @@ class CheckBagReportGpuOp : public AsyncOpKernel {
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const Tensor& report = ctx->input(0);
-    if (report.NumElements() == 0) {
+    bool empty = false;
+    OP_REQUIRES_OK_ASYNC(ctx, ValidateReportInput(report, &empty), done);
+    if (empty) {
       done();
       return;
     }
-    OP_REQUIRES_ASYNC(ctx, report.dims() == 1 && report.NumElements() == kDeviceReportWords,
-                      errors::InvalidArgument("report must be empty or hold ", kDeviceReportWords,
-                                              " words, got shape ", report.shape().DebugString()),
-                      done);
     cudaStream_t stream = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, OpStream(ctx, &stream), done);
     Tensor host;
-    AllocatorAttributes pinned;
-    pinned.set_on_host(true);
-    pinned.set_gpu_compatible(true);
-    OP_REQUIRES_OK_ASYNC(
-        ctx, ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), &host, pinned), done);
+    OP_REQUIRES_OK_ASYNC(ctx, AllocatePinnedReport(ctx, &host), done);
     const BagAttrs attrs = attrs_;
     ThenCheckReport<DeviceReport>(
         ctx, stream, host, reinterpret_cast<const DeviceReport*>(report.flat<int64_t>().data()),
