@@ -1137,6 +1137,20 @@ def test_ragged_weights_row_lengths_are_checked(use_function):
         lookup(table, ids, moved)
 
 
+def test_ragged_weights_row_lengths_are_checked_in_a_tf1_graph():
+    """A TF1 session runs only what a fetch needs: there the output waits for the check
+    (inside a tf.function TensorFlow runs the check beside the lookup)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        table = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2))
+        ids = tf.RaggedTensor.from_row_lengths(tf.constant([0, 1, 2, 3], tf.int64), [1, 3])
+        moved = tf.RaggedTensor.from_row_lengths(tf.constant([1.0, 2.0, 3.0, 4.0]), [2, 2])
+        output = tf_ttemb.gather_reduce_sum(table, ids, moved)
+        with tf.compat.v1.Session(graph=graph) as session:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="same row lengths"):
+                session.run(output)
+
+
 def _report(**findings):
     """A DeviceReport (cuda/common_types.h) as the GPU forward writes it: every finding
     unset (-1) but those given, a well-formed 2-bag call over 6 rows and 4 ids."""

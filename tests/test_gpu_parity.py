@@ -227,6 +227,31 @@ def test_gpu_forward_reports_instead_of_waiting(case, check_device):
     assert our_message(gpu_info.value.message) == our_message(cpu_info.value.message)
 
 
+@pytest.mark.parametrize("graph_kind", ["tf_function", "tf1_session"])
+def test_gpu_wrapper_raises_bad_ids_from_the_report(graph_kind):
+    """Through the wrapper on the GPU, a bad id fails the call whose output is fetched:
+    a tf.function runs the report's check beside the lookup, a TF1 session because the
+    output waits for it there."""
+    table_values = np.arange(NUM_ROWS * DIM, dtype=np.float32).reshape(NUM_ROWS, DIM)
+    ids_values = np.array([[1, NUM_ROWS + 2], [0, 3]], np.int64)
+    message = rf"indices\[1\] = {NUM_ROWS + 2} is not in \[0, {NUM_ROWS}\)"
+    if graph_kind == "tf_function":
+        with tf.device("/GPU:0"):
+            table = tf.Variable(table_values)
+            lookup = tf.function(lambda ids: tf_ttemb.gather_reduce_sum(table, ids))
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                lookup(tf.constant(ids_values)).numpy()
+        return
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/GPU:0"):
+        table = tf.Variable(table_values)
+        output = tf_ttemb.gather_reduce_sum(table, tf.constant(ids_values))
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(table.initializer)
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                session.run(output)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
 @pytest.mark.parametrize(
     "combiner,weighted",

@@ -88,8 +88,7 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
                     f"got {type(weights).__name__}"
                 )
             checks = same_row_splits(weights.row_splits, indices.row_splits)
-            with tf.control_dependencies(checks):
-                flat_weights = tf.cast(tf.identity(weights.values), dtype)
+            flat_weights = _common.after_checks(checks, tf.cast(weights.values, dtype))
 
         def segment_ids() -> tf.Tensor:
             # Bag of entry j = number of bag ends <= j; stays static-shaped under XLA.

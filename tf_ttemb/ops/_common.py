@@ -93,6 +93,21 @@ def empty(dtype: tf.DType, device: str = "") -> tf.Tensor:
     return eager_constant(("empty", dtype), device, lambda: tf.zeros([0], dtype))
 
 
+def after_checks(checks: list, tensor: tf.Tensor) -> tf.Tensor:
+    """`tensor`, made to wait for `checks` only where nothing else runs them.
+
+    Eagerly the checks have already run, and inside a `tf.function` TensorFlow runs every
+    stateful op (an assert, `CheckBagReport`) and fails the call with its error, so the
+    lookup need not wait for them: on a GPU a check whose verdict must come back to the
+    host then costs no latency. A TF1 graph (`tf.compat.v1` sessions) runs only what a
+    fetch depends on, so there `tensor` depends on the checks.
+    """
+    if not checks or tf.compat.v1.executing_eagerly_outside_functions():
+        return tensor
+    with tf.control_dependencies(checks):
+        return tf.identity(tensor)
+
+
 def static_or_dynamic(static: int | None, dynamic: tf.Tensor):
     return static if static is not None else dynamic
 

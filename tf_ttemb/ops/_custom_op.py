@@ -32,15 +32,17 @@ def run_forward(
     in the ids and row_splits in its `report` output; `CheckBagReport` raises the CPU
     kernel's InvalidArgument from it. Nothing consumes the check, so the output's
     consumers never wait for it: a tf.function runs it (it is stateful) and fails the
-    call, and in eager mode it raises here. Without a GPU the CPU kernel checks on its
-    own and the report is empty, so no check is added.
+    call, and in eager mode it raises here; only in a TF1 graph does the output wait for
+    it (`_common.after_checks`). Without a GPU the CPU kernel checks on its own and the
+    report is empty, so no check is added.
     """
     op = lib.tf_ttemb_resource_gather_reduce_sum if resource else lib.tf_ttemb_gather_reduce_sum
     output, argmax, report = op(params, ids, row_splits, weights, **attrs, **extra)
     if _common.gpus_visible():
-        lib.tf_ttemb_check_bag_report(
+        check = lib.tf_ttemb_check_bag_report(
             report, padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
         )
+        output = _common.after_checks([check], output)
     return output, argmax
 
 
