@@ -15,6 +15,7 @@ import tensorflow as tf
 from bags import RTOL
 from processes import built_with_cuda, our_message, run_fresh_python
 
+import tf_ttemb
 from tf_ttemb.ops import _loader
 from tf_ttemb.ops.sparse_apply import gather_reduce_sum_sparse_apply
 

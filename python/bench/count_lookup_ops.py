@@ -3,10 +3,10 @@
   .venv/bin/python python/bench/count_lookup_ops.py [--executed] [--json PATH]
 
 Traces one lookup on a `tf.Variable` table inside a `tf.function` for dense `[B, L]` ids
-and for ragged ids (weights on their own row_splits, or on the ids'), each with weights, and counts the ops of the traced graph by type
-(placeholders, constants, identities, variable handles and reads left out). These are the ops
-TensorFlow builds; Grappler may fold the shape arithmetic of static shapes before it runs
-the graph.
+and for ragged ids (weights on their own row_splits, or on the ids'), each with weights,
+and counts the ops of the traced graph by type (placeholders, constants, identities,
+variable handles and reads left out). These are the ops TensorFlow builds; Grappler may
+fold the shape arithmetic of static shapes before it runs the graph.
 
 `--executed` also counts the ops TensorFlow runs: the same lookups built in a
 `tf.compat.v1` graph and run once by a session that returns its partition graphs (the
