@@ -57,6 +57,11 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 FromAcc<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
+// Lowers a report's field to `value` (>= 0); an unset field holds -1, the largest
+// value as unsigned, so the first report wins and the smallest stays.
+__device__ __forceinline__ void ReportMin(int64_t* field, int64_t value) {
+  atomicMin(reinterpret_cast<unsigned long long*>(field), static_cast<unsigned long long>(value));
+}
 #endif  // defined(__CUDACC__)
 
 // Elements of T in one 16-byte vector.

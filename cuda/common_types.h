@@ -69,6 +69,28 @@ constexpr int64_t kDeviceReportWords = sizeof(DeviceReport) / sizeof(int64_t);
 static_assert(sizeof(DeviceReport) % sizeof(int64_t) == 0,
               "DeviceReport must be a whole number of int64 words");
 
+// What a GPU GroupBags found wrong in its row_splits and ids (cc/ops/grouped_bags_ops.cc),
+// written on the device and worded on the host by TfTtemb>CheckGroupReport with the
+// CPU kernel's message. Entry positions are those of the op's `indices` input (every
+// feature's ids, one feature after the other); `bad_feature` and `bad_position` place
+// the first bad id in its own feature's ids. The last words describe the call.
+struct GroupReport {
+  int64_t first_bad_entry;  // smallest j with indices[j] outside its table, not padding
+  int64_t bad_value;        // indices[first_bad_entry]
+  int64_t bad_feature;      // the feature of first_bad_entry
+  int64_t bad_position;     // first_bad_entry - (the feature's first entry)
+  int64_t first_bad_split;  // smallest k with row_splits[k + 1] < row_splits[k]
+  int64_t bad_split_value;  // row_splits[first_bad_split + 1]
+  int64_t bad_split_prev;   // row_splits[first_bad_split]
+  int64_t first_split;      // row_splits[0]
+  int64_t last_split;       // row_splits[num_features * batch]
+  int64_t nnz;              // entries
+  int64_t num_bags;         // num_features * batch
+};
+constexpr int64_t kGroupReportWords = sizeof(GroupReport) / sizeof(int64_t);
+static_assert(sizeof(GroupReport) % sizeof(int64_t) == 0,
+              "GroupReport must be a whole number of int64 words");
+
 // Fixed 64-bit mixer (splitmix64's finaliser): which set of TTCacheCount's frequency
 // table an id belongs to, on the CPU and the GPU alike.
 inline TTEMB_HOST_DEVICE uint64_t MixId(uint64_t x) {

@@ -283,10 +283,6 @@ __device__ __forceinline__ int64_t FindBag(const int64_t* __restrict__ splits, i
   return lo > 0 ? lo - 1 : 0;
 }
 
-__device__ __forceinline__ void ReportMin(int64_t* field, int64_t value) {
-  atomicMin(reinterpret_cast<unsigned long long*>(field), static_cast<unsigned long long>(value));
-}
-
 // Lanes of this thread's group, for shuffles within the group.
 __device__ __forceinline__ unsigned GroupMask(int group) {
   if (group == 32) return 0xffffffffu;

@@ -12,8 +12,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <utility>
 
@@ -63,6 +65,39 @@ inline Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return OkStatus();
   return errors::Internal("tf_ttemb GPU ", what, " failed: ", cudaGetErrorName(err), " (",
                           cudaGetErrorString(err), ")");
+}
+
+// The CUDA stream TensorFlow runs the op on.
+inline Status OpCudaStream(OpKernelContext* ctx, cudaStream_t* stream) {
+  const DeviceContext* device_context = ctx->op_device_context();
+  if (device_context == nullptr || device_context->stream() == nullptr) {
+    return errors::Internal("tf_ttemb: the op has no GPU stream");
+  }
+  *stream = static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
+  if (*stream == nullptr) return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
+  return OkStatus();
+}
+
+// Pinned host memory for `words` int64 words (a report the stream copies into).
+inline Status AllocatePinnedWords(OpKernelContext* ctx, int64_t words, Tensor* host) {
+  AllocatorAttributes pinned;
+  pinned.set_on_host(true);
+  pinned.set_gpu_compatible(true);
+  return ctx->allocate_temp(DT_INT64, TensorShape({words}), host, pinned);
+}
+
+// Device scratch of at least `bytes` bytes in `tensor` (the launchers align it).
+// Freed when `tensor` goes: TensorFlow's allocator orders its reuse after the
+// work already queued on the stream.
+inline Status AllocateDeviceScratch(OpKernelContext* ctx, size_t bytes, Tensor* tensor,
+                                    void** scratch) {
+  if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+    return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
+  }
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), tensor));
+  *scratch = tensor->flat<int8>().data();
+  return OkStatus();
 }
 
 // Finishes an AsyncOpKernel from its launchers' report without a TensorFlow

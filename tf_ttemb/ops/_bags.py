@@ -6,6 +6,7 @@ Private to the package; not an API.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -90,12 +91,15 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
             checks = same_row_splits(weights.row_splits, indices.row_splits)
             flat_weights = _common.after_checks(checks, tf.cast(weights.values, dtype))
 
-        def segment_ids() -> tf.Tensor:
-            # Bag of entry j = number of bag ends <= j; stays static-shaped under XLA.
-            positions = tf.range(tf.shape(ids, out_type=tf.int64)[0], dtype=tf.int64)
-            return tf.searchsorted(row_splits[1:], positions, side="right", out_type=tf.int64)
-
-        return Bags(ids, row_splits, flat_weights, segment_ids, None, indices.shape[:1])
+        # Bag of entry j = number of bag ends <= j; stays static-shaped under XLA.
+        return Bags(
+            ids,
+            row_splits,
+            flat_weights,
+            lambda: csr_segment_ids(ids, row_splits),
+            None,
+            indices.shape[:1],
+        )
 
     if isinstance(indices, tf.SparseTensor):
         if indices.shape.rank != 2:
@@ -191,6 +195,85 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
     return Bags(ids, row_splits, flat_weights, dense_segment_ids, batch_shape, dense_ids.shape[:-1])
 
 
+class JoinedBags(NamedTuple):
+    """Several batches of bags (one per table or feature) as one CSR, one after another."""
+
+    bags: Bags  # every part's bags: part 0's B bags, then part 1's, ...
+    part_splits: tf.Tensor  # [parts + 1] int64: the entries of each part
+    counts: list  # [parts] scalar int64 tensors: the bags of each part (all equal)
+    static_batch: int | None  # the parts' common static bag count, if known
+
+
+def csr_segment_ids(ids: tf.Tensor, row_splits: tf.Tensor) -> tf.Tensor:
+    """[nnz] int64: the bag of each entry (the number of bag ends <= its position)."""
+    positions = tf.range(tf.shape(ids, out_type=tf.int64)[0], dtype=tf.int64)
+    return tf.searchsorted(row_splits[1:], positions, side="right", out_type=tf.int64)
+
+
+def concat_bags(
+    indices: list, weights: list | None, dtype: tf.DType, xla: bool, what: str, host=None
+) -> JoinedBags:
+    """Each part's ids (dense [B, L], ragged or sparse) and weights in one CSR, part
+    after part. Every part must have the same number of bags B (`what` names a part in
+    the errors). With `weights`, a part whose weights are None weighs each entry 1.
+    `host` is a context for the few shape-derived int64s (a device scope), or None.
+    """
+    parts = []
+    for t, ids in enumerate(indices):
+        part = to_csr(ids, None if weights is None else weights[t], dtype, xla)
+        if part.batch_shape is not None and part.static_batch_shape.rank != 1:
+            raise ValueError(
+                f"dense indices of {what} {t} must be [B, L], got shape "
+                f"{part.static_batch_shape.concatenate([None])}"
+            )
+        parts.append(part)
+    ids_dtype = parts[0].ids.dtype
+    if any(p.ids.dtype != ids_dtype for p in parts):
+        ids_dtype = tf.int64
+    ids = tf.concat([tf.cast(p.ids, ids_dtype) for p in parts], 0)
+    with host if host is not None else contextlib.nullcontext():
+        nnz_each = [tf.shape(p.ids, out_type=tf.int64)[0] for p in parts]
+        part_splits = tf.concat([[0], tf.cumsum(tf.stack(nnz_each))], 0)
+    row_splits = tf.concat(
+        [parts[0].row_splits]
+        + [p.row_splits[1:] + part_splits[t] for t, p in enumerate(parts) if t > 0],
+        0,
+    )
+    flat_weights = None
+    if weights is not None:
+        flat_weights = tf.concat(
+            [
+                p.weights if p.weights is not None else tf.ones(tf.shape(p.ids), dtype)
+                for p in parts
+            ],
+            0,
+        )
+    counts = [tf.shape(p.row_splits, out_type=tf.int64)[0] - 1 for p in parts]
+    static_counts = {p.static_batch_shape[0] for p in parts}
+    static_batch = static_counts.pop() if len(static_counts) == 1 else None
+    checks = []
+    if static_batch is None:
+        for t in range(1, len(parts)):
+            same = tf.debugging.assert_equal(
+                counts[t],
+                counts[0],
+                message=f"every {what} must have the same number of bags ({what} {t} differs "
+                f"from {what} 0)",
+            )
+            if same is not None:
+                checks.append(same)
+    row_splits = _common.after_checks(checks, row_splits)
+    bags = Bags(
+        ids,
+        row_splits,
+        flat_weights,
+        lambda: csr_segment_ids(ids, row_splits),
+        None,
+        tf.TensorShape([None]),
+    )
+    return JoinedBags(bags, part_splits, counts, static_batch)
+
+
 def check_all(bad: tf.Tensor, message_parts: Callable[[tf.Tensor], list]) -> list:
     """Raises (eagerly) or returns an assert op (graphs) when any entry of `bad` is set.
 
@@ -219,11 +302,14 @@ def check_all(bad: tf.Tensor, message_parts: Callable[[tf.Tensor], list]) -> lis
     return [tf.cond(tf.reduce_any(bad), fail, lambda: tf.constant(True))]
 
 
-def bounds_check(ids: tf.Tensor, num_rows: tf.Tensor, padding_id: int | None) -> list:
+def bounds_check(
+    ids: tf.Tensor, num_rows: tf.Tensor, padding_id: int | None, prefix: str = ""
+) -> list:
     """Raises (eagerly) or returns an assert op (graphs) for ids outside [0, num_rows).
 
     The message matches the custom op's: `indices[17] = 9001 is not in [0, 4096)`, plus
     ` and is not padding_id (P)` when a padding id is set; the position is the flat one.
+    `prefix` starts the message (the grouped lookup's `feature name: `).
     """
     bad = (ids < 0) | (ids >= num_rows)
     suffix = "" if padding_id is None else f" and is not padding_id ({padding_id})"
@@ -231,7 +317,15 @@ def bounds_check(ids: tf.Tensor, num_rows: tf.Tensor, padding_id: int | None) ->
         bad &= ids != padding_id
     return check_all(
         bad,
-        lambda k: ["indices[", k, "] = ", ids[k], " is not in [0, ", num_rows, ")" + suffix],
+        lambda k: [
+            prefix + "indices[",
+            k,
+            "] = ",
+            ids[k],
+            " is not in [0, ",
+            num_rows,
+            ")" + suffix,
+        ],
     )
 
 

@@ -99,7 +99,6 @@ def gather_reduce_sum_sparse_apply(
     >>> table[:, 0].numpy()  # row 0 read once, row 3 three times
     array([ 0.5,  1. ,  1. , -0.5,  1. ], dtype=float32)
     """
-    _args.check_choice("optimizer", optimizer, ("sgd", "rowwise_adagrad", "adagrad"))
     padding_id = _common.check_lookup_args(combiner, weights, padding_id)
     variable = _common.resource_variable(params)
     if variable is None:
@@ -107,6 +106,25 @@ def gather_reduce_sum_sparse_apply(
             "params must be a resource variable (tf.Variable or Keras variable) updated in "
             f"place, got {type(params).__name__}"
         )
+    state, epsilon = check_optimizer(
+        optimizer, accumulator, epsilon, "gather_reduce_sum_sparse_apply"
+    )
+    dtype = tf.as_dtype(variable.dtype)
+    shape = tf.TensorShape(variable.shape)
+    _common.check_table(shape, dtype)
+    with tf.name_scope(name or "gather_reduce_sum_sparse_apply"):
+        bags = _bags.to_csr(indices, weights, dtype, xla=False)
+        output = apply_on_bags(
+            variable, state, bags, trigger, optimizer, learning_rate, epsilon, combiner, padding_id
+        )
+        return _bags.shaped_output(output, bags, shape[1:])
+
+
+def check_optimizer(optimizer: str, accumulator, epsilon: float, what: str):
+    """The optimizer arguments of a fused update, checked: (state variable or None,
+    epsilon as a float). Raises ValueError naming the argument, and under a
+    `tf.distribute` strategy or XLA (`what` names the caller)."""
+    _args.check_choice("optimizer", optimizer, ("sgd", "rowwise_adagrad", "adagrad"))
     state = None
     if optimizer == "sgd":
         if accumulator is not None:
@@ -124,63 +142,73 @@ def gather_reduce_sum_sparse_apply(
     if tf.distribute.has_strategy():
         # A replica would update its own copy of a mirrored table with its own gradient.
         raise ValueError(
-            "gather_reduce_sum_sparse_apply does not support tf.distribute strategies "
+            f"{what} does not support tf.distribute strategies "
             "(replicas would update their copies of params apart)"
         )
     if _common.in_xla_context():
         raise ValueError(
-            "gather_reduce_sum_sparse_apply has no XLA kernel; call it outside "
+            f"{what} has no XLA kernel; call it outside "
             "jit_compile (or update the table with an optimizer from gather_reduce_sum's "
             "gradient)"
         )
+    return state, epsilon
+
+
+def apply_on_bags(
+    variable,
+    state,
+    bags: _bags.Bags,
+    trigger,
+    optimizer: str,
+    learning_rate,
+    epsilon: float,
+    combiner: str,
+    padding_id: int | None,
+) -> tf.Tensor:
+    """The [B, D] lookup of `bags` (CSR) whose backward pass updates `variable` in place."""
     dtype = tf.as_dtype(variable.dtype)
-    shape = tf.TensorShape(variable.shape)
-    _common.check_table(shape, dtype)
     acc_dtype = tf.float64 if dtype == tf.float64 else tf.float32
     lib = _loader.load_op_library()
-    with tf.name_scope(name or "gather_reduce_sum_sparse_apply"):
-        bags = _bags.to_csr(indices, weights, dtype, xla=False)
-        has_weights = bags.weights is not None
-        attrs = _custom_op.op_attrs(combiner, has_weights, padding_id)
-        ids, row_splits = bags.ids, bags.row_splits
-        rate = tf.cast(tf.convert_to_tensor(learning_rate, dtype_hint=acc_dtype), acc_dtype)
-        eps = tf.constant(epsilon, acc_dtype)
-        trigger = tf.convert_to_tensor(trigger)
-        inputs = [bags.weights] if has_weights else []
-        inputs.append(trigger)
+    has_weights = bags.weights is not None
+    attrs = _custom_op.op_attrs(combiner, has_weights, padding_id)
+    ids, row_splits = bags.ids, bags.row_splits
+    rate = tf.cast(tf.convert_to_tensor(learning_rate, dtype_hint=acc_dtype), acc_dtype)
+    eps = tf.constant(epsilon, acc_dtype)
+    trigger = tf.convert_to_tensor(trigger)
+    inputs = [bags.weights] if has_weights else []
+    inputs.append(trigger)
 
-        @tf.custom_gradient
-        def lookup(*inputs):
-            flat_weights = inputs[0] if has_weights else tf.zeros([0], dtype)
-            output, argmax = _custom_op.run_forward(
-                lib, variable.handle, ids, row_splits, tf.stop_gradient(flat_weights), attrs, True
+    @tf.custom_gradient
+    def lookup(*inputs):
+        flat_weights = inputs[0] if has_weights else tf.zeros([0], dtype)
+        output, argmax = _custom_op.run_forward(
+            lib, variable.handle, ids, row_splits, tf.stop_gradient(flat_weights), attrs, True
+        )
+
+        def grad(dy, variables=None):
+            weights_grad = lib.tf_ttemb_gather_reduce_sum_sparse_apply(
+                grad=tf.cast(dy, dtype),
+                params=variable.handle,
+                indices=ids,
+                row_splits=row_splits,
+                weights=flat_weights,
+                output=output,
+                argmax=argmax,
+                learning_rate=rate,
+                epsilon=eps,
+                accumulators=[] if state is None else [state.handle],
+                optimizer=optimizer,
+                **attrs,
             )
+            # The trigger's zero gradient is read from the updated variable: a data
+            # dependency, so the update runs wherever that gradient is used (Grappler
+            # may drop an update reached through control dependencies only).
+            with tf.control_dependencies([weights_grad]):
+                stamp = variable.sparse_read(tf.zeros([0], tf.int32))  # [0, D]
+            trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(tf.cast(stamp, trigger.dtype))
+            grads = ([weights_grad] if has_weights else []) + [trigger_grad]
+            return grads, [None] * len(variables or [])
 
-            def grad(dy, variables=None):
-                weights_grad = lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-                    grad=tf.cast(dy, dtype),
-                    params=variable.handle,
-                    indices=ids,
-                    row_splits=row_splits,
-                    weights=flat_weights,
-                    output=output,
-                    argmax=argmax,
-                    learning_rate=rate,
-                    epsilon=eps,
-                    accumulators=[] if state is None else [state.handle],
-                    optimizer=optimizer,
-                    **attrs,
-                )
-                # The trigger's zero gradient is read from the updated variable: a data
-                # dependency, so the update runs wherever that gradient is used (Grappler
-                # may drop an update reached through control dependencies only).
-                with tf.control_dependencies([weights_grad]):
-                    stamp = variable.sparse_read(tf.zeros([0], tf.int32))  # [0, D]
-                trigger_grad = tf.zeros_like(trigger) + tf.reduce_sum(tf.cast(stamp, trigger.dtype))
-                grads = ([weights_grad] if has_weights else []) + [trigger_grad]
-                return grads, [None] * len(variables or [])
+        return output, grad
 
-            return output, grad
-
-        output = lookup(*inputs)
-        return _bags.shaped_output(output, bags, shape[1:])
+    return lookup(*inputs)

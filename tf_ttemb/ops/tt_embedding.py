@@ -389,50 +389,10 @@ def _table_bags(
 
 
 def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xla: bool):
-    parts = []
-    for t, ids in enumerate(indices):
-        part = _bags.to_csr(ids, None if weights is None else weights[t], dtype, xla)
-        if part.batch_shape is not None and part.static_batch_shape.rank != 1:
-            raise ValueError(
-                f"dense indices of table {t} must be [B, L], got shape "
-                f"{part.static_batch_shape.concatenate([None])}"
-            )
-        parts.append(part)
-    ids_dtype = parts[0].ids.dtype
-    if any(p.ids.dtype != ids_dtype for p in parts):
-        ids_dtype = tf.int64
-    ids = tf.concat([tf.cast(p.ids, ids_dtype) for p in parts], 0)
-    with _host(xla):
-        nnz_each = [tf.shape(p.ids, out_type=tf.int64)[0] for p in parts]
-        table_splits = tf.concat([[0], tf.cumsum(tf.stack(nnz_each))], 0)
-    row_splits = tf.concat(
-        [parts[0].row_splits]
-        + [p.row_splits[1:] + table_splits[t] for t, p in enumerate(parts) if t > 0],
-        0,
+    joined = _bags.concat_bags(
+        indices, None if weights is None else list(weights), dtype, xla, "table", host=_host(xla)
     )
-    flat_weights = None if weights is None else tf.concat([p.weights for p in parts], 0)
-    counts = [tf.shape(p.row_splits, out_type=tf.int64)[0] - 1 for p in parts]
-    static_counts = {p.static_batch_shape[0] for p in parts}
-    static_bags = static_counts.pop() if len(static_counts) == 1 else None
-    checks = []
-    if static_bags is None:
-        for t in range(1, num_tables):
-            same = tf.debugging.assert_equal(
-                counts[t],
-                counts[0],
-                message=f"every table must have the same number of bags (table {t} differs "
-                "from table 0)",
-            )
-            if same is not None:
-                checks.append(same)
-    with tf.control_dependencies(checks):
-        row_splits = tf.identity(row_splits)
-
-    def segment_ids() -> tf.Tensor:
-        positions = tf.range(tf.shape(ids, out_type=tf.int64)[0], dtype=tf.int64)
-        return tf.searchsorted(row_splits[1:], positions, side="right", out_type=tf.int64)
-
-    bags = _bags.Bags(ids, row_splits, flat_weights, segment_ids, None, tf.TensorShape([None]))
+    bags, counts, static_bags = joined.bags, joined.counts, joined.static_batch
 
     def finish(output: tf.Tensor) -> tf.Tensor:
         output = tf.reshape(
@@ -441,7 +401,7 @@ def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xl
         output.set_shape([num_tables, static_bags, output.shape[-1]])
         return output
 
-    return _TableBags(bags, table_splits, finish)
+    return _TableBags(bags, joined.part_splits, finish)
 
 
 # ----------------------------------------------------------------------------------------

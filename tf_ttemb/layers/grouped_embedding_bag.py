@@ -1,0 +1,257 @@
+"""The Keras 3 GroupedEmbeddingBag layer: every sparse feature of a model, each with its own
+table, looked up together (one lookup per embedding width and combiner)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_ttemb import _args
+from tf_ttemb.ops import _common
+from tf_ttemb.ops import grouped as _grouped
+
+_KEYS = ("name", "input_dim", "output_dim", "combiner", "initializer", "padding_id", "table")
+
+
+def _feature(config: Any, position: int) -> dict:
+    """One feature config, checked and completed with its defaults."""
+    if not isinstance(config, dict):
+        raise ValueError(f"features[{position}] must be a dict, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(_KEYS))
+    if unknown:
+        raise ValueError(
+            f"features[{position}] has unknown keys {unknown}; the keys are {list(_KEYS)}"
+        )
+    if "name" not in config or not isinstance(config["name"], str) or not config["name"]:
+        raise ValueError(f"features[{position}] needs a 'name' (a non-empty string)")
+    name = config["name"]
+    input_dim = _args.positive_int(
+        f"features[{position}] ({name}): input_dim", config.get("input_dim")
+    )
+    output_dim = _args.positive_int(
+        f"features[{position}] ({name}): output_dim", config.get("output_dim")
+    )
+    combiner = config.get("combiner", "sum")
+    _args.check_choice(f"features[{position}] ({name}): combiner", combiner, _common.COMBINERS)
+    padding_id = _args.layer_padding_id(config.get("padding_id"), "input_dim", input_dim)
+    initializer = config.get("initializer", "uniform")
+    return dict(
+        name=name,
+        input_dim=input_dim,
+        output_dim=output_dim,
+        combiner=combiner,
+        initializer=keras.initializers.serialize(keras.initializers.get(initializer)),
+        padding_id=padding_id,
+        table=config.get("table") or name,
+    )
+
+
+@keras.saving.register_keras_serializable(package="tf_ttemb")
+class GroupedEmbeddingBag(keras.layers.Layer):
+    """Embedding bags of many sparse features, each feature with its own table, in one layer.
+
+    The tables of one embedding width are stacked by rows in one variable
+    (`embeddings_<width>`), and the features of one width and combiner are looked up
+    together by `tf_ttemb.grouped_gather_reduce_sum`: one fused lookup, one
+    deduplicated `tf.IndexedSlices` gradient over the stacked table, where separate
+    `EmbeddingBag` layers would run one of each per feature. A DLRM-style model with 26
+    sparse features of width 64 and sum bags makes one lookup.
+
+    Each feature config is a dict:
+      * `name` (required): the feature's name, the key of its ids in a dict input;
+      * `input_dim`, `output_dim` (required): its table's rows and width;
+      * `combiner`: "sum" (default), "mean", "sqrtn" or "max";
+      * `initializer`: its table's initializer (default "uniform");
+      * `padding_id`: None (default), -1 or a row in [0, input_dim), ignored in bags;
+      * `table`: the name of its table (default: the feature's name). Features with
+        the same table share it and must agree on input_dim, output_dim and initializer.
+
+    Under mixed precision the tables stay in the variable dtype and the result is cast
+    to the compute dtype. With `implementation="auto"` or `"custom_op"` the layer
+    reports `supports_jit = False` (the custom op has no XLA kernel); "composite"
+    compiles under XLA.
+
+    Args:
+      features: The feature configs, in output order (at least one).
+      output_mode: "concat" (default): one [B, sum of widths] tensor, the features'
+        embeddings in config order; "list": one [B, width] tensor per feature.
+      dense_grad: Whether the tables' gradients are dense rather than IndexedSlices.
+      implementation: "auto", "custom_op" or "composite"; see
+        `tf_ttemb.gather_reduce_sum`.
+      **kwargs: Base `keras.layers.Layer` arguments.
+
+    Call arguments:
+      inputs: The features' ids: a dict keyed by feature name, or a list in config
+        order; each dense [B, L], a `tf.RaggedTensor` [B, (L)] or a 2-D
+        `tf.SparseTensor`, all with the same B.
+      weights: Optional per-entry weights: a dict (features left out weigh 1) or a list
+        with None for unweighted features.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> from tf_ttemb.layers import GroupedEmbeddingBag
+    >>> layer = GroupedEmbeddingBag([
+    ...     {"name": "user", "input_dim": 100, "output_dim": 8},
+    ...     {"name": "item", "input_dim": 50, "output_dim": 8, "combiner": "mean"},
+    ...     {"name": "history", "input_dim": 50, "output_dim": 8, "table": "item"},
+    ... ])
+    >>> out = layer({"user": tf.constant([[3], [7]]),
+    ...              "item": tf.constant([[1, 2], [4, 4]]),
+    ...              "history": tf.ragged.constant([[1, 2, 3], []])})
+    >>> out.shape
+    TensorShape([2, 24])
+    >>> sorted(v.name for v in layer.trainable_variables)
+    ['embeddings_8']
+    """
+
+    def __init__(
+        self,
+        features: list,
+        output_mode: str = "concat",
+        dense_grad: bool = False,
+        implementation: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        features = [_feature(f, t) for t, f in enumerate(list(features))]
+        if not features:
+            raise ValueError("features must hold at least one feature config")
+        names = [f["name"] for f in features]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"feature names must be distinct, got {repeated} more than once")
+        tables: dict = {}
+        for f in features:
+            shape = (f["input_dim"], f["output_dim"], repr(f["initializer"]))
+            if tables.setdefault(f["table"], shape) != shape:
+                raise ValueError(
+                    f"features sharing table {f['table']!r} must agree on input_dim, "
+                    f"output_dim and initializer; {f['name']!r} has {shape[:2]}, the table "
+                    f"{tables[f['table']][:2]}"
+                )
+        _args.check_choice("output_mode", output_mode, ("concat", "list"))
+        _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
+        if keras.backend.backend() != "tensorflow":
+            raise ValueError(
+                "GroupedEmbeddingBag needs the TensorFlow backend of Keras, got "
+                f"{keras.backend.backend()!r}"
+            )
+        super().__init__(**kwargs)
+        self.features = features
+        self.output_mode = output_mode
+        self.dense_grad = bool(dense_grad)
+        self.implementation = implementation
+        self.supports_jit = implementation == "composite"
+        # Tables per width, in first-use order, each with its first row in the stack.
+        self._tables: dict = {}  # table name -> (width, row offset, rows, initializer)
+        rows_of_width: dict = {}
+        for f in features:
+            if f["table"] in self._tables:
+                continue
+            width = f["output_dim"]
+            offset = rows_of_width.get(width, 0)
+            self._tables[f["table"]] = (width, offset, f["input_dim"], f["initializer"])
+            rows_of_width[width] = offset + f["input_dim"]
+        self._rows_of_width = rows_of_width
+        # Lookups: features of one width and combiner, in config order.
+        self._groups: dict = {}
+        for t, f in enumerate(features):
+            self._groups.setdefault((f["output_dim"], f["combiner"]), []).append(t)
+
+    def build(self, input_shape: Any = None) -> None:
+        """Creates one stacked table per embedding width (input shape unused)."""
+        self.stacked = {}
+        for width, rows in self._rows_of_width.items():
+            parts = [
+                (offset, count, keras.initializers.deserialize(init))
+                for (w, offset, count, init) in self._tables.values()
+                if w == width
+            ]
+
+            def initializer(shape, dtype=None, parts=parts, width=width):
+                return tf.concat([init((count, width), dtype=dtype) for _, count, init in parts], 0)
+
+            self.stacked[width] = self.add_weight(
+                name=f"embeddings_{width}",
+                shape=(rows, width),
+                initializer=initializer,
+                trainable=True,
+                autocast=False,
+            )
+        self.built = True
+
+    def table(self, name: str) -> tf.Tensor:
+        """The current value of one table, [input_dim, output_dim] (a slice of its stack)."""
+        if name not in self._tables:
+            raise ValueError(f"no table {name!r}; the tables are {list(self._tables)}")
+        width, offset, rows, _ = self._tables[name]
+        return self.stacked[width][offset : offset + rows]
+
+    def _by_feature(self, values: Any, what: str, required: bool) -> list:
+        names = [f["name"] for f in self.features]
+        if isinstance(values, dict):
+            unknown = sorted(set(values) - set(names))
+            if unknown:
+                raise ValueError(f"{what} has unknown features {unknown}; the features are {names}")
+            missing = [n for n in names if n not in values]
+            if required and missing:
+                raise ValueError(f"{what} is missing features {missing}")
+            return [values.get(n) for n in names]
+        values = list(values)
+        if len(values) != len(names):
+            raise ValueError(
+                f"{what} must have one entry per feature ({len(names)}), got {len(values)}"
+            )
+        return values
+
+    def call(self, inputs: Any, weights: Any = None) -> Any:
+        """The features' bags combined; see the class docstring."""
+        ids = self._by_feature(inputs, "inputs", required=True)
+        per_feature = (
+            [None] * len(ids)
+            if weights is None
+            else self._by_feature(weights, "weights", required=False)
+        )
+        outputs: list = [None] * len(self.features)
+        for (width, combiner), members in self._groups.items():
+            group_weights = [per_feature[t] for t in members]
+            if all(w is None for w in group_weights):
+                group_weights = None
+            out = _grouped.grouped_gather_reduce_sum(
+                self.stacked[width],
+                [ids[t] for t in members],
+                group_weights,
+                num_rows=[self.features[t]["input_dim"] for t in members],
+                row_offsets=[self._tables[self.features[t]["table"]][1] for t in members],
+                combiner=combiner,
+                padding_ids=[self.features[t]["padding_id"] for t in members],
+                labels=[self.features[t]["name"] for t in members],
+                dense_grad=self.dense_grad,
+                implementation=self.implementation,
+            )
+            out = tf.cast(out, self.compute_dtype)
+            if len(self._groups) == 1 and self.output_mode == "concat":
+                return out
+            for i, part in enumerate(tf.split(out, len(members), axis=1)):
+                outputs[members[i]] = part
+        if self.output_mode == "list":
+            return outputs
+        return tf.concat(outputs, axis=1)
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        widths = [f["output_dim"] for f in self.features]
+        if self.output_mode == "list":
+            return [(None, w) for w in widths]
+        return (None, sum(widths))
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update(
+            features=[dict(f) for f in self.features],
+            output_mode=self.output_mode,
+            dense_grad=self.dense_grad,
+            implementation=self.implementation,
+        )
+        return config
