@@ -1,17 +1,15 @@
 // TfTtemb>GroupBags on the GPU (cuda/grouped_bags_kernels.cuh). Threads map to
 // data as follows:
-//   * CheckKernel: one thread per input bag k (feature-major), flags the first
-//     decreasing row_split;
-//   * the example-major row_splits are an inclusive scan (CUB) of the output
-//     bags' lengths, read through an iterator that maps output bag
-//     b * T + t to input bag t * B + b (negative lengths count 0);
+//   * CheckKernel: one thread per bag k, flags the first decreasing row_split
+//     and writes the length of output bag k (example-major: output bag
+//     b * T + t is input bag t * B + b; bad row_splits give 0);
+//   * the example-major row_splits are an inclusive scan (CUB) of the lengths;
 //   * CopyKernel: one thread per output bag, copying its entries in order,
 //     checking each id against its feature's table;
 //   * one-thread kernels start and finish the report.
 
-#include <cub/cub.cuh>
-
 #include <cstdint>
+#include <cub/cub.cuh>
 #include <limits>
 
 #include "cuda/common.cuh"
@@ -56,11 +54,13 @@ __global__ void InitKernel(GroupReport* report, const int64_t* splits, int64_t n
   group_splits[0] = 0;
 }
 
-__global__ void CheckKernel(const int64_t* __restrict__ splits, int64_t num_bags,
-                            GroupReport* report) {
+// Checks input bag k's row_splits and writes the length of output bag k.
+__global__ void CheckKernel(const int64_t* __restrict__ splits, LengthOf length_of,
+                            int64_t num_bags, int64_t* __restrict__ lengths, GroupReport* report) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_bags;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (splits[k + 1] < splits[k]) ReportMin(&report->first_bad_split, k);
+    lengths[k] = length_of(k);
   }
 }
 
@@ -128,19 +128,20 @@ __global__ void FinishKernel(const Tindex* ids, const int64_t* splits, int64_t n
 
 size_t ScanBytes(int64_t num_bags) {
   size_t bytes = 0;
-  cub::CountingInputIterator<int64_t> counting(0);
-  cub::TransformInputIterator<int64_t, LengthOf, cub::CountingInputIterator<int64_t>> lengths(
-      counting, LengthOf{nullptr, 1, 1, 0});
-  cub::DeviceScan::InclusiveSum(nullptr, bytes, lengths, static_cast<int64_t*>(nullptr),
-                                num_bags);
+  cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const int64_t*>(nullptr),
+                                static_cast<int64_t*>(nullptr), num_bags);
   return bytes;
 }
 
 }  // namespace
 
+// Scratch: the output bags' lengths [T * B], then CUB's scan storage.
 size_t GroupBagsScratchBytes(const GroupProblem& p) {
   const int64_t num_bags = p.num_features * p.batch;
-  return num_bags > 0 ? ScanBytes(num_bags) + 256 : 256;
+  Carver carve(nullptr);
+  carve.Take<int64_t>(num_bags);
+  carve.TakeBytes(num_bags > 0 ? ScanBytes(num_bags) : 0);
+  return carve.bytes();
 }
 
 template <typename T, typename Tindex>
@@ -152,25 +153,27 @@ cudaError_t LaunchGroupBags(const GroupProblem& p, const Tindex* ids, const int6
   InitKernel<<<1, 1, 0, stream>>>(report, row_splits, num_bags, p.nnz, group_row_splits);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   if (num_bags > 0) {
-    CheckKernel<<<Grid(num_bags), kBlock, 0, stream>>>(row_splits, num_bags, report);
+    Carver carve(scratch);
+    int64_t* lengths = carve.Take<int64_t>(num_bags);
+    size_t bytes = ScanBytes(num_bags);
+    void* scan_storage = carve.TakeBytes(bytes);
+    if (carve.bytes() > scratch_bytes) return cudaErrorInvalidValue;
+    const LengthOf length_of{row_splits, p.num_features, p.batch, p.nnz};
+    CheckKernel<<<Grid(num_bags), kBlock, 0, stream>>>(row_splits, length_of, num_bags, lengths,
+                                                       report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    cub::CountingInputIterator<int64_t> counting(0);
-    cub::TransformInputIterator<int64_t, LengthOf, cub::CountingInputIterator<int64_t>> lengths(
-        counting, LengthOf{row_splits, p.num_features, p.batch, p.nnz});
-    size_t bytes = scratch_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
-        scratch, bytes, lengths, group_row_splits + 1, num_bags, stream));
+        scan_storage, bytes, lengths, group_row_splits + 1, num_bags, stream));
     CopyKernel<T, Tindex><<<Grid(num_bags), kBlock, 0, stream>>>(
-        p, ids, row_splits, weights, group_row_splits, group_ids, group_weights, positions,
-        report);
+        p, ids, row_splits, weights, group_row_splits, group_ids, group_weights, positions, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   FinishKernel<Tindex><<<1, 1, 0, stream>>>(ids, row_splits, p.num_features, p.batch, report);
   return cudaGetLastError();
 }
 
-#define TTEMB_INSTANTIATE(T, Tindex)                                                     \
-  template cudaError_t LaunchGroupBags<T, Tindex>(                                       \
+#define TTEMB_INSTANTIATE(T, Tindex)                                                        \
+  template cudaError_t LaunchGroupBags<T, Tindex>(                                          \
       const GroupProblem&, const Tindex*, const int64_t*, const T*, int64_t*, int64_t*, T*, \
       int64_t*, GroupReport*, void*, size_t, cudaStream_t);
 #define TTEMB_INSTANTIATE_BOTH(T) TTEMB_INSTANTIATE(T, int32_t) TTEMB_INSTANTIATE(T, int64_t)

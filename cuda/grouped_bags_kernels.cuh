@@ -36,14 +36,14 @@ size_t GroupBagsScratchBytes(const GroupProblem& p);
 // kept inside the inputs even for bad row_splits, whose findings the report holds.
 template <typename T, typename Tindex>
 cudaError_t LaunchGroupBags(const GroupProblem& p,
-                            const Tindex* ids,            // [nnz]
-                            const int64_t* row_splits,    // [T * B + 1]
-                            const T* weights,             // [nnz] or null
-                            int64_t* group_ids,           // [nnz]
-                            int64_t* group_row_splits,    // [B * T + 1]
-                            T* group_weights,             // [nnz] or null
-                            int64_t* positions,           // [nnz] or null
-                            GroupReport* report,          // [1], device
+                            const Tindex* ids,          // [nnz]
+                            const int64_t* row_splits,  // [T * B + 1]
+                            const T* weights,           // [nnz] or null
+                            int64_t* group_ids,         // [nnz]
+                            int64_t* group_row_splits,  // [B * T + 1]
+                            T* group_weights,           // [nnz] or null
+                            int64_t* positions,         // [nnz] or null
+                            GroupReport* report,        // [1], device
                             void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace gpu

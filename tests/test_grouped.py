@@ -340,3 +340,82 @@ def test_sparse_apply_updates_every_tables_rows_in_one_step(rng, optimizer):
     np.testing.assert_allclose(
         weights_grad.numpy(), tape.gradient(again, weights[2], upstream).numpy(), rtol=1e-10
     )
+
+
+GPU_BAD_CASES = {
+    "ok": ([0, 1, 2, 3, 0, 1], [0, 2, 3, 3, 6]),
+    "bad_id": ([0, 1, 2, 3, 9, 1], [0, 2, 3, 3, 6]),
+    "negative_id": ([0, -3, 2, 3, 0, 1], [0, 2, 3, 3, 6]),
+    "start": ([0, 1, 2, 3, 0, 1], [1, 2, 3, 3, 6]),
+    "order": ([0, 1, 2, 3, 0, 1], [0, 4, 3, 3, 6]),
+    "end": ([0, 1, 2, 3, 0, 1], [0, 2, 3, 3, 5]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_BAD_CASES))
+@pytest.mark.parametrize("check_device", ["/CPU:0", "/GPU:0"])
+def test_gpu_group_bags_matches_the_cpu(case, check_device):
+    """The GPU GroupBags returns without waiting; its outputs equal the CPU kernel's on
+    good input, and its report raises the CPU kernel's message wherever it is checked."""
+    lib = _loader.load_op_library()
+    ids, splits = GPU_BAD_CASES[case]
+    attrs = dict(
+        num_rows=[3, 4],
+        row_offsets=[0, 3],
+        padding_ids=[-1, 1],
+        has_padding_ids=[False, True],
+        labels=["a", "b"],
+    )
+    results = {}
+    for device in ("/CPU:0", "/GPU:0"):
+        with tf.device(device):
+            try:
+                results[device] = _group_bags(ids, splits, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], **attrs)
+            except tf.errors.InvalidArgumentError as error:
+                results[device] = error
+    cpu, gpu = results["/CPU:0"], results["/GPU:0"]
+    assert not isinstance(gpu, Exception), gpu
+    assert gpu[4].shape == [11] and "GPU" in gpu[4].device
+    with tf.device(check_device):
+        if isinstance(cpu, Exception):
+            with pytest.raises(tf.errors.InvalidArgumentError) as info:
+                lib.tf_ttemb_check_group_report(gpu[4], **attrs)
+            assert (
+                info.value.message.split("[Op:")[0]
+                .strip()
+                .endswith(cpu.message.split("[Op:")[0].strip().split("}} ")[-1])
+            ), (info.value.message, cpu.message)
+            return
+        lib.tf_ttemb_check_group_report(gpu[4], **attrs)
+    for got, want in zip(gpu[:4], cpu[:4]):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("mean", False), ("max", False)])
+def test_gpu_grouped_lookup_and_gradient_match_the_cpu(rng, combiner, weighted):
+    num_rows = (50, 7, 33)
+    ids = [
+        rng.integers(0, 50, size=(64, 3)),
+        rng.integers(0, 7, size=(64, 1)),
+        rng.integers(0, 33, size=(64, 20)),
+    ]
+    weights = [rng.uniform(0.5, 1.5, size=i.shape).astype(np.float32) for i in ids]
+    table0 = rng.normal(size=(90, 16)).astype(np.float32)
+    upstream = tf.constant(rng.normal(size=(64, 48)).astype(np.float32))
+    results = []
+    for device in ("/CPU:0", "/GPU:0"):
+        with tf.device(device):
+            table = tf.Variable(table0)
+            w = [tf.constant(x) for x in weights] if weighted else None
+            with tf.GradientTape() as tape:
+                if w:
+                    tape.watch(w)
+                out = tf_ttemb.grouped_gather_reduce_sum(
+                    table, [tf.constant(i) for i in ids], w, num_rows=num_rows, combiner=combiner
+                )
+            grads = tape.gradient(out, [table] + (w or []), upstream)
+            results.append([out.numpy()] + [dense_value(g) for g in grads])
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -42,8 +42,7 @@ Status GetGroupAttrs(OpKernelConstruction* ctx, bool with_weights, GroupAttrs* a
   for (size_t t = 0; t < n; ++t) {
     const int64_t rows = attrs->num_rows[t], offset = attrs->row_offsets[t];
     if (rows < 0 || rows > kMaxRow) {
-      return errors::InvalidArgument("num_rows[", t, "] = ", rows, " is not in [0, ", kMaxRow,
-                                     "]");
+      return errors::InvalidArgument("num_rows[", t, "] = ", rows, " is not in [0, ", kMaxRow, "]");
     }
     if (offset < 0 || offset > kMaxRow - rows) {
       return errors::InvalidArgument("row_offsets[", t, "] = ", offset, " is not in [0, ",
@@ -53,8 +52,8 @@ Status GetGroupAttrs(OpKernelConstruction* ctx, bool with_weights, GroupAttrs* a
   return OkStatus();
 }
 
-Status ValidateGroupInputs(const GroupAttrs& attrs, const Tensor& indices,
-                           const Tensor& row_splits, const Tensor& weights, GroupArgs* args) {
+Status ValidateGroupInputs(const GroupAttrs& attrs, const Tensor& indices, const Tensor& row_splits,
+                           const Tensor& weights, GroupArgs* args) {
   BagAttrs bag;
   bag.has_weights = attrs.has_weights;
   BagShapes shapes;
@@ -76,8 +75,7 @@ Status GroupBadIndexError(const GroupAttrs& attrs, int64_t feature, int64_t posi
   bag.has_padding_id = attrs.has_padding_ids[feature];
   bag.padding_id = attrs.padding_ids[feature];
   const Status bad = BadIndexError(position, value, attrs.num_rows[feature], bag);
-  return errors::InvalidArgument("feature ", feature, " (", attrs.labels[feature], "): ",
-                                 bad.message());
+  return errors::InvalidArgument("feature ", attrs.labels[feature], ": ", bad.message());
 }
 
 Status GroupReportStatus(const GroupReport& r, const GroupAttrs& attrs) {
@@ -196,7 +194,7 @@ class CheckGroupReportOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_CPU), CheckGroupReportOp);
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                               \
+#define TF_TTEMB_REGISTER(T, Tindex)                               \
   TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GroupBags", T, Tindex, \
                                    GroupBagsOp<CpuDevice, T, Tindex>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)

@@ -43,23 +43,24 @@ Status GetGroupAttrs(OpKernelConstruction* ctx, bool with_weights, GroupAttrs* a
 // GroupBags' inputs as checked on the host, and its outputs as allocated.
 struct GroupArgs {
   int64_t nnz = 0;
-  int64_t batch = 0;  // B: bags per feature
-  const Tensor* indices = nullptr;           // [nnz]
-  const Tensor* row_splits = nullptr;        // [T * B + 1]
-  const Tensor* weights = nullptr;           // [nnz] or [0]
-  Tensor* group_indices = nullptr;           // [nnz] int64
-  Tensor* group_row_splits = nullptr;        // [B * T + 1]
-  Tensor* group_weights = nullptr;           // [nnz] or [0]
-  Tensor* positions = nullptr;               // [nnz] or [0]
-  Tensor* report = nullptr;                  // [GroupBagsLaunch::kReportWords]
+  int64_t batch = 0;                   // B: bags per feature
+  const Tensor* indices = nullptr;     // [nnz]
+  const Tensor* row_splits = nullptr;  // [T * B + 1]
+  const Tensor* weights = nullptr;     // [nnz] or [0]
+  Tensor* group_indices = nullptr;     // [nnz] int64
+  Tensor* group_row_splits = nullptr;  // [B * T + 1]
+  Tensor* group_weights = nullptr;     // [nnz] or [0]
+  Tensor* positions = nullptr;         // [nnz] or [0]
+  Tensor* report = nullptr;            // [GroupBagsLaunch::kReportWords]
 };
 
 // Shapes of the inputs (sets nnz and batch).
-Status ValidateGroupInputs(const GroupAttrs& attrs, const Tensor& indices,
-                           const Tensor& row_splits, const Tensor& weights, GroupArgs* args);
+Status ValidateGroupInputs(const GroupAttrs& attrs, const Tensor& indices, const Tensor& row_splits,
+                           const Tensor& weights, GroupArgs* args);
 
-// The message for an id of `feature` outside its table that is not its padding id;
-// `position` is the entry's place among that feature's own ids.
+// The message for an id of `feature` outside its table that is not its padding id,
+// `feature <label>: indices[5] = 9001 is not in [0, 4096)`; `position` is the
+// entry's place among that feature's own ids.
 Status GroupBadIndexError(const GroupAttrs& attrs, int64_t feature, int64_t position,
                           int64_t value);
 

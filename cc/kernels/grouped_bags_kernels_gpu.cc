@@ -40,12 +40,11 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
     packed.insert(packed.end(), attrs.padding_ids.begin(), attrs.padding_ids.end());
     for (bool pads : attrs.has_padding_ids) packed.push_back(pads ? 1 : 0);
     Tensor features;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({4 * num_features}), &features));
     TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DT_INT64, TensorShape({4 * num_features}), &features));
-    TF_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(features.flat<int64_t>().data(), packed.data(),
-                        packed.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream),
-        "copy of the features' attrs"));
+        CudaStatus(cudaMemcpyAsync(features.flat<int64_t>().data(), packed.data(),
+                                   packed.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream),
+                   "copy of the features' attrs"));
     launchers::GroupProblem p;
     p.num_features = num_features;
     p.batch = a.batch;
@@ -59,8 +58,8 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
     return CudaStatus(
         launchers::LaunchGroupBags<CT, Tindex>(
             p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
-            weighted ? DevicePtr<T>(*a.weights) : nullptr,
-            a.group_indices->flat<int64_t>().data(), a.group_row_splits->flat<int64_t>().data(),
+            weighted ? DevicePtr<T>(*a.weights) : nullptr, a.group_indices->flat<int64_t>().data(),
+            a.group_row_splits->flat<int64_t>().data(),
             weighted ? DevicePtr<T>(a.group_weights) : nullptr,
             weighted ? a.positions->flat<int64_t>().data() : nullptr,
             reinterpret_cast<GroupReport*>(a.report->flat<int64_t>().data()), scratch,
@@ -102,14 +101,13 @@ class CheckGroupReportGpuOp : public AsyncOpKernel {
   GroupAttrs attrs_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_GPU),
-                        CheckGroupReportGpuOp);
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_GPU), CheckGroupReportGpuOp);
 
 // row_splits in device memory like the ids: the GPU kernel checks them itself.
-#define TF_TTEMB_REGISTER(T, Tindex)                              \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GroupBags")               \
-                              .Device(DEVICE_GPU)                 \
-                              .TypeConstraint<T>("T")             \
+#define TF_TTEMB_REGISTER(T, Tindex)                               \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GroupBags")                \
+                              .Device(DEVICE_GPU)                  \
+                              .TypeConstraint<T>("T")              \
                               .TypeConstraint<Tindex>("Tindices"), \
                           GroupBagsOp<GpuDevice, T, Tindex>);
 #define TF_TTEMB_REGISTER_ALL_INDICES(T) TF_TTEMB_REGISTER(T, int32) TF_TTEMB_REGISTER(T, int64_t)

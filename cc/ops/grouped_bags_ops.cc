@@ -22,11 +22,11 @@ using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
-#define TF_TTEMB_GROUP_ATTRS                                    \
-  Attr("num_rows: list(int) >= 1")     /* N_t, per feature */   \
-      .Attr("row_offsets: list(int)")  /* first row, per feature */ \
-      .Attr("padding_ids: list(int)")                           \
-      .Attr("has_padding_ids: list(bool)")                      \
+#define TF_TTEMB_GROUP_ATTRS                                       \
+  Attr("num_rows: list(int) >= 1")    /* N_t, per feature */       \
+      .Attr("row_offsets: list(int)") /* first row, per feature */ \
+      .Attr("padding_ids: list(int)")                              \
+      .Attr("has_padding_ids: list(bool)")                         \
       .Attr("labels: list(string)") /* the features' names, for errors */
 
 // Checks every id against its own feature's table (a padding id of the feature
@@ -42,17 +42,16 @@ using shape_inference::ShapeHandle;
 // GroupReport, cuda/common_types.h), which TfTtemb>CheckGroupReport raises as the
 // same InvalidArgument.
 REGISTER_OP("TfTtemb>GroupBags")
-    .Input("indices: Tindices")          // [nnz]
-    .Input("row_splits: int64")          // [T * B + 1]
-    .Input("weights: T")                 // [nnz] or [0]
-    .Output("group_indices: int64")      // [nnz]
-    .Output("group_row_splits: int64")   // [B * T + 1]
-    .Output("group_weights: T")          // [nnz] or [0]
-    .Output("positions: int64")          // [nnz] or [0]
-    .Output("report: int64")             // [0] on the CPU; see CheckGroupReport
+    .Input("indices: Tindices")         // [nnz]
+    .Input("row_splits: int64")         // [T * B + 1]
+    .Input("weights: T")                // [nnz] or [0]
+    .Output("group_indices: int64")     // [nnz]
+    .Output("group_row_splits: int64")  // [B * T + 1]
+    .Output("group_weights: T")         // [nnz] or [0]
+    .Output("positions: int64")         // [nnz] or [0]
+    .Output("report: int64")            // [0] on the CPU; see CheckGroupReport
     .Attr("has_weights: bool")
-    .TF_TTEMB_GROUP_ATTRS
-    .Attr("T: {half, bfloat16, float, double}")
+    .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
     .Attr("Tindices: {int32, int64}")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle indices, row_splits, weights;
@@ -76,8 +75,7 @@ REGISTER_OP("TfTtemb>GroupBags")
 // tf.function runs it though nothing consumes it.
 REGISTER_OP("TfTtemb>CheckGroupReport")
     .Input("report: int64")
-    .TF_TTEMB_GROUP_ATTRS
-    .SetIsStateful()
+    .TF_TTEMB_GROUP_ATTRS.SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle report;
       return c->WithRank(c->input(0), 1, &report);

@@ -1,0 +1,167 @@
+"""GroupedEmbeddingBag against 26 separate EmbeddingBag layers on a Criteo-like config, and
+against one lookup of the same total rows (the device-time floor).
+
+  .venv/bin/python python/bench/bench_grouped.py [--device GPU:0] [--scale 0.01]
+  bash .tfgpu/run.sh python3 python/bench/bench_grouped.py --device GPU:0 --json "$OUT/g.json"
+
+The config: 26 tables of D = 64 float32, row counts from 10 to 10M (Criteo's spread, times
+`--scale`, at least 10), 23 one-hot features (bags of 1) and 3 multi-hot features (bags of
+20), `--batch` examples (8,192), uniform ids. Cases, each a `tf.function` computing the
+forward and the gradients of a random upstream gradient (IndexedSlices for the tables):
+  grouped     one `GroupedEmbeddingBag` (one stacked [sum of rows, 64] table)
+  separate    26 `EmbeddingBag` layers, outputs concatenated
+  one_lookup  one `gather_reduce_sum` of all the ids at once on the stacked table, bags of
+              the same sizes (what a single fused lookup of these rows costs)
+Times: per call (one call, ending in a 1-element fetch) and in graph (`--steps` steps with
+their own ids inside one call, divided), medians of `--repeats`. Ratios: separate /
+grouped (target >= 5x on the GPU, >= 2x on the CPU) and grouped / one_lookup (target
+<= 1.5x on the GPU), from the in-graph times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_util
+
+_bench_util.add_checkout_to_path()
+
+import numpy as np
+import tensorflow as tf
+
+import tf_ttemb
+from tf_ttemb.layers import EmbeddingBag, GroupedEmbeddingBag
+
+# Criteo's (Kaggle) 26 categorical cardinalities, rounded.
+CRITEO_ROWS = [
+    1460,
+    583,
+    10_131_227,
+    2_202_608,
+    305,
+    24,
+    12_517,
+    633,
+    3,
+    93_145,
+    5_683,
+    8_351_593,
+    3_194,
+    27,
+    14_992,
+    5_461_306,
+    10,
+    5_652,
+    2_173,
+    4,
+    7_046_547,
+    18,
+    15,
+    286_181,
+    105,
+    142_572,
+]
+MULTI_HOT = {2: 20, 11: 20, 20: 20}  # feature -> bag size (the three largest tables)
+DIM = 64
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="CPU:0")
+    parser.add_argument(
+        "--scale", type=float, default=None, help="row-count scale (GPU 1, CPU 0.02)"
+    )
+    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    scale = args.scale if args.scale is not None else (1.0 if "GPU" in args.device else 0.02)
+    rows = [max(10, int(n * scale)) for n in CRITEO_ROWS]
+    lengths = [MULTI_HOT.get(t, 1) for t in range(len(rows))]
+    rng = np.random.default_rng(0)
+    features = [
+        {"name": f"c{t}", "input_dim": n, "output_dim": DIM, "initializer": "zeros"}
+        for t, n in enumerate(rows)
+    ]
+
+    def batches(count):
+        return [
+            [
+                tf.constant(rng.integers(0, n, size=(args.batch, L)), tf.int64)
+                for n, L in zip(rows, lengths)
+            ]
+            for _ in range(count)
+        ]
+
+    _bench_util.log(
+        f"{len(rows)} tables, {sum(rows):,} rows x {DIM}, batch {args.batch}, {args.device}"
+    )
+    with tf.device(args.device):
+        data = batches(args.steps)
+        upstream = tf.constant(rng.standard_normal((args.batch, DIM * len(rows)), np.float32))
+        grouped = GroupedEmbeddingBag(features)
+        grouped.build()
+        stacked = grouped.stacked[DIM]
+        separate = [EmbeddingBag(n, DIM, embeddings_initializer="zeros") for n in rows]
+        for layer in separate:
+            layer.build()
+        offsets = np.concatenate([[0], np.cumsum(rows)[:-1]])
+
+    def step_grouped(ids):
+        with tf.GradientTape() as tape:
+            out = grouped(ids)
+        grad = tape.gradient(out, stacked, upstream)
+        return out[0, 0] + grad.values[0, 0]
+
+    def step_separate(ids):
+        with tf.GradientTape() as tape:
+            out = tf.concat([layer(i) for layer, i in zip(separate, ids)], 1)
+        grads = tape.gradient(out, [layer.embeddings for layer in separate], upstream)
+        return out[0, 0] + tf.add_n([g.values[0, 0] for g in grads])
+
+    def step_one_lookup(ids):
+        flat = tf.concat([tf.reshape(i + int(o), [-1]) for i, o in zip(ids, offsets)], 0)
+        splits = tf.constant(
+            np.concatenate([[0], np.cumsum(np.tile(lengths, args.batch))]), tf.int64
+        )
+        with tf.GradientTape() as tape:
+            out = tf_ttemb.gather_reduce_sum(stacked, tf.RaggedTensor.from_row_splits(flat, splits))
+        grad = tape.gradient(out, stacked, tf.reshape(upstream, [-1, DIM]))
+        return out[0, 0] + grad.values[0, 0]
+
+    results = {}
+    cases = {"grouped": step_grouped, "separate": step_separate, "one_lookup": step_one_lookup}
+    for name, step in cases.items():
+        with tf.device(args.device):
+            once = tf.function(lambda step=step: step(data[0]))
+            many = tf.function(lambda step=step: tf.add_n([step(ids) for ids in data]))
+        per_call = _bench_util.time_calls(lambda: once().numpy(), 3, args.repeats).median_ms
+        in_graph = (
+            _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 2)).median_ms
+            / args.steps
+        )
+        results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph}
+        _bench_util.log(f"{name}: fwd+bwd {per_call:.3f} ms per call, {in_graph:.3f} ms in graph")
+    g, s, o = (results[k]["in_graph_ms"] for k in ("grouped", "separate", "one_lookup"))
+    gp, sp = results["grouped"]["per_call_ms"], results["separate"]["per_call_ms"]
+    print(
+        f"grouped fwd+bwd: {gp:.3f} ms per call, {g:.3f} ms in graph; separate layers "
+        f"{sp:.3f} / {s:.3f} ms: {sp / gp:.2f}x per call, {s / g:.2f}x in graph; one lookup of "
+        f"the same rows {o:.3f} ms in graph: grouped / one lookup = {g / o:.2f}x"
+    )
+    if args.json:
+        results.update(device=args.device, scale=scale, rows=rows, batch=args.batch)
+        _bench_util.write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
