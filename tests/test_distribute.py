@@ -76,7 +76,8 @@ MIRRORED = """
         cross = tf.distribute.ReductionToOneDevice("/gpu:0")
     import keras
     import tf_ttemb
-    from tf_ttemb.layers import EmbeddingBag, ProductKeyMemory, TTEmbeddingBag
+    from tf_ttemb.layers import (EmbeddingBag, GroupedEmbeddingBag, ProductKeyMemory,
+                                 TTEmbeddingBag)
     from tf_ttemb.optimizers import LazyAdam, RowWiseAdagrad
 
     mirrored = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross)
@@ -88,6 +89,8 @@ MIRRORED = """
         "bag": rng.integers(0, 30, size=(B * STEPS, 3)),  # rows 30..36 never used
         "tt": rng.integers(0, 48, size=(B * STEPS, 4)),
         "x": rng.normal(size=(B * STEPS, 5)),
+        "g1": rng.integers(0, 20, size=(B * STEPS, 2)),
+        "g2": rng.integers(0, 9, size=(B * STEPS, 1)),
     }
     target = rng.normal(size=(B * STEPS, 1))
 
@@ -97,6 +100,8 @@ MIRRORED = """
             bag = keras.Input((3,), dtype="int64", name="bag")
             tt_ids = keras.Input((4,), dtype="int64", name="tt")
             x = keras.Input((5,), dtype=dtype, name="x")
+            g1 = keras.Input((2,), dtype="int64", name="g1")
+            g2 = keras.Input((1,), dtype="int64", name="g2")
             features = keras.layers.Concatenate(dtype=dtype)([
                 EmbeddingBag(37, 4, combiner="sqrtn" if fused else "mean", dtype=dtype,
                              name="eb")(bag),
@@ -105,9 +110,13 @@ MIRRORED = """
                                dtype=dtype, name="tt_bag")(tt_ids),
                 ProductKeyMemory(4, n_keys=6, k_dim=4, heads=2, knn=3, query_batchnorm=False,
                                  dtype=dtype, name="pkm")(x),
+                GroupedEmbeddingBag(
+                    [{"name": "g1", "input_dim": 20, "output_dim": 3},
+                     {"name": "g2", "input_dim": 9, "output_dim": 3, "combiner": "mean"}],
+                    dtype=dtype, name="grp")({"g1": g1, "g2": g2}),
             ])
             out = keras.layers.Dense(1, dtype=dtype, name="head")(features)
-            return keras.Model([bag, tt_ids, x], out)
+            return keras.Model([bag, tt_ids, x, g1, g2], out)
 
     def train(strategy, dtype, opt_name, fused, initial):
         model = build(strategy, dtype, fused)
@@ -261,7 +270,8 @@ def _replica_kinds() -> list:
 
 @pytest.mark.parametrize("kind", _replica_kinds())
 def test_mirrored_strategy_matches_one_device(rng, kind):
-    """Two replicas train EmbeddingBag, TTEmbeddingBag and ProductKeyMemory (implementation
+    """Two replicas train EmbeddingBag, TTEmbeddingBag, ProductKeyMemory and
+    GroupedEmbeddingBag (implementation
     "auto": the custom ops, reading each replica's copy in place) to the weights a single
     device reaches, with SGD (float32), LazyAdam plus TTEmbeddingBag's fused sparse update
     (float64) and RowWiseAdagrad (float64); every replica's copy of every weight is the
@@ -281,7 +291,13 @@ def test_mirrored_strategy_matches_one_device(rng, kind):
         tolerance = TOLERANCE[report["dtype"]]
         if name.startswith("fit/"):
             weights = report["weights"]
-            assert {path.split("/")[0] for path in weights} == {"eb", "tt_bag", "pkm", "head"}
+            assert {path.split("/")[0] for path in weights} == {
+                "eb",
+                "tt_bag",
+                "pkm",
+                "grp",
+                "head",
+            }
             for path, row in weights.items():
                 assert row["error"] <= tolerance, (name, path, row)
                 # The replicas' copies agree: bitwise on CPUs; on GPUs TensorFlow's
