@@ -158,10 +158,10 @@ def test_mismatch_raises_import_error(imports, case):
 def test_cpu_extensions_checked(monkeypatch):
     flags = [f for f in BUILD_INFO["compile_flags"] if f not in ("-mavx2", "-mfma", "-mf16c")]
     info = dict(BUILD_INFO, compile_flags=flags + ["-mavx2", "-mfma"])
-    monkeypatch.setattr(_loader, "_cpu_flags", lambda: {"sse2", "fma", "avx"})
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: {"sse2", "fma", "avx"})
     problems = _loader.build_mismatches(info)
     assert problems == ["CPU: the library was compiled for avx2, fma; this CPU lacks avx2"]
-    monkeypatch.setattr(_loader, "_cpu_flags", lambda: {"sse2", "fma", "avx2", "f16c"})
+    monkeypatch.setattr(_loader, "cpu_flags", lambda: {"sse2", "fma", "avx2", "f16c"})
     assert _loader.build_mismatches(info) == []
 
 

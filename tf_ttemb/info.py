@@ -105,7 +105,7 @@ def collect() -> Dict[str, Any]:
     build = _loader.read_build_info()
     tf_build = dict(tf.sysconfig.get_build_info())
     flags = list(build.get("compile_flags", [])) if build else []
-    cpu_flags = _loader._cpu_flags()
+    cpu_flags = _loader.cpu_flags()
     needed = [ext for flag, ext in _loader._CPU_EXTENSIONS.items() if flag in flags]
     info: Dict[str, Any] = {
         "tf_ttemb_version": tf_ttemb.__version__,

@@ -414,7 +414,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 stop = min(self.num_embeddings, start + chunk)
                 ids = tf.range(start, stop, dtype=tf.int64) + t * shape.rows_per_table
                 parts.append(
-                    _tte._rows_with_cache(ids, self._rows, cache_ids, cache_rows, xla=False)
+                    _tte.rows_with_cache(ids, self._rows, cache_ids, cache_rows, xla=False)
                 )
             tables.append(tf.concat(parts, 0))
         return tf.stack(tables)

@@ -77,7 +77,7 @@ def running_tf_flags() -> list[str]:
     return [f for f in tf.sysconfig.get_compile_flags() if not f.startswith("-I")]
 
 
-def _cpu_flags() -> set[str] | None:
+def cpu_flags() -> set[str] | None:
     """The CPU's feature flags from /proc/cpuinfo, or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -145,7 +145,7 @@ def build_mismatches(info: dict[str, Any] | None = None) -> list[str]:
                 f"{' '.join(map(str, built_flags))})"
             )
         needed = [ext for flag, ext in _CPU_EXTENSIONS.items() if flag in built_flags]
-        have = _cpu_flags() if needed else None
+        have = cpu_flags() if needed else None
         if have is not None:
             lacking = [ext for ext in needed if ext not in have]
             if lacking:

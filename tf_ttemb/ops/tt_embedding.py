@@ -287,13 +287,16 @@ def _read_rows(table: Any, positions: tf.Tensor) -> tf.Tensor:
     return tf.gather(table, positions)
 
 
-def _rows_with_cache(
+def rows_with_cache(
     ids: tf.Tensor, compute_rows, cache_ids: Any, cache_rows: Any, xla: bool
 ) -> tf.Tensor:
     """Rows of global ids [U]: cached ones from `cache_rows`, the others computed.
 
-    Outside XLA only the misses are computed (combined with `tf.dynamic_stitch`); under
-    XLA (static shapes) every id is computed and the hits are selected with `tf.where`.
+    On the CPU only the misses are computed (combined with `tf.dynamic_stitch`). Under
+    XLA (static shapes) and where TensorFlow sees a GPU, every id is computed and the hits
+    are selected with `tf.where`: the split into hits and misses has data-dependent
+    shapes, which on a GPU cost round trips to the host (`Where`, `DynamicStitch`), while
+    decompressing the hits too is cheap there.
     """
     if cache_ids is None:
         return compute_rows(ids)
@@ -301,7 +304,7 @@ def _rows_with_cache(
     position = tf.searchsorted(cache_ids, ids, side="left", out_type=tf.int64)
     position = tf.minimum(position, tf.maximum(size - 1, 0))
     hit = tf.equal(tf.gather(cache_ids, position), ids)  # empty slots never match an id
-    if xla:
+    if xla or _common.gpus_visible():
         cached = _read_rows(cache_rows, position)
         return tf.where(hit[:, None], cached, compute_rows(ids))
     hit_at = tf.cast(tf.where(hit)[:, 0], tf.int32)
@@ -456,7 +459,7 @@ def _custom_op_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
                 tf.cast(bags.ids, tf.int64), valid, table_bags.table_splits, shape
             )
         counted = _count(frequency_table, global_ids, False)
-    rows = _rows_with_cache(
+    rows = rows_with_cache(
         unique_ids, lambda ids: _custom_rows(lib, cores, ids, shape), *cache, xla=False
     )
     with tf.control_dependencies(counted):
@@ -498,7 +501,7 @@ def _composite_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
     # One extra row (of id 0) that no slot uses: the reducer gathers a row for padding
     # entries too (then drops it), so the rows must not be empty.
     unique_ids = tf.concat([unique_ids, tf.zeros([1], tf.int64)], 0)
-    rows = _rows_with_cache(
+    rows = rows_with_cache(
         unique_ids, lambda ids: _composite_rows(cores, ids, shape), *cache, xla=xla
     )
     with tf.control_dependencies(counted):
