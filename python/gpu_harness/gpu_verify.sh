@@ -12,6 +12,8 @@
 # tests:    the test files or node ids in $TESTS, the same way.
 # benches:  the lookup (EmbeddingBag, TT) and DLRM model.fit benchmarks through TensorFlow
 #           (python -X faulthandler: a crash names its Python line).
+# grouped:  GroupedEmbeddingBag against separate layers (bench_grouped.py) and the ops a
+#           lookup runs per device (count_lookup_ops.py --executed).
 # sparse_apply: the sparse-apply benchmark against the plain backward.
 # demo:     the demo's first section on the GPU (its GPU case, 16,384 tokens at dim 1024).
 # demo_all: the whole demo (every section) on the GPU.
@@ -48,6 +50,15 @@ for step in "$@"; do
         --json "$out/dlrm_fit.json" > "$out/dlrm_fit.txt" 2>&1
       echo "exit $?"
       grep -E "steps/s|Error|Fatal|File " "$out/dlrm_fit.txt" | head -10
+      ;;
+    grouped)
+      timeout 200 python3 -X faulthandler python/bench/bench_grouped.py --device GPU:0 \
+        --json "$out/grouped.json" > "$out/grouped.txt" 2>&1
+      echo "exit $?"
+      grep -E "^grouped|ms per call|Error|Fatal|File " "$out/grouped.txt" | head -10
+      timeout 120 python3 python/bench/count_lookup_ops.py --executed --json "$out/ops.json" \
+        > "$out/ops.txt" 2>&1
+      grep -E "traced|executed" "$out/ops.txt" | head -30
       ;;
     sparse_apply)
       timeout 90 python3 python/bench/bench_sparse_apply.py --json "$out/sparse_apply.json" \
