@@ -46,7 +46,7 @@ for step in "$@"; do
         --json "$out/lookup.json" > "$out/lookup.txt" 2>&1
       echo "exit $?"
       grep -E "^(dlrm|pkm|tt)|Error|Fatal|File " "$out/lookup.txt" | head -30
-      timeout 100 python3 -X faulthandler python/bench/bench_dlrm_fit.py --steps 30 \
+      timeout 150 python3 -X faulthandler python/bench/bench_dlrm_fit.py --steps 30 \
         --json "$out/dlrm_fit.json" > "$out/dlrm_fit.txt" 2>&1
       echo "exit $?"
       grep -E "steps/s|Error|Fatal|File " "$out/dlrm_fit.txt" | head -10
