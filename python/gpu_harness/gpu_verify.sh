@@ -11,7 +11,9 @@
 # suite:    the whole test suite with TensorFlow seeing the GPU (pytest -n 14).
 # tests:    the test files or node ids in $TESTS, the same way.
 # benches:  the lookup (EmbeddingBag, TT) and DLRM model.fit benchmarks through TensorFlow
-#           (python -X faulthandler: a crash names its Python line).
+#           (python -X faulthandler: a crash names its Python line). The lookups are
+#           `python -m tf_ttemb bench --preset dlrm,pkm,fbtt --device GPU:0`, run by
+#           python/bench/bench_tf_gpu_lookup.py, which adds issue 17's targets' verdicts.
 # sparse_apply: the sparse-apply benchmark against the plain backward.
 # demo:     the demo's first section on the GPU (its GPU case, 16,384 tokens at dim 1024).
 # demo_all: the whole demo (every section) on the GPU.
@@ -40,10 +42,10 @@ for step in "$@"; do
     # shellcheck disable=SC2086
     tests) pytest_gpu tests 300 ${TESTS:?set TESTS to the test files} ;;
     benches)
-      timeout 240 python3 -X faulthandler python/bench/bench_tf_gpu_lookup.py --repeats 9 \
+      timeout 360 python3 -X faulthandler python/bench/bench_tf_gpu_lookup.py --repeats 9 \
         --json "$out/lookup.json" > "$out/lookup.txt" 2>&1
       echo "exit $?"
-      grep -E "^(dlrm|pkm|tt)|Error|Fatal|File " "$out/lookup.txt" | head -30
+      grep -v -E "^[IWE][0-9]{4} |^WARNING|^bench: |^Wrote |^ *$" "$out/lookup.txt" | head -60
       timeout 100 python3 -X faulthandler python/bench/bench_dlrm_fit.py --steps 30 \
         --json "$out/dlrm_fit.json" > "$out/dlrm_fit.txt" 2>&1
       echo "exit $?"
