@@ -580,7 +580,9 @@ def test_presets_on_the_gpu(tmp_path):
     for r in result["results"]:
         if r["impl"] != "torch":
             assert r["errors"] == {}, r
-            assert max(r["max_rel_diff"].values()) < 1e-4, r
+            # The bench runs with TensorFlow's defaults: TF32 matmuls in the TT composite.
+            tolerance = 1e-2 if r["case"] == "tt_bag" else 1e-4
+            assert max(r["max_rel_diff"].values()) < tolerance, r
     assert rows[("dlrm:gather_reduce_sum", "custom_op")]["gathered_tb_s"] > 0
     assert rows[("fbtt:tt_bag[16x20]", "custom_op")]["us_per_lookup"]["fwd_bwd"] > 0
     torch_rows = [r for r in result["results"] if r["impl"] == "torch"]

@@ -3,7 +3,8 @@
 # $OUT (or ./gpu_verify_out). Steps run in the order given, each under a time limit, so
 # that a hang still leaves the other steps' logs; keep one call under 10 minutes:
 #
-#   bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh suite benches        # ~6 min
+#   bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh suite benches        # ~6 min (*)
+#   bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh benches              # the lookups, fit
 #   bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh demo sanitize        # ~8 min
 #   TESTS="tests/test_fuzz.py tests/test_hostile_inputs.py" \
 #     bash .tfgpu/run.sh bash python/gpu_harness/gpu_verify.sh tests              # the files named
@@ -14,6 +15,9 @@
 #           (python -X faulthandler: a crash names its Python line). The lookups are
 #           `python -m tf_ttemb bench --preset dlrm,pkm,fbtt --device GPU:0`, run by
 #           python/bench/bench_tf_gpu_lookup.py, which adds issue 17's targets' verdicts.
+#           (*) Timed before the lookups ran through the bench (baselines, in-graph
+#           fwd+bwd and chained times added): if suite + benches nears 10 minutes, run
+#           benches in a call of its own.
 # sparse_apply: the sparse-apply benchmark against the plain backward.
 # demo:     the demo's first section on the GPU (its GPU case, 16,384 tokens at dim 1024).
 # demo_all: the whole demo (every section) on the GPU.
