@@ -186,7 +186,7 @@ def _check_both(impls, foreign, x, baseline, rows=None) -> Dict[str, Dict[str, f
 
 def _torch_cpu_steps(data, dtype: str, opts) -> List[ForeignStep]:
     """torch's embedding_bag in this process, when the bench runs it here (--torch auto
-    on the CPU) and torch is installed; else no steps (`opts.notes` says why)."""
+    on the CPU) and torch imports; else no steps (the command's notes say why)."""
     if opts.torch_mode != "here" or dtype not in TORCH_CPU_DTYPES:
         return []
     try:
@@ -591,6 +591,7 @@ def make_row(case: Case, impl: str, timings: Dict[str, Optional[Dict]], errors, 
         "in_graph_steps": len(case.inputs),
         "max_rel_diff": diffs,
         "errors": errors,
+        "timer": "wall clock",
     }
     row.update(extra or {})
     _derived(row, case.lookups, case.gathered_bytes if impl != "torch" else 0)

@@ -207,8 +207,6 @@ def _positive_list(text: str) -> List[int]:
 
 
 def _shown(value: Any) -> str:
-    if value is None:
-        return "the layer's choice"
     if isinstance(value, list):
         return ",".join(f"{v:,}" for v in value)
     return f"{value:,}"
@@ -279,7 +277,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=_positive_list if name in LIST_SIZES else _positive,
             default=None,
             metavar="N[,N...]" if name in LIST_SIZES else "N",
-            help=f"{text} ({_shown(default)} / {_shown(quick)})",
+            help=f"{text} ({_shown(default)} / {_shown(quick)})"
+            if default is not None
+            else f"{text} (default: the layer's choice)",
         )
 
 
