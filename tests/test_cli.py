@@ -1,16 +1,13 @@
-"""`python -m tf_ttemb` commands (`info`, `bench`, `--help`), run in subprocesses.
+"""`python -m tf_ttemb` commands (`info`, `--help`, `bench`'s options), run in subprocesses.
 
 The op list `info` reports is checked against the REGISTER_OP lines of cc/ops/*.cc, and
-its kernels against the build info; `bench` runs at small odd sizes and its JSON is
-checked for every case, implementation and dtype asked for, positive times and agreeing
-implementations.
+its kernels against the build info. `bench`'s runs, presets and torch are tested in
+tests/test_bench.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 import os
 import pathlib
 import re
@@ -79,9 +76,20 @@ def test_top_level_help_lists_commands():
                 "--pkm-keys",
                 "--repeats",
                 "--warmup",
+                "--in-graph-steps",
+                "--preset",
+                "--index-dtype",
+                "--torch",
+                "--tt-bags",
+                "--tt-bag-size",
+                "--tt-p",
+                "--tt-q",
                 "gather_reduce_sum",
                 "tt_rows",
+                "tt_bag",
                 "pkm",
+                "dlrm",
+                "fbtt",
             ],
         ),
         ("info", ["--json", "registered kernels", "CUDA"]),
@@ -170,120 +178,3 @@ def test_info_text_and_json_file(tmp_path):
     assert json.loads(path.read_text())["ops"] == sorted(
         "TfTtemb>" + op for op in _registered_op_names()
     )
-
-
-# ----------------------------------------------------------------------------------------
-# bench
-
-
-@pytest.fixture(scope="module")
-def bench_run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = _run(
-        "bench",
-        "--quick",
-        "--dtypes",
-        "float32,float64",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--rows",
-        "3001",
-        "--dim",
-        "7",
-        "--bags",
-        "33",
-        "--bag-size",
-        "5",
-        "--tt-rows",
-        "5003",
-        "--tt-dim",
-        "12",
-        "--tt-rank",
-        "3",
-        "--tt-lookups",
-        "257",
-        "--pkm-tokens",
-        "37",
-        "--pkm-dim",
-        "24",
-        "--pkm-keys",
-        "16",
-        "--pkm-knn",
-        "4",
-        "--threads",
-        "2",
-        "--json",
-        str(path),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(path.read_text())
-
-
-def test_bench_json(bench_run):
-    _, result = bench_run
-    rows = result["results"]
-    got = sorted((r["case"], r["dtype"], r["impl"]) for r in rows)
-    want = sorted(
-        [
-            (c, d, i)
-            for c in ("gather_reduce_sum", "tt_rows")
-            for d in ("float32", "float64")
-            for i in ("custom_op", "tf_gather")
-        ]
-        + [("pkm", "float32", "custom_op"), ("pkm", "float32", "composite")]
-        # torch's embedding_bag joins the gather_reduce_sum case on the CPU where installed.
-        + [
-            ("gather_reduce_sum", d, "torch")
-            for d in ("float32", "float64")
-            if importlib.util.find_spec("torch") is not None
-        ]
-    )
-    assert got == want
-    tolerance = {"float32": 1e-4, "float64": 1e-10}
-    for r in rows:
-        assert r["baseline"] is (r["impl"] in ("tf_gather", "composite")), r
-        for kind in ("fwd", "fwd_bwd"):
-            timing = r[kind]
-            assert timing["repeats"] == 2
-            assert math.isfinite(timing["median_ms"]) and timing["median_ms"] > 0, r
-            assert 0 < timing["min_ms"] <= timing["median_ms"], r
-            # The implementations agree with the baseline (which is 0 against itself).
-            assert 0 <= r["max_rel_diff"][kind] < tolerance[r["dtype"]], r
-            if r["baseline"]:
-                assert r["max_rel_diff"][kind] == 0.0
-        # The in-graph forward: --in-graph-steps (2 with --quick) forwards in one call,
-        # per forward; none for torch.
-        if r["impl"] == "torch":
-            assert r["fwd_in_graph"] is None
-        else:
-            loop = r["fwd_in_graph"]
-            assert math.isfinite(loop["median_ms"]) and 0 < loop["min_ms"] <= loop["median_ms"]
-    shapes = {r["case"]: r["shape"] for r in rows}
-    assert shapes["gather_reduce_sum"] == "3,001x7 table, 33 bags x 5 ids, weighted sum"
-    assert shapes["tt_rows"].startswith("5,003x12 table as TT")
-    assert shapes["tt_rows"].endswith("257 ids")
-    assert shapes["pkm"] == "37 tokens x 24, 16**2 = 256 slots, 2 heads x 4 knn"
-    env = result["environment"]
-    assert env["tf_version"] == tf.__version__
-    assert env["build"] == BUILD_INFO
-    assert env["intra_op_threads"] == 2
-    assert result["options"]["rows"] == 3001 and result["options"]["tt_rank"] == 3
-    assert result["seconds"] > 0
-
-
-def test_bench_table(bench_run):
-    out, result = bench_run
-    lines = out.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("case "))
-    table = lines[header : header + 2 + len(result["results"])]
-    # Aligned: every line of the table has the header's width.
-    assert len({len(line.rstrip()) for line in table}) == 1, table
-    for r, line in zip(result["results"], table[2:]):
-        cells = line.split()
-        assert cells[:3] == [r["case"], r["dtype"], r["impl"]], line
-        off = 1 if r["baseline"] else 0
-        assert float(cells[3 + off]) == pytest.approx(r["fwd"]["median_ms"], abs=1e-3)
-        loop = r["fwd_in_graph"]
-        assert cells[5 + off] == ("n/a" if loop is None else f"{loop['median_ms']:.3f}"), line

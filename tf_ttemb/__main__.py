@@ -31,8 +31,9 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     ),
     "bench": (
         "tf_ttemb.bench",
-        "time the ops (gather_reduce_sum, TT rows, PKM lookup; forward and forward+backward) "
-        "against plain TensorFlow: an aligned table and JSON",
+        "time the ops (gather_reduce_sum, TT rows, TT bags and their fused SGD step, PKM "
+        "lookup; forward and forward+backward, per call and in graph) against plain "
+        "TensorFlow and torch, at model-shaped presets (dlrm, pkm, fbtt): tables and JSON",
     ),
     "info": (
         "tf_ttemb.info",
@@ -45,8 +46,9 @@ _DESCRIPTION = "tf_ttemb: a fused EmbeddingBag op (and more) for TensorFlow and 
 _EPILOG = """examples:
   python -m tf_ttemb demo                    # about 6-8 minutes on 2 CPU cores
   python -m tf_ttemb demo --quick --out /tmp/demo
-  python -m tf_ttemb bench --quick           # seconds; without --quick about a minute
+  python -m tf_ttemb bench --quick           # under a minute; a few minutes without
   python -m tf_ttemb bench --json bench.json
+  python -m tf_ttemb bench --preset dlrm,pkm,fbtt --device GPU:0
   python -m tf_ttemb info
   python -m tf_ttemb <command> --help"""
 

@@ -1,21 +1,29 @@
 """`python -m tf_ttemb bench`: the op benchmarks, on this machine, as a table and JSON.
 
-Cases (`--cases`, all by default), each timed forward (`fwd`) and forward + backward
-(`fwd+bwd`: the output and the gradients of a random upstream gradient), for every
-dtype of `--dtypes`:
+Cases (`--cases`, all by default, or those of a `--preset`), each timed forward (`fwd`)
+and forward + backward (`fwd+bwd`), for every dtype of `--dtypes`:
 
 * `gather_reduce_sum`: a weighted-sum EmbeddingBag, a `[rows, dim]` table variable and
   `bags x bag_size` uniform ids with weights. `custom_op` is
   `tf_ttemb.gather_reduce_sum(..., implementation="custom_op")`; the baseline `tf_gather`
   is what plain TensorFlow users write, `tf.reduce_sum(tf.gather(table, ids) * w[..., None],
-  axis=-2)`. Gradients w.r.t. the table and the weights. On the CPU, when torch is
-  installed, `torch` is `torch.nn.functional.embedding_bag(..., mode="sum",
-  per_sample_weights=w, sparse=True)` on the same data (float32, float64, bfloat16).
+  axis=-2)`. fwd+bwd: the output and the gradients w.r.t. the table (`IndexedSlices`) and
+  the weights of a random upstream gradient. When torch is installed, `torch` is
+  `torch.nn.functional.embedding_bag(..., mode="sum", per_sample_weights=w, sparse=True)`
+  on the same data: in this process on the CPU, in a child process on a GPU (see
+  `--torch`).
 * `tt_rows`: rows of a Tensor-Train table (`tf_ttemb.layers.TTEmbeddingBag`'s cores for
   `tt_rows x tt_dim`, ranks `tt_rank`), decompressed by `tf_ttemb.tt_rows` with the custom
   op, against `tf.gather` from the same table stored densely (the baseline; decompressed
   by numpy in float64, `tf_ttemb.tt.to_dense`). Gradients w.r.t. the cores and w.r.t. the
   dense table (fwd+bwd compares the outputs only).
+* `tt_bag`: sums of `tt_bags x tt_bag_size` rows of the same kind of TT table:
+  `tf_ttemb.tt_embedding_bag` forward with the custom op (`custom_op`) and the
+  plain-TensorFlow composite (`composite`, the baseline); fwd+bwd is one training step of
+  `TTEmbeddingBag(sparse=True, optimizer="sgd")` (forward, backward and the fused
+  in-place SGD update of the cores' touched rows). The forward is also compared with
+  numpy's (float64, `tf_ttemb.tt.rows`) on the first 64 bags, and the step by the
+  updated cores. Times also per lookup (one id of a bag).
 * `pkm`: a `tf_ttemb.layers.ProductKeyMemory` layer on `pkm_tokens` tokens (query
   network, product-key top-k, softmax, memory read) with the memory read by the custom op
   (`custom_op`) and by tf_ttemb's plain-TensorFlow composite (`composite`, the baseline);
@@ -24,80 +32,184 @@ dtype of `--dtypes`:
 
 How it measures: every step is a `tf.function` (graph mode, no XLA) run on `--device`;
 after `--warmup` untimed calls, the median and minimum wall-clock time of `--repeats`
-calls (each call ends by fetching one element of its result, so the time includes all
-the work also on a GPU). The implementations of a case are timed alternately, call by
-call, so load from other processes on a shared machine affects them alike. Before
-timing, each implementation's output (and for fwd+bwd, its gradients, densified) is
-compared with the baseline's: `max_rel_diff` is the largest absolute difference divided
-by the largest absolute baseline value, over the output and all gradients.
+calls. Each call ends by fetching a scalar that depends on every tensor of its result
+(output and gradients), so its time includes all the work, also on a GPU. The
+implementations of a case are timed alternately, call by call, so load from other
+processes on a shared machine affects them alike. Before timing, each implementation's
+output (and for fwd+bwd, its gradients, summed per table row) is compared with the
+baseline's: `max_rel_diff` is the largest absolute difference divided by the largest
+absolute baseline value, over the output and all gradients.
 
-`in graph` is the forward's time without TensorFlow's per-call cost: `--in-graph-steps`
-forwards in one `tf.while_loop` inside one `tf.function` call, divided by that count
-(n/a for torch). A single call also pays TensorFlow's Python and runtime overhead, which
-at small sizes, above all on a GPU, can be most of its time.
+`in graph` leaves out TensorFlow's per-call cost, which at small sizes, above all on a
+GPU, can be most of a single call's time: `--in-graph-steps` independent steps (each on
+its own ids) in one `tf.function` call, divided by that count, as a model with many
+tables runs its lookups; for fwd and fwd+bwd. `chained`: the forward as many times in
+one `tf.while_loop`, one iteration after the other (the latency of one lookup inside a
+graph). Neither exists for torch. A step that fails (out of memory, say) is reported as
+`failed`, with its error under the table, and the rest goes on.
 
-`--quick` shrinks every size and the repeats (seconds); the defaults take about a
-minute on 2 CPU cores. The table goes to stdout, progress to stderr; `--json PATH`
+Per lookup: microseconds per id of a bag (per call and in graph), and for
+`gather_reduce_sum` `gathered TB/s`: the bytes of the rows the forward reads (bags x
+bag_size x dim x itemsize) over its in-graph time.
+
+torch on a GPU runs in a child process (`tf_ttemb/_bench_torch.py`, which never imports
+TensorFlow; torch initialising CUDA in a process that already ran TensorFlow on the GPU
+died of SIGFPE on an H200), started before this process uses the GPU, on the same
+shapes and seeds; timed with CUDA events around each call (device time), compared with
+the baseline on the first 8 bags' output and weights gradient. A missing or failing
+torch prints one line, and the command goes on.
+
+`--quick` shrinks every size and the repeats (under a minute on 2 CPU cores); the
+defaults take a few minutes there (7 minutes measured while other builds loaded the
+machine). The table goes to stdout, progress to stderr; `--json PATH`
 writes the table's numbers with the machine, TensorFlow and build facts.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from tf_ttemb import _timing
+from tf_ttemb import _bench_cases, _timing
 
-CASES = ("gather_reduce_sum", "tt_rows", "pkm")
-DTYPES = ("float16", "bfloat16", "float32", "float64")
-BASELINES = {"gather_reduce_sum": "tf_gather", "tt_rows": "tf_gather", "pkm": "composite"}
+CASES = _bench_cases.CASES
+DTYPES = _bench_cases.DTYPES
+INDEX_DTYPES = ("int32", "int64")
+TORCH_MODES = ("auto", "child", "off")
 
-# name -> (default, --quick value, help)
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Sizes of a model that users know, with the cases and dtypes they concern; `quick`
+    replaces some of them under `--quick` (the same shape at smaller sizes)."""
+
+    text: str
+    cpu_cost: str
+    cases: Tuple[str, ...]
+    dtypes: Tuple[str, ...]
+    index_dtype: str
+    sizes: Dict[str, Any]
+    quick: Dict[str, Any]
+
+
+PRESETS: Dict[str, Preset] = {
+    "dlrm": Preset(
+        "a DLRM embedding table: gather_reduce_sum, weighted sum, 10,000,000 x 64 float32 "
+        "table (2.4 GiB), 8,192 bags x 20 int64 ids (--quick: 100,000 rows, 1,024 bags)",
+        "about 8 GiB of memory and minutes",
+        ("gather_reduce_sum",),
+        ("float32",),
+        "int64",
+        {"rows": 10_000_000, "dim": 64, "bags": 8192, "bag_size": 20},
+        {"rows": 100_000, "bags": 1024},
+    ),
+    "pkm": Preset(
+        "the memory read of a product-key memory: gather_reduce_sum, weighted sum, "
+        "262,144 x 1024 values table (1 GiB in float32), 16,384 bags (tokens) x 128 ids "
+        "(heads x knn), float32 and bfloat16; the tf_gather baseline's [bags, 128, 1024] "
+        "intermediates take 8 GiB each in float32 (--quick: 16,384 rows, 256 bags)",
+        "well over 32 GiB of memory and hours",
+        ("gather_reduce_sum",),
+        ("float32", "bfloat16"),
+        "int64",
+        {"rows": 262_144, "dim": 1024, "bags": 16_384, "bag_size": 128},
+        {"rows": 16_384, "bags": 256},
+    ),
+    "fbtt": Preset(
+        "FBTT-Embedding's benchmark table: tt_bag, N = 11,000,000, p = [200, 220, 250], "
+        "q = [4, 4, 4], ranks [32, 32] (958,720 parameters), sums of bags of 20 ids, 512 "
+        "and 65,536 bags (--quick: 64 and 512 bags)",
+        "a few GiB of memory, and hours for the 65,536-bag run",
+        ("tt_bag",),
+        ("float32",),
+        "int64",
+        {
+            "tt_rows": 11_000_000,
+            "tt_dim": 64,
+            "tt_rank": 32,
+            "tt_p": [200, 220, 250],
+            "tt_q": [4, 4, 4],
+            "tt_bags": [512, 65_536],
+            "tt_bag_size": 20,
+        },
+        {"tt_bags": [64, 512]},
+    ),
+}
+
+# name -> (default, --quick value, help); a list value is a comma-separated option.
 SIZES: Dict[str, tuple] = {
     "rows": (1 << 18, 1 << 14, "gather_reduce_sum: rows of the table"),
     "dim": (128, 32, "gather_reduce_sum: columns of the table"),
     "bags": (1024, 256, "gather_reduce_sum: bags per batch"),
     "bag_size": (64, 16, "gather_reduce_sum: ids per bag"),
-    "tt_rows": (1_000_000, 100_000, "tt_rows: rows of the TT table"),
-    "tt_dim": (64, 16, "tt_rows: columns of the TT table"),
-    "tt_rank": (16, 4, "tt_rows: TT rank (every inner rank)"),
+    "tt_rows": (1_000_000, 100_000, "tt_rows, tt_bag: rows of the TT table"),
+    "tt_dim": (64, 16, "tt_rows, tt_bag: columns of the TT table"),
+    "tt_rank": (16, 4, "tt_rows, tt_bag: TT rank (every inner rank)"),
+    "tt_p": (None, None, "tt_rows, tt_bag: the TT row factors, comma-separated"),
+    "tt_q": (None, None, "tt_rows, tt_bag: the TT column factors, comma-separated"),
     "tt_lookups": (16384, 2048, "tt_rows: ids per batch"),
+    "tt_bags": ([1024], [128], "tt_bag: bags per batch, comma-separated for several runs"),
+    "tt_bag_size": (20, 8, "tt_bag: ids per bag"),
     "pkm_tokens": (512, 128, "pkm: tokens per batch"),
     "pkm_dim": (256, 64, "pkm: input and value size"),
     "pkm_keys": (128, 32, "pkm: sub-keys per half (the memory has pkm_keys**2 slots)"),
     "pkm_heads": (4, 2, "pkm: heads"),
     "pkm_knn": (32, 8, "pkm: slots read per token and head"),
     "repeats": (20, 3, "timed calls per step"),
-    "in_graph_steps": (10, 2, "forward steps inside one call for the in-graph time"),
+    "in_graph_steps": (10, 2, "steps inside one call for the in-graph and chained times"),
     "warmup": (2, 1, "untimed calls before timing"),
 }
+LIST_SIZES = ("tt_p", "tt_q", "tt_bags")
 
 EPILOG = """examples:
-  python -m tf_ttemb bench                       # about 1 minute on 2 CPU cores
-  python -m tf_ttemb bench --quick               # seconds
+  python -m tf_ttemb bench                       # a few minutes on 2 CPU cores
+  python -m tf_ttemb bench --quick               # under a minute
   python -m tf_ttemb bench --cases gather_reduce_sum --dtypes float32,bfloat16 \\
       --rows 1000000 --dim 64 --threads 2 --json bench.json
-  python -m tf_ttemb bench --device GPU:0        # where a GPU and CUDA kernels exist
+  python -m tf_ttemb bench --preset dlrm,pkm,fbtt --device GPU:0 --json gpu.json
+  python -m tf_ttemb bench --preset fbtt --quick # the FBTT shape at 64 and 512 bags, here
+  python -m tf_ttemb bench --preset dlrm --bags 2048 --device GPU:0   # explicit sizes win
+
+The presets are sized for a GPU: on a small CPU machine add --quick (each preset's shape
+at smaller sizes; up to about a minute each on 2 CPU cores). In full on a CPU (estimated
+from the --quick sizes, not measured): dlrm needs about 8 GiB of memory and minutes;
+pkm well over 32 GiB (the tf_gather baseline's [bags, 128, 1024] intermediates) and
+hours; fbtt a few GiB, and hours for its 65,536-bag run.
 
 The benchmark programs in the checkout's python/bench/ directory measure more
-(peak memory, PyTorch, FLOP rates); this command is the one that ships in the wheel."""
+(peak memory, FLOP rates, more shapes); this command is the one that ships in the wheel."""
 
 
 def _positive(text: str) -> int:
     try:
-        value = int(text)
+        value = int(text.replace(",", "").replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def _positive_list(text: str) -> List[int]:
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return [_positive(item.strip()) for item in items]
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(f"{v:,}" for v in value)
+    return f"{value:,}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,22 +218,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n", 2)[2].split("How it measures")[0].strip()
     parser.epilog = EPILOG
     parser.add_argument(
+        "--preset",
+        type=_timing.choice_list(list(PRESETS)),
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="model-shaped sizes, cases and dtypes (one run each; explicit options win): "
+        + "; ".join(f"{name}: {p.text}" for name, p in PRESETS.items()),
+    )
+    parser.add_argument(
         "--cases",
         type=_timing.choice_list(CASES),
-        default=list(CASES),
-        help=f"comma-separated cases to run (default: all: {','.join(CASES)})",
+        default=None,
+        help=f"comma-separated cases to run (default: the preset's, else all: {','.join(CASES)})",
     )
     parser.add_argument(
         "--dtypes",
         type=_timing.choice_list(DTYPES),
-        default=["float32"],
-        help="comma-separated value dtypes of gather_reduce_sum and tt_rows "
-        f"(from {','.join(DTYPES)}; default: float32)",
+        default=None,
+        help="comma-separated value dtypes of gather_reduce_sum, tt_rows and tt_bag "
+        f"(from {','.join(DTYPES)}; default: the preset's, else float32)",
+    )
+    parser.add_argument(
+        "--index-dtype",
+        choices=INDEX_DTYPES,
+        default=None,
+        help="gather_reduce_sum's ids (default: the preset's, int64, else int32)",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="small sizes and 3 repeats: seconds instead of minutes (explicit sizes win)",
+        help="small sizes and 3 repeats: under a minute instead of minutes; with a preset, the "
+        "preset's shape at smaller sizes (explicit sizes win)",
     )
     parser.add_argument(
         "--threads",
@@ -130,374 +257,173 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="TensorFlow intra-op threads (default: TensorFlow's choice, one per core)",
     )
     parser.add_argument("--device", default="CPU:0", help="device to run on (default: CPU:0)")
+    parser.add_argument(
+        "--torch",
+        choices=TORCH_MODES,
+        default="auto",
+        help="torch's embedding_bag beside gather_reduce_sum, where torch is installed: "
+        "auto (default): in this process on the CPU, in a child process on a GPU; child: "
+        "in a child process on any device; off: not at all",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed of the data")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    sizes = parser.add_argument_group("sizes (default / with --quick)")
+    sizes = parser.add_argument_group(
+        "sizes (default / with --quick; a preset sets its own, explicit options win)"
+    )
     for name, (default, quick, text) in SIZES.items():
         sizes.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type=_positive,
+            type=_positive_list if name in LIST_SIZES else _positive,
             default=None,
-            help=f"{text} ({default:,} / {quick:,})",
+            metavar="N[,N...]" if name in LIST_SIZES else "N",
+            help=f"{text} ({_shown(default)} / {_shown(quick)})"
+            if default is not None
+            else f"{text} (default: the layer's choice)",
         )
 
 
 # ----------------------------------------------------------------------------------------
-# Timing.
+# Runs: one per preset (or one without), with every option resolved.
+
+
+def resolve(args: argparse.Namespace, preset_name: Optional[str]) -> argparse.Namespace:
+    """The options of one run: explicit options, else the preset's (its `quick` values
+    under --quick), else the defaults (their --quick values under --quick)."""
+    preset = PRESETS.get(preset_name) if preset_name else None
+    opts = copy.copy(args)
+    opts.preset = preset_name
+    for name, (default, quick, _) in SIZES.items():
+        if getattr(args, name) is not None:
+            continue
+        value = quick if args.quick else default
+        if preset and name in preset.sizes:
+            value = preset.sizes[name]
+            if args.quick and name in preset.quick:
+                value = preset.quick[name]
+        setattr(opts, name, copy.copy(value))
+    opts.cases = args.cases or (list(preset.cases) if preset else list(CASES))
+    opts.dtypes = args.dtypes or (list(preset.dtypes) if preset else ["float32"])
+    opts.index_dtype = args.index_dtype or (preset.index_dtype if preset else "int32")
+    return opts
 
 
 @dataclasses.dataclass
-class Step:
-    """One implementation's step: `fn()` runs it and returns its numbers. A TensorFlow
-    step is a `tf.function`; a step of another framework (`tensorflow=False`, torch on
-    the CPU) returns its results as that framework's tensors."""
+class Item:
+    """One case of one run at one dtype (and for tt_bag one batch size)."""
 
-    impl: str
-    fn: Callable[[], Any]
-    tensorflow: bool = True
+    opts: argparse.Namespace
+    case: str
+    dtype: str
+    bags: Optional[int]
 
+    @property
+    def label(self) -> str:
+        prefix = f"{self.opts.preset}:" if self.opts.preset else ""
+        suffix = f"[{self.bags}x{self.opts.tt_bag_size}]" if self.case == "tt_bag" else ""
+        return prefix + self.case + suffix
 
-def _sync(result: Any) -> None:
-    """Fetches one element of the step's first tensor, so the step's work is finished
-    (torch on the CPU has finished when it returns)."""
-    import tensorflow as tf
-
-    first = tf.nest.flatten(result, expand_composites=True)[0]
-    if isinstance(first, (tf.Tensor, tf.Variable)):
-        tf.reshape(first, [-1])[:1].numpy()
-
-
-def in_graph(fn: Callable[[], Any], steps: int) -> Callable[[], Any]:
-    """A `tf.function` running the step `fn` `steps` times in one `tf.while_loop` (each
-    iteration adds one element of its first output to a sum, so none is pruned): timing
-    it and dividing by `steps` leaves out the per-call cost of TensorFlow's Python and
-    runtime, which a single call includes."""
-    import tensorflow as tf
-
-    @tf.function
-    def many():
-        def body(i, total):
-            first = tf.nest.flatten(fn(), expand_composites=True)[0]
-            return i + 1, total + tf.cast(tf.reshape(first, [-1])[0], tf.float32)
-
-        start = (tf.constant(0), tf.constant(0.0))
-        return tf.while_loop(lambda i, _: i < steps, body, start)[1]
-
-    return many
+    @property
+    def seed(self) -> List[int]:
+        seed = [self.opts.seed, CASES.index(self.case), DTYPES.index(self.dtype)]
+        return seed + ([self.bags] if self.bags else [])
 
 
-def time_alternating(steps: Sequence[Step], warmup: int, repeats: int) -> Dict[str, Dict]:
-    """impl -> {"median_ms", "min_ms", "repeats"}: the steps timed in alternation."""
-    timings = _timing.time_alternating(
-        {step.impl: step.fn for step in steps}, warmup, repeats, sync=_sync
-    )
-    return {impl: t.to_json() for impl, t in timings.items()}
+def plan(runs: Sequence[argparse.Namespace]) -> List[Item]:
+    items = []
+    for opts in runs:
+        for case in opts.cases:
+            for dtype in opts.dtypes if case != "pkm" else ["float32"]:
+                for bags in opts.tt_bags if case == "tt_bag" else [None]:
+                    items.append(Item(opts, case, dtype, bags))
+    return items
 
 
-def _dense_numpy(value: Any):
-    import numpy as np
-    import tensorflow as tf
-
-    if isinstance(value, tf.IndexedSlices):
-        value = tf.convert_to_tensor(value)
-    if not isinstance(value, (tf.Tensor, tf.Variable)):  # a torch tensor
-        if getattr(value, "is_sparse", False):
-            value = value.to_dense()
-        return value.detach().double().numpy()
-    return np.asarray(tf.cast(value, tf.float64).numpy())
-
-
-def max_rel_diff(got: Any, want: Any) -> float:
-    """Largest |got - want| over the largest |want|, both across all tensors of a result.
-
-    One scale for the whole result (output and gradients): a gradient that is zero up to
-    rounding (the bias of a projection followed by batch norm) is not divided by its own
-    rounding noise. Gradients are densified first.
-    """
-    import numpy as np
-    import tensorflow as tf
-
-    got_list = [_dense_numpy(g) for g in tf.nest.flatten(got)]
-    want_list = [_dense_numpy(w) for w in tf.nest.flatten(want)]
-    if len(got_list) != len(want_list):
-        raise ValueError(f"{len(got_list)} results against {len(want_list)}")
-    diff = scale = 0.0
-    for g, w in zip(got_list, want_list):
-        if g.shape != w.shape:
-            raise ValueError(f"result shapes differ: {g.shape} against {w.shape}")
-        if w.size:
-            diff = max(diff, float(np.abs(g - w).max()))
-            scale = max(scale, float(np.abs(w).max()))
-    return diff / max(scale, 1e-30)
+def build(item: Item) -> _bench_cases.Case:
+    opts, dtype, seed, label = item.opts, item.dtype, item.seed, item.label
+    if item.case == "gather_reduce_sum":
+        return _bench_cases.build_gather_reduce_sum(opts, dtype, seed, label)
+    if item.case == "tt_rows":
+        return _bench_cases.build_tt_rows(opts, dtype, seed, label)
+    if item.case == "tt_bag":
+        return _bench_cases.build_tt_bag(opts, dtype, seed, label, item.bags)
+    return _bench_cases.build_pkm(opts, dtype, seed, label)
 
 
 # ----------------------------------------------------------------------------------------
-# Cases. Each returns rows of the result table.
+# torch.
 
 
-def _row(case, impl, dtype, shape, fwd, in_graph_fwd, fwdbwd, diffs, baseline) -> Dict[str, Any]:
-    return {
-        "case": case,
-        "impl": impl,
-        "dtype": dtype,
-        "shape": shape,
-        "baseline": baseline,
-        "fwd": fwd,
-        "fwd_in_graph": in_graph_fwd,
-        "fwd_bwd": fwdbwd,
-        "max_rel_diff": diffs,
-    }
-
-
-def _run_case(
-    case, dtype, shape, fwd_steps, bwd_steps, opts, compared=lambda result: result
-) -> List[Dict[str, Any]]:
-    """Checks the implementations against the baseline, then times them."""
-    baseline = BASELINES[case]
-    diffs: Dict[str, Dict[str, float]] = {}
-    for kind, steps in (("fwd", fwd_steps), ("fwd_bwd", bwd_steps)):
-        pick = compared if kind == "fwd_bwd" else (lambda result: result)
-        want = pick(next(s for s in steps if s.impl == baseline).fn())
-        for step in steps:
-            diffs.setdefault(step.impl, {})[kind] = max_rel_diff(pick(step.fn()), want)
-    fwd = time_alternating(fwd_steps, opts.warmup, opts.repeats)
-    bwd = time_alternating(bwd_steps, opts.warmup, opts.repeats)
-    loops = [Step(s.impl, in_graph(s.fn, opts.in_graph_steps)) for s in fwd_steps if s.tensorflow]
-    per_loop = time_alternating(loops, opts.warmup, opts.repeats)
-    in_graph_fwd = {
-        impl: {key: value / opts.in_graph_steps for key, value in t.items() if key != "repeats"}
-        for impl, t in per_loop.items()
-    }
-    return [
-        _row(
-            case,
-            s.impl,
-            dtype,
-            shape,
-            fwd[s.impl],
-            in_graph_fwd.get(s.impl),
-            bwd[s.impl],
-            diffs[s.impl],
-            s.impl == baseline,
+def torch_mode(args: argparse.Namespace, items: Sequence[Item], notes: List[str]) -> str:
+    """ "here" (in this process), "child" or "off"; a note says why torch is left out."""
+    if args.torch == "off" or not any(i.case == "gather_reduce_sum" for i in items):
+        return "off"
+    on_cpu = "CPU" in args.device.upper()
+    mode = "here" if args.torch == "auto" and on_cpu else "child"
+    if importlib.util.find_spec("torch") is None:
+        notes.append(
+            "torch: not installed, so not timed (pip install torch adds "
+            "torch.nn.functional.embedding_bag to gather_reduce_sum; never a dependency)"
         )
-        for s in fwd_steps
+        return "off"
+    if mode == "here":
+        try:
+            import torch
+        except Exception as e:  # noqa: BLE001 -- a broken install is reported, not raised
+            notes.append(f"torch: does not import ({_timing.error_summary(e)}), so not timed")
+            return "off"
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if any(i.case == "gather_reduce_sum" and i.dtype == "float16" for i in items):
+            notes.append("torch: float16 left out on the CPU (no float16 per-sample weights)")
+    return mode
+
+
+def torch_device(device: str) -> str:
+    """torch's name for a TensorFlow device: GPU:N is cuda:N (the same CUDA ordinal)."""
+    kind, _, index = device.upper().removeprefix("/DEVICE:").lstrip("/").partition(":")
+    return f"cuda:{index or 0}" if kind == "GPU" else "cpu"
+
+
+def run_torch_child(args, items: Sequence[Item], notes: List[str]) -> Dict[str, Any]:
+    """The child's result for the gather_reduce_sum items, keyed by label and dtype ({}
+    with a note when it failed)."""
+    cases = [
+        {
+            "key": f"{i.label} {i.dtype}",
+            "seed": i.seed,
+            "rows": i.opts.rows,
+            "dim": i.opts.dim,
+            "bags": i.opts.bags,
+            "bag_size": i.opts.bag_size,
+            "dtype": i.dtype,
+        }
+        for i in items
+        if i.case == "gather_reduce_sum"
     ]
-
-
-def bench_gather_reduce_sum(dtype: str, opts, rng) -> List[Dict[str, Any]]:
-    import tensorflow as tf
-
-    import tf_ttemb
-
-    n, d, b, length = opts.rows, opts.dim, opts.bags, opts.bag_size
-    table = tf.Variable(tf.cast(rng.normal(size=(n, d)), dtype), name="table")
-    ids = tf.constant(rng.integers(0, n, size=(b, length)), tf.int32)
-    weights = tf.constant(rng.uniform(0.5, 1.5, size=(b, length)), dtype)
-    upstream = tf.constant(rng.normal(size=(b, d)), dtype)
-
-    def custom(w):
-        return tf_ttemb.gather_reduce_sum(table, ids, w, implementation="custom_op")
-
-    def plain(w):
-        return tf.reduce_sum(tf.gather(table, ids) * w[..., None], axis=-2)
-
-    def fwd_bwd(lookup):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                tape.watch(weights)
-                out = lookup(weights)
-            return [out] + tape.gradient(out, [table, weights], output_gradients=upstream)
-
-        return step
-
-    shape = f"{n:,}x{d} table, {b:,} bags x {length} ids, weighted sum"
-    fwd = [
-        Step("custom_op", tf.function(lambda: custom(weights))),
-        Step("tf_gather", tf.function(lambda: plain(weights))),
-    ]
-    bwd = [Step("custom_op", fwd_bwd(custom)), Step("tf_gather", fwd_bwd(plain))]
-    fwd_torch, bwd_torch = _torch_embedding_bag_steps(table, ids, weights, upstream, opts)
-    return _run_case("gather_reduce_sum", dtype, shape, fwd + fwd_torch, bwd + bwd_torch, opts)
-
-
-def _torch_embedding_bag_steps(table, ids, weights, upstream, opts) -> tuple:
-    """torch's `embedding_bag` on the same data (sum with per-sample weights, sparse table
-    gradient), when torch is installed and the benchmark runs on the CPU; else no steps.
-
-    On a GPU, torch initialising CUDA inside a process that already runs TensorFlow there
-    died (SIGFPE) on the H200 machine, so this command leaves it out there;
-    python/bench/bench_tf_gpu_lookup.py times it in a child process.
-    """
-    if "CPU" not in opts.device.upper():
-        return [], []
-    try:
-        import torch
-    except ImportError:
-        return [], []
-    dtypes = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-    name = table.dtype.name
-    if name not in dtypes:  # torch's CPU embedding_bag has no float16 per-sample weights
-        return [], []
-    t_table = torch.nn.Parameter(torch.from_numpy(table.numpy().astype("float64")).to(dtypes[name]))
-    t_ids = torch.from_numpy(ids.numpy().astype("int64"))
-    t_weights = torch.from_numpy(weights.numpy().astype("float64")).to(dtypes[name])
-    t_weights.requires_grad_(True)
-    t_upstream = torch.from_numpy(upstream.numpy().astype("float64")).to(dtypes[name])
-
-    def forward():
-        return torch.nn.functional.embedding_bag(
-            t_ids, t_table, mode="sum", per_sample_weights=t_weights, sparse=True
-        )
-
-    def fwd():
-        with torch.no_grad():
-            return forward()
-
-    def fwd_bwd():
-        out = forward()
-        table_grad, weights_grad = torch.autograd.grad(out, [t_table, t_weights], t_upstream)
-        return [out, table_grad, weights_grad]
-
-    return [Step("torch", fwd, tensorflow=False)], [Step("torch", fwd_bwd, tensorflow=False)]
-
-
-def bench_tt_rows(dtype: str, opts, rng) -> List[Dict[str, Any]]:
-    import numpy as np
-    import tensorflow as tf
-
-    import tf_ttemb
-    from tf_ttemb import tt
-    from tf_ttemb.layers import TTEmbeddingBag
-
-    n, d, rank, count = opts.tt_rows, opts.tt_dim, opts.tt_rank, opts.tt_lookups
-    layer = TTEmbeddingBag(
-        n,
-        d,
-        tt_ranks=rank,
-        seed=int(rng.integers(1 << 30)),
-        dtype=dtype,
-        implementation="custom_op",
-    )
-    layer.build(None)
-    p, q, ranks = layer.tt_p_shapes, layer.tt_q_shapes, [rank] * (len(layer.tt_p_shapes) - 1)
-    cores = list(layer.cores)
-    # The dense table, decompressed independently of the op (numpy, float64).
-    dense = tt.to_dense([c.numpy() for c in cores], p, q, ranks, n, dtype=np.float64)
-    table = tf.Variable(tf.cast(dense, dtype), name="dense_table")
-    ids = tf.constant(rng.integers(0, n, size=count), tf.int64)
-    upstream = tf.constant(rng.normal(size=(count, d)), dtype)
-
-    def custom():
-        return tf_ttemb.tt_rows(
-            cores, ids, p_shapes=p, q_shapes=q, ranks=ranks, implementation="custom_op"
-        )
-
-    def plain():
-        return tf.gather(table, ids)
-
-    def fwd_bwd(lookup, variables):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                out = lookup()
-            return [out] + tape.gradient(out, variables, output_gradients=upstream)
-
-        return step
-
-    shape = (
-        f"{n:,}x{d} table as TT p={p} q={q} ranks={ranks} "
-        f"({sum(int(c.shape.num_elements()) for c in cores):,} parameters), "
-        f"{count:,} ids"
-    )
-    fwd = [Step("custom_op", tf.function(custom)), Step("tf_gather", tf.function(plain))]
-    bwd = [Step("custom_op", fwd_bwd(custom, cores)), Step("tf_gather", fwd_bwd(plain, [table]))]
-    # The gradients are w.r.t. different variables (cores, dense table): fwd+bwd compares
-    # the outputs only.
-    return _run_case("tt_rows", dtype, shape, fwd, bwd, opts, compared=lambda r: r[0])
-
-
-def bench_pkm(dtype: str, opts, rng) -> List[Dict[str, Any]]:
-    import tensorflow as tf
-
-    from tf_ttemb.layers import ProductKeyMemory
-
-    tokens, dim = opts.pkm_tokens, opts.pkm_dim
-    keys, heads, knn = opts.pkm_keys, opts.pkm_heads, min(opts.pkm_knn, opts.pkm_keys)
-    x = tf.constant(rng.normal(size=(tokens, dim)), tf.float32)
-    upstream = tf.constant(rng.normal(size=(tokens, dim)), tf.float32)
-    layers = {}
-    for impl in ("custom_op", "composite"):
-        layer = ProductKeyMemory(
-            output_dim=dim, n_keys=keys, k_dim=64, heads=heads, knn=knn, implementation=impl
-        )
-        layer.build(x.shape)
-        layers[impl] = layer
-    layers["composite"].set_weights(layers["custom_op"].get_weights())
-
-    def fwd_step(layer):
-        return tf.function(lambda: layer(x, training=False))
-
-    def bwd_step(layer):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                out = layer(x, training=True)
-            variables = layer.trainable_variables
-            return [out] + tape.gradient(out, [x] + variables, output_gradients=upstream)
-
-        return step
-
-    shape = (
-        f"{tokens:,} tokens x {dim}, {keys}**2 = {keys * keys:,} slots, {heads} heads x {knn} knn"
-    )
-    fwd = [Step(i, fwd_step(layer)) for i, layer in layers.items()]
-    bwd = [Step(i, bwd_step(layer)) for i, layer in layers.items()]
-    return _run_case("pkm", "float32", shape, fwd, bwd, opts)
+    device = torch_device(args.device)
+    _log(f"bench: torch in a child process on {device} ({len(cases)} cases) ...")
+    result = _bench_cases.torch_child(cases, device, items[0].opts)
+    if not result.get("ok"):
+        lines = [line.strip() for line in str(result.get("error", "")).splitlines()]
+        text = " ... ".join(line for line in (lines[:1] + lines[-1:]) if line)
+        notes.append(f"torch: the child process failed ({text}), so not timed")
+        return {}
+    return result
 
 
 # ----------------------------------------------------------------------------------------
 # Reporting.
 
 
-def format_table(rows: Sequence[Dict[str, Any]]) -> str:
-    """An aligned table: one line per case, dtype and implementation."""
-    headers = [
-        "case",
-        "dtype",
-        "impl",
-        "fwd ms",
-        "(min)",
-        "in graph",
-        "fwd+bwd ms",
-        "(min)",
-        "fwd speed-up",
-        "f+b speed-up",
-        "max rel diff",
-    ]
-    base = {(r["case"], r["dtype"]): r for r in rows if r["baseline"]}
-    table = []
-    for r in rows:
-        b = base[(r["case"], r["dtype"])]
-        table.append(
-            [
-                r["case"],
-                r["dtype"],
-                r["impl"] + (" (baseline)" if r["baseline"] else ""),
-                f"{r['fwd']['median_ms']:.3f}",
-                f"{r['fwd']['min_ms']:.3f}",
-                "n/a" if r["fwd_in_graph"] is None else f"{r['fwd_in_graph']['median_ms']:.3f}",
-                f"{r['fwd_bwd']['median_ms']:.3f}",
-                f"{r['fwd_bwd']['min_ms']:.3f}",
-                f"{b['fwd']['median_ms'] / r['fwd']['median_ms']:.2f}x",
-                f"{b['fwd_bwd']['median_ms'] / r['fwd_bwd']['median_ms']:.2f}x",
-                f"{max(r['max_rel_diff'].values()):.1e}",
-            ]
-        )
+def _ms(timing: Optional[Dict], errors: Dict, kind: str, places: int = 3) -> str:
+    if timing is None:
+        return "failed" if kind in errors else "n/a"
+    return f"{timing['median_ms']:.{places}f}"
+
+
+def _text_table(headers: Sequence[str], table: Sequence[Sequence[str]], left: int = 3) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *table)]
-    left = 3
 
     def line(cells):
         return "  ".join(
@@ -510,32 +436,111 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     )
 
 
-def _environment(opts) -> Dict[str, Any]:
+def _speedup(base: Dict, row: Dict, kind: str) -> str:
+    if base[kind] is None or row[kind] is None:
+        return "n/a"
+    return f"{base[kind]['median_ms'] / row[kind]['median_ms']:.2f}x"
+
+
+def format_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """An aligned table: one line per case, dtype and implementation (milliseconds)."""
+    headers = [
+        "case",
+        "dtype",
+        "impl",
+        "fwd ms",
+        "(min)",
+        "in graph",
+        "chained",
+        "fwd+bwd ms",
+        "(min)",
+        "in graph",
+        "fwd speed-up",
+        "f+b speed-up",
+        "max rel diff",
+    ]
+    base = {(r["label"], r["dtype"]): r for r in rows if r["baseline"]}
+    table = []
+    for r in rows:
+        b, e = base[(r["label"], r["dtype"])], r["errors"]
+        diffs = r["max_rel_diff"].values()
+        table.append(
+            [
+                r["label"],
+                r["dtype"],
+                r["impl"] + (" (baseline)" if r["baseline"] else ""),
+                _ms(r["fwd"], e, "fwd"),
+                "n/a" if r["fwd"] is None else f"{r['fwd']['min_ms']:.3f}",
+                _ms(r["fwd_in_graph"], e, "fwd_in_graph"),
+                _ms(r["fwd_chained"], e, "fwd_chained"),
+                _ms(r["fwd_bwd"], e, "fwd_bwd"),
+                "n/a" if r["fwd_bwd"] is None else f"{r['fwd_bwd']['min_ms']:.3f}",
+                _ms(r["fwd_bwd_in_graph"], e, "fwd_bwd_in_graph"),
+                _speedup(b, r, "fwd"),
+                _speedup(b, r, "fwd_bwd"),
+                f"{max(diffs):.1e}" if diffs else "n/a",
+            ]
+        )
+    return _text_table(headers, table)
+
+
+def format_per_lookup(rows: Sequence[Dict[str, Any]]) -> str:
+    """Microseconds per lookup and the gathered bandwidth, for the rows with lookups."""
+    headers = [
+        "case",
+        "dtype",
+        "impl",
+        "lookups",
+        "fwd us/lookup",
+        "in graph",
+        "fwd+bwd us/lookup",
+        "in graph",
+        "gathered TB/s",
+    ]
+    table = []
+    for r in rows:
+        if not r["lookups"]:
+            continue
+        per = r["us_per_lookup"]
+
+        def cell(kind, per=per, r=r):
+            return f"{per[kind]:.4f}" if kind in per else _ms(None, r["errors"], kind)
+
+        tb_s = r["gathered_tb_s"]
+        table.append(
+            [
+                r["label"],
+                r["dtype"],
+                r["impl"],
+                f"{r['lookups']:,}",
+                cell("fwd"),
+                cell("fwd_in_graph"),
+                cell("fwd_bwd"),
+                cell("fwd_bwd_in_graph"),
+                "n/a" if tb_s is None else f"{tb_s:.3g}",
+            ]
+        )
+    return _text_table(headers, table) if table else ""
+
+
+def _environment(args, torch_info: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     import tensorflow as tf
 
     import tf_ttemb
     from tf_ttemb.ops import _loader
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                cpu,
-            )
-    except OSError:
-        pass
     return {
         "tf_ttemb_version": tf_ttemb.__version__,
         "tf_version": tf.__version__,
         "build": _loader.read_build_info(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu_model": cpu,
+        "cpu_model": _timing.cpu_model(),
         "cpu_count": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "usable_cpus": _timing.usable_cpus(),
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "device": opts.device,
+        "device": args.device,
+        "torch": torch_info,
         "command_line": [sys.executable, "-m", "tf_ttemb"] + sys.argv[1:],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -544,57 +549,108 @@ def _environment(opts) -> Dict[str, Any]:
 _log = _timing.log
 
 
-def main(args: argparse.Namespace) -> int:
-    """Runs the benchmarks; returns the exit status."""
-    for name, (default, quick, _) in SIZES.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else default)
-    import numpy as np
+def _options(opts: argparse.Namespace) -> Dict[str, Any]:
+    return {k: v for k, v in vars(opts).items() if k != "func"}
+
+
+def _device_error(args: argparse.Namespace) -> Optional[str]:
+    """Why --device is not a device here, or None. Asked of the physical devices, so that
+    TensorFlow does not start using the GPU before torch's child process has run."""
     import tensorflow as tf
 
+    devices = [
+        d.name.replace("/physical_device:", "/device:") for d in tf.config.list_physical_devices()
+    ]
+    wanted = args.device.upper().removeprefix("/DEVICE:").lstrip("/")
+    if any(name.upper().endswith(wanted) for name in devices):
+        return None
+    return (
+        f"bench: error: --device {args.device} is not one of TensorFlow's devices here: "
+        f"{', '.join(devices)}"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the benchmarks; returns the exit status."""
+    runs = [resolve(args, name) for name in (args.preset or [None])]
+    import tensorflow as tf
+
+    # Every step is a tf.function of its own: TensorFlow's warnings about functions traced
+    # many times say nothing here.
+    tf.get_logger().setLevel("ERROR")
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     from tf_ttemb.ops import _loader
 
-    devices = [d.name for d in tf.config.list_logical_devices()]
-    wanted = args.device.upper().removeprefix("/DEVICE:").lstrip("/")
-    if not any(name.upper().endswith(wanted) for name in devices):
-        print(
-            f"bench: error: --device {args.device} is not one of TensorFlow's devices here: "
-            f"{', '.join(devices)}",
-            file=sys.stderr,
-        )
+    error = _device_error(args)
+    if error:
+        print(error, file=sys.stderr)
         return 2
-    _loader.load_op_library()  # fails here, with the loader's advice, when not built
-    runners = {
-        "gather_reduce_sum": bench_gather_reduce_sum,
-        "tt_rows": bench_tt_rows,
-        "pkm": bench_pkm,
-    }
-    rows: List[Dict[str, Any]] = []
+    items = plan(runs)
+    if "CPU" in args.device.upper() and not args.quick:
+        for name in args.preset or []:
+            _log(
+                f"bench: --preset {name} at full size on the CPU: expect "
+                f"{PRESETS[name].cpu_cost} (estimated); --quick runs its shape smaller"
+            )
+    notes: List[str] = []
     start = time.perf_counter()
+    mode = torch_mode(args, items, notes)
+    for opts in runs:
+        opts.torch_mode = mode
+    child = run_torch_child(args, items, notes) if mode == "child" else {}
+    _loader.load_op_library()  # fails here, with the loader's advice, when not built
+    rows: List[Dict[str, Any]] = []
     with tf.device(args.device):
-        for case in args.cases:
-            for dtype in args.dtypes if case != "pkm" else ["float32"]:
-                _log(f"bench: {case} {dtype} ...")
-                rng = np.random.default_rng([args.seed, CASES.index(case), DTYPES.index(dtype)])
-                rows += runners[case](dtype, args, rng)
+        for item in items:
+            _log(f"bench: {item.label} {item.dtype} ...")
+            case = build(item)
+            rows += _bench_cases.time_case(case, item.opts)
+            entry = child.get("results", {}).get(f"{item.label} {item.dtype}")
+            if entry is not None:
+                rows.append(_bench_cases.torch_child_row(case, entry, child["timer"]))
+            del case
     elapsed = time.perf_counter() - start
+    repeats = sorted({o.repeats for o in runs})
+    steps = sorted({o.in_graph_steps for o in runs})
     print(
         f"tf_ttemb {__import__('tf_ttemb').__version__} op benchmarks on {args.device}, "
-        f"TensorFlow {tf.__version__}, median of {args.repeats} calls after {args.warmup} "
-        "warm-up calls (ms); speed-up = baseline time / time"
+        f"TensorFlow {tf.__version__}: median of {'/'.join(map(str, repeats))} calls after "
+        f"{args.warmup or runs[0].warmup} warm-up calls (ms); in graph and chained: per step "
+        f"of {'/'.join(map(str, steps))} in one call; speed-up = baseline time / time"
     )
-    shapes = dict.fromkeys((r["case"], r["shape"]) for r in rows)
-    for case, shape in shapes:
-        print(f"  {case}: {shape}")
+    if child.get("ok"):
+        print(
+            f"  torch {child['torch_version']} on {child['device_name']} in a child process, "
+            f"timed with {child['timer']}"
+        )
+    for label, shape in dict.fromkeys((r["label"], r["shape"]) for r in rows):
+        print(f"  {label}: {shape}")
     print()
     print(format_table(rows))
+    per_lookup = format_per_lookup(rows)
+    if per_lookup:
+        print("\nPer lookup (one id of a bag), microseconds; gathered TB/s: rows read / in graph")
+        print(per_lookup)
+    failures = [
+        f"  {r['label']} {r['dtype']} {r['impl']} {kind}: {text}"
+        for r in rows
+        for kind, text in r["errors"].items()
+    ]
+    if failures:
+        print("\nFailed:")
+        print("\n".join(failures))
+    if notes:
+        print()
+        print("\n".join(notes))
     print(f"\n({elapsed:.1f} s)")
     if args.json:
+        torch_info = {k: v for k, v in child.items() if k != "results"} or None
         result = {
-            "environment": _environment(args),
-            "options": {k: v for k, v in vars(args).items() if k not in ("func",)},
+            "environment": _environment(args, torch_info),
+            "options": _options(args),
+            "runs": [_options(o) for o in runs],
+            "notes": notes,
             "seconds": elapsed,
             "results": rows,
         }
