@@ -38,6 +38,9 @@ using BagAttrs = ::tf_ttemb::BagOptions;
 Status ParseCombiner(const std::string& name, Combiner* combiner);
 Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
 const char* CombinerName(Combiner combiner);
+// GetBagAttrs for the ops that need weights (the weights gradients): an error
+// naming `op` when has_weights is false.
+Status GetWeightedBagAttrs(OpKernelConstruction* ctx, const char* op, BagAttrs* attrs);
 
 // Shapes of the CSR inputs. `num_bags` and `nnz` are set on success.
 struct BagShapes {
@@ -88,6 +91,10 @@ struct ParamsGradShapes {
 Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                 ParamsGradShapes* shapes);
 
+// The sizes the GPU params-gradient launchers take (the sort and the segment
+// bookkeeping use int32 positions); checked by the GPU ops only.
+Status GpuParamsGradSizeLimits(const BagShapes& shapes);
+
 // Host-side shape checks of the ops taking (grad [B, D], params [N, D],
 // indices, row_splits, weights [nnz], output [B, D]) as inputs 0..5 (the
 // weights gradient and the fused gradient); `params` is passed separately
@@ -115,8 +122,7 @@ inline bool IsPadding(Tindex id, const BagAttrs& attrs) {
 // Calls compute(params) with the table of input `input`: the tensor itself,
 // or, for the Resource* ops (FromResource), the variable's tensor read in
 // place under the variable's shared lock, held until compute returns.
-// Returns compute's status, or the variable lookup's error (for
-// AsyncOpKernels, which must not fail through OP_REQUIRES).
+// Returns compute's status, or the variable lookup's error.
 template <typename T, bool FromResource, typename Compute>
 Status WithParamsStatus(OpKernelContext* ctx, int input, Compute compute) {
   if (!FromResource) return compute(ctx->input(input));
@@ -124,15 +130,6 @@ Status WithParamsStatus(OpKernelContext* ctx, int input, Compute compute) {
   TF_RETURN_IF_ERROR(LookupVariable<T>(ctx, input, &variable));
   tf_shared_lock lock(*variable->mu());
   return compute(*variable->tensor());
-}
-
-// WithParamsStatus for a compute that reports through the context.
-template <typename T, bool FromResource, typename Compute>
-void WithParams(OpKernelContext* ctx, int input, Compute compute) {
-  OP_REQUIRES_OK(ctx, (WithParamsStatus<T, FromResource>(ctx, input, [&](const Tensor& params) {
-                   compute(params);
-                   return OkStatus();
-                 })));
 }
 
 // ---------------------------------------------------------------------------

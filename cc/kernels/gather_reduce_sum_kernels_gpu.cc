@@ -1,26 +1,30 @@
 // GPU OpKernels of the gather_reduce_sum family: TensorFlow glue around the
-// CUDA launchers of cuda/gather_reduce_sum_kernels.cuh.
+// CUDA launchers of cuda/gather_reduce_sum_kernels.cuh. The OpKernels are the
+// ones written once for both devices (gather_reduce_sum_{forward,backward}_op.h);
+// this file specialises their Launch functors for GpuDevice and registers
+// them, and holds the GPU kernels of CheckBagReport and the sparse apply.
 //
-// Every kernel checks shapes on the host with the validation shared with the
-// CPU kernels (same messages) and runs the launchers on the op's CUDA stream,
-// with scratch from allocate_temp sized by the launchers' size queries. What
-// the device finds wrong in the ids and row_splits goes to a DeviceReport
-// (cuda/common_types.h) that becomes the CPU kernel's InvalidArgument
-// (ReportStatus):
-//   * the forward (ForwardLaunch<GpuDevice>, the OpKernel of
-//     gather_reduce_sum_forward_op.h) is synchronous and never waits: its
-//     report is an output, raised from by CheckBagReport, which the Python
+// Every op checks shapes on the host with the validation shared with the CPU
+// kernels (same messages) and its Launch runs the launchers on the op's CUDA
+// stream, with scratch from allocate_temp sized by the launchers' size
+// queries. What the device finds wrong in the ids and row_splits goes to a
+// DeviceReport (cuda/common_types.h) that becomes the CPU kernel's
+// InvalidArgument (ReportStatus):
+//   * the forward (ForwardLaunch<GpuDevice>) is synchronous and never waits:
+//     its report is an output, raised from by CheckBagReport, which the Python
 //     wrapper adds beside it, so the output's consumers do not wait for it;
-//   * the others are AsyncOpKernels that copy their report to pinned host
-//     memory and finish from the device's EventMgr thread once the stream has
-//     run their work (LaunchThenCheck): no TensorFlow thread waits on the GPU.
-//     The deduplicated params gradient sizes its outputs ([U], [U, D]) there
-//     and queues its reduction, as TensorFlow core's GPU Unique does.
+//   * the others are AsyncOpKernels (DeviceOpKernel<GpuDevice>; the sparse
+//     apply's is its own) that copy their report to pinned host memory and
+//     finish from the device's EventMgr thread once the stream has run their
+//     work (LaunchThenCheck): no TensorFlow thread waits on the GPU. The deduplicated params
+//     gradients size their outputs ([U], [U, D]) there and queue their reduction, as TensorFlow
+//     core's GPU Unique does.
 //
 // The sparse apply reduces and updates the rows in one launcher
 // (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
-// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these
-// kernels through TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
+// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The
+// suite runs these kernels through TensorFlow on an H200 (../shared/tf_gpu/;
+// BENCHMARKS.md).
 
 #if GOOGLE_CUDA
 
@@ -36,6 +40,8 @@
 #include <memory>
 #include <utility>
 
+#include "cc/kernels/device_op_kernel.h"
+#include "cc/kernels/gather_reduce_sum_backward_op.h"
 #include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
@@ -171,20 +177,6 @@ class GpuCall {
   Tensor placeholder_;
 };
 
-// The sizes the params-gradient launchers take: the sort and the segment
-// bookkeeping use int32 positions.
-Status GradSizeLimits(const BagShapes& shapes) {
-  if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
-    return errors::InvalidArgument(
-        "the GPU params gradient supports fewer than 2^31 - 2 indices, got ", shapes.nnz);
-  }
-  if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
-    return errors::InvalidArgument(
-        "the GPU params gradient supports fewer than 2^31 - 1 bags, got ", shapes.num_bags);
-  }
-  return OkStatus();
-}
-
 // The launchers' U (distinct non-padding ids) as read back in the report,
 // checked against what it can be.
 Status NumUnique(const launchers::DeviceReport& report, const BagShapes& shapes, int64_t num_rows,
@@ -277,14 +269,10 @@ REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_GPU), Check
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. params (GatherReduceSumGrad, GatherReduceSumDenseGrad).
 
-// Host-side checks and the pieces both forms use. Messages match the CPU
-// kernel's PrepareParamsGrad.
+// The device pointers of a params gradient's inputs.
 template <typename T, typename Tindex>
-struct ParamsGradInputs {
+struct ParamsGradPointers {
   using CT = typename CudaTypeOf<T>::type;
-  BagShapes shapes;
-  int64_t num_rows = 0;
-  int64_t dim = 0;
   const CT* grad = nullptr;         // [B, D]
   const Tindex* ids = nullptr;      // [nnz]
   const int64_t* splits = nullptr;  // [B + 1]
@@ -293,73 +281,81 @@ struct ParamsGradInputs {
   bool is_max = false;
   bool argmax_empty = true;
 
+  ParamsGradPointers(const BagAttrs& attrs, const ParamsGradArgs& a)
+      : grad(DevicePtr<T>(*a.grad)),
+        ids(a.indices->flat<Tindex>().data()),
+        splits(a.row_splits->flat<int64_t>().data()),
+        weights(attrs.has_weights ? DevicePtr<T>(*a.weights) : nullptr),
+        argmax(attrs.combiner == Combiner::kMax ? a.argmax->flat<int32>().data() : nullptr),
+        is_max(attrs.combiner == Combiner::kMax),
+        argmax_empty(a.argmax->NumElements() == 0) {}
+
   // The argmax pointer for the reduce launch, which needs a non-null one for
   // max even when argmax has no elements.
   const int32* ArgmaxOr(void* placeholder) const {
     return is_max && argmax_empty ? static_cast<const int32*>(placeholder) : argmax;
   }
-
-  Status Validate(OpKernelContext* ctx, const BagAttrs& attrs) {
-    const Tensor& grad_t = ctx->input(0);
-    const Tensor& indices = ctx->input(1);
-    const Tensor& row_splits = ctx->input(2);
-    const Tensor& weights_t = ctx->input(3);
-    const Tensor& argmax_t = ctx->input(4);
-    ParamsGradShapes checked;
-    TF_RETURN_IF_ERROR(ValidateParamsGradInputs(ctx, attrs, &checked));
-    shapes = checked.bags;
-    num_rows = checked.num_rows;
-    dim = checked.dim;
-    is_max = attrs.combiner == Combiner::kMax;
-    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
-    grad = DevicePtr<T>(grad_t);
-    ids = indices.flat<Tindex>().data();
-    splits = row_splits.flat<int64_t>().data();
-    weights = attrs.has_weights ? DevicePtr<T>(weights_t) : nullptr;
-    argmax = is_max ? argmax_t.flat<int32>().data() : nullptr;
-    argmax_empty = argmax_t.NumElements() == 0;
-    return OkStatus();
-  }
 };
+
+}  // namespace
 
 // Deduplicated form: unique_indices [U] ascending, values [U, D]. U is known
 // only on the device: Prepare is queued, and once the stream has run it the
 // report's check (on the EventMgr thread) allocates the outputs at U and
 // queues the reduction, as TensorFlow core's GPU Unique sizes its output. No
-// TensorFlow thread waits on the stream.
+// TensorFlow thread waits on the stream. Dense form: params_grad [N, D], of a
+// size known on the host: both steps are queued at once and the report is
+// read once, after both.
 template <typename T, typename Tindex>
-class GatherReduceSumGradGpuOp
-    : public LaunchThenCheckOp<GpuCall, GatherReduceSumGradGpuOp<T, Tindex>> {
- public:
-  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx)
-      : LaunchThenCheckOp<GpuCall, GatherReduceSumGradGpuOp<T, Tindex>>(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-  }
+struct ParamsGradLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
 
-  Status Launch(OpKernelContext* ctx, GpuCall* call, GpuCall::ReportCheck* check) {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ParamsGradArgs& a,
+                    const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
-    ParamsGradInputs<T, Tindex> in;
-    TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
+    GpuCall* call = step.call;
+    const ParamsGradPointers<T, Tindex> in(attrs, a);
+    const bool dense = a.params_grad != nullptr;
     TF_RETURN_IF_ERROR(call->Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
-    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
-        p, /*dense=*/false, /*fuse_weights_grad=*/false);
+    const launchers::BagProblem p =
+        MakeProblem(attrs, a.shapes.bags, a.shapes.num_rows, a.shapes.dim);
+    const size_t scratch_bytes =
+        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/false);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    // Prepare always runs: it checks the ids and row_splits.
     TF_RETURN_IF_ERROR(
         CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, in.ids, in.splits, in.weights, call->device_report(), /*dense=*/false,
+                       p, in.ids, in.splits, in.weights, call->device_report(), dense,
                        /*fuse_weights_grad=*/false, scratch, scratch_bytes, call->stream()),
                    "gather_reduce_sum params grad prepare"));
-    *check = [this, ctx, call, in, p, scratch,
-              scratch_bytes](const launchers::DeviceReport& report) -> Status {
-      TF_RETURN_IF_ERROR(ReportStatus(report, attrs_));
+    if (dense) {
+      if (a.params_grad->NumElements() > 0) {
+        void* placeholder = nullptr;
+        TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
+        // Safe whatever the ids hold: the launchers never read out of bounds.
+        TF_RETURN_IF_ERROR(
+            CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                           p, in.grad, in.ArgmaxOr(placeholder), /*unique_ids=*/nullptr,
+                           /*values=*/nullptr, DevicePtr<T>(a.params_grad), /*fusion=*/nullptr,
+                           scratch, scratch_bytes, call->stream()),
+                       "gather_reduce_sum params grad reduce"));
+      }
+      *step.check = [attrs](const launchers::DeviceReport& report) {
+        return ReportStatus(report, attrs);
+      };
+      return OkStatus();
+    }
+    const ParamsGradShapes shapes = a.shapes;
+    *step.check = [attrs, ctx, call, in, p, shapes, scratch,
+                   scratch_bytes](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
-      TF_RETURN_IF_ERROR(NumUnique(report, in.shapes, in.num_rows, &num_unique));
+      TF_RETURN_IF_ERROR(NumUnique(report, shapes.bags, shapes.num_rows, &num_unique));
       Tensor* unique_ids = nullptr;
       Tensor* values = nullptr;
-      TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
-      TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({num_unique, in.dim}), &values));
+      TF_RETURN_IF_ERROR(
+          AllocateDeduplicatedGrad(ctx, num_unique, shapes.dim, &unique_ids, &values));
       if (num_unique == 0) return OkStatus();
       void* placeholder = nullptr;
       TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
@@ -372,114 +368,37 @@ class GatherReduceSumGradGpuOp
     };
     return OkStatus();
   }
-
- private:
-  BagAttrs attrs_;
-};
-
-// Dense form: params_grad [N, D]. No read-back is needed to size it, so the
-// report is read once, after both launches.
-template <typename T, typename Tindex>
-class GatherReduceSumDenseGradGpuOp
-    : public LaunchThenCheckOp<GpuCall, GatherReduceSumDenseGradGpuOp<T, Tindex>> {
- public:
-  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx)
-      : LaunchThenCheckOp<GpuCall, GatherReduceSumDenseGradGpuOp<T, Tindex>>(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-  }
-
-  Status Launch(OpKernelContext* ctx, GpuCall* call_ptr, GpuCall::ReportCheck* check) {
-    using CT = typename CudaTypeOf<T>::type;
-    GpuCall& call = *call_ptr;
-    ParamsGradInputs<T, Tindex> in;
-    TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
-    Tensor* output = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({in.num_rows, in.dim}), &output));
-    TF_RETURN_IF_ERROR(call.Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
-    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
-        p, /*dense=*/true, /*fuse_weights_grad=*/false);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    // Prepare always runs: it checks the ids and row_splits.
-    TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, in.ids, in.splits, in.weights, call.device_report(), /*dense=*/true,
-                       /*fuse_weights_grad=*/false, scratch, scratch_bytes, call.stream()),
-                   "gather_reduce_sum params grad prepare"));
-    if (output->NumElements() > 0) {
-      void* placeholder = nullptr;
-      TF_RETURN_IF_ERROR(call.AllocatePlaceholder(&placeholder));
-      // Safe whatever the ids hold: the launchers never read out of bounds.
-      TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                                        p, in.grad, in.ArgmaxOr(placeholder),
-                                        /*unique_ids=*/nullptr,
-                                        /*values=*/nullptr, DevicePtr<T>(output),
-                                        /*fusion=*/nullptr, scratch, scratch_bytes, call.stream()),
-                                    "gather_reduce_sum params grad reduce"));
-    }
-    *check = [this](const launchers::DeviceReport& report) { return ReportStatus(report, attrs_); };
-    return OkStatus();
-  }
-
- private:
-  BagAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. the weights (GatherReduceSumWeightsGrad,
-// ResourceGatherReduceSumWeightsGrad).
+// ResourceGatherReduceSumWeightsGrad): one launch, then the report's check.
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
- public:
-  explicit GatherReduceSumWeightsGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument("GatherReduceSumWeightsGrad needs has_weights = true"));
-  }
+template <typename T, typename Tindex>
+struct WeightsGradLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithParamsStatus<T, ParamsFromResource>(
-          ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
-    });
-  }
-
- private:
-  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
-                GpuCall::ReportCheck* check) {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const WeightsGradArgs& a,
+                    const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
-    GpuCall& call = *call_ptr;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
-    BagShapes shapes;
-    TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({shapes.nnz}), &weights_grad));
-
-    TF_RETURN_IF_ERROR(call.Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    GpuCall* call = step.call;
+    TF_RETURN_IF_ERROR(call->Init(ctx));
+    const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
     void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
-                       p, DevicePtr<T>(grad), DevicePtr<T>(params), indices.flat<Tindex>().data(),
-                       row_splits.flat<int64_t>().data(), DevicePtr<T>(weights),
-                       DevicePtr<T>(output), DevicePtr<T>(weights_grad), call.device_report(),
-                       scratch, scratch_bytes, call.stream()),
-                   "gather_reduce_sum weights grad launch"));
-    *check = [this](const launchers::DeviceReport& report) { return ReportStatus(report, attrs_); };
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchWeightsGrad<CT, Tindex>(
+            p, DevicePtr<T>(*a.grad), DevicePtr<T>(*a.params), a.indices->flat<Tindex>().data(),
+            a.row_splits->flat<int64_t>().data(), DevicePtr<T>(*a.weights), DevicePtr<T>(*a.output),
+            DevicePtr<T>(a.weights_grad), call->device_report(), scratch, scratch_bytes,
+            call->stream()),
+        "gather_reduce_sum weights grad launch"));
+    *step.check = [attrs](const launchers::DeviceReport& report) {
+      return ReportStatus(report, attrs);
+    };
     return OkStatus();
   }
-
-  BagAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
@@ -487,102 +406,78 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
 // ResourceGatherReduceSumFusedGrad): the params-gradient launches with the
 // weights gradient fused into the reduction (each table row read once per
 // distinct id).
+//
+// The dense form queues both steps at once; the deduplicated form queues
+// Prepare, and the report's check sizes the outputs at U and queues the
+// reduction (ParamsGradLaunch's way). A variable's lock is held while work is
+// queued; the deduplicated form's reduction, queued later, reads the table
+// through a reference that keeps its buffer: a writer in between copies the
+// buffer first (TensorFlow's copy-on-write of a shared variable buffer), so
+// the reduction sees the rows as Prepare did.
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumFusedGradGpuOp : public AsyncOpKernel {
- public:
-  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
-    OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument("GatherReduceSumFusedGrad needs has_weights = true"));
-  }
+template <typename T, typename Tindex>
+struct FusedGradLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
 
-  // The dense form queues both steps at once; the deduplicated form queues
-  // Prepare, and the report's check sizes the outputs at U and queues the
-  // reduction (GatherReduceSumGradGpuOp's way). A variable's lock is held
-  // while work is queued; the deduplicated form's reduction, queued later,
-  // reads the table through a reference that keeps its buffer: a writer in
-  // between copies the buffer first (TensorFlow's copy-on-write of a shared
-  // variable buffer), so the reduction sees the rows as Prepare did.
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithParamsStatus<T, ParamsFromResource>(
-          ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
-    });
-  }
-
- private:
-  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call,
-                GpuCall::ReportCheck* check) {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const FusedGradArgs& a,
+                    const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
-    BagShapes shapes;
-    TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
-    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({shapes.nnz}), &weights_grad));
-
+    GpuCall* call = step.call;
+    const bool dense = a.dense;
     TF_RETURN_IF_ERROR(call->Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes =
-        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense_grad_, /*fuse_weights_grad=*/true);
+        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/true);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
     TF_RETURN_IF_ERROR(
         CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(),
-                       DevicePtr<T>(weights), call->device_report(), dense_grad_,
+                       p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+                       DevicePtr<T>(*a.weights), call->device_report(), dense,
                        /*fuse_weights_grad=*/true, scratch, scratch_bytes, call->stream()),
                    "gather_reduce_sum fused grad prepare"));
-    // Queues the reduction into outputs of grad_rows rows.
-    auto reduce = [this, ctx, call, p, scratch, scratch_bytes, weights_grad,
-                   table = params](int64_t grad_rows) -> Status {
-      Tensor* unique_ids = nullptr;
-      Tensor* params_grad = nullptr;
-      TF_RETURN_IF_ERROR(
-          ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : grad_rows}), &unique_ids));
-      TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({grad_rows, p.dim}), &params_grad));
+    // Queues the reduction into outputs 0 (unique ids; [0] when dense) and 1.
+    auto reduce = [call, p, dense, scratch, scratch_bytes, grad = DevicePtr<T>(*a.grad),
+                   output = DevicePtr<T>(*a.output), weights = DevicePtr<T>(*a.weights),
+                   weights_grad = DevicePtr<T>(a.weights_grad),
+                   table = *a.params](Tensor* unique_ids, Tensor* params_grad) -> Status {
+      const launchers::WeightsGradFusion<CT> fusion{DevicePtr<T>(table), output, weights,
+                                                    weights_grad};
       void* placeholder = nullptr;
       TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
       CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad), params_grad->NumElements(), placeholder);
-      const launchers::WeightsGradFusion<CT> fusion{
-          DevicePtr<T>(table), DevicePtr<T>(ctx->input(5)), DevicePtr<T>(ctx->input(4)),
-          DevicePtr<T>(weights_grad)};
-      Tindex* ids_out = dense_grad_
-                            ? nullptr
-                            : NonEmptyOr(unique_ids->flat<Tindex>().data(), grad_rows, placeholder);
+      Tindex* ids_out = dense ? nullptr
+                              : NonEmptyOr(unique_ids->flat<Tindex>().data(),
+                                           unique_ids->NumElements(), placeholder);
       // Safe whatever the ids hold: the launchers never read out of bounds.
-      return CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                            p, DevicePtr<T>(ctx->input(0)), /*argmax=*/nullptr, ids_out,
-                            dense_grad_ ? nullptr : grad_out, dense_grad_ ? grad_out : nullptr,
-                            &fusion, scratch, scratch_bytes, call->stream()),
-                        "gather_reduce_sum fused grad reduce");
+      return CudaStatus(
+          launchers::LaunchParamsGradReduce<CT, Tindex>(
+              p, grad, /*argmax=*/nullptr, ids_out, dense ? nullptr : grad_out,
+              dense ? grad_out : nullptr, &fusion, scratch, scratch_bytes, call->stream()),
+          "gather_reduce_sum fused grad reduce");
     };
-    if (dense_grad_) {
-      TF_RETURN_IF_ERROR(reduce(num_rows));
-      *check = [this](const launchers::DeviceReport& report) {
-        return ReportStatus(report, attrs_);
+    if (dense) {
+      TF_RETURN_IF_ERROR(reduce(a.unique_ids, a.params_grad));
+      *step.check = [attrs](const launchers::DeviceReport& report) {
+        return ReportStatus(report, attrs);
       };
       return OkStatus();
     }
-    *check = [this, shapes, num_rows,
-              reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
-      TF_RETURN_IF_ERROR(ReportStatus(report, attrs_));
+    *step.check = [attrs, ctx, shapes = a.shapes, num_rows = a.num_rows, dim = a.dim,
+                   reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
-      return reduce(num_unique);
+      Tensor* unique_ids = nullptr;
+      Tensor* params_grad = nullptr;
+      TF_RETURN_IF_ERROR(AllocateDeduplicatedGrad(ctx, num_unique, dim, &unique_ids, &params_grad));
+      return reduce(unique_ids, params_grad);
     };
     return OkStatus();
   }
-
-  BagAttrs attrs_;
-  bool dense_grad_ = false;
 };
+
+namespace {
 
 // ---------------------------------------------------------------------------
 // Backward with the optimizer fused in (GatherReduceSumSparseApply): under the
@@ -642,7 +537,7 @@ class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
     TF_RETURN_IF_ERROR(ValidateSparseApplyInputs<Acc>(
         ctx, *params_var->tensor(), acc_var != nullptr ? acc_var->tensor() : nullptr, attrs_,
         &shapes, &lr, &eps));
-    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
+    TF_RETURN_IF_ERROR(GpuParamsGradSizeLimits(shapes));
     const int64_t num_rows = params_var->tensor()->dim_size(0);
     const int64_t dim = params_var->tensor()->dim_size(1);
     const bool is_max = bag.combiner == Combiner::kMax;
@@ -735,60 +630,60 @@ class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
 // Registration: the dtypes of the CPU kernels. num_rows is read on the host;
 // a resource handle always lives in host memory.
 
-#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                      \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                     \
-                              .Device(DEVICE_GPU)                             \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumOp<GpuDevice, T, Tindex, false>);    \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")             \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumOp<GpuDevice, T, Tindex, true>);     \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                 \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("num_rows")                         \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumGradGpuOp<T, Tindex>);               \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")            \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("num_rows")                         \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumDenseGradGpuOp<T, Tindex>);          \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad")          \
-                              .Device(DEVICE_GPU)                             \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumWeightsGradGpuOp<T, Tindex, false>); \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")  \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);  \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")            \
-                              .Device(DEVICE_GPU)                             \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumFusedGradGpuOp<T, Tindex, false>);   \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumFusedGrad")    \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumFusedGradGpuOp<T, Tindex, true>);    \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")          \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .HostMemory("learning_rate")                    \
-                              .HostMemory("epsilon")                          \
-                              .HostMemory("accumulators")                     \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
+#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                              \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                             \
+                              .Device(DEVICE_GPU)                                     \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumOp<GpuDevice, T, Tindex, false>);            \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")                     \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumOp<GpuDevice, T, Tindex, true>);             \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                         \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("num_rows")                                 \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumGradOp<GpuDevice, T, Tindex, false>);        \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")                    \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("num_rows")                                 \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumGradOp<GpuDevice, T, Tindex, true>);         \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad")                  \
+                              .Device(DEVICE_GPU)                                     \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumWeightsGradOp<GpuDevice, T, Tindex, false>); \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")          \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumWeightsGradOp<GpuDevice, T, Tindex, true>);  \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")                    \
+                              .Device(DEVICE_GPU)                                     \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumFusedGradOp<GpuDevice, T, Tindex, false>);   \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumFusedGrad")            \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumFusedGradOp<GpuDevice, T, Tindex, true>);    \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")                  \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .HostMemory("learning_rate")                            \
+                              .HostMemory("epsilon")                                  \
+                              .HostMemory("accumulators")                             \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
                           GatherReduceSumSparseApplyGpuOp<T, Tindex>);
 
 #define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \
