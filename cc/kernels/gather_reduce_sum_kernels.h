@@ -194,18 +194,6 @@ Status WithLockedSparseApplyVariablesStatus(OpKernelContext* ctx, const SparseAp
   return compute(params_var.get(), acc_var.get());
 }
 
-// WithLockedSparseApplyVariablesStatus for a compute that reports through the
-// context.
-template <typename T, typename Acc, typename Compute>
-void WithLockedSparseApplyVariables(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
-                                    Compute compute) {
-  OP_REQUIRES_OK(ctx, (WithLockedSparseApplyVariablesStatus<T, Acc>(
-                          ctx, attrs, [&](Var* params_var, Var* acc_var) {
-                            compute(params_var, acc_var);
-                            return OkStatus();
-                          })));
-}
-
 }  // namespace tf_ttemb
 }  // namespace tensorflow
 

@@ -1,8 +1,8 @@
 // GPU OpKernels of the gather_reduce_sum family: TensorFlow glue around the
 // CUDA launchers of cuda/gather_reduce_sum_kernels.cuh. The OpKernels are the
-// ones written once for both devices (gather_reduce_sum_{forward,backward}_op.h);
-// this file specialises their Launch functors for GpuDevice and registers
-// them, and holds the GPU kernels of CheckBagReport and the sparse apply.
+// ones written once for both devices (gather_reduce_sum_{forward,backward,
+// sparse_apply}_op.h); this file specialises their Launch functors for
+// GpuDevice and registers them, and holds CheckBagReport's GPU kernel.
 //
 // Every op checks shapes on the host with the validation shared with the CPU
 // kernels (same messages) and its Launch runs the launchers on the op's CUDA
@@ -13,18 +13,19 @@
 //   * the forward (ForwardLaunch<GpuDevice>) is synchronous and never waits:
 //     its report is an output, raised from by CheckBagReport, which the Python
 //     wrapper adds beside it, so the output's consumers do not wait for it;
-//   * the others are AsyncOpKernels (DeviceOpKernel<GpuDevice>; the sparse
-//     apply's is its own) that copy their report to pinned host memory and
-//     finish from the device's EventMgr thread once the stream has run their
-//     work (LaunchThenCheck): no TensorFlow thread waits on the GPU. The deduplicated params
-//     gradients size their outputs ([U], [U, D]) there and queue their reduction, as TensorFlow
-//     core's GPU Unique does.
+//   * the others are AsyncOpKernels (DeviceOpKernel<GpuDevice>) that copy
+//     their report to pinned host memory and finish from the device's EventMgr
+//     thread once the stream has run their work (LaunchThenCheck): no
+//     TensorFlow thread waits on the GPU. The deduplicated params gradients
+//     and the sparse apply's row-wise Adagrad on wide rows size their outputs
+//     or temporaries ([U], [U, D]) there and queue their second step, as
+//     TensorFlow core's GPU Unique does.
 //
 // The sparse apply reduces and updates the rows in one launcher
-// (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
-// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The
-// suite runs these kernels through TensorFlow on an H200 (../shared/tf_gpu/;
-// BENCHMARKS.md).
+// (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces into
+// a [U, D] temporary and then runs LaunchApplyRows
+// (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these kernels
+// through TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
 
 #if GOOGLE_CUDA
 
@@ -44,6 +45,7 @@
 #include "cc/kernels/gather_reduce_sum_backward_op.h"
 #include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/gather_reduce_sum_sparse_apply_op.h"
 #include "cc/kernels/gpu_kernel_util.h"
 #include "cuda/gather_reduce_sum_kernels.cuh"
 #include "cuda/gather_reduce_sum_update_kernels.cuh"
@@ -141,22 +143,10 @@ class GpuCall {
     return OkStatus();
   }
 
-  // Copies the report to the host and waits for the stream: everything the
-  // launchers queued before has finished when this returns OK.
-  Status ReadReport(launchers::DeviceReport* report) {
-    int64_t* host = host_report_.flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(host, device_report(), sizeof(launchers::DeviceReport),
-                                   cudaMemcpyDeviceToHost, stream_),
-                   "copy of the device report"));
-    TF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
-    std::memcpy(report, host, sizeof(launchers::DeviceReport));
-    return OkStatus();
-  }
-
-  // ReadReport without waiting (tf_ttemb::ThenCheckReport): the op's status
-  // is `check`'s and `done` is called once the stream has run what is queued;
-  // the call (its report, scratch and placeholder) lives until then.
+  // Copies the report to the host without waiting (tf_ttemb::ThenCheckReport):
+  // the op's status is `check`'s and `done` is called once the stream has run
+  // what is queued; the call (its report, scratch and placeholder) lives until
+  // then.
   using ReportCheck = std::function<Status(const launchers::DeviceReport&)>;
   static void ThenCheckReport(std::shared_ptr<GpuCall> call, ReportCheck check,
                               AsyncOpKernel::DoneCallback done) {
@@ -488,11 +478,18 @@ namespace {
 // or row_splits Prepare leaves the launches after it no segment to reduce, so
 // no row is written, and the report's check raises the CPU kernel's error once
 // the stream has run: the op queues its work and returns (an AsyncOpKernel),
-// as TensorFlow's own GPU scatter updates do. Row-wise Adagrad on rows wider
-// than one column chunk needs the whole row's sum of squares first: its sums
-// go to a [U, D] temporary that LaunchApplyRows applies, so that form reads U
-// back (waiting for the stream) to size it. All run on the op's stream, so
+// as TensorFlow's own GPU scatter updates do. All run on the op's stream, so
 // later readers of the variable see the update.
+//
+// Row-wise Adagrad on rows wider than one column chunk needs the whole row's
+// sum of squares first: its sums go to a [U, D] temporary that LaunchApplyRows
+// applies. U is known only on the device, so that form queues Prepare alone;
+// the report's check (on the EventMgr thread, no TensorFlow thread waiting)
+// takes the variables' locks again, checks the variables anew (another op may
+// have replaced them in between; Prepare read neither), sizes the temporary
+// at U and queues the reduction and the update under those locks, so that the
+// update is ordered with every other writer and reader of the variables as if
+// the whole op ran at that moment.
 
 // EnsureExclusiveBuffer's copy for device memory, on the op's stream.
 Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t stream) {
@@ -502,129 +499,144 @@ Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t 
   });
 }
 
+// What both forms of the update write and read, with the variables' buffers
+// made exclusively owned (under the variables' locks, on the op's stream).
+template <typename T>
+struct SparseUpdateTarget {
+  using CT = typename CudaTypeOf<T>::type;
+  using Acc = AccT<T>;
+  CT* table = nullptr;                      // [N, D], updated in place
+  Acc* state = nullptr;                     // [N] or [N, D], or null for sgd
+  launchers::WeightsGradFusion<CT> fusion;  // set with weights
+  const int32* argmax = nullptr;            // [B, D] for max, else null
+  void* placeholder = nullptr;              // see NonEmptyOr
+  launchers::RowUpdate<Acc> update;
+
+  Status Init(OpKernelContext* ctx, const SparseApplyAttrs& attrs, const SparseApplyArgs& a,
+              GpuCall* call) {
+    TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, a.params_var, call->stream()));
+    if (a.acc_var != nullptr) {
+      TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, a.acc_var, call->stream()));
+    }
+    table = DevicePtr<T>(a.params_var->tensor());
+    state = a.acc_var != nullptr ? a.acc_var->tensor()->flat<Acc>().data() : nullptr;
+    TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
+    const CT* weights = attrs.bag.has_weights ? DevicePtr<T>(*a.weights) : nullptr;
+    fusion = {table, DevicePtr<T>(*a.output), weights, DevicePtr<T>(a.weights_grad)};
+    if (attrs.bag.combiner == Combiner::kMax) {
+      argmax = a.argmax->NumElements() > 0 ? a.argmax->flat<int32>().data()
+                                           : static_cast<const int32*>(placeholder);
+    }
+    update.optimizer = attrs.optimizer;
+    update.learning_rate = static_cast<Acc>(a.lr);
+    update.epsilon = static_cast<Acc>(a.eps);
+    update.num_rows = a.num_rows;
+    update.dim = a.dim;
+    return OkStatus();
+  }
+
+  const launchers::WeightsGradFusion<CT>* Fusion(const SparseApplyAttrs& attrs) const {
+    return attrs.bag.has_weights ? &fusion : nullptr;
+  }
+};
+
+}  // namespace
+
 template <typename T, typename Tindex>
-class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
- public:
+struct SparseApplyLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
+  using CT = typename CudaTypeOf<T>::type;
   using Acc = AccT<T>;
 
-  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
-                                            DataTypeToEnum<Acc>::value, &attrs_));
-  }
-
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithLockedSparseApplyVariablesStatus<T, Acc>(
-          ctx, attrs_, [&](Var* params_var, Var* acc_var) {
-            return Launch(ctx, params_var, acc_var, call, check);
-          });
-    });
-  }
-
- private:
-  Status Launch(OpKernelContext* ctx, Var* params_var, Var* acc_var, GpuCall* call,
-                GpuCall::ReportCheck* check) {
-    using CT = typename CudaTypeOf<T>::type;
-    const BagAttrs& bag = attrs_.bag;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
-    const Tensor& argmax = ctx->input(6);
-    BagShapes shapes;
-    Acc lr, eps;
-    TF_RETURN_IF_ERROR(ValidateSparseApplyInputs<Acc>(
-        ctx, *params_var->tensor(), acc_var != nullptr ? acc_var->tensor() : nullptr, attrs_,
-        &shapes, &lr, &eps));
-    TF_RETURN_IF_ERROR(GpuParamsGradSizeLimits(shapes));
-    const int64_t num_rows = params_var->tensor()->dim_size(0);
-    const int64_t dim = params_var->tensor()->dim_size(1);
-    const bool is_max = bag.combiner == Combiner::kMax;
+  static Status Run(OpKernelContext* ctx, const SparseApplyAttrs& attrs, const SparseApplyArgs& a,
+                    const GpuStep<GpuCall>& step) {
+    GpuCall* call = step.call;
+    const BagAttrs& bag = attrs.bag;
     const bool fuse = bag.has_weights;  // max takes no weights
-    Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_output(0, TensorShape({fuse ? shapes.nnz : 0}), &weights_grad));
-
     TF_RETURN_IF_ERROR(call->Init(ctx));
-    const launchers::BagProblem p = MakeProblem(bag, shapes, num_rows, dim);
+    const launchers::BagProblem p = MakeProblem(bag, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes =
         launchers::ParamsGradScratchBytes<CT, Tindex>(p, /*dense=*/false, fuse);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
-    const CT* weights_ptr = fuse ? DevicePtr<T>(weights) : nullptr;
-    TF_RETURN_IF_ERROR(CudaStatus(
-        launchers::LaunchParamsGradPrepare<CT, Tindex>(
-            p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(), weights_ptr,
-            call->device_report(), /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
-        "gather_reduce_sum sparse apply prepare"));
-    *check = [this](const launchers::DeviceReport& report) {
-      return ReportStatus(report, attrs_.bag);
+    TF_RETURN_IF_ERROR(
+        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                       p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+                       fuse ? DevicePtr<T>(*a.weights) : nullptr, call->device_report(),
+                       /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
+                   "gather_reduce_sum sparse apply prepare"));
+    *step.check = [bag](const launchers::DeviceReport& report) {
+      return ReportStatus(report, bag);
     };
-    if (shapes.nnz == 0) return OkStatus();
-    if (dim == 0) {
+    if (a.shapes.nnz == 0) return OkStatus();
+    if (a.dim == 0) {
       if (!fuse) return OkStatus();
       return CudaStatus(
-          cudaMemsetAsync(weights_grad->data(), 0, weights_grad->TotalBytes(), call->stream()),
+          cudaMemsetAsync(a.weights_grad->data(), 0, a.weights_grad->TotalBytes(), call->stream()),
           "zeroing the weights gradient");
     }
-
-    TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, params_var, call->stream()));
-    if (acc_var != nullptr) {
-      TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, acc_var, call->stream()));
-    }
-    CT* table = DevicePtr<T>(params_var->tensor());
-    Acc* state = acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
-
-    void* placeholder = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
-    const launchers::WeightsGradFusion<CT> fusion{table, DevicePtr<T>(output), weights_ptr,
-                                                  DevicePtr<T>(weights_grad)};
-    const int32* argmax_ptr = nullptr;
-    if (is_max) {
-      argmax_ptr = argmax.NumElements() > 0 ? argmax.flat<int32>().data()
-                                            : static_cast<const int32*>(placeholder);
-    }
-    launchers::RowUpdate<Acc> update;
-    update.optimizer = attrs_.optimizer;
-    update.learning_rate = lr;
-    update.epsilon = eps;
-    update.num_rows = num_rows;
-    update.dim = dim;
-    if (launchers::ApplyFusesIntoReduce<CT>(p, update.optimizer)) {
+    if (launchers::ApplyFusesIntoReduce<CT>(p, attrs.optimizer)) {
       // Each row's sum updates the row where it is reduced: no [U, D] temporary.
-      return CudaStatus(launchers::LaunchParamsGradApply<CT, Tindex>(
-                            p, DevicePtr<T>(grad), argmax_ptr, update, table, state,
-                            fuse ? &fusion : nullptr, scratch, scratch_bytes, call->stream()),
-                        "gather_reduce_sum sparse apply");
+      SparseUpdateTarget<T> target;
+      TF_RETURN_IF_ERROR(target.Init(ctx, attrs, a, call));
+      return CudaStatus(
+          launchers::LaunchParamsGradApply<CT, Tindex>(
+              p, DevicePtr<T>(*a.grad), target.argmax, target.update, target.table, target.state,
+              target.Fusion(attrs), scratch, scratch_bytes, call->stream()),
+          "gather_reduce_sum sparse apply");
     }
-    // Row-wise Adagrad on rows cut into column chunks: U sizes a [U, D]
-    // temporary for the sums, then LaunchApplyRows.
-    launchers::DeviceReport report;
-    TF_RETURN_IF_ERROR(call->ReadReport(&report));
-    TF_RETURN_IF_ERROR((*check)(report));
-    *check = nullptr;  // checked
-    int64_t num_unique = 0;
-    TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
+    *step.check = [ctx, attrs, call, p, scratch, scratch_bytes, shapes = a.shapes,
+                   weights_grad = a.weights_grad](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs.bag));
+      int64_t num_unique = 0;
+      TF_RETURN_IF_ERROR(NumUnique(report, shapes, p.num_rows, &num_unique));
+      return WithLockedSparseApplyVariablesStatus<T, Acc>(
+          ctx, attrs, [&](Var* params_var, Var* acc_var) -> Status {
+            SparseApplyArgs now;
+            TF_RETURN_IF_ERROR(GetSparseApplyArgs<T>(ctx, attrs, params_var, acc_var, &now));
+            if (now.num_rows != p.num_rows || now.dim != p.dim) {
+              return errors::FailedPrecondition(
+                  "the params variable changed shape from [", p.num_rows, ", ", p.dim, "] to [",
+                  now.num_rows, ", ", now.dim, "] while GatherReduceSumSparseApply ran on the GPU");
+            }
+            now.weights_grad = weights_grad;
+            return ReduceThenApply(ctx, attrs, now, p, call, scratch, scratch_bytes, num_unique);
+          });
+    };
+    return OkStatus();
+  }
+
+ private:
+  // Row-wise Adagrad on rows cut into column chunks, under the variables'
+  // locks: the sums of the U rows into a [U, D] temporary, then
+  // LaunchApplyRows.
+  static Status ReduceThenApply(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
+                                const SparseApplyArgs& a, const launchers::BagProblem& p,
+                                GpuCall* call, void* scratch, size_t scratch_bytes,
+                                int64_t num_unique) {
+    SparseUpdateTarget<T> target;
+    TF_RETURN_IF_ERROR(target.Init(ctx, attrs, a, call));
+    // Freed on return: TensorFlow's allocator orders their reuse after the queued work.
     Tensor unique_ids, values;
     TF_RETURN_IF_ERROR(
         ctx->allocate_temp(DataTypeToEnum<Tindex>::value, TensorShape({num_unique}), &unique_ids));
     TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, dim}), &values));
-    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, placeholder);
-    CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), placeholder);
+        ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, a.dim}), &values));
+    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, target.placeholder);
+    CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), target.placeholder);
     TF_RETURN_IF_ERROR(CudaStatus(
         launchers::LaunchParamsGradReduce<CT, Tindex>(
-            p, DevicePtr<T>(grad), argmax_ptr, ids_out, values_out,
-            /*dense=*/nullptr, fuse ? &fusion : nullptr, scratch, scratch_bytes, call->stream()),
+            p, DevicePtr<T>(*a.grad), target.argmax, ids_out, values_out,
+            /*dense=*/nullptr, target.Fusion(attrs), scratch, scratch_bytes, call->stream()),
         "gather_reduce_sum sparse apply reduce"));
-    return CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
-                          update, ids_out, values_out, num_unique, table, state, call->stream()),
-                      "gather_reduce_sum sparse apply update");
+    return CudaStatus(
+        launchers::LaunchApplyRows<CT, Acc, Tindex>(target.update, ids_out, values_out, num_unique,
+                                                    target.table, target.state, call->stream()),
+        "gather_reduce_sum sparse apply update");
   }
-
-  SparseApplyAttrs attrs_;
 };
+
+namespace {
 
 // ---------------------------------------------------------------------------
 // Registration: the dtypes of the CPU kernels. num_rows is read on the host;
@@ -684,7 +696,7 @@ class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
                               .HostMemory("accumulators")                             \
                               .TypeConstraint<T>("T")                                 \
                               .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumSparseApplyGpuOp<T, Tindex>);
+                          GatherReduceSumSparseApplyOp<GpuDevice, T, Tindex>);
 
 #define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \
   TF_TTEMB_REGISTER_GPU(T, int32)            \
