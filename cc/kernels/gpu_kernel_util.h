@@ -166,21 +166,6 @@ class DeviceOpKernel<GpuDevice, Op> : public AsyncOpKernel {
   }
 };
 
-// The AsyncOpKernel of a GPU op whose whole ComputeAsync is LaunchThenCheck
-// over `Derived::Launch(ctx, call, check)` (public in Derived).
-template <typename Call, typename Derived>
-class LaunchThenCheckOp : public AsyncOpKernel {
- public:
-  explicit LaunchThenCheckOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
-
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) final {
-    LaunchThenCheck<Call>(ctx, std::move(done),
-                          [this, ctx](Call* call, typename Call::ReportCheck* check) {
-                            return static_cast<Derived*>(this)->Launch(ctx, call, check);
-                          });
-  }
-};
-
 }  // namespace tf_ttemb
 }  // namespace tensorflow
 
