@@ -98,17 +98,8 @@ class GatherReduceSumGradOp
 // Inputs 0..5: grad [B, D], params [N, D] (a tensor or a resource variable),
 // indices, row_splits, weights [nnz], the forward's output [B, D].
 
-struct WeightsGradArgs {
-  BagShapes shapes;
-  int64_t num_rows = 0;
-  int64_t dim = 0;
-  const Tensor* grad = nullptr;        // [B, D]
-  const Tensor* params = nullptr;      // [N, D]: a variable's only while its lock is held
-  const Tensor* indices = nullptr;     // [nnz]
-  const Tensor* row_splits = nullptr;  // [B + 1]
-  const Tensor* weights = nullptr;     // [nnz]
-  const Tensor* output = nullptr;      // [B, D]
-  Tensor* weights_grad = nullptr;      // [nnz]
+struct WeightsGradArgs : WeightsGradInputs {
+  Tensor* weights_grad = nullptr;  // [nnz]
 };
 
 // The shape checks of inputs 0..5 (ValidateWeightsGradInputs), and the
@@ -116,14 +107,7 @@ struct WeightsGradArgs {
 inline Status GetWeightsGradArgs(OpKernelContext* ctx, const Tensor& params, const BagAttrs& attrs,
                                  WeightsGradArgs* a) {
   TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs, &a->shapes));
-  a->num_rows = params.dim_size(0);
-  a->dim = params.dim_size(1);
-  a->grad = &ctx->input(0);
-  a->params = &params;
-  a->indices = &ctx->input(2);
-  a->row_splits = &ctx->input(3);
-  a->weights = &ctx->input(4);
-  a->output = &ctx->input(5);
+  SetWeightsGradInputs(ctx, params, a);
   return OkStatus();
 }
 

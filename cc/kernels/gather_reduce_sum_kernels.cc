@@ -160,6 +160,17 @@ Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, con
   return OkStatus();
 }
 
+void SetWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, WeightsGradInputs* inputs) {
+  inputs->num_rows = params.dim_size(0);
+  inputs->dim = params.dim_size(1);
+  inputs->grad = &ctx->input(0);
+  inputs->params = &params;
+  inputs->indices = &ctx->input(2);
+  inputs->row_splits = &ctx->input(3);
+  inputs->weights = &ctx->input(4);
+  inputs->output = &ctx->input(5);
+}
+
 Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                 ParamsGradShapes* shapes) {
   const Tensor& grad = ctx->input(0);

@@ -1,5 +1,7 @@
-// Shared pieces of the gather_reduce_sum kernels: attrs and validation. Used by the CPU kernels and
-// by the GPU op glue, so that both reject bad input with the same messages.
+// Shared pieces of the gather_reduce_sum kernels: attrs and validation (the GPU kernels' own
+// size limits included). Used by the OpKernels written once for both devices
+// (gather_reduce_sum_*_op.h), the CPU kernels and the GPU op glue, so that both devices reject bad
+// input with the same messages.
 
 #ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
 #define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
@@ -101,6 +103,23 @@ Status GpuParamsGradSizeLimits(const BagShapes& shapes);
 // because the Resource* variants read it from a variable.
 Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, const BagAttrs& attrs,
                                  BagShapes* shapes);
+
+// Those inputs as the kernels read them, with the shapes
+// ValidateWeightsGradInputs found.
+struct WeightsGradInputs {
+  BagShapes shapes;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  const Tensor* grad = nullptr;        // [B, D]
+  const Tensor* params = nullptr;      // [N, D]: a variable's only while its lock is held
+  const Tensor* indices = nullptr;     // [nnz]
+  const Tensor* row_splits = nullptr;  // [B + 1]
+  const Tensor* weights = nullptr;     // [nnz], or [0] without weights
+  const Tensor* output = nullptr;      // [B, D], the forward's
+};
+
+// Sets `inputs` but its shapes from inputs 0 and 2..5 and `params` (checked).
+void SetWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, WeightsGradInputs* inputs);
 
 // Looks up the variable behind resource input `input` and checks that it is
 // initialized and holds `dtype`; `what` names it in the errors ("params",

@@ -25,22 +25,14 @@ namespace tf_ttemb {
 
 // What the op computes from, and into. The variables (and their tensors) are
 // the op's only while it holds their locks.
-struct SparseApplyArgs {
-  BagShapes shapes;
-  int64_t num_rows = 0;
-  int64_t dim = 0;
+struct SparseApplyArgs : WeightsGradInputs {
   // learning_rate and epsilon, read as AccT<T> (float or double: exact here).
   double lr = 0;
   double eps = 0;
-  Var* params_var = nullptr;           // [N, D] of T
-  Var* acc_var = nullptr;              // [N] (row-wise) or [N, D] of AccT<T>; null for sgd
-  const Tensor* grad = nullptr;        // [B, D]
-  const Tensor* indices = nullptr;     // [nnz]
-  const Tensor* row_splits = nullptr;  // [B + 1]
-  const Tensor* weights = nullptr;     // [nnz], or [0] without weights
-  const Tensor* output = nullptr;      // [B, D], the forward's
-  const Tensor* argmax = nullptr;      // [B, D] for max, else [0, D]
-  Tensor* weights_grad = nullptr;      // [nnz] with weights, else [0]
+  Var* params_var = nullptr;       // [N, D] of T (its tensor is `params`)
+  Var* acc_var = nullptr;          // [N] (row-wise) or [N, D] of AccT<T>; null for sgd
+  const Tensor* argmax = nullptr;  // [B, D] for max, else [0, D]
+  Tensor* weights_grad = nullptr;  // [nnz] with weights, else [0]
 };
 
 // The host-side checks of the inputs with the locked variables
@@ -52,17 +44,11 @@ Status GetSparseApplyArgs(OpKernelContext* ctx, const SparseApplyAttrs& attrs, V
   AccT<T> lr, eps;
   TF_RETURN_IF_ERROR(ValidateSparseApplyInputs<AccT<T>>(
       ctx, params, acc_var != nullptr ? acc_var->tensor() : nullptr, attrs, &a->shapes, &lr, &eps));
+  SetWeightsGradInputs(ctx, params, a);
   a->lr = lr;
   a->eps = eps;
-  a->num_rows = params.dim_size(0);
-  a->dim = params.dim_size(1);
   a->params_var = params_var;
   a->acc_var = acc_var;
-  a->grad = &ctx->input(0);
-  a->indices = &ctx->input(2);
-  a->row_splits = &ctx->input(3);
-  a->weights = &ctx->input(4);
-  a->output = &ctx->input(5);
   a->argmax = &ctx->input(6);
   return OkStatus();
 }
