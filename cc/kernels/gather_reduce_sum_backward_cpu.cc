@@ -1,5 +1,7 @@
-// CPU kernels of the gather_reduce_sum gradients: w.r.t. params (deduplicated
-// and dense), w.r.t. weights, and both fused in one pass.
+// CPU kernels of the gather_reduce_sum gradients (the Launch<CpuDevice>
+// functors of gather_reduce_sum_backward_op.h's OpKernels, registered here):
+// w.r.t. params (deduplicated and dense), w.r.t. weights, and both fused in
+// one pass.
 //
 // Backward w.r.t. params: the (id, position) pairs of the non-padding entries
 // are radix-sorted by id (stable, ceil(log2 N) key bits; SortEntries in
@@ -17,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/kernels/device_op_kernel.h"
+#include "cc/kernels/gather_reduce_sum_backward_op.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -69,32 +73,25 @@ struct ParamsGradCall {
   }
 };
 
-// Validates the inputs of GatherReduceSumGrad / GatherReduceSumDenseGrad
-// and sorts the entries by id.
+// The CPU checks of the ids and row_splits of a params gradient, then the
+// entries sorted by id and their coefficients.
 template <typename T, typename Tindex>
-Status PrepareParamsGrad(OpKernelContext* ctx, const BagAttrs& attrs,
+Status PrepareParamsGrad(const BagAttrs& attrs, const ParamsGradArgs& a, thread::ThreadPool* pool,
                          ParamsGradCall<T, Tindex>* call) {
-  const Tensor& grad = ctx->input(0);
-  const Tensor& indices = ctx->input(1);
-  const Tensor& row_splits = ctx->input(2);
-  const Tensor& weights = ctx->input(3);
-  const Tensor& argmax = ctx->input(4);
-  ParamsGradShapes shapes;
-  TF_RETURN_IF_ERROR(ValidateParamsGradInputs(ctx, attrs, &shapes));
-  call->shapes = shapes.bags;
-  call->num_rows = shapes.num_rows;
-  call->dim = shapes.dim;
+  call->shapes = a.shapes.bags;
+  call->num_rows = a.shapes.num_rows;
+  call->dim = a.shapes.dim;
   const int64_t num_bags = call->shapes.num_bags;
   const int64_t nnz = call->shapes.nnz;
   const bool is_max = attrs.combiner == Combiner::kMax;
-  call->splits = row_splits.flat<int64_t>().data();
+  call->splits = a.row_splits->flat<int64_t>().data();
   TF_RETURN_IF_ERROR(ValidateRowSplits(call->splits, num_bags, nnz));
-  call->ids = indices.flat<Tindex>().data();
-  call->pool = CpuPool(ctx);
+  call->ids = a.indices->flat<Tindex>().data();
+  call->pool = pool;
   TF_RETURN_IF_ERROR(ValidateIndices(call->pool, call->ids, nnz, call->num_rows, attrs));
-  call->grad = grad.flat<T>().data();
-  call->weights = attrs.has_weights ? weights.flat<T>().data() : nullptr;
-  call->argmax = is_max ? argmax.flat<int32>().data() : nullptr;
+  call->grad = a.grad->flat<T>().data();
+  call->weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
+  call->argmax = is_max ? a.argmax->flat<int32>().data() : nullptr;
   SortEntries(call->pool, call->ids, call->splits, num_bags, nnz, call->num_rows, attrs,
               &call->sorted);
   if (!is_max) {
@@ -106,67 +103,50 @@ Status PrepareParamsGrad(OpKernelContext* ctx, const BagAttrs& attrs,
   return OkStatus();
 }
 
-template <typename T, typename Tindex>
-class GatherReduceSumGradOp : public OpKernel {
- public:
-  explicit GatherReduceSumGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
+// The ids of the deduplicated form's rows: the first key of each segment.
+template <typename Tindex>
+void WriteUniqueIds(const SortedEntries& s, Tensor* unique_ids) {
+  Tindex* ids_out = unique_ids->flat<Tindex>().data();
+  for (int64_t u = 0; u < s.num_unique(); ++u) {
+    ids_out[u] = static_cast<Tindex>(s.keys[s.seg_starts[u]]);
   }
+}
 
-  void Compute(OpKernelContext* ctx) override {
+}  // namespace
+
+template <typename T, typename Tindex>
+struct ParamsGradLaunch<CpuDevice, T, Tindex> {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ParamsGradArgs& a,
+                    const CpuStep& step) {
     ParamsGradCall<T, Tindex> call;
-    OP_REQUIRES_OK(ctx, PrepareParamsGrad(ctx, attrs_, &call));
-    const int64_t num_unique = call.sorted.num_unique();
+    TF_RETURN_IF_ERROR(PrepareParamsGrad(attrs, a, step.pool, &call));
+    const SortedEntries& s = call.sorted;
     const int64_t dim = call.dim;
+    if (a.params_grad != nullptr) {  // dense
+      const int64_t num_rows = call.num_rows;
+      if (dim == 0 || num_rows == 0) return OkStatus();
+      T* out = a.params_grad->flat<T>().data();
+      AdviseHugePages(out, num_rows * dim * static_cast<int64_t>(sizeof(T)));
+      // Zero the untouched rows in parallel; the reduction writes the others.
+      ZeroUntouchedRows(call.pool, s, num_rows, dim, out);
+      call.ReduceAll([&](int64_t u, const auto* acc) {
+        T* row = out + static_cast<int64_t>(s.keys[s.seg_starts[u]]) * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+      });
+      return OkStatus();
+    }
     Tensor* unique_ids = nullptr;
     Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_unique, dim}), &values));
-    Tindex* ids_out = unique_ids->flat<Tindex>().data();
+    TF_RETURN_IF_ERROR(AllocateDeduplicatedGrad(ctx, s.num_unique(), dim, &unique_ids, &values));
+    WriteUniqueIds<Tindex>(s, unique_ids);
+    if (dim == 0) return OkStatus();
     T* values_out = values->flat<T>().data();
-    const SortedEntries& s = call.sorted;
-    for (int64_t u = 0; u < num_unique; ++u) {
-      ids_out[u] = static_cast<Tindex>(s.keys[s.seg_starts[u]]);
-    }
-    if (dim == 0) return;
     call.ReduceAll([&](int64_t u, const auto* acc) {
       T* row = values_out + u * dim;
       for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
     });
+    return OkStatus();
   }
-
- private:
-  BagAttrs attrs_;
-};
-
-template <typename T, typename Tindex>
-class GatherReduceSumDenseGradOp : public OpKernel {
- public:
-  explicit GatherReduceSumDenseGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    ParamsGradCall<T, Tindex> call;
-    OP_REQUIRES_OK(ctx, PrepareParamsGrad(ctx, attrs_, &call));
-    const int64_t dim = call.dim;
-    const int64_t num_rows = call.num_rows;
-    Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_rows, dim}), &output));
-    if (dim == 0 || num_rows == 0) return;
-    T* out = output->flat<T>().data();
-    AdviseHugePages(out, num_rows * dim * static_cast<int64_t>(sizeof(T)));
-    // Zero the untouched rows in parallel; the reduction writes the others.
-    const SortedEntries& s = call.sorted;
-    ZeroUntouchedRows(call.pool, s, num_rows, dim, out);
-    call.ReduceAll([&](int64_t u, const auto* acc) {
-      T* row = out + static_cast<int64_t>(s.keys[s.seg_starts[u]]) * dim;
-      for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
-    });
-  }
-
- private:
-  BagAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
@@ -176,46 +156,24 @@ class GatherReduceSumDenseGradOp : public OpKernel {
 //   sqrtn: dw_j = <dy_b, e_j> / S - w_j <dy_b, out_b> / S^2,  S = sqrt(sum w^2)
 // with 0 for padding entries and for bags whose S is 0.
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumWeightsGradOp : public OpKernel {
- public:
-  explicit GatherReduceSumWeightsGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument("GatherReduceSumWeightsGrad needs has_weights = true"));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    WithParams<T, ParamsFromResource>(
-        ctx, 1, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
-  }
-
- private:
-  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+template <typename T, typename Tindex>
+struct WeightsGradLaunch<CpuDevice, T, Tindex> {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const WeightsGradArgs& a,
+                    const CpuStep& step) {
     using Acc = AccT<T>;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
-    BagShapes shapes;
-    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    const int64_t* splits = row_splits.flat<int64_t>().data();
-    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
-    const Tindex* ids = indices.flat<Tindex>().data();
-    thread::ThreadPool* pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, shapes.nnz, num_rows, attrs_));
+    const BagShapes& shapes = a.shapes;
+    const int64_t dim = a.dim;
+    const int64_t* splits = a.row_splits->flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
+    const Tindex* ids = a.indices->flat<Tindex>().data();
+    thread::ThreadPool* pool = step.pool;
+    TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, shapes.nnz, a.num_rows, attrs));
 
-    Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shapes.nnz}), &weights_grad));
-    const T* dy_data = grad.flat<T>().data();
-    const T* params_data = params.flat<T>().data();
-    const T* w = weights.flat<T>().data();
-    const T* out_data = output.flat<T>().data();
-    T* dw = weights_grad->flat<T>().data();
-    const BagAttrs attrs = attrs_;
+    const T* dy_data = a.grad->flat<T>().data();
+    const T* params_data = a.params->flat<T>().data();
+    const T* w = a.weights->flat<T>().data();
+    const T* out_data = a.output->flat<T>().data();
+    T* dw = a.weights_grad->flat<T>().data();
     ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t j0 = splits[b], j1 = splits[b + 1];
@@ -238,95 +196,70 @@ class GatherReduceSumWeightsGradOp : public OpKernel {
         }
       }
     });
+    return OkStatus();
   }
-
-  BagAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
 // Fused backward (weighted sum, mean, sqrtn): one pass over the entries sorted
 // by id computes the params gradient of each unique row and, with that row
 // loaded once, the weights gradient of each of its entries (formulas as in
-// GatherReduceSumWeightsGradOp). Every entry belongs to exactly one segment,
-// so each weights-gradient element is written by one thread: deterministic.
+// WeightsGradLaunch). Every entry belongs to exactly one segment, so each
+// weights-gradient element is written by one thread: deterministic.
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumFusedGradOp : public OpKernel {
- public:
-  explicit GatherReduceSumFusedGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
-    OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument("GatherReduceSumFusedGrad needs has_weights = true"));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    WithParams<T, ParamsFromResource>(
-        ctx, 1, [&](const Tensor& params) { ComputeWithParams(ctx, params); });
-  }
-
- private:
-  void ComputeWithParams(OpKernelContext* ctx, const Tensor& params) {
+template <typename T, typename Tindex>
+struct FusedGradLaunch<CpuDevice, T, Tindex> {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const FusedGradArgs& a,
+                    const CpuStep& step) {
     using Acc = AccT<T>;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
     ParamsGradCall<T, Tindex> call;
-    OP_REQUIRES_OK(ctx, ValidateWeightsGradInputs(ctx, params, attrs_, &call.shapes));
+    call.shapes = a.shapes;
     const int64_t num_bags = call.shapes.num_bags;
     const int64_t nnz = call.shapes.nnz;
-    call.num_rows = params.dim_size(0);
-    call.dim = params.dim_size(1);
+    call.num_rows = a.num_rows;
+    call.dim = a.dim;
     const int64_t dim = call.dim;
-    call.splits = row_splits.flat<int64_t>().data();
-    OP_REQUIRES_OK(ctx, ValidateRowSplits(call.splits, num_bags, nnz));
-    call.ids = indices.flat<Tindex>().data();
-    call.pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx, ValidateIndices(call.pool, call.ids, nnz, call.num_rows, attrs_));
-    call.grad = grad.flat<T>().data();
-    call.weights = weights.flat<T>().data();
-    SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows, attrs_,
+    call.splits = a.row_splits->flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(ValidateRowSplits(call.splits, num_bags, nnz));
+    call.ids = a.indices->flat<Tindex>().data();
+    call.pool = step.pool;
+    TF_RETURN_IF_ERROR(ValidateIndices(call.pool, call.ids, nnz, call.num_rows, attrs));
+    call.grad = a.grad->flat<T>().data();
+    call.weights = a.weights->flat<T>().data();
+    SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows, attrs,
                 &call.sorted);
-    ComputeBagScales(call.pool, call.ids, call.weights, call.splits, num_bags, attrs_,
-                     &call.scales);
+    ComputeBagScales(call.pool, call.ids, call.weights, call.splits, num_bags, attrs, &call.scales);
     const SortedEntries& s = call.sorted;
     const int64_t num_unique = s.num_unique();
 
     // <dy_b, out_b> per bag, for mean and sqrtn.
     std::vector<Acc> dy_dot_out(num_bags, Acc(0));
-    const T* out_data = output.flat<T>().data();
-    if (attrs_.combiner != Combiner::kSum) {
+    const T* dy_data = call.grad;
+    const T* out_data = a.output->flat<T>().data();
+    if (attrs.combiner != Combiner::kSum) {
       ForBalancedBlocks(call.pool, call.splits, num_bags, dim, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
-          dy_dot_out[b] = Dot<Acc>(call.grad + b * dim, out_data + b * dim, dim);
+          dy_dot_out[b] = Dot<Acc>(dy_data + b * dim, out_data + b * dim, dim);
         }
       });
     }
 
-    Tensor* unique_ids = nullptr;
-    Tensor* params_grad = nullptr;
-    Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(
-        ctx, ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : num_unique}), &unique_ids));
-    const int64_t grad_rows = dense_grad_ ? call.num_rows : num_unique;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({grad_rows, dim}), &params_grad));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({nnz}), &weights_grad));
+    Tensor* params_grad = a.params_grad;
+    if (!a.dense) {
+      Tensor* unique_ids = nullptr;
+      TF_RETURN_IF_ERROR(AllocateDeduplicatedGrad(ctx, num_unique, dim, &unique_ids, &params_grad));
+      WriteUniqueIds<Tindex>(s, unique_ids);
+    }
+    const int64_t grad_rows = a.dense ? call.num_rows : num_unique;
     T* values = params_grad->flat<T>().data();
-    T* dw = weights_grad->flat<T>().data();
+    T* dw = a.weights_grad->flat<T>().data();
     // Padding entries (in no segment) keep a zero weights gradient.
     std::fill(dw, dw + nnz, T(0));
-    if (dense_grad_ && dim > 0) {
+    if (a.dense && dim > 0) {
       AdviseHugePages(values, grad_rows * dim * static_cast<int64_t>(sizeof(T)));
       ZeroUntouchedRows(call.pool, s, grad_rows, dim, values);
-    } else {
-      Tindex* ids_out = unique_ids->flat<Tindex>().data();
-      for (int64_t u = 0; u < num_unique; ++u) {
-        ids_out[u] = static_cast<Tindex>(s.keys[s.seg_starts[u]]);
-      }
     }
-    const T* params_data = params.flat<T>().data();
+    const T* params_data = a.params->flat<T>().data();
     std::vector<Acc>& w_sorted = *ThreadScratch::Get().weights(static_cast<Acc*>(nullptr));
     SortedCoefficients(call.pool, s, call.weights, call.scales.data(), &call.coef, &w_sorted);
     const Acc* coef = call.coef.data();
@@ -337,10 +270,9 @@ class GatherReduceSumFusedGradOp : public OpKernel {
     const int64_t* bags = s.bags.data();
     const int64_t* seg_starts = s.seg_starts.data();
     const uint64_t* keys = s.keys.data();
-    const T* dy_data = call.grad;
-    const Combiner combiner = attrs_.combiner;
+    const Combiner combiner = attrs.combiner;
     const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
-    const bool dense = dense_grad_;
+    const bool dense = a.dense;
     // Each segment's table row is prefetched `rows_ahead` segments ahead (the
     // rows are read in id order, scattered over the table; about 4 KiB in
     // flight, 4 to 16 rows), and the upstream gradient rows kPrefetchDistance
@@ -374,25 +306,25 @@ class GatherReduceSumFusedGradOp : public OpKernel {
         for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);
       }
     });
+    return OkStatus();
   }
-
-  BagAttrs attrs_;
-  bool dense_grad_ = false;
 };
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                                        \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumGrad", T, Tindex,                \
-                                   GatherReduceSumGradOp<T, Tindex>)                        \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumDenseGrad", T, Tindex,           \
-                                   GatherReduceSumDenseGradOp<T, Tindex>)                   \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumWeightsGrad", T, Tindex,         \
-                                   GatherReduceSumWeightsGradOp<T, Tindex, false>)          \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumWeightsGrad", T, Tindex, \
-                                   GatherReduceSumWeightsGradOp<T, Tindex, true>)           \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumFusedGrad", T, Tindex,           \
-                                   GatherReduceSumFusedGradOp<T, Tindex, false>)            \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumFusedGrad", T, Tindex,   \
-                                   GatherReduceSumFusedGradOp<T, Tindex, true>)
+namespace {
+
+#define TF_TTEMB_REGISTER(T, Tindex)                                                          \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumGrad", T, Tindex,                  \
+                                   GatherReduceSumGradOp<CpuDevice, T, Tindex, false>)        \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumDenseGrad", T, Tindex,             \
+                                   GatherReduceSumGradOp<CpuDevice, T, Tindex, true>)         \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumWeightsGrad", T, Tindex,           \
+                                   GatherReduceSumWeightsGradOp<CpuDevice, T, Tindex, false>) \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumWeightsGrad", T, Tindex,   \
+                                   GatherReduceSumWeightsGradOp<CpuDevice, T, Tindex, true>)  \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumFusedGrad", T, Tindex,             \
+                                   GatherReduceSumFusedGradOp<CpuDevice, T, Tindex, false>)   \
+  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumFusedGrad", T, Tindex,     \
+                                   GatherReduceSumFusedGradOp<CpuDevice, T, Tindex, true>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
 #undef TF_TTEMB_REGISTER
 

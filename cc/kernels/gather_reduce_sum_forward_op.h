@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -26,11 +27,6 @@
 
 namespace tensorflow {
 namespace tf_ttemb {
-
-// The devices an OpKernel of the package is instantiated for (the kernels use
-// no Eigen expressions, so plain tags rather than Eigen's device types).
-struct CpuDevice {};
-struct GpuDevice {};
 
 // What the forward computes from, and into: the inputs as checked on the host,
 // and the outputs as allocated.

@@ -66,6 +66,14 @@ Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
   return OkStatus();
 }
 
+Status GetWeightedBagAttrs(OpKernelConstruction* ctx, const char* op, BagAttrs* attrs) {
+  TF_RETURN_IF_ERROR(GetBagAttrs(ctx, attrs));
+  if (!attrs->has_weights) {
+    return errors::InvalidArgument(op, " needs has_weights = true");
+  }
+  return OkStatus();
+}
+
 Status ValidateParamsShape(const Tensor& params) {
   if (params.dims() != 2) {
     return errors::InvalidArgument("params must be a matrix [N, D], got shape ",
@@ -152,6 +160,17 @@ Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, con
   return OkStatus();
 }
 
+void SetWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, WeightsGradInputs* inputs) {
+  inputs->num_rows = params.dim_size(0);
+  inputs->dim = params.dim_size(1);
+  inputs->grad = &ctx->input(0);
+  inputs->params = &params;
+  inputs->indices = &ctx->input(2);
+  inputs->row_splits = &ctx->input(3);
+  inputs->weights = &ctx->input(4);
+  inputs->output = &ctx->input(5);
+}
+
 Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                 ParamsGradShapes* shapes) {
   const Tensor& grad = ctx->input(0);
@@ -185,6 +204,18 @@ Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
       (argmax_rows > 0 && argmax.dim_size(1) != shapes->dim)) {
     return errors::InvalidArgument("argmax must have shape [", argmax_rows, ", ", shapes->dim,
                                    "], got ", argmax.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+Status GpuParamsGradSizeLimits(const BagShapes& shapes) {
+  if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
+    return errors::InvalidArgument(
+        "the GPU params gradient supports fewer than 2^31 - 2 indices, got ", shapes.nnz);
+  }
+  if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
+    return errors::InvalidArgument(
+        "the GPU params gradient supports fewer than 2^31 - 1 bags, got ", shapes.num_bags);
   }
   return OkStatus();
 }

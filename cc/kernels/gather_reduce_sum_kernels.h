@@ -1,5 +1,7 @@
-// Shared pieces of the gather_reduce_sum kernels: attrs and validation. Used by the CPU kernels and
-// by the GPU op glue, so that both reject bad input with the same messages.
+// Shared pieces of the gather_reduce_sum kernels: attrs and validation (the GPU kernels' own
+// size limits included). Used by the OpKernels written once for both devices
+// (gather_reduce_sum_*_op.h), the CPU kernels and the GPU op glue, so that both devices reject bad
+// input with the same messages.
 
 #ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
 #define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_KERNELS_H_
@@ -38,6 +40,9 @@ using BagAttrs = ::tf_ttemb::BagOptions;
 Status ParseCombiner(const std::string& name, Combiner* combiner);
 Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
 const char* CombinerName(Combiner combiner);
+// GetBagAttrs for the ops that need weights (the weights gradients): an error
+// naming `op` when has_weights is false.
+Status GetWeightedBagAttrs(OpKernelConstruction* ctx, const char* op, BagAttrs* attrs);
 
 // Shapes of the CSR inputs. `num_bags` and `nnz` are set on success.
 struct BagShapes {
@@ -88,12 +93,33 @@ struct ParamsGradShapes {
 Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
                                 ParamsGradShapes* shapes);
 
+// The sizes the GPU params-gradient launchers take (the sort and the segment
+// bookkeeping use int32 positions); checked by the GPU ops only.
+Status GpuParamsGradSizeLimits(const BagShapes& shapes);
+
 // Host-side shape checks of the ops taking (grad [B, D], params [N, D],
 // indices, row_splits, weights [nnz], output [B, D]) as inputs 0..5 (the
 // weights gradient and the fused gradient); `params` is passed separately
 // because the Resource* variants read it from a variable.
 Status ValidateWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, const BagAttrs& attrs,
                                  BagShapes* shapes);
+
+// Those inputs as the kernels read them, with the shapes
+// ValidateWeightsGradInputs found.
+struct WeightsGradInputs {
+  BagShapes shapes;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  const Tensor* grad = nullptr;        // [B, D]
+  const Tensor* params = nullptr;      // [N, D]: a variable's only while its lock is held
+  const Tensor* indices = nullptr;     // [nnz]
+  const Tensor* row_splits = nullptr;  // [B + 1]
+  const Tensor* weights = nullptr;     // [nnz], or [0] without weights
+  const Tensor* output = nullptr;      // [B, D], the forward's
+};
+
+// Sets `inputs` but its shapes from inputs 0 and 2..5 and `params` (checked).
+void SetWeightsGradInputs(OpKernelContext* ctx, const Tensor& params, WeightsGradInputs* inputs);
 
 // Looks up the variable behind resource input `input` and checks that it is
 // initialized and holds `dtype`; `what` names it in the errors ("params",
@@ -115,8 +141,7 @@ inline bool IsPadding(Tindex id, const BagAttrs& attrs) {
 // Calls compute(params) with the table of input `input`: the tensor itself,
 // or, for the Resource* ops (FromResource), the variable's tensor read in
 // place under the variable's shared lock, held until compute returns.
-// Returns compute's status, or the variable lookup's error (for
-// AsyncOpKernels, which must not fail through OP_REQUIRES).
+// Returns compute's status, or the variable lookup's error.
 template <typename T, bool FromResource, typename Compute>
 Status WithParamsStatus(OpKernelContext* ctx, int input, Compute compute) {
   if (!FromResource) return compute(ctx->input(input));
@@ -124,15 +149,6 @@ Status WithParamsStatus(OpKernelContext* ctx, int input, Compute compute) {
   TF_RETURN_IF_ERROR(LookupVariable<T>(ctx, input, &variable));
   tf_shared_lock lock(*variable->mu());
   return compute(*variable->tensor());
-}
-
-// WithParamsStatus for a compute that reports through the context.
-template <typename T, bool FromResource, typename Compute>
-void WithParams(OpKernelContext* ctx, int input, Compute compute) {
-  OP_REQUIRES_OK(ctx, (WithParamsStatus<T, FromResource>(ctx, input, [&](const Tensor& params) {
-                   compute(params);
-                   return OkStatus();
-                 })));
 }
 
 // ---------------------------------------------------------------------------
@@ -195,18 +211,6 @@ Status WithLockedSparseApplyVariablesStatus(OpKernelContext* ctx, const SparseAp
   std::optional<mutex_lock> second_lock;
   if (second != nullptr) second_lock.emplace(*second);
   return compute(params_var.get(), acc_var.get());
-}
-
-// WithLockedSparseApplyVariablesStatus for a compute that reports through the
-// context.
-template <typename T, typename Acc, typename Compute>
-void WithLockedSparseApplyVariables(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
-                                    Compute compute) {
-  OP_REQUIRES_OK(ctx, (WithLockedSparseApplyVariablesStatus<T, Acc>(
-                          ctx, attrs, [&](Var* params_var, Var* acc_var) {
-                            compute(params_var, acc_var);
-                            return OkStatus();
-                          })));
 }
 
 }  // namespace tf_ttemb

@@ -1,26 +1,31 @@
 // GPU OpKernels of the gather_reduce_sum family: TensorFlow glue around the
-// CUDA launchers of cuda/gather_reduce_sum_kernels.cuh.
+// CUDA launchers of cuda/gather_reduce_sum_kernels.cuh. The OpKernels are the
+// ones written once for both devices (gather_reduce_sum_{forward,backward,
+// sparse_apply}_op.h); this file specialises their Launch functors for
+// GpuDevice and registers them, and holds CheckBagReport's GPU kernel.
 //
-// Every kernel checks shapes on the host with the validation shared with the
-// CPU kernels (same messages) and runs the launchers on the op's CUDA stream,
-// with scratch from allocate_temp sized by the launchers' size queries. What
-// the device finds wrong in the ids and row_splits goes to a DeviceReport
-// (cuda/common_types.h) that becomes the CPU kernel's InvalidArgument
-// (ReportStatus):
-//   * the forward (ForwardLaunch<GpuDevice>, the OpKernel of
-//     gather_reduce_sum_forward_op.h) is synchronous and never waits: its
-//     report is an output, raised from by CheckBagReport, which the Python
+// Every op checks shapes on the host with the validation shared with the CPU
+// kernels (same messages) and its Launch runs the launchers on the op's CUDA
+// stream, with scratch from allocate_temp sized by the launchers' size
+// queries. What the device finds wrong in the ids and row_splits goes to a
+// DeviceReport (cuda/common_types.h) that becomes the CPU kernel's
+// InvalidArgument (ReportStatus):
+//   * the forward (ForwardLaunch<GpuDevice>) is synchronous and never waits:
+//     its report is an output, raised from by CheckBagReport, which the Python
 //     wrapper adds beside it, so the output's consumers do not wait for it;
-//   * the others are AsyncOpKernels that copy their report to pinned host
-//     memory and finish from the device's EventMgr thread once the stream has
-//     run their work (LaunchThenCheck): no TensorFlow thread waits on the GPU.
-//     The deduplicated params gradient sizes its outputs ([U], [U, D]) there
-//     and queues its reduction, as TensorFlow core's GPU Unique does.
+//   * the others are AsyncOpKernels (DeviceOpKernel<GpuDevice>) that copy
+//     their report to pinned host memory and finish from the device's EventMgr
+//     thread once the stream has run their work (LaunchThenCheck): no
+//     TensorFlow thread waits on the GPU. The deduplicated params gradients
+//     and the sparse apply's row-wise Adagrad on wide rows size their outputs
+//     or temporaries ([U], [U, D]) there and queue their second step, as
+//     TensorFlow core's GPU Unique does.
 //
 // The sparse apply reduces and updates the rows in one launcher
-// (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces and
-// then runs LaunchApplyRows (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these
-// kernels through TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
+// (LaunchParamsGradApply), or for row-wise Adagrad on wide rows reduces into
+// a [U, D] temporary and then runs LaunchApplyRows
+// (cuda/gather_reduce_sum_update_kernels.cuh). The suite runs these kernels
+// through TensorFlow on an H200 (../shared/tf_gpu/; BENCHMARKS.md).
 
 #if GOOGLE_CUDA
 
@@ -36,8 +41,11 @@
 #include <memory>
 #include <utility>
 
+#include "cc/kernels/device_op_kernel.h"
+#include "cc/kernels/gather_reduce_sum_backward_op.h"
 #include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/gather_reduce_sum_sparse_apply_op.h"
 #include "cc/kernels/gpu_kernel_util.h"
 #include "cuda/gather_reduce_sum_kernels.cuh"
 #include "cuda/gather_reduce_sum_update_kernels.cuh"
@@ -135,22 +143,10 @@ class GpuCall {
     return OkStatus();
   }
 
-  // Copies the report to the host and waits for the stream: everything the
-  // launchers queued before has finished when this returns OK.
-  Status ReadReport(launchers::DeviceReport* report) {
-    int64_t* host = host_report_.flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(host, device_report(), sizeof(launchers::DeviceReport),
-                                   cudaMemcpyDeviceToHost, stream_),
-                   "copy of the device report"));
-    TF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "stream synchronization"));
-    std::memcpy(report, host, sizeof(launchers::DeviceReport));
-    return OkStatus();
-  }
-
-  // ReadReport without waiting (tf_ttemb::ThenCheckReport): the op's status
-  // is `check`'s and `done` is called once the stream has run what is queued;
-  // the call (its report, scratch and placeholder) lives until then.
+  // Copies the report to the host without waiting (tf_ttemb::ThenCheckReport):
+  // the op's status is `check`'s and `done` is called once the stream has run
+  // what is queued; the call (its report, scratch and placeholder) lives until
+  // then.
   using ReportCheck = std::function<Status(const launchers::DeviceReport&)>;
   static void ThenCheckReport(std::shared_ptr<GpuCall> call, ReportCheck check,
                               AsyncOpKernel::DoneCallback done) {
@@ -170,20 +166,6 @@ class GpuCall {
   Tensor scratch_;
   Tensor placeholder_;
 };
-
-// The sizes the params-gradient launchers take: the sort and the segment
-// bookkeeping use int32 positions.
-Status GradSizeLimits(const BagShapes& shapes) {
-  if (shapes.nnz >= std::numeric_limits<int32>::max() - 1) {
-    return errors::InvalidArgument(
-        "the GPU params gradient supports fewer than 2^31 - 2 indices, got ", shapes.nnz);
-  }
-  if (shapes.num_bags >= std::numeric_limits<int32>::max()) {
-    return errors::InvalidArgument(
-        "the GPU params gradient supports fewer than 2^31 - 1 bags, got ", shapes.num_bags);
-  }
-  return OkStatus();
-}
 
 // The launchers' U (distinct non-padding ids) as read back in the report,
 // checked against what it can be.
@@ -277,14 +259,10 @@ REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_GPU), Check
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. params (GatherReduceSumGrad, GatherReduceSumDenseGrad).
 
-// Host-side checks and the pieces both forms use. Messages match the CPU
-// kernel's PrepareParamsGrad.
+// The device pointers of a params gradient's inputs.
 template <typename T, typename Tindex>
-struct ParamsGradInputs {
+struct ParamsGradPointers {
   using CT = typename CudaTypeOf<T>::type;
-  BagShapes shapes;
-  int64_t num_rows = 0;
-  int64_t dim = 0;
   const CT* grad = nullptr;         // [B, D]
   const Tindex* ids = nullptr;      // [nnz]
   const int64_t* splits = nullptr;  // [B + 1]
@@ -293,73 +271,81 @@ struct ParamsGradInputs {
   bool is_max = false;
   bool argmax_empty = true;
 
+  ParamsGradPointers(const BagAttrs& attrs, const ParamsGradArgs& a)
+      : grad(DevicePtr<T>(*a.grad)),
+        ids(a.indices->flat<Tindex>().data()),
+        splits(a.row_splits->flat<int64_t>().data()),
+        weights(attrs.has_weights ? DevicePtr<T>(*a.weights) : nullptr),
+        argmax(attrs.combiner == Combiner::kMax ? a.argmax->flat<int32>().data() : nullptr),
+        is_max(attrs.combiner == Combiner::kMax),
+        argmax_empty(a.argmax->NumElements() == 0) {}
+
   // The argmax pointer for the reduce launch, which needs a non-null one for
   // max even when argmax has no elements.
   const int32* ArgmaxOr(void* placeholder) const {
     return is_max && argmax_empty ? static_cast<const int32*>(placeholder) : argmax;
   }
-
-  Status Validate(OpKernelContext* ctx, const BagAttrs& attrs) {
-    const Tensor& grad_t = ctx->input(0);
-    const Tensor& indices = ctx->input(1);
-    const Tensor& row_splits = ctx->input(2);
-    const Tensor& weights_t = ctx->input(3);
-    const Tensor& argmax_t = ctx->input(4);
-    ParamsGradShapes checked;
-    TF_RETURN_IF_ERROR(ValidateParamsGradInputs(ctx, attrs, &checked));
-    shapes = checked.bags;
-    num_rows = checked.num_rows;
-    dim = checked.dim;
-    is_max = attrs.combiner == Combiner::kMax;
-    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
-    grad = DevicePtr<T>(grad_t);
-    ids = indices.flat<Tindex>().data();
-    splits = row_splits.flat<int64_t>().data();
-    weights = attrs.has_weights ? DevicePtr<T>(weights_t) : nullptr;
-    argmax = is_max ? argmax_t.flat<int32>().data() : nullptr;
-    argmax_empty = argmax_t.NumElements() == 0;
-    return OkStatus();
-  }
 };
+
+}  // namespace
 
 // Deduplicated form: unique_indices [U] ascending, values [U, D]. U is known
 // only on the device: Prepare is queued, and once the stream has run it the
 // report's check (on the EventMgr thread) allocates the outputs at U and
 // queues the reduction, as TensorFlow core's GPU Unique sizes its output. No
-// TensorFlow thread waits on the stream.
+// TensorFlow thread waits on the stream. Dense form: params_grad [N, D], of a
+// size known on the host: both steps are queued at once and the report is
+// read once, after both.
 template <typename T, typename Tindex>
-class GatherReduceSumGradGpuOp
-    : public LaunchThenCheckOp<GpuCall, GatherReduceSumGradGpuOp<T, Tindex>> {
- public:
-  explicit GatherReduceSumGradGpuOp(OpKernelConstruction* ctx)
-      : LaunchThenCheckOp<GpuCall, GatherReduceSumGradGpuOp<T, Tindex>>(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-  }
+struct ParamsGradLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
 
-  Status Launch(OpKernelContext* ctx, GpuCall* call, GpuCall::ReportCheck* check) {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ParamsGradArgs& a,
+                    const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
-    ParamsGradInputs<T, Tindex> in;
-    TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
+    GpuCall* call = step.call;
+    const ParamsGradPointers<T, Tindex> in(attrs, a);
+    const bool dense = a.params_grad != nullptr;
     TF_RETURN_IF_ERROR(call->Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
-    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
-        p, /*dense=*/false, /*fuse_weights_grad=*/false);
+    const launchers::BagProblem p =
+        MakeProblem(attrs, a.shapes.bags, a.shapes.num_rows, a.shapes.dim);
+    const size_t scratch_bytes =
+        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/false);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    // Prepare always runs: it checks the ids and row_splits.
     TF_RETURN_IF_ERROR(
         CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, in.ids, in.splits, in.weights, call->device_report(), /*dense=*/false,
+                       p, in.ids, in.splits, in.weights, call->device_report(), dense,
                        /*fuse_weights_grad=*/false, scratch, scratch_bytes, call->stream()),
                    "gather_reduce_sum params grad prepare"));
-    *check = [this, ctx, call, in, p, scratch,
-              scratch_bytes](const launchers::DeviceReport& report) -> Status {
-      TF_RETURN_IF_ERROR(ReportStatus(report, attrs_));
+    if (dense) {
+      if (a.params_grad->NumElements() > 0) {
+        void* placeholder = nullptr;
+        TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
+        // Safe whatever the ids hold: the launchers never read out of bounds.
+        TF_RETURN_IF_ERROR(
+            CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                           p, in.grad, in.ArgmaxOr(placeholder), /*unique_ids=*/nullptr,
+                           /*values=*/nullptr, DevicePtr<T>(a.params_grad), /*fusion=*/nullptr,
+                           scratch, scratch_bytes, call->stream()),
+                       "gather_reduce_sum params grad reduce"));
+      }
+      *step.check = [attrs](const launchers::DeviceReport& report) {
+        return ReportStatus(report, attrs);
+      };
+      return OkStatus();
+    }
+    const ParamsGradShapes shapes = a.shapes;
+    *step.check = [attrs, ctx, call, in, p, shapes, scratch,
+                   scratch_bytes](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
-      TF_RETURN_IF_ERROR(NumUnique(report, in.shapes, in.num_rows, &num_unique));
+      TF_RETURN_IF_ERROR(NumUnique(report, shapes.bags, shapes.num_rows, &num_unique));
       Tensor* unique_ids = nullptr;
       Tensor* values = nullptr;
-      TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({num_unique}), &unique_ids));
-      TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({num_unique, in.dim}), &values));
+      TF_RETURN_IF_ERROR(
+          AllocateDeduplicatedGrad(ctx, num_unique, shapes.dim, &unique_ids, &values));
       if (num_unique == 0) return OkStatus();
       void* placeholder = nullptr;
       TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
@@ -372,114 +358,37 @@ class GatherReduceSumGradGpuOp
     };
     return OkStatus();
   }
-
- private:
-  BagAttrs attrs_;
-};
-
-// Dense form: params_grad [N, D]. No read-back is needed to size it, so the
-// report is read once, after both launches.
-template <typename T, typename Tindex>
-class GatherReduceSumDenseGradGpuOp
-    : public LaunchThenCheckOp<GpuCall, GatherReduceSumDenseGradGpuOp<T, Tindex>> {
- public:
-  explicit GatherReduceSumDenseGradGpuOp(OpKernelConstruction* ctx)
-      : LaunchThenCheckOp<GpuCall, GatherReduceSumDenseGradGpuOp<T, Tindex>>(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-  }
-
-  Status Launch(OpKernelContext* ctx, GpuCall* call_ptr, GpuCall::ReportCheck* check) {
-    using CT = typename CudaTypeOf<T>::type;
-    GpuCall& call = *call_ptr;
-    ParamsGradInputs<T, Tindex> in;
-    TF_RETURN_IF_ERROR(in.Validate(ctx, attrs_));
-    Tensor* output = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({in.num_rows, in.dim}), &output));
-    TF_RETURN_IF_ERROR(call.Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, in.shapes, in.num_rows, in.dim);
-    const size_t scratch_bytes = launchers::ParamsGradScratchBytes<CT, Tindex>(
-        p, /*dense=*/true, /*fuse_weights_grad=*/false);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    // Prepare always runs: it checks the ids and row_splits.
-    TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, in.ids, in.splits, in.weights, call.device_report(), /*dense=*/true,
-                       /*fuse_weights_grad=*/false, scratch, scratch_bytes, call.stream()),
-                   "gather_reduce_sum params grad prepare"));
-    if (output->NumElements() > 0) {
-      void* placeholder = nullptr;
-      TF_RETURN_IF_ERROR(call.AllocatePlaceholder(&placeholder));
-      // Safe whatever the ids hold: the launchers never read out of bounds.
-      TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                                        p, in.grad, in.ArgmaxOr(placeholder),
-                                        /*unique_ids=*/nullptr,
-                                        /*values=*/nullptr, DevicePtr<T>(output),
-                                        /*fusion=*/nullptr, scratch, scratch_bytes, call.stream()),
-                                    "gather_reduce_sum params grad reduce"));
-    }
-    *check = [this](const launchers::DeviceReport& report) { return ReportStatus(report, attrs_); };
-    return OkStatus();
-  }
-
- private:
-  BagAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. the weights (GatherReduceSumWeightsGrad,
-// ResourceGatherReduceSumWeightsGrad).
+// ResourceGatherReduceSumWeightsGrad): one launch, then the report's check.
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
- public:
-  explicit GatherReduceSumWeightsGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument("GatherReduceSumWeightsGrad needs has_weights = true"));
-  }
+template <typename T, typename Tindex>
+struct WeightsGradLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithParamsStatus<T, ParamsFromResource>(
-          ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
-    });
-  }
-
- private:
-  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call_ptr,
-                GpuCall::ReportCheck* check) {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const WeightsGradArgs& a,
+                    const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
-    GpuCall& call = *call_ptr;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
-    BagShapes shapes;
-    TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({shapes.nnz}), &weights_grad));
-
-    TF_RETURN_IF_ERROR(call.Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    GpuCall* call = step.call;
+    TF_RETURN_IF_ERROR(call->Init(ctx));
+    const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
     void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call.AllocateScratch(scratch_bytes, &scratch));
-    TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchWeightsGrad<CT, Tindex>(
-                       p, DevicePtr<T>(grad), DevicePtr<T>(params), indices.flat<Tindex>().data(),
-                       row_splits.flat<int64_t>().data(), DevicePtr<T>(weights),
-                       DevicePtr<T>(output), DevicePtr<T>(weights_grad), call.device_report(),
-                       scratch, scratch_bytes, call.stream()),
-                   "gather_reduce_sum weights grad launch"));
-    *check = [this](const launchers::DeviceReport& report) { return ReportStatus(report, attrs_); };
+    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchWeightsGrad<CT, Tindex>(
+            p, DevicePtr<T>(*a.grad), DevicePtr<T>(*a.params), a.indices->flat<Tindex>().data(),
+            a.row_splits->flat<int64_t>().data(), DevicePtr<T>(*a.weights), DevicePtr<T>(*a.output),
+            DevicePtr<T>(a.weights_grad), call->device_report(), scratch, scratch_bytes,
+            call->stream()),
+        "gather_reduce_sum weights grad launch"));
+    *step.check = [attrs](const launchers::DeviceReport& report) {
+      return ReportStatus(report, attrs);
+    };
     return OkStatus();
   }
-
-  BagAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
@@ -487,102 +396,78 @@ class GatherReduceSumWeightsGradGpuOp : public AsyncOpKernel {
 // ResourceGatherReduceSumFusedGrad): the params-gradient launches with the
 // weights gradient fused into the reduction (each table row read once per
 // distinct id).
+//
+// The dense form queues both steps at once; the deduplicated form queues
+// Prepare, and the report's check sizes the outputs at U and queues the
+// reduction (ParamsGradLaunch's way). A variable's lock is held while work is
+// queued; the deduplicated form's reduction, queued later, reads the table
+// through a reference that keeps its buffer: a writer in between copies the
+// buffer first (TensorFlow's copy-on-write of a shared variable buffer), so
+// the reduction sees the rows as Prepare did.
 
-template <typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumFusedGradGpuOp : public AsyncOpKernel {
- public:
-  explicit GatherReduceSumFusedGradGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetBagAttrs(ctx, &attrs_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
-    OP_REQUIRES(ctx, attrs_.has_weights,
-                errors::InvalidArgument("GatherReduceSumFusedGrad needs has_weights = true"));
-  }
+template <typename T, typename Tindex>
+struct FusedGradLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
 
-  // The dense form queues both steps at once; the deduplicated form queues
-  // Prepare, and the report's check sizes the outputs at U and queues the
-  // reduction (GatherReduceSumGradGpuOp's way). A variable's lock is held
-  // while work is queued; the deduplicated form's reduction, queued later,
-  // reads the table through a reference that keeps its buffer: a writer in
-  // between copies the buffer first (TensorFlow's copy-on-write of a shared
-  // variable buffer), so the reduction sees the rows as Prepare did.
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithParamsStatus<T, ParamsFromResource>(
-          ctx, 1, [&](const Tensor& params) { return Launch(ctx, params, call, check); });
-    });
-  }
-
- private:
-  Status Launch(OpKernelContext* ctx, const Tensor& params, GpuCall* call,
-                GpuCall::ReportCheck* check) {
+  static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const FusedGradArgs& a,
+                    const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
-    BagShapes shapes;
-    TF_RETURN_IF_ERROR(ValidateWeightsGradInputs(ctx, params, attrs_, &shapes));
-    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({shapes.nnz}), &weights_grad));
-
+    GpuCall* call = step.call;
+    const bool dense = a.dense;
     TF_RETURN_IF_ERROR(call->Init(ctx));
-    const launchers::BagProblem p = MakeProblem(attrs_, shapes, num_rows, dim);
+    const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes =
-        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense_grad_, /*fuse_weights_grad=*/true);
+        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/true);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
     TF_RETURN_IF_ERROR(
         CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(),
-                       DevicePtr<T>(weights), call->device_report(), dense_grad_,
+                       p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+                       DevicePtr<T>(*a.weights), call->device_report(), dense,
                        /*fuse_weights_grad=*/true, scratch, scratch_bytes, call->stream()),
                    "gather_reduce_sum fused grad prepare"));
-    // Queues the reduction into outputs of grad_rows rows.
-    auto reduce = [this, ctx, call, p, scratch, scratch_bytes, weights_grad,
-                   table = params](int64_t grad_rows) -> Status {
-      Tensor* unique_ids = nullptr;
-      Tensor* params_grad = nullptr;
-      TF_RETURN_IF_ERROR(
-          ctx->allocate_output(0, TensorShape({dense_grad_ ? 0 : grad_rows}), &unique_ids));
-      TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({grad_rows, p.dim}), &params_grad));
+    // Queues the reduction into outputs 0 (unique ids; [0] when dense) and 1.
+    auto reduce = [call, p, dense, scratch, scratch_bytes, grad = DevicePtr<T>(*a.grad),
+                   output = DevicePtr<T>(*a.output), weights = DevicePtr<T>(*a.weights),
+                   weights_grad = DevicePtr<T>(a.weights_grad),
+                   table = *a.params](Tensor* unique_ids, Tensor* params_grad) -> Status {
+      const launchers::WeightsGradFusion<CT> fusion{DevicePtr<T>(table), output, weights,
+                                                    weights_grad};
       void* placeholder = nullptr;
       TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
       CT* grad_out = NonEmptyOr(DevicePtr<T>(params_grad), params_grad->NumElements(), placeholder);
-      const launchers::WeightsGradFusion<CT> fusion{
-          DevicePtr<T>(table), DevicePtr<T>(ctx->input(5)), DevicePtr<T>(ctx->input(4)),
-          DevicePtr<T>(weights_grad)};
-      Tindex* ids_out = dense_grad_
-                            ? nullptr
-                            : NonEmptyOr(unique_ids->flat<Tindex>().data(), grad_rows, placeholder);
+      Tindex* ids_out = dense ? nullptr
+                              : NonEmptyOr(unique_ids->flat<Tindex>().data(),
+                                           unique_ids->NumElements(), placeholder);
       // Safe whatever the ids hold: the launchers never read out of bounds.
-      return CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
-                            p, DevicePtr<T>(ctx->input(0)), /*argmax=*/nullptr, ids_out,
-                            dense_grad_ ? nullptr : grad_out, dense_grad_ ? grad_out : nullptr,
-                            &fusion, scratch, scratch_bytes, call->stream()),
-                        "gather_reduce_sum fused grad reduce");
+      return CudaStatus(
+          launchers::LaunchParamsGradReduce<CT, Tindex>(
+              p, grad, /*argmax=*/nullptr, ids_out, dense ? nullptr : grad_out,
+              dense ? grad_out : nullptr, &fusion, scratch, scratch_bytes, call->stream()),
+          "gather_reduce_sum fused grad reduce");
     };
-    if (dense_grad_) {
-      TF_RETURN_IF_ERROR(reduce(num_rows));
-      *check = [this](const launchers::DeviceReport& report) {
-        return ReportStatus(report, attrs_);
+    if (dense) {
+      TF_RETURN_IF_ERROR(reduce(a.unique_ids, a.params_grad));
+      *step.check = [attrs](const launchers::DeviceReport& report) {
+        return ReportStatus(report, attrs);
       };
       return OkStatus();
     }
-    *check = [this, shapes, num_rows,
-              reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
-      TF_RETURN_IF_ERROR(ReportStatus(report, attrs_));
+    *step.check = [attrs, ctx, shapes = a.shapes, num_rows = a.num_rows, dim = a.dim,
+                   reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
-      return reduce(num_unique);
+      Tensor* unique_ids = nullptr;
+      Tensor* params_grad = nullptr;
+      TF_RETURN_IF_ERROR(AllocateDeduplicatedGrad(ctx, num_unique, dim, &unique_ids, &params_grad));
+      return reduce(unique_ids, params_grad);
     };
     return OkStatus();
   }
-
-  BagAttrs attrs_;
-  bool dense_grad_ = false;
 };
+
+namespace {
 
 // ---------------------------------------------------------------------------
 // Backward with the optimizer fused in (GatherReduceSumSparseApply): under the
@@ -593,11 +478,18 @@ class GatherReduceSumFusedGradGpuOp : public AsyncOpKernel {
 // or row_splits Prepare leaves the launches after it no segment to reduce, so
 // no row is written, and the report's check raises the CPU kernel's error once
 // the stream has run: the op queues its work and returns (an AsyncOpKernel),
-// as TensorFlow's own GPU scatter updates do. Row-wise Adagrad on rows wider
-// than one column chunk needs the whole row's sum of squares first: its sums
-// go to a [U, D] temporary that LaunchApplyRows applies, so that form reads U
-// back (waiting for the stream) to size it. All run on the op's stream, so
+// as TensorFlow's own GPU scatter updates do. All run on the op's stream, so
 // later readers of the variable see the update.
+//
+// Row-wise Adagrad on rows wider than one column chunk needs the whole row's
+// sum of squares first: its sums go to a [U, D] temporary that LaunchApplyRows
+// applies. U is known only on the device, so that form queues Prepare alone;
+// the report's check (on the EventMgr thread, no TensorFlow thread waiting)
+// takes the variables' locks again, checks the variables anew (another op may
+// have replaced them in between; Prepare read neither), sizes the temporary
+// at U and queues the reduction and the update under those locks, so that the
+// update is ordered with every other writer and reader of the variables as if
+// the whole op ran at that moment.
 
 // EnsureExclusiveBuffer's copy for device memory, on the op's stream.
 Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t stream) {
@@ -607,189 +499,204 @@ Status EnsureExclusiveDeviceBuffer(OpKernelContext* ctx, Var* var, cudaStream_t 
   });
 }
 
+// What both forms of the update write and read, with the variables' buffers
+// made exclusively owned (under the variables' locks, on the op's stream).
+template <typename T>
+struct SparseUpdateTarget {
+  using CT = typename CudaTypeOf<T>::type;
+  using Acc = AccT<T>;
+  CT* table = nullptr;                      // [N, D], updated in place
+  Acc* state = nullptr;                     // [N] or [N, D], or null for sgd
+  launchers::WeightsGradFusion<CT> fusion;  // set with weights
+  const int32* argmax = nullptr;            // [B, D] for max, else null
+  void* placeholder = nullptr;              // see NonEmptyOr
+  launchers::RowUpdate<Acc> update;
+
+  Status Init(OpKernelContext* ctx, const SparseApplyAttrs& attrs, const SparseApplyArgs& a,
+              GpuCall* call) {
+    TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, a.params_var, call->stream()));
+    if (a.acc_var != nullptr) {
+      TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, a.acc_var, call->stream()));
+    }
+    table = DevicePtr<T>(a.params_var->tensor());
+    state = a.acc_var != nullptr ? a.acc_var->tensor()->flat<Acc>().data() : nullptr;
+    TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
+    const CT* weights = attrs.bag.has_weights ? DevicePtr<T>(*a.weights) : nullptr;
+    fusion = {table, DevicePtr<T>(*a.output), weights, DevicePtr<T>(a.weights_grad)};
+    if (attrs.bag.combiner == Combiner::kMax) {
+      argmax = a.argmax->NumElements() > 0 ? a.argmax->flat<int32>().data()
+                                           : static_cast<const int32*>(placeholder);
+    }
+    update.optimizer = attrs.optimizer;
+    update.learning_rate = static_cast<Acc>(a.lr);
+    update.epsilon = static_cast<Acc>(a.eps);
+    update.num_rows = a.num_rows;
+    update.dim = a.dim;
+    return OkStatus();
+  }
+
+  const launchers::WeightsGradFusion<CT>* Fusion(const SparseApplyAttrs& attrs) const {
+    return attrs.bag.has_weights ? &fusion : nullptr;
+  }
+};
+
+}  // namespace
+
 template <typename T, typename Tindex>
-class GatherReduceSumSparseApplyGpuOp : public AsyncOpKernel {
- public:
+struct SparseApplyLaunch<GpuDevice, T, Tindex> {
+  using Call = GpuCall;
+  using CT = typename CudaTypeOf<T>::type;
   using Acc = AccT<T>;
 
-  explicit GatherReduceSumSparseApplyGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
-                                            DataTypeToEnum<Acc>::value, &attrs_));
-  }
-
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    LaunchThenCheck<GpuCall>(ctx, std::move(done), [&](GpuCall* call, GpuCall::ReportCheck* check) {
-      return WithLockedSparseApplyVariablesStatus<T, Acc>(
-          ctx, attrs_, [&](Var* params_var, Var* acc_var) {
-            return Launch(ctx, params_var, acc_var, call, check);
-          });
-    });
-  }
-
- private:
-  Status Launch(OpKernelContext* ctx, Var* params_var, Var* acc_var, GpuCall* call,
-                GpuCall::ReportCheck* check) {
-    using CT = typename CudaTypeOf<T>::type;
-    const BagAttrs& bag = attrs_.bag;
-    const Tensor& grad = ctx->input(0);
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
-    const Tensor& argmax = ctx->input(6);
-    BagShapes shapes;
-    Acc lr, eps;
-    TF_RETURN_IF_ERROR(ValidateSparseApplyInputs<Acc>(
-        ctx, *params_var->tensor(), acc_var != nullptr ? acc_var->tensor() : nullptr, attrs_,
-        &shapes, &lr, &eps));
-    TF_RETURN_IF_ERROR(GradSizeLimits(shapes));
-    const int64_t num_rows = params_var->tensor()->dim_size(0);
-    const int64_t dim = params_var->tensor()->dim_size(1);
-    const bool is_max = bag.combiner == Combiner::kMax;
+  static Status Run(OpKernelContext* ctx, const SparseApplyAttrs& attrs, const SparseApplyArgs& a,
+                    const GpuStep<GpuCall>& step) {
+    GpuCall* call = step.call;
+    const BagAttrs& bag = attrs.bag;
     const bool fuse = bag.has_weights;  // max takes no weights
-    Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_output(0, TensorShape({fuse ? shapes.nnz : 0}), &weights_grad));
-
     TF_RETURN_IF_ERROR(call->Init(ctx));
-    const launchers::BagProblem p = MakeProblem(bag, shapes, num_rows, dim);
+    const launchers::BagProblem p = MakeProblem(bag, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes =
         launchers::ParamsGradScratchBytes<CT, Tindex>(p, /*dense=*/false, fuse);
     void* scratch = nullptr;
     TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
-    const CT* weights_ptr = fuse ? DevicePtr<T>(weights) : nullptr;
-    TF_RETURN_IF_ERROR(CudaStatus(
-        launchers::LaunchParamsGradPrepare<CT, Tindex>(
-            p, indices.flat<Tindex>().data(), row_splits.flat<int64_t>().data(), weights_ptr,
-            call->device_report(), /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
-        "gather_reduce_sum sparse apply prepare"));
-    *check = [this](const launchers::DeviceReport& report) {
-      return ReportStatus(report, attrs_.bag);
+    TF_RETURN_IF_ERROR(
+        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
+                       p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+                       fuse ? DevicePtr<T>(*a.weights) : nullptr, call->device_report(),
+                       /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
+                   "gather_reduce_sum sparse apply prepare"));
+    *step.check = [bag](const launchers::DeviceReport& report) {
+      return ReportStatus(report, bag);
     };
-    if (shapes.nnz == 0) return OkStatus();
-    if (dim == 0) {
+    if (a.shapes.nnz == 0) return OkStatus();
+    if (a.dim == 0) {
       if (!fuse) return OkStatus();
       return CudaStatus(
-          cudaMemsetAsync(weights_grad->data(), 0, weights_grad->TotalBytes(), call->stream()),
+          cudaMemsetAsync(a.weights_grad->data(), 0, a.weights_grad->TotalBytes(), call->stream()),
           "zeroing the weights gradient");
     }
-
-    TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, params_var, call->stream()));
-    if (acc_var != nullptr) {
-      TF_RETURN_IF_ERROR(EnsureExclusiveDeviceBuffer(ctx, acc_var, call->stream()));
-    }
-    CT* table = DevicePtr<T>(params_var->tensor());
-    Acc* state = acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
-
-    void* placeholder = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
-    const launchers::WeightsGradFusion<CT> fusion{table, DevicePtr<T>(output), weights_ptr,
-                                                  DevicePtr<T>(weights_grad)};
-    const int32* argmax_ptr = nullptr;
-    if (is_max) {
-      argmax_ptr = argmax.NumElements() > 0 ? argmax.flat<int32>().data()
-                                            : static_cast<const int32*>(placeholder);
-    }
-    launchers::RowUpdate<Acc> update;
-    update.optimizer = attrs_.optimizer;
-    update.learning_rate = lr;
-    update.epsilon = eps;
-    update.num_rows = num_rows;
-    update.dim = dim;
-    if (launchers::ApplyFusesIntoReduce<CT>(p, update.optimizer)) {
+    if (launchers::ApplyFusesIntoReduce<CT>(p, attrs.optimizer)) {
       // Each row's sum updates the row where it is reduced: no [U, D] temporary.
-      return CudaStatus(launchers::LaunchParamsGradApply<CT, Tindex>(
-                            p, DevicePtr<T>(grad), argmax_ptr, update, table, state,
-                            fuse ? &fusion : nullptr, scratch, scratch_bytes, call->stream()),
-                        "gather_reduce_sum sparse apply");
+      SparseUpdateTarget<T> target;
+      TF_RETURN_IF_ERROR(target.Init(ctx, attrs, a, call));
+      return CudaStatus(
+          launchers::LaunchParamsGradApply<CT, Tindex>(
+              p, DevicePtr<T>(*a.grad), target.argmax, target.update, target.table, target.state,
+              target.Fusion(attrs), scratch, scratch_bytes, call->stream()),
+          "gather_reduce_sum sparse apply");
     }
-    // Row-wise Adagrad on rows cut into column chunks: U sizes a [U, D]
-    // temporary for the sums, then LaunchApplyRows.
-    launchers::DeviceReport report;
-    TF_RETURN_IF_ERROR(call->ReadReport(&report));
-    TF_RETURN_IF_ERROR((*check)(report));
-    *check = nullptr;  // checked
-    int64_t num_unique = 0;
-    TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
+    *step.check = [ctx, attrs, call, p, scratch, scratch_bytes, shapes = a.shapes,
+                   weights_grad = a.weights_grad](const launchers::DeviceReport& report) -> Status {
+      TF_RETURN_IF_ERROR(ReportStatus(report, attrs.bag));
+      int64_t num_unique = 0;
+      TF_RETURN_IF_ERROR(NumUnique(report, shapes, p.num_rows, &num_unique));
+      return WithLockedSparseApplyVariablesStatus<T, Acc>(
+          ctx, attrs, [&](Var* params_var, Var* acc_var) -> Status {
+            SparseApplyArgs now;
+            TF_RETURN_IF_ERROR(GetSparseApplyArgs<T>(ctx, attrs, params_var, acc_var, &now));
+            if (now.num_rows != p.num_rows || now.dim != p.dim) {
+              return errors::FailedPrecondition(
+                  "the params variable changed shape from [", p.num_rows, ", ", p.dim, "] to [",
+                  now.num_rows, ", ", now.dim, "] while GatherReduceSumSparseApply ran on the GPU");
+            }
+            now.weights_grad = weights_grad;
+            return ReduceThenApply(ctx, attrs, now, p, call, scratch, scratch_bytes, num_unique);
+          });
+    };
+    return OkStatus();
+  }
+
+ private:
+  // Row-wise Adagrad on rows cut into column chunks, under the variables'
+  // locks: the sums of the U rows into a [U, D] temporary, then
+  // LaunchApplyRows.
+  static Status ReduceThenApply(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
+                                const SparseApplyArgs& a, const launchers::BagProblem& p,
+                                GpuCall* call, void* scratch, size_t scratch_bytes,
+                                int64_t num_unique) {
+    SparseUpdateTarget<T> target;
+    TF_RETURN_IF_ERROR(target.Init(ctx, attrs, a, call));
+    // Freed on return: TensorFlow's allocator orders their reuse after the queued work.
     Tensor unique_ids, values;
     TF_RETURN_IF_ERROR(
         ctx->allocate_temp(DataTypeToEnum<Tindex>::value, TensorShape({num_unique}), &unique_ids));
     TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, dim}), &values));
-    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, placeholder);
-    CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), placeholder);
+        ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, a.dim}), &values));
+    Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, target.placeholder);
+    CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), target.placeholder);
     TF_RETURN_IF_ERROR(CudaStatus(
         launchers::LaunchParamsGradReduce<CT, Tindex>(
-            p, DevicePtr<T>(grad), argmax_ptr, ids_out, values_out,
-            /*dense=*/nullptr, fuse ? &fusion : nullptr, scratch, scratch_bytes, call->stream()),
+            p, DevicePtr<T>(*a.grad), target.argmax, ids_out, values_out,
+            /*dense=*/nullptr, target.Fusion(attrs), scratch, scratch_bytes, call->stream()),
         "gather_reduce_sum sparse apply reduce"));
-    return CudaStatus(launchers::LaunchApplyRows<CT, Acc, Tindex>(
-                          update, ids_out, values_out, num_unique, table, state, call->stream()),
-                      "gather_reduce_sum sparse apply update");
+    return CudaStatus(
+        launchers::LaunchApplyRows<CT, Acc, Tindex>(target.update, ids_out, values_out, num_unique,
+                                                    target.table, target.state, call->stream()),
+        "gather_reduce_sum sparse apply update");
   }
-
-  SparseApplyAttrs attrs_;
 };
+
+namespace {
 
 // ---------------------------------------------------------------------------
 // Registration: the dtypes of the CPU kernels. num_rows is read on the host;
 // a resource handle always lives in host memory.
 
-#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                      \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                     \
-                              .Device(DEVICE_GPU)                             \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumOp<GpuDevice, T, Tindex, false>);    \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")             \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumOp<GpuDevice, T, Tindex, true>);     \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                 \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("num_rows")                         \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumGradGpuOp<T, Tindex>);               \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")            \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("num_rows")                         \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumDenseGradGpuOp<T, Tindex>);          \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad")          \
-                              .Device(DEVICE_GPU)                             \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumWeightsGradGpuOp<T, Tindex, false>); \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")  \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumWeightsGradGpuOp<T, Tindex, true>);  \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")            \
-                              .Device(DEVICE_GPU)                             \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumFusedGradGpuOp<T, Tindex, false>);   \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumFusedGrad")    \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumFusedGradGpuOp<T, Tindex, true>);    \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")          \
-                              .Device(DEVICE_GPU)                             \
-                              .HostMemory("params")                           \
-                              .HostMemory("learning_rate")                    \
-                              .HostMemory("epsilon")                          \
-                              .HostMemory("accumulators")                     \
-                              .TypeConstraint<T>("T")                         \
-                              .TypeConstraint<Tindex>("Tindices"),            \
-                          GatherReduceSumSparseApplyGpuOp<T, Tindex>);
+#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                              \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                             \
+                              .Device(DEVICE_GPU)                                     \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumOp<GpuDevice, T, Tindex, false>);            \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")                     \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumOp<GpuDevice, T, Tindex, true>);             \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                         \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("num_rows")                                 \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumGradOp<GpuDevice, T, Tindex, false>);        \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")                    \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("num_rows")                                 \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumGradOp<GpuDevice, T, Tindex, true>);         \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad")                  \
+                              .Device(DEVICE_GPU)                                     \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumWeightsGradOp<GpuDevice, T, Tindex, false>); \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")          \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumWeightsGradOp<GpuDevice, T, Tindex, true>);  \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")                    \
+                              .Device(DEVICE_GPU)                                     \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumFusedGradOp<GpuDevice, T, Tindex, false>);   \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumFusedGrad")            \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumFusedGradOp<GpuDevice, T, Tindex, true>);    \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")                  \
+                              .Device(DEVICE_GPU)                                     \
+                              .HostMemory("params")                                   \
+                              .HostMemory("learning_rate")                            \
+                              .HostMemory("epsilon")                                  \
+                              .HostMemory("accumulators")                             \
+                              .TypeConstraint<T>("T")                                 \
+                              .TypeConstraint<Tindex>("Tindices"),                    \
+                          GatherReduceSumSparseApplyOp<GpuDevice, T, Tindex>);
 
 #define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \
   TF_TTEMB_REGISTER_GPU(T, int32)            \

@@ -1,6 +1,7 @@
-// CPU kernel of GatherReduceSumSparseApply: the params gradient of a batch of
-// bags reduced per distinct row and an optimizer step applied to those rows in
-// place, without a [U, D] gradient buffer.
+// CPU kernel of GatherReduceSumSparseApply (SparseApplyLaunch<CpuDevice> of
+// gather_reduce_sum_sparse_apply_op.h's OpKernel, registered here): the params
+// gradient of a batch of bags reduced per distinct row and an optimizer step
+// applied to those rows in place, without a [U, D] gradient buffer.
 
 #include <algorithm>
 #include <cmath>
@@ -10,8 +11,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/gather_reduce_sum_sparse_apply_op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -34,85 +37,94 @@ namespace {
 // and every sum has a fixed order, so the result is deterministic and no
 // [U, D] buffer exists.
 
-template <typename T, typename Tindex>
-class GatherReduceSumSparseApplyOp : public OpKernel {
- public:
-  using Acc = AccT<T>;
-
-  explicit GatherReduceSumSparseApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetSparseApplyAttrs(ctx, DataTypeToEnum<T>::value,
-                                            DataTypeToEnum<Acc>::value, &attrs_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    WithLockedSparseApplyVariables<T, Acc>(ctx, attrs_, [&](Var* params_var, Var* acc_var) {
-      ComputeLocked(ctx, params_var, acc_var);
-    });
-  }
-
- private:
-  void ComputeLocked(OpKernelContext* ctx, Var* params_var, Var* acc_var) {
-    const Tensor& params = *params_var->tensor();
-    const Tensor& indices = ctx->input(2);
-    const Tensor& row_splits = ctx->input(3);
-    const Tensor& weights = ctx->input(4);
-    const Tensor& output = ctx->input(5);
-    const Tensor& argmax = ctx->input(6);
-    BagShapes shapes;
-    Acc lr, eps;
-    OP_REQUIRES_OK(ctx, ValidateSparseApplyInputs<Acc>(
-                            ctx, params, acc_var != nullptr ? acc_var->tensor() : nullptr, attrs_,
-                            &shapes, &lr, &eps));
-    const BagAttrs& bag = attrs_.bag;
-    const int64_t num_bags = shapes.num_bags;
-    const int64_t nnz = shapes.nnz;
-    const int64_t num_rows = params.dim_size(0);
-    const int64_t dim = params.dim_size(1);
-    const bool is_max = bag.combiner == Combiner::kMax;
-    const int64_t* splits = row_splits.flat<int64_t>().data();
-    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_bags, nnz));
-    const Tindex* ids = indices.flat<Tindex>().data();
-    thread::ThreadPool* pool = CpuPool(ctx);
-    OP_REQUIRES_OK(ctx, ValidateIndices(pool, ids, nnz, num_rows, bag));
-
-    Tensor* weights_grad = nullptr;
-    OP_REQUIRES_OK(
-        ctx, ctx->allocate_output(0, TensorShape({bag.has_weights ? nnz : 0}), &weights_grad));
-    T* dw = weights_grad->flat<T>().data();
-    if (bag.has_weights) std::fill(dw, dw + nnz, T(0));
-    if (nnz == 0 || dim == 0) return;
-
-    OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, params_var));
-    if (acc_var != nullptr) {
-      OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, acc_var));
+// Applies the optimizer to one row `row` [D] with its summed gradient `g` [D]
+// and its accumulator (`a` [1] row-wise, [D] element-wise).
+template <typename T, typename Acc>
+void ApplyRow(RowOptimizer optimizer, Acc lr, Acc eps, const Acc* g, int64_t dim, T* row, Acc* a) {
+  switch (optimizer) {
+    case RowOptimizer::kSgd:
+      for (int64_t d = 0; d < dim; ++d) {
+        row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d]);
+      }
+      return;
+    case RowOptimizer::kRowwiseAdagrad: {
+      Acc square_sum = 0;
+      for (int64_t d = 0; d < dim; ++d) square_sum += g[d] * g[d];
+      a[0] += square_sum / static_cast<Acc>(dim);
+      const Acc denominator = std::sqrt(a[0]) + eps;
+      if (denominator == Acc(0)) return;  // then g is 0
+      const Acc step = lr / denominator;
+      for (int64_t d = 0; d < dim; ++d) {
+        row[d] = static_cast<T>(static_cast<Acc>(row[d]) - step * g[d]);
+      }
+      return;
     }
-    T* table = params_var->tensor()->flat<T>().data();
-    Acc* state = acc_var != nullptr ? acc_var->tensor()->flat<Acc>().data() : nullptr;
+    case RowOptimizer::kAdagrad:
+      for (int64_t d = 0; d < dim; ++d) {
+        a[d] += g[d] * g[d];
+        const Acc denominator = std::sqrt(a[d]) + eps;
+        if (denominator == Acc(0)) continue;  // then g[d] is 0
+        row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d] / denominator);
+      }
+      return;
+  }
+}
+
+}  // namespace
+
+template <typename T, typename Tindex>
+struct SparseApplyLaunch<CpuDevice, T, Tindex> {
+  static Status Run(OpKernelContext* ctx, const SparseApplyAttrs& sparse_attrs,
+                    const SparseApplyArgs& a, const CpuStep& step) {
+    using Acc = AccT<T>;
+    const BagAttrs& attrs = sparse_attrs.bag;
+    const int64_t num_bags = a.shapes.num_bags;
+    const int64_t nnz = a.shapes.nnz;
+    const int64_t num_rows = a.num_rows;
+    const int64_t dim = a.dim;
+    const bool is_max = attrs.combiner == Combiner::kMax;
+    const int64_t* splits = a.row_splits->flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, nnz));
+    const Tindex* ids = a.indices->flat<Tindex>().data();
+    thread::ThreadPool* pool = step.pool;
+    TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, nnz, num_rows, attrs));
+
+    T* dw = a.weights_grad->flat<T>().data();
+    if (attrs.has_weights) std::fill(dw, dw + nnz, T(0));
+    if (nnz == 0 || dim == 0) return OkStatus();
+
+    TF_RETURN_IF_ERROR(EnsureExclusiveHostBuffer(ctx, a.params_var));
+    if (a.acc_var != nullptr) {
+      TF_RETURN_IF_ERROR(EnsureExclusiveHostBuffer(ctx, a.acc_var));
+    }
+    T* table = a.params_var->tensor()->flat<T>().data();
+    Acc* state = a.acc_var != nullptr ? a.acc_var->tensor()->flat<Acc>().data() : nullptr;
 
     SortedEntries s;
-    SortEntries(pool, ids, splits, num_bags, nnz, num_rows, bag, &s);
-    const T* w = bag.has_weights ? weights.flat<T>().data() : nullptr;
+    SortEntries(pool, ids, splits, num_bags, nnz, num_rows, attrs, &s);
+    const T* w = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
     std::vector<Acc> scales;
     if (!is_max) {
-      ComputeBagScales(pool, ids, w, splits, num_bags, bag, &scales);
+      ComputeBagScales(pool, ids, w, splits, num_bags, attrs, &scales);
     }
-    const T* dy_data = ctx->input(0).flat<T>().data();
+    const T* dy_data = a.grad->flat<T>().data();
     // <dy_b, out_b> per bag, for the weights gradient of mean and sqrtn.
     std::vector<Acc> dy_dot_out;
-    if (bag.has_weights && bag.combiner != Combiner::kSum) {
+    if (attrs.has_weights && attrs.combiner != Combiner::kSum) {
       dy_dot_out.assign(num_bags, Acc(0));
-      const T* out_data = output.flat<T>().data();
+      const T* out_data = a.output->flat<T>().data();
       ForBalancedBlocks(pool, splits, num_bags, dim, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           dy_dot_out[b] = Dot<Acc>(dy_data + b * dim, out_data + b * dim, dim);
         }
       });
     }
-    const int32* argmax_data = is_max ? argmax.flat<int32>().data() : nullptr;
+    const int32* argmax_data = is_max ? a.argmax->flat<int32>().data() : nullptr;
     const int64_t num_unique = s.num_unique();
     const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
-    const BagAttrs attrs = bag;
-    const RowOptimizer optimizer = attrs_.optimizer;
+    const RowOptimizer optimizer = sparse_attrs.optimizer;
+    const Acc lr = static_cast<Acc>(a.lr);
+    const Acc eps = static_cast<Acc>(a.eps);
     ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim, [&](int64_t begin, int64_t end) {
       std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
       for (int64_t u = begin; u < end; ++u) {
@@ -150,47 +162,15 @@ class GatherReduceSumSparseApplyOp : public OpKernel {
                                                               : state + id * dim);
       }
     });
+    return OkStatus();
   }
-
-  // Applies the optimizer to one row `row` [D] with its summed gradient
-  // `g` [D] and its accumulator (`a` [1] row-wise, [D] element-wise).
-  static void ApplyRow(RowOptimizer optimizer, Acc lr, Acc eps, const Acc* g, int64_t dim, T* row,
-                       Acc* a) {
-    switch (optimizer) {
-      case RowOptimizer::kSgd:
-        for (int64_t d = 0; d < dim; ++d) {
-          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d]);
-        }
-        return;
-      case RowOptimizer::kRowwiseAdagrad: {
-        Acc square_sum = 0;
-        for (int64_t d = 0; d < dim; ++d) square_sum += g[d] * g[d];
-        a[0] += square_sum / static_cast<Acc>(dim);
-        const Acc denominator = std::sqrt(a[0]) + eps;
-        if (denominator == Acc(0)) return;  // then g is 0
-        const Acc step = lr / denominator;
-        for (int64_t d = 0; d < dim; ++d) {
-          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - step * g[d]);
-        }
-        return;
-      }
-      case RowOptimizer::kAdagrad:
-        for (int64_t d = 0; d < dim; ++d) {
-          a[d] += g[d] * g[d];
-          const Acc denominator = std::sqrt(a[d]) + eps;
-          if (denominator == Acc(0)) continue;  // then g[d] is 0
-          row[d] = static_cast<T>(static_cast<Acc>(row[d]) - lr * g[d] / denominator);
-        }
-        return;
-    }
-  }
-
-  SparseApplyAttrs attrs_;
 };
+
+namespace {
 
 #define TF_TTEMB_REGISTER(T, Tindex)                                                \
   TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumSparseApply", T, Tindex, \
-                                   GatherReduceSumSparseApplyOp<T, Tindex>)
+                                   GatherReduceSumSparseApplyOp<CpuDevice, T, Tindex>)
 TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
 #undef TF_TTEMB_REGISTER
 

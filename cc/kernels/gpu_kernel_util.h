@@ -1,7 +1,8 @@
 // Helpers shared by the GPU OpKernels of every op family
 // (cc/kernels/*_kernels_gpu.cc): TensorFlow's tensor types seen as the CUDA
-// types the cuda/ launchers take, CUDA errors as Status, and the asynchronous
-// finish of an op from its launchers' report.
+// types the cuda/ launchers take, CUDA errors as Status, the asynchronous
+// finish of an op from its launchers' report, and DeviceOpKernel<GpuDevice>,
+// the GPU side of device_op_kernel.h.
 
 #ifndef TF_TTEMB_CC_KERNELS_GPU_KERNEL_UTIL_H_
 #define TF_TTEMB_CC_KERNELS_GPU_KERNEL_UTIL_H_
@@ -19,6 +20,7 @@
 #include <memory>
 #include <utility>
 
+#include "cc/kernels/device_op_kernel.h"
 #include "tensorflow/core/common_runtime/device/device_event_mgr.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -172,18 +174,30 @@ void LaunchThenCheck(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, Lau
   Call::ThenCheckReport(std::move(call), std::move(check), std::move(done));
 }
 
-// The AsyncOpKernel of a GPU op whose whole ComputeAsync is LaunchThenCheck
-// over `Derived::Launch(ctx, call, check)` (public in Derived).
-template <typename Call, typename Derived>
-class LaunchThenCheckOp : public AsyncOpKernel {
+// What a Launch<GpuDevice> runs with besides the context: the op call's Call
+// (GpuCall or TTGpuCall: its stream, report and temporaries, alive until the
+// op finishes) and the check LaunchThenCheck runs once the stream has run
+// what the launch queued (unset: the op finishes at once).
+template <typename Call>
+struct GpuStep {
+  Call* call = nullptr;
+  typename Call::ReportCheck* check = nullptr;
+};
+
+// The GPU op of device_op_kernel.h: an AsyncOpKernel whose ComputeAsync is
+// LaunchThenCheck over Op::ComputeWith, with the Call of Op::Launch
+// (`using Call = ...;` in the GPU specialisation).
+template <typename Op>
+class DeviceOpKernel<GpuDevice, Op> : public AsyncOpKernel {
  public:
-  explicit LaunchThenCheckOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
+  explicit DeviceOpKernel(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) final {
-    LaunchThenCheck<Call>(ctx, std::move(done),
-                          [this, ctx](Call* call, typename Call::ReportCheck* check) {
-                            return static_cast<Derived*>(this)->Launch(ctx, call, check);
-                          });
+    using Call = typename Op::Launch::Call;
+    LaunchThenCheck<Call>(
+        ctx, std::move(done), [this, ctx](Call* call, typename Call::ReportCheck* check) {
+          return static_cast<Op*>(this)->ComputeWith(ctx, GpuStep<Call>{call, check});
+        });
   }
 };
 

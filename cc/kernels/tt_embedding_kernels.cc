@@ -1,6 +1,7 @@
-// The validation of the TT embedding family, shared by the CPU kernels
-// (tt_embedding_kernels_cpu.cc) and the GPU glue (tt_embedding_kernels_gpu.cc):
-// the factorisation's attrs, the inputs' shapes and values, and the error
+// The validation of the TT embedding family, shared by the OpKernels of both
+// devices (tt_embedding_op.h), the CPU kernels (tt_embedding_kernels_cpu.cc)
+// and the GPU glue (tt_embedding_kernels_gpu.cc): the factorisation's attrs,
+// the inputs' shapes and values, the GPU kernels' own limits, and the error
 // messages. See docs/tt_embedding_contract.md for the layout.
 
 #include "cc/kernels/tt_embedding_kernels.h"
@@ -131,8 +132,7 @@ Status GlobalIdError(int64_t position, int64_t value, int64_t limit) {
   return errors::InvalidArgument("ids[", position, "] = ", value, " is not in [0, ", limit, ")");
 }
 
-Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape) {
-  TF_RETURN_IF_ERROR(ValidateGlobalIdsShape(ids));
+Status ValidateGlobalIdValues(const Tensor& ids, const TTShape& shape) {
   const auto flat = ids.flat<int64_t>();
   const int64_t limit = shape.num_ids();
   for (int64_t j = 0; j < flat.size(); ++j) {
@@ -141,6 +141,14 @@ Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape) {
     }
   }
   return OkStatus();
+}
+
+Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape, OpInputList* cores) {
+  TF_RETURN_IF_ERROR(ctx->input_list("cores", cores));
+  for (int k = 0; k < shape.num_cores; ++k) {
+    TF_RETURN_IF_ERROR(ValidateCore((*cores)[k], k, shape));
+  }
+  return ValidateGlobalIdsShape(ctx->input(0));
 }
 
 Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape& shape) {
@@ -164,6 +172,28 @@ Status TableSplitsError(int64_t position, int64_t value, const char* rule) {
 }
 
 }  // namespace
+
+Status GpuIdsLimit(const char* op, const char* what, int64_t count) {
+  if (count > kMaxGpuIds) {
+    return errors::InvalidArgument("the GPU kernel of ", op, " supports at most ", kMaxGpuIds, " ",
+                                   what, ", got ", count);
+  }
+  return OkStatus();
+}
+
+Status ValidateGpuTTShape(const TTShape& shape) {
+  if (shape.num_cores > kMaxGpuTTCores) {
+    return errors::InvalidArgument("the GPU TT kernels support at most ", kMaxGpuTTCores,
+                                   " cores, got num_cores = ", shape.num_cores);
+  }
+  if (shape.dim > (int64_t{1} << 31)) {
+    return errors::InvalidArgument(
+        "the GPU TT kernels support rows of at most 2^31 columns, got "
+        "prod(q_shapes) = ",
+        shape.dim);
+  }
+  return OkStatus();
+}
 
 Status GetUniqueIdsAttrs(OpKernelConstruction* ctx, UniqueIdsAttrs* attrs) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_embeddings", &attrs->num_embeddings));
@@ -203,6 +233,15 @@ Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
   }
   int64_t unused;
   return CheckedMul(num_tables, attrs.stride, "num_tables * stride", &unused);
+}
+
+Status ValidateGpuUniqueIdsSizes(int64_t nnz, int64_t num_tables, const UniqueIdsAttrs& attrs) {
+  TF_RETURN_IF_ERROR(GpuIdsLimit("TTUniqueIds", "ids", nnz));
+  if (attrs.stride > ((int64_t{1} << 62) - 1) / num_tables) {
+    return errors::InvalidArgument("num_tables * stride is too large for the GPU kernel: ",
+                                   num_tables, " * ", attrs.stride, " >= 2^62");
+  }
+  return OkStatus();
 }
 
 Status ValidateCacheCountIds(const Tensor& ids) {

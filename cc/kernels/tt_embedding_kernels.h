@@ -1,7 +1,9 @@
 // Shared pieces of the TT embedding kernels: the factorisation parsed from the
-// op attrs, the input validation and the error messages, for the CPU kernels
-// (tt_embedding_kernels.cc) and the GPU glue (tt_embedding_kernels_gpu.cc), so
-// that both reject bad input with the same messages. Checks of values that
+// op attrs, the input validation (the GPU kernels' own limits included) and
+// the error messages, for the OpKernels of both devices (tt_embedding_op.h),
+// the CPU kernels (tt_embedding_kernels_cpu.cc) and the GPU glue
+// (tt_embedding_kernels_gpu.cc), so that both reject bad input with the same
+// messages. Checks of values that
 // live in device memory on GPU (ids) are split into the check itself (CPU) and
 // the message (both: the GPU glue raises it from what the device reported).
 
@@ -51,11 +53,15 @@ Status GetTTShape(OpKernelConstruction* ctx, TTShape* shape);
 // Checks that core k is [num_tables * p_k, r_k q_k r_{k+1}].
 Status ValidateCore(const Tensor& core, int k, const TTShape& shape);
 
-// Checks ids [U] and, if any, their values in [0, shape.num_ids()).
-Status ValidateGlobalIds(const Tensor& ids, const TTShape& shape);
+// Checks the values of host-resident ids [U]: in [0, shape.num_ids()).
+Status ValidateGlobalIdValues(const Tensor& ids, const TTShape& shape);
 
 // Checks that ids is a vector [U] (its values are not read).
 Status ValidateGlobalIdsShape(const Tensor& ids);
+
+// The host checks of TTRows and TTRowsGrad before any id is read: the cores'
+// shapes (the `cores` input list, set), then the ids' shape (input 0).
+Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape, OpInputList* cores);
 
 // The message for ids[position] = value outside [0, limit).
 Status GlobalIdError(int64_t position, int64_t value, int64_t limit);
@@ -66,6 +72,23 @@ Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape&
 // The message for a `saved` input of TTRowsGrad that does not belong to these
 // ids and cores; `what` says why.
 Status SavedMismatchError(const Tensor& saved, const char* what);
+
+// ---------------------------------------------------------------------------
+// The GPU kernels' own limits, checked on the host by the GPU ops only.
+
+// Most ids (or other entries) a GPU launcher sorts and scans: int32 positions.
+constexpr int64_t kMaxGpuIds = (int64_t{1} << 31) - 3;
+
+// Most cores of a GPU TT kernel (launchers::kMaxTTCores of
+// cuda/tt_embedding_kernels.cuh; the GPU glue checks that they agree).
+constexpr int kMaxGpuTTCores = 8;
+
+// The error for more than kMaxGpuIds `what` of `op`.
+Status GpuIdsLimit(const char* op, const char* what, int64_t count);
+
+// The factorisation's limits on the GPU (cores, row width), checked in the
+// kernel constructor.
+Status ValidateGpuTTShape(const TTShape& shape);
 
 // ---------------------------------------------------------------------------
 // TTUniqueIds
@@ -84,6 +107,10 @@ Status GetUniqueIdsAttrs(OpKernelConstruction* ctx, UniqueIdsAttrs* attrs);
 // ending at nnz, with num_tables * stride representable.
 Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
                                const UniqueIdsAttrs& attrs);
+
+// The GPU kernel's limits on the ids' count and on num_tables * stride (the
+// CPU check allows 2^62 itself), after ValidateUniqueIdsInputs.
+Status ValidateGpuUniqueIdsSizes(int64_t nnz, int64_t num_tables, const UniqueIdsAttrs& attrs);
 
 // ---------------------------------------------------------------------------
 // TTCacheCount

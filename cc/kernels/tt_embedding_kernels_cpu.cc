@@ -29,8 +29,9 @@
 #include <vector>
 
 #include "Eigen/Core"
-#include "cc/kernels/shape_util.h"
+#include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/tt_embedding_kernels.h"
+#include "cc/kernels/tt_embedding_op.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -521,332 +522,278 @@ int64_t BytesPerId(const TTShape& s, int64_t acc_size, bool backward) {
 // TTUniqueIds
 
 template <typename Tindex>
-class TTUniqueIdsOp : public OpKernel {
- public:
-  explicit TTUniqueIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetUniqueIdsAttrs(ctx, &attrs_));
-  }
+Status UniqueIds(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const UniqueIdsArgs& a,
+                 thread::ThreadPool* pool) {
+  const auto ids = a.ids->flat<Tindex>();
+  const auto splits = a.table_splits->flat<int64_t>();
+  const int64_t nnz = a.nnz;
+  const int64_t num_embeddings = attrs.num_embeddings;
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& ids_t = ctx->input(0);
-    const Tensor& splits_t = ctx->input(1);
-    OP_REQUIRES_OK(ctx, ValidateUniqueIdsInputs(ids_t, splits_t, attrs_));
-    const auto ids = ids_t.flat<Tindex>();
-    const auto splits = splits_t.flat<int64_t>();
-    const int64_t nnz = ids.size();
-    const int64_t num_tables = splits.size() - 1;
-    const int64_t num_embeddings = attrs_.num_embeddings;
-
-    // Global id of every entry, -1 for padding; the first bad id fails.
-    std::vector<int64_t> global(nnz);
-    for (int64_t t = 0; t < num_tables; ++t) {
-      for (int64_t j = splits(t); j < splits(t + 1); ++j) {
-        const int64_t id = static_cast<int64_t>(ids(j));
-        if (IsPadding(ids(j), attrs_.bag)) {
-          global[j] = -1;
-          continue;
-        }
-        OP_REQUIRES(ctx, id >= 0 && id < num_embeddings,
-                    BadIndexError(j, id, num_embeddings, attrs_.bag));
-        global[j] = t * attrs_.stride + id;
+  // Global id of every entry, -1 for padding; the first bad id fails.
+  std::vector<int64_t> global(nnz);
+  for (int64_t t = 0; t < a.num_tables; ++t) {
+    for (int64_t j = splits(t); j < splits(t + 1); ++j) {
+      const int64_t id = static_cast<int64_t>(ids(j));
+      if (IsPadding(ids(j), attrs.bag)) {
+        global[j] = -1;
+        continue;
       }
+      if (id < 0 || id >= num_embeddings) return BadIndexError(j, id, num_embeddings, attrs.bag);
+      global[j] = t * attrs.stride + id;
     }
-    std::vector<int64_t> sorted;
-    sorted.reserve(nnz);
-    for (int64_t g : global) {
-      if (g >= 0) sorted.push_back(g);
-    }
-    std::sort(sorted.begin(), sorted.end());
-    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-
-    Tensor* unique_t = nullptr;
-    Tensor* slots_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(sorted.size())}),
-                                             &unique_t));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ids_t.shape(), &slots_t));
-    std::copy(sorted.begin(), sorted.end(), unique_t->flat<int64_t>().data());
-    Tindex* slots = slots_t->flat<Tindex>().data();
-    auto assign = [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        slots[j] =
-            global[j] < 0
-                ? Tindex(-1)
-                : static_cast<Tindex>(std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
-                                      sorted.begin());
-      }
-    };
-    ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(nnz, 40, assign);
   }
+  std::vector<int64_t> sorted;
+  sorted.reserve(nnz);
+  for (int64_t g : global) {
+    if (g >= 0) sorted.push_back(g);
+  }
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
 
- private:
-  UniqueIdsAttrs attrs_;
-};
+  Tensor* unique_t = nullptr;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(0, TensorShape({static_cast<int64_t>(sorted.size())}), &unique_t));
+  std::copy(sorted.begin(), sorted.end(), unique_t->flat<int64_t>().data());
+  Tindex* slots = a.slots->flat<Tindex>().data();
+  auto assign = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      slots[j] =
+          global[j] < 0
+              ? Tindex(-1)
+              : static_cast<Tindex>(std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
+                                    sorted.begin());
+    }
+  };
+  pool->ParallelFor(nnz, 40, assign);
+  return OkStatus();
+}
 
 // ---------------------------------------------------------------------------
 // TTRows
 
 template <typename T>
-class TTRowsOp : public OpKernel {
- public:
+Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread::ThreadPool* pool) {
   using Acc = AccT<T>;
-
-  explicit TTRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const TTShape& s = shape_;
-    const Tensor& ids_t = ctx->input(0);
-    OpInputList cores_in;
-    OP_REQUIRES_OK(ctx, ctx->input_list("cores", &cores_in));
-    for (int k = 0; k < s.num_cores; ++k) {
-      OP_REQUIRES_OK(ctx, ValidateCore(cores_in[k], k, s));
-    }
-    OP_REQUIRES_OK(ctx, ValidateGlobalIds(ids_t, s));
-    const int64_t num_ids = ids_t.NumElements();
-    Tensor* rows_t = nullptr;
-    TensorShape rows_shape;
-    OP_REQUIRES_OK(ctx, MatrixShape("rows [num_ids, prod(q_shapes)]", num_ids, s.dim, &rows_shape));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, rows_shape, &rows_t));
-    if (num_ids == 0) {
-      Tensor* saved_t = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &saved_t));
-      return;
-    }
-    const int64_t* ids = ids_t.flat<int64_t>().data();
-    T* rows = rows_t->flat<T>().data();
-    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const Cores<T, Acc> cores(cores_in, s);
-    const int T_last = s.num_cores - 1;
-    // The same chunks as TTRowsGrad, so that it can use the saved products.
-    const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
-    const int save_level = s.num_cores - 2;
-    std::vector<int64_t> saved_counts;
-    int64_t saved_size = 0;
-    if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
-      saved_counts = NodesPerChunk(ids, num_ids, chunk, save_level, s);
-      const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
-      if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
-        saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
-      }
-    }
+  const int64_t num_ids = a.num_ids;
+  if (num_ids == 0) {
     Tensor* saved_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({saved_size}), &saved_t));
-    Acc* saved = nullptr;
-    if (saved_size > 0) {
-      saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
-      const uint64_t fingerprint = SavedFingerprint(ids, num_ids, cores_in, s.num_cores);
-      std::memcpy(saved, &fingerprint, sizeof(fingerprint));
-      saved += SavedHeader<Acc>();
-    }
-    PrefixTree tree;
-    std::vector<Buffer<Acc>> buffers;
-    std::vector<const Acc*> data;
-    int64_t chunk_index = 0;
-    for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
-      const int64_t n = std::min(chunk, num_ids - begin);
-      tree.Build(ids + begin, n, s);
-      ForwardLevels(pool, s, cores, tree, T_last, saved ? save_level : -1, saved, &buffers, &data);
-      if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
-      const Acc* last = data[T_last];
-      const int64_t dim = s.dim;
-      pool->ParallelFor(n, dim, [&](int64_t first, int64_t end) {
-        for (int64_t j = first; j < end; ++j) {
-          const Acc* src = last + tree.levels[T_last].slot[tree.leaf[j]] * dim;
-          T* dst = rows + (begin + j) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
-        }
-      });
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved_t));
+    return OkStatus();
+  }
+  const int64_t* ids = a.ids->flat<int64_t>().data();
+  T* rows = a.rows->flat<T>().data();
+  const Cores<T, Acc> cores(a.cores, s);
+  const int T_last = s.num_cores - 1;
+  // The same chunks as TTRowsGrad, so that it can use the saved products.
+  const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
+  const int save_level = s.num_cores - 2;
+  std::vector<int64_t> saved_counts;
+  int64_t saved_size = 0;
+  if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
+    saved_counts = NodesPerChunk(ids, num_ids, chunk, save_level, s);
+    const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
+    if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
+      saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
     }
   }
-
- private:
-  TTShape shape_;
-};
+  Tensor* saved_t = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({saved_size}), &saved_t));
+  Acc* saved = nullptr;
+  if (saved_size > 0) {
+    saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
+    const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores);
+    std::memcpy(saved, &fingerprint, sizeof(fingerprint));
+    saved += SavedHeader<Acc>();
+  }
+  PrefixTree tree;
+  std::vector<Buffer<Acc>> buffers;
+  std::vector<const Acc*> data;
+  int64_t chunk_index = 0;
+  for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
+    const int64_t n = std::min(chunk, num_ids - begin);
+    tree.Build(ids + begin, n, s);
+    ForwardLevels(pool, s, cores, tree, T_last, saved ? save_level : -1, saved, &buffers, &data);
+    if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
+    const Acc* last = data[T_last];
+    const int64_t dim = s.dim;
+    pool->ParallelFor(n, dim, [&](int64_t first, int64_t end) {
+      for (int64_t j = first; j < end; ++j) {
+        const Acc* src = last + tree.levels[T_last].slot[tree.leaf[j]] * dim;
+        T* dst = rows + (begin + j) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
+      }
+    });
+  }
+  return OkStatus();
+}
 
 // ---------------------------------------------------------------------------
 // TTRowsGrad
 
 template <typename T>
-class TTRowsGradOp : public OpKernel {
- public:
+Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
+                thread::ThreadPool* pool) {
   using Acc = AccT<T>;
+  const int T_count = s.num_cores;
+  const int64_t num_ids = a.num_ids;
+  const Tensor& grad_t = *a.grad;
+  TF_RETURN_IF_ERROR(ValidateRowsGradShape(grad_t, num_ids, s));
+  const int64_t* ids = a.ids->flat<int64_t>().data();
+  const T* grad = grad_t.flat<T>().data();
 
-  explicit TTRowsGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetTTShape(ctx, &shape_));
+  // The core rows each core's gradient has: those any id touches.
+  std::vector<std::vector<int64_t>> touched(T_count);
+  for (int k = 0; k < T_count; ++k) {
+    std::vector<int64_t>& rows = touched[k];
+    rows.resize(num_ids);
+    for (int64_t j = 0; j < num_ids; ++j) rows[j] = s.CoreRow(ids[j], k);
+    std::sort(rows.begin(), rows.end());
+    rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  }
+  // Core gradients accumulate here, one [n_k, width_k] block per core.
+  std::vector<std::vector<Acc>> core_grad(T_count);
+  for (int k = 0; k < T_count; ++k) {
+    core_grad[k].assign(touched[k].size() * s.width[k], Acc(0));
+  }
+  auto grad_block = [&](int k, int64_t core_row) {
+    const std::vector<int64_t>& rows = touched[k];
+    const int64_t slot = std::lower_bound(rows.begin(), rows.end(), core_row) - rows.begin();
+    return core_grad[k].data() + slot * s.width[k];
+  };
+
+  // TTRows' saved products of level T-2, when it saved them.
+  const Tensor& saved_t = *a.saved;
+  const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
+  std::vector<int64_t> saved_counts;
+  const Acc* saved = nullptr;
+  if (saved_t.NumElements() > 0) {
+    int64_t expected = 0;
+    if (std::is_same<T, Acc>::value && T_count >= 3) {
+      saved_counts = NodesPerChunk(ids, num_ids, chunk, T_count - 2, s);
+      expected =
+          SavedHeader<Acc>() +
+          std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0}) * SavedNodeSize(s);
+    }
+    const auto mismatch = [&](const char* what) { return SavedMismatchError(saved_t, what); };
+    if (saved_t.dims() != 1 || saved_t.NumElements() != expected) {
+      return mismatch("does not have the size these ids need");
+    }
+    saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
+    uint64_t fingerprint;
+    std::memcpy(&fingerprint, saved, sizeof(fingerprint));
+    if (fingerprint != SavedFingerprint(ids, num_ids, a.cores, T_count)) {
+      return mismatch("was computed for other ids or other cores");
+    }
+    saved += SavedHeader<Acc>();
   }
 
-  void Compute(OpKernelContext* ctx) override {
-    const TTShape& s = shape_;
-    const int T_count = s.num_cores;
-    const Tensor& ids_t = ctx->input(0);
-    OpInputList cores_in;
-    OP_REQUIRES_OK(ctx, ctx->input_list("cores", &cores_in));
-    for (int k = 0; k < T_count; ++k) {
-      OP_REQUIRES_OK(ctx, ValidateCore(cores_in[k], k, s));
-    }
-    OP_REQUIRES_OK(ctx, ValidateGlobalIds(ids_t, s));
-    const Tensor& grad_t = ctx->input(1 + T_count);
-    const int64_t num_ids = ids_t.NumElements();
-    OP_REQUIRES_OK(ctx, ValidateRowsGradShape(grad_t, num_ids, s));
-    const int64_t* ids = ids_t.flat<int64_t>().data();
-    const T* grad = grad_t.flat<T>().data();
-    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-
-    // The core rows each core's gradient has: those any id touches.
-    std::vector<std::vector<int64_t>> touched(T_count);
-    for (int k = 0; k < T_count; ++k) {
-      std::vector<int64_t>& rows = touched[k];
-      rows.resize(num_ids);
-      for (int64_t j = 0; j < num_ids; ++j) rows[j] = s.CoreRow(ids[j], k);
-      std::sort(rows.begin(), rows.end());
-      rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-    }
-    // Core gradients accumulate here, one [n_k, width_k] block per core.
-    std::vector<std::vector<Acc>> core_grad(T_count);
-    for (int k = 0; k < T_count; ++k) {
-      core_grad[k].assign(touched[k].size() * s.width[k], Acc(0));
-    }
-    auto grad_block = [&](int k, int64_t core_row) {
-      const std::vector<int64_t>& rows = touched[k];
-      const int64_t slot = std::lower_bound(rows.begin(), rows.end(), core_row) - rows.begin();
-      return core_grad[k].data() + slot * s.width[k];
-    };
-
-    // TTRows' saved products of level T-2, when it saved them.
-    const Tensor& saved_t = ctx->input(2 + T_count);
-    const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
-    std::vector<int64_t> saved_counts;
-    const Acc* saved = nullptr;
-    if (saved_t.NumElements() > 0) {
-      int64_t expected = 0;
-      if (std::is_same<T, Acc>::value && T_count >= 3) {
-        saved_counts = NodesPerChunk(ids, num_ids, chunk, T_count - 2, s);
-        expected = SavedHeader<Acc>() +
-                   std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0}) *
-                       SavedNodeSize(s);
+  if (num_ids > 0) {
+    const Cores<T, Acc> cores(a.cores, s);
+    PrefixTree tree;
+    std::vector<Buffer<Acc>> buffers;
+    std::vector<const Acc*> prefix;
+    Buffer<Acc> d_prefix, d_parent, contrib;
+    int64_t chunk_index = 0;
+    for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
+      const int64_t n = std::min(chunk, num_ids - begin);
+      tree.Build(ids + begin, n, s);
+      if (saved) {
+        ForwardLevels(pool, s, cores, tree, T_count - 3, -1, static_cast<Acc*>(nullptr), &buffers,
+                      &prefix);
+        prefix[T_count - 2] = saved;
+        saved += saved_counts[chunk_index] * SavedNodeSize(s);
+      } else {
+        ForwardLevels(pool, s, cores, tree, T_count - 2, -1, static_cast<Acc*>(nullptr), &buffers,
+                      &prefix);
       }
-      const auto mismatch = [&](const char* what) { return SavedMismatchError(saved_t, what); };
-      OP_REQUIRES(ctx, saved_t.dims() == 1 && saved_t.NumElements() == expected,
-                  mismatch("does not have the size these ids need"));
-      saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
-      uint64_t fingerprint;
-      std::memcpy(&fingerprint, saved, sizeof(fingerprint));
-      OP_REQUIRES(ctx, fingerprint == SavedFingerprint(ids, num_ids, cores_in, T_count),
-                  mismatch("was computed for other ids or other cores"));
-      saved += SavedHeader<Acc>();
-    }
 
-    if (num_ids > 0) {
-      const Cores<T, Acc> cores(cores_in, s);
-      PrefixTree tree;
-      std::vector<Buffer<Acc>> buffers;
-      std::vector<const Acc*> prefix;
-      Buffer<Acc> d_prefix, d_parent, contrib;
-      int64_t chunk_index = 0;
-      for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
-        const int64_t n = std::min(chunk, num_ids - begin);
-        tree.Build(ids + begin, n, s);
-        if (saved) {
-          ForwardLevels(pool, s, cores, tree, T_count - 3, -1, static_cast<Acc*>(nullptr), &buffers,
-                        &prefix);
-          prefix[T_count - 2] = saved;
-          saved += saved_counts[chunk_index] * SavedNodeSize(s);
-        } else {
-          ForwardLevels(pool, s, cores, tree, T_count - 2, -1, static_cast<Acc*>(nullptr), &buffers,
-                        &prefix);
+      // dP_{T-1} per leaf: the grad rows of its ids, in id order.
+      const int64_t dim = s.dim;
+      const Level& leaves = tree.levels[T_count - 1];
+      d_prefix.Resize(leaves.count() * dim);
+      pool->ParallelFor(leaves.count(), 2 * dim, [&](int64_t lo, int64_t hi) {
+        for (int64_t leaf = lo; leaf < hi; ++leaf) {
+          Acc* dst = d_prefix.data() + leaves.slot[leaf] * dim;
+          std::fill_n(dst, dim, Acc(0));
+          for (int64_t j = tree.leaf_ids[leaf]; j < tree.leaf_ids[leaf + 1]; ++j) {
+            const T* src = grad + (begin + j) * dim;
+            for (int64_t d = 0; d < dim; ++d) {
+              dst[d] += static_cast<Acc>(src[d]);
+            }
+          }
         }
+      });
 
-        // dP_{T-1} per leaf: the grad rows of its ids, in id order.
-        const int64_t dim = s.dim;
-        const Level& leaves = tree.levels[T_count - 1];
-        d_prefix.Resize(leaves.count() * dim);
-        pool->ParallelFor(leaves.count(), 2 * dim, [&](int64_t lo, int64_t hi) {
-          for (int64_t leaf = lo; leaf < hi; ++leaf) {
-            Acc* dst = d_prefix.data() + leaves.slot[leaf] * dim;
-            std::fill_n(dst, dim, Acc(0));
-            for (int64_t j = tree.leaf_ids[leaf]; j < tree.leaf_ids[leaf + 1]; ++j) {
-              const T* src = grad + (begin + j) * dim;
-              for (int64_t d = 0; d < dim; ++d) {
-                dst[d] += static_cast<Acc>(src[d]);
-              }
+      for (int k = T_count - 1; k >= 1; --k) {
+        const Level& level = tree.levels[k];
+        const Level& up = tree.levels[k - 1];
+        const int64_t rows = s.cols[k - 1];
+        const int64_t inner = s.r[k];
+        const int64_t out_cols = s.q[k] * s.r[k + 1];
+        const int64_t in_size = rows * inner;
+        const int64_t out_size = rows * out_cols;
+        const Acc* parents = prefix[k - 1];
+        contrib.Resize(level.count() * in_size);
+        ForGroups(pool, level, 4 * in_size * out_cols, [&](int64_t g) {
+          const int64_t first = level.groups[g];
+          const int64_t count = level.groups[g + 1] - first;
+          const int64_t core_row = level.core_row[level.order[first]];
+          auto a_buf = Scratch<Acc>(count * in_size);
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t parent = up.slot[level.parent[level.order[first + i]]];
+            std::copy_n(parents + parent * in_size, in_size, a_buf.get() + i * in_size);
+          }
+          const Acc* d = d_prefix.data() + first * out_size;
+          AddTransposedProduct(a_buf.get(), d, grad_block(k, core_row), count * rows, inner,
+                               out_cols);
+          ProductTransposed(d, cores.Row(k, core_row), contrib.data() + first * in_size,
+                            count * rows, inner, out_cols);
+        });
+        // dP_{k-1} of each parent: its children's contributions in node
+        // order (children of a parent are consecutive nodes).
+        d_parent.Resize(up.count() * in_size);
+        pool->ParallelFor(up.count(), 2 * in_size, [&](int64_t lo, int64_t hi) {
+          for (int64_t v = lo; v < hi; ++v) {
+            Acc* dst = d_parent.data() + up.slot[v] * in_size;
+            const int64_t first = up.children[v];
+            std::copy_n(contrib.data() + level.slot[first] * in_size, in_size, dst);
+            for (int64_t node = first + 1; node < up.children[v + 1]; ++node) {
+              const Acc* src = contrib.data() + level.slot[node] * in_size;
+              for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
             }
           }
         });
-
-        for (int k = T_count - 1; k >= 1; --k) {
-          const Level& level = tree.levels[k];
-          const Level& up = tree.levels[k - 1];
-          const int64_t rows = s.cols[k - 1];
-          const int64_t inner = s.r[k];
-          const int64_t out_cols = s.q[k] * s.r[k + 1];
-          const int64_t in_size = rows * inner;
-          const int64_t out_size = rows * out_cols;
-          const Acc* parents = prefix[k - 1];
-          contrib.Resize(level.count() * in_size);
-          ForGroups(pool, level, 4 * in_size * out_cols, [&](int64_t g) {
-            const int64_t first = level.groups[g];
-            const int64_t count = level.groups[g + 1] - first;
-            const int64_t core_row = level.core_row[level.order[first]];
-            auto a_buf = Scratch<Acc>(count * in_size);
-            for (int64_t i = 0; i < count; ++i) {
-              const int64_t parent = up.slot[level.parent[level.order[first + i]]];
-              std::copy_n(parents + parent * in_size, in_size, a_buf.get() + i * in_size);
-            }
-            const Acc* d = d_prefix.data() + first * out_size;
-            AddTransposedProduct(a_buf.get(), d, grad_block(k, core_row), count * rows, inner,
-                                 out_cols);
-            ProductTransposed(d, cores.Row(k, core_row), contrib.data() + first * in_size,
-                              count * rows, inner, out_cols);
-          });
-          // dP_{k-1} of each parent: its children's contributions in node
-          // order (children of a parent are consecutive nodes).
-          d_parent.Resize(up.count() * in_size);
-          pool->ParallelFor(up.count(), 2 * in_size, [&](int64_t lo, int64_t hi) {
-            for (int64_t v = lo; v < hi; ++v) {
-              Acc* dst = d_parent.data() + up.slot[v] * in_size;
-              const int64_t first = up.children[v];
-              std::copy_n(contrib.data() + level.slot[first] * in_size, in_size, dst);
-              for (int64_t node = first + 1; node < up.children[v + 1]; ++node) {
-                const Acc* src = contrib.data() + level.slot[node] * in_size;
-                for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
-              }
-            }
-          });
-          d_prefix.swap(d_parent);
-        }
-        // Level 0: dG_0[row] = sum of dP_0 over its nodes, in node order.
-        const Level& level0 = tree.levels[0];
-        const int64_t width0 = s.width[0];
-        ForGroups(pool, level0, width0, [&](int64_t g) {
-          Acc* dst = grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
-          for (int64_t i = level0.groups[g]; i < level0.groups[g + 1]; ++i) {
-            const Acc* src = d_prefix.data() + i * width0;
-            for (int64_t w = 0; w < width0; ++w) dst[w] += src[w];
-          }
-        });
+        d_prefix.swap(d_parent);
       }
-    }
-
-    OpOutputList indices_out, values_out;
-    OP_REQUIRES_OK(ctx, ctx->output_list("core_grad_indices", &indices_out));
-    OP_REQUIRES_OK(ctx, ctx->output_list("core_grad_values", &values_out));
-    for (int k = 0; k < T_count; ++k) {
-      const int64_t count = static_cast<int64_t>(touched[k].size());
-      Tensor* indices_t = nullptr;
-      Tensor* values_t = nullptr;
-      OP_REQUIRES_OK(ctx, indices_out.allocate(k, TensorShape({count}), &indices_t));
-      OP_REQUIRES_OK(ctx, values_out.allocate(k, TensorShape({count, s.width[k]}), &values_t));
-      std::copy(touched[k].begin(), touched[k].end(), indices_t->flat<int64_t>().data());
-      T* values = values_t->flat<T>().data();
-      const std::vector<Acc>& acc = core_grad[k];
-      for (size_t i = 0; i < acc.size(); ++i) values[i] = static_cast<T>(acc[i]);
+      // Level 0: dG_0[row] = sum of dP_0 over its nodes, in node order.
+      const Level& level0 = tree.levels[0];
+      const int64_t width0 = s.width[0];
+      ForGroups(pool, level0, width0, [&](int64_t g) {
+        Acc* dst = grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
+        for (int64_t i = level0.groups[g]; i < level0.groups[g + 1]; ++i) {
+          const Acc* src = d_prefix.data() + i * width0;
+          for (int64_t w = 0; w < width0; ++w) dst[w] += src[w];
+        }
+      });
     }
   }
 
- private:
-  TTShape shape_;
-};
+  OpOutputList indices_out, values_out;
+  TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
+  TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
+  for (int k = 0; k < T_count; ++k) {
+    const int64_t count = static_cast<int64_t>(touched[k].size());
+    Tensor* indices_t = nullptr;
+    Tensor* values_t = nullptr;
+    TF_RETURN_IF_ERROR(indices_out.allocate(k, TensorShape({count}), &indices_t));
+    TF_RETURN_IF_ERROR(values_out.allocate(k, TensorShape({count, s.width[k]}), &values_t));
+    std::copy(touched[k].begin(), touched[k].end(), indices_t->flat<int64_t>().data());
+    T* values = values_t->flat<T>().data();
+    const std::vector<Acc>& acc = core_grad[k];
+    for (size_t i = 0; i < acc.size(); ++i) values[i] = static_cast<T>(acc[i]);
+  }
+  return OkStatus();
+}
 
 // ---------------------------------------------------------------------------
 // TTCacheCount
@@ -854,93 +801,113 @@ class TTRowsGradOp : public OpKernel {
 // Which set an id belongs to (cuda/common_types.h, shared with the GPU).
 using ::tf_ttemb::MixId;
 
-class TTCacheCountOp : public OpKernel {
- public:
-  explicit TTCacheCountOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+// With the variables locked and of `a.size` > 0 slots (the op's checks).
+Status CacheCount(OpKernelContext* ctx, const CacheCountArgs& a) {
+  const int64_t size = a.size;
+  TF_RETURN_IF_ERROR(EnsureExclusiveHostBuffer(ctx, a.keys));
+  TF_RETURN_IF_ERROR(EnsureExclusiveHostBuffer(ctx, a.counts));
+  int64_t* keys = a.keys->tensor()->flat<int64_t>().data();
+  int64_t* counts = a.counts->tensor()->flat<int64_t>().data();
 
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& ids_t = ctx->input(2);
-    OP_REQUIRES_OK(ctx, ValidateCacheCountIds(ids_t));
-    core::RefCountPtr<Var> keys_var, counts_var;
-    OP_REQUIRES_OK(ctx, LookupCacheTables(ctx, &keys_var, &counts_var));
-    mutex_lock keys_lock(*keys_var->mu());
-    mutex_lock counts_lock(*counts_var->mu());
-    OP_REQUIRES_OK(ctx, ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
-    const int64_t size = keys_var->tensor()->NumElements();
-    if (size == 0) return;
-    OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, keys_var.get()));
-    OP_REQUIRES_OK(ctx, EnsureExclusiveHostBuffer(ctx, counts_var.get()));
-    int64_t* keys = keys_var->tensor()->flat<int64_t>().data();
-    int64_t* counts = counts_var->tensor()->flat<int64_t>().data();
+  const auto ids = a.ids->flat<int64_t>();
+  std::vector<int64_t> sorted;
+  sorted.reserve(ids.size());
+  for (int64_t j = 0; j < ids.size(); ++j) {
+    if (ids(j) >= 0) sorted.push_back(ids(j));
+  }
+  std::sort(sorted.begin(), sorted.end());
 
-    const auto ids = ids_t.flat<int64_t>();
-    std::vector<int64_t> sorted;
-    sorted.reserve(ids.size());
-    for (int64_t j = 0; j < ids.size(); ++j) {
-      if (ids(j) >= 0) sorted.push_back(ids(j));
-    }
-    std::sort(sorted.begin(), sorted.end());
-
-    // Sets of `ways` consecutive slots; the last one holds the remainder.
-    const int64_t ways = std::min<int64_t>(32, size);
-    const int64_t num_sets = (size + ways - 1) / ways;
-    for (size_t i = 0; i < sorted.size();) {
-      size_t end = i;
-      while (end < sorted.size() && sorted[end] == sorted[i]) ++end;
-      const int64_t id = sorted[i];
-      const int64_t multiplicity = static_cast<int64_t>(end - i);
-      i = end;
-      const int64_t base =
-          static_cast<int64_t>(MixId(static_cast<uint64_t>(id)) % static_cast<uint64_t>(num_sets)) *
-          ways;
-      const int64_t set_end = std::min(size, base + ways);
-      int64_t found = -1, empty = -1, smallest = base;
-      for (int64_t w = base; w < set_end; ++w) {
-        if (keys[w] == id) {
-          found = w;
-          break;
-        }
-        if (keys[w] < 0) {
-          if (empty < 0) empty = w;
-        } else if (counts[w] < counts[smallest] || keys[smallest] < 0) {
-          smallest = w;
-        }
+  // Sets of `ways` consecutive slots; the last one holds the remainder.
+  const int64_t ways = std::min<int64_t>(32, size);
+  const int64_t num_sets = (size + ways - 1) / ways;
+  for (size_t i = 0; i < sorted.size();) {
+    size_t end = i;
+    while (end < sorted.size() && sorted[end] == sorted[i]) ++end;
+    const int64_t id = sorted[i];
+    const int64_t multiplicity = static_cast<int64_t>(end - i);
+    i = end;
+    const int64_t base =
+        static_cast<int64_t>(MixId(static_cast<uint64_t>(id)) % static_cast<uint64_t>(num_sets)) *
+        ways;
+    const int64_t set_end = std::min(size, base + ways);
+    int64_t found = -1, empty = -1, smallest = base;
+    for (int64_t w = base; w < set_end; ++w) {
+      if (keys[w] == id) {
+        found = w;
+        break;
       }
-      if (found >= 0) {
-        counts[found] += multiplicity;
-      } else if (empty >= 0) {
-        keys[empty] = id;
-        counts[empty] = multiplicity;
-      } else {
-        keys[smallest] = id;
-        counts[smallest] += multiplicity;
+      if (keys[w] < 0) {
+        if (empty < 0) empty = w;
+      } else if (counts[w] < counts[smallest] || keys[smallest] < 0) {
+        smallest = w;
       }
     }
+    if (found >= 0) {
+      counts[found] += multiplicity;
+    } else if (empty >= 0) {
+      keys[empty] = id;
+      counts[empty] = multiplicity;
+    } else {
+      keys[smallest] = id;
+      counts[smallest] += multiplicity;
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+template <typename Tindex>
+struct UniqueIdsLaunch<CpuDevice, Tindex> {
+  static Status Run(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const UniqueIdsArgs& a,
+                    const CpuStep& step) {
+    return UniqueIds<Tindex>(ctx, attrs, a, step.pool);
   }
 };
 
-}  // namespace
+template <typename T>
+struct TTRowsLaunch<CpuDevice, T> {
+  static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsArgs& a,
+                    const CpuStep& step) {
+    return Rows<T>(ctx, shape, a, step.pool);
+  }
+};
+
+template <typename T>
+struct TTRowsGradLaunch<CpuDevice, T> {
+  static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsGradArgs& a,
+                    const CpuStep& step) {
+    return RowsGrad<T>(ctx, shape, a, step.pool);
+  }
+};
+
+template <>
+struct CacheCountLaunch<CpuDevice> {
+  static Status Run(OpKernelContext* ctx, const CacheCountArgs& a, const CpuStep&) {
+    return CacheCount(ctx, a);
+  }
+};
 
 #define REGISTER_TT_UNIQUE_IDS(Tindex)                                                   \
   REGISTER_KERNEL_BUILDER(                                                               \
       Name("TfTtemb>TTUniqueIds").Device(DEVICE_CPU).TypeConstraint<Tindex>("Tindices"), \
-      TTUniqueIdsOp<Tindex>);
+      TTUniqueIdsOp<CpuDevice, Tindex>);
 REGISTER_TT_UNIQUE_IDS(int32_t)
 REGISTER_TT_UNIQUE_IDS(int64_t)
 #undef REGISTER_TT_UNIQUE_IDS
 
 #define REGISTER_TT_ROWS(T)                                                                     \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
-                          TTRowsOp<T>);                                                         \
+                          TTRowsOp<CpuDevice, T>);                                              \
   REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          TTRowsGradOp<T>);
+                          TTRowsGradOp<CpuDevice, T>);
 REGISTER_TT_ROWS(Eigen::half)
 REGISTER_TT_ROWS(Eigen::bfloat16)
 REGISTER_TT_ROWS(float)
 REGISTER_TT_ROWS(double)
 #undef REGISTER_TT_ROWS
 
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp);
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp<CpuDevice>);
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow

@@ -1,0 +1,216 @@
+// The OpKernels of the TT embedding family (TTUniqueIds, TTRows, TTRowsGrad,
+// TTCacheCount), each written once for both devices (device_op_kernel.h). An
+// op parses its attrs once, runs the host-side checks shared by both devices
+// (tt_embedding_kernels.h; the ids' values where they are host memory, on the
+// CPU, and the GPU kernels' own limits on the GPU), allocates the outputs
+// whose size the host knows and calls its Launch, which the CPU kernels
+// (tt_embedding_kernels_cpu.cc) and the GPU glue (tt_embedding_kernels_gpu.cc)
+// specialise and register. Every Launch provides
+//   static Status Run(OpKernelContext*, const Attrs&, const XxxArgs&, const Step&);
+// (TTCacheCount's, which has no attrs, without them) with the Step of
+// device_op_kernel.h (a GpuStep<Call> on the GPU, whose specialisation also
+// names `using Call = ...;`).
+
+#ifndef TF_TTEMB_CC_KERNELS_TT_EMBEDDING_OP_H_
+#define TF_TTEMB_CC_KERNELS_TT_EMBEDDING_OP_H_
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cc/kernels/device_op_kernel.h"
+#include "cc/kernels/shape_util.h"
+#include "cc/kernels/tt_embedding_kernels.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/status.h"
+
+namespace tensorflow {
+namespace tf_ttemb {
+
+// ---------------------------------------------------------------------------
+// TTUniqueIds
+
+struct UniqueIdsArgs {
+  int64_t nnz = 0;
+  int64_t num_tables = 0;
+  const Tensor* ids = nullptr;           // [nnz] of Tindex
+  const Tensor* table_splits = nullptr;  // [num_tables + 1], host memory
+  Tensor* slots = nullptr;               // [nnz] of Tindex
+};
+
+template <typename Device, typename Tindex>
+struct UniqueIdsLaunch;
+
+template <typename Device, typename Tindex>
+class TTUniqueIdsOp : public DeviceOpKernel<Device, TTUniqueIdsOp<Device, Tindex>> {
+ public:
+  using Launch = UniqueIdsLaunch<Device, Tindex>;
+
+  explicit TTUniqueIdsOp(OpKernelConstruction* ctx) : DeviceOpKernel<Device, TTUniqueIdsOp>(ctx) {
+    OP_REQUIRES_OK(ctx, GetUniqueIdsAttrs(ctx, &attrs_));
+  }
+
+  template <typename Step>
+  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
+    UniqueIdsArgs a;
+    a.ids = &ctx->input(0);
+    a.table_splits = &ctx->input(1);
+    TF_RETURN_IF_ERROR(ValidateUniqueIdsInputs(*a.ids, *a.table_splits, attrs_));
+    a.nnz = a.ids->NumElements();
+    a.num_tables = a.table_splits->NumElements() - 1;
+    if constexpr (std::is_same_v<Device, GpuDevice>) {
+      TF_RETURN_IF_ERROR(ValidateGpuUniqueIdsSizes(a.nnz, a.num_tables, attrs_));
+    }
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, a.ids->shape(), &a.slots));
+    return Launch::Run(ctx, attrs_, a, step);
+  }
+
+ private:
+  UniqueIdsAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// TTRows, TTRowsGrad
+
+// What both ops read: the cores and the global ids, checked (the cores'
+// shapes, the ids' shape, and on the CPU their values; on the GPU their count,
+// the device checking the values).
+struct RowsArgs {
+  OpInputList cores;            // [num_tables * p_k, r_k q_k r_{k+1}] each
+  const Tensor* ids = nullptr;  // [num_ids] of int64
+  int64_t num_ids = 0;
+};
+
+template <typename Device>
+Status GetRowsArgs(OpKernelContext* ctx, const TTShape& shape, const char* op, RowsArgs* a) {
+  TF_RETURN_IF_ERROR(ValidateRowsInputs(ctx, shape, &a->cores));
+  a->ids = &ctx->input(0);
+  a->num_ids = a->ids->NumElements();
+  if constexpr (std::is_same_v<Device, GpuDevice>) {
+    return GpuIdsLimit(op, "ids", a->num_ids);
+  } else {
+    return ValidateGlobalIdValues(*a->ids, shape);
+  }
+}
+
+// The TT ops' attrs: the factorisation, with the GPU kernels' own limits on
+// it checked in the constructor of a GPU op.
+template <typename Device>
+Status GetRowsAttrs(OpKernelConstruction* ctx, TTShape* shape) {
+  TF_RETURN_IF_ERROR(GetTTShape(ctx, shape));
+  if constexpr (std::is_same_v<Device, GpuDevice>) {
+    return ValidateGpuTTShape(*shape);
+  }
+  return OkStatus();
+}
+
+struct TTRowsArgs : RowsArgs {
+  Tensor* rows = nullptr;  // [num_ids, prod(q_shapes)]
+};
+
+template <typename Device, typename T>
+struct TTRowsLaunch;
+
+template <typename Device, typename T>
+class TTRowsOp : public DeviceOpKernel<Device, TTRowsOp<Device, T>> {
+ public:
+  using Launch = TTRowsLaunch<Device, T>;
+
+  explicit TTRowsOp(OpKernelConstruction* ctx) : DeviceOpKernel<Device, TTRowsOp>(ctx) {
+    OP_REQUIRES_OK(ctx, GetRowsAttrs<Device>(ctx, &shape_));
+  }
+
+  template <typename Step>
+  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
+    TTRowsArgs a;
+    TF_RETURN_IF_ERROR(GetRowsArgs<Device>(ctx, shape_, "TTRows", &a));
+    TensorShape rows_shape;
+    TF_RETURN_IF_ERROR(
+        MatrixShape("rows [num_ids, prod(q_shapes)]", a.num_ids, shape_.dim, &rows_shape));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, rows_shape, &a.rows));
+    return Launch::Run(ctx, shape_, a, step);
+  }
+
+ private:
+  TTShape shape_;
+};
+
+// TTRowsGrad's inputs beyond the ids and cores: grad [num_ids, D] (its shape
+// checked by the Launch, after the ids' values as the CPU kernel orders it)
+// and `saved` (TTRows' output 1, or empty).
+struct TTRowsGradArgs : RowsArgs {
+  const Tensor* grad = nullptr;
+  const Tensor* saved = nullptr;
+};
+
+template <typename Device, typename T>
+struct TTRowsGradLaunch;
+
+template <typename Device, typename T>
+class TTRowsGradOp : public DeviceOpKernel<Device, TTRowsGradOp<Device, T>> {
+ public:
+  using Launch = TTRowsGradLaunch<Device, T>;
+
+  explicit TTRowsGradOp(OpKernelConstruction* ctx) : DeviceOpKernel<Device, TTRowsGradOp>(ctx) {
+    OP_REQUIRES_OK(ctx, GetRowsAttrs<Device>(ctx, &shape_));
+  }
+
+  template <typename Step>
+  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
+    TTRowsGradArgs a;
+    TF_RETURN_IF_ERROR(GetRowsArgs<Device>(ctx, shape_, "TTRowsGrad", &a));
+    a.grad = &ctx->input(1 + shape_.num_cores);
+    a.saved = &ctx->input(2 + shape_.num_cores);
+    return Launch::Run(ctx, shape_, a, step);
+  }
+
+ private:
+  TTShape shape_;
+};
+
+// ---------------------------------------------------------------------------
+// TTCacheCount
+
+// The op's inputs, with both variables locked exclusively and of one size
+// (`size` > 0 slots).
+struct CacheCountArgs {
+  Var* keys = nullptr;    // [size] of int64
+  Var* counts = nullptr;  // [size] of int64
+  int64_t size = 0;
+  const Tensor* ids = nullptr;  // [n] of int64
+};
+
+template <typename Device>
+struct CacheCountLaunch;
+
+template <typename Device>
+class TTCacheCountOp : public DeviceOpKernel<Device, TTCacheCountOp<Device>> {
+ public:
+  using Launch = CacheCountLaunch<Device>;
+
+  explicit TTCacheCountOp(OpKernelConstruction* ctx)
+      : DeviceOpKernel<Device, TTCacheCountOp>(ctx) {}
+
+  template <typename Step>
+  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
+    CacheCountArgs a;
+    a.ids = &ctx->input(2);
+    TF_RETURN_IF_ERROR(ValidateCacheCountIds(*a.ids));
+    core::RefCountPtr<Var> keys_var, counts_var;
+    TF_RETURN_IF_ERROR(LookupCacheTables(ctx, &keys_var, &counts_var));
+    mutex_lock keys_lock(*keys_var->mu());
+    mutex_lock counts_lock(*counts_var->mu());
+    TF_RETURN_IF_ERROR(ValidateCacheTableSizes(keys_var.get(), counts_var.get()));
+    a.keys = keys_var.get();
+    a.counts = counts_var.get();
+    a.size = a.keys->tensor()->NumElements();
+    if (a.size == 0) return OkStatus();
+    return Launch::Run(ctx, a, step);
+  }
+};
+
+}  // namespace tf_ttemb
+}  // namespace tensorflow
+
+#endif  // TF_TTEMB_CC_KERNELS_TT_EMBEDDING_OP_H_
