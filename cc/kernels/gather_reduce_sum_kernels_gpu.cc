@@ -82,46 +82,16 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs, const BagShapes& shapes
   return p;
 }
 
-// The CUDA stream TensorFlow runs the op on.
-Status OpStream(OpKernelContext* ctx, cudaStream_t* stream) {
-  const DeviceContext* device_context = ctx->op_device_context();
-  if (device_context == nullptr || device_context->stream() == nullptr) {
-    return errors::Internal("tf_ttemb: the op has no GPU stream");
-  }
-  *stream = static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
-  if (*stream == nullptr) return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
-  return OkStatus();
-}
-
-// Pinned host memory for one DeviceReport, which the stream copies the device's into.
-Status AllocatePinnedReport(OpKernelContext* ctx, Tensor* host) {
-  AllocatorAttributes pinned;
-  pinned.set_on_host(true);
-  pinned.set_gpu_compatible(true);
-  return ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), host, pinned);
-}
-
-// Device scratch of at least `bytes` bytes in `tensor` (the launchers align it).
-Status AllocateScratchTensor(OpKernelContext* ctx, size_t bytes, Tensor* tensor, void** scratch) {
-  if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
-    return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
-  }
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_temp(DT_INT8, TensorShape({static_cast<int64_t>(bytes)}), tensor));
-  *scratch = tensor->flat<int8>().data();
-  return OkStatus();
-}
-
 // The op's CUDA stream, the launchers' report in device memory and its pinned
 // host copy, for one Compute call.
 class GpuCall {
  public:
   Status Init(OpKernelContext* ctx) {
     ctx_ = ctx;
-    TF_RETURN_IF_ERROR(OpStream(ctx, &stream_));
+    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream_));
     TF_RETURN_IF_ERROR(
         ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), &device_report_));
-    return AllocatePinnedReport(ctx, &host_report_);
+    return AllocatePinnedWords(ctx, kDeviceReportWords, &host_report_);
   }
 
   cudaStream_t stream() const { return stream_; }
@@ -132,7 +102,7 @@ class GpuCall {
 
   // Device scratch of at least `bytes` bytes (the launchers align it).
   Status AllocateScratch(size_t bytes, void** scratch) {
-    return AllocateScratchTensor(ctx_, bytes, &scratch_, scratch);
+    return AllocateDeviceScratch(ctx_, bytes, &scratch_, scratch);
   }
 
   // A small device buffer standing in for outputs without elements (see
@@ -202,13 +172,13 @@ struct ForwardLaunch<GpuDevice, T, Tindex> {
           "combiner 'max' on GPU supports at most 2^31 - 1 indices, got ", a.shapes.nnz);
     }
     cudaStream_t stream = nullptr;
-    TF_RETURN_IF_ERROR(OpStream(ctx, &stream));
+    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream));
     const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
     const size_t scratch_bytes = launchers::ForwardScratchBytes<CT>(p);
     // Freed on return: TensorFlow's allocator orders its reuse after the queued work.
     Tensor scratch_tensor;
     void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(AllocateScratchTensor(ctx, scratch_bytes, &scratch_tensor, &scratch));
+    TF_RETURN_IF_ERROR(AllocateDeviceScratch(ctx, scratch_bytes, &scratch_tensor, &scratch));
     const CT* weights = attrs.has_weights ? DevicePtr<T>(*a.weights) : nullptr;
     int32* argmax = is_max ? a.argmax->flat<int32>().data() : nullptr;
     auto* report = reinterpret_cast<DeviceReport*>(a.report->flat<int64_t>().data());
@@ -225,36 +195,22 @@ namespace {
 // TfTtemb>CheckBagReport on the GPU: copies the forward's report to pinned host
 // memory and finishes from the EventMgr once the stream has run the forward
 // (ThenCheckReport), with the CPU kernel's InvalidArgument for what it holds.
-class CheckBagReportGpuOp : public AsyncOpKernel {
- public:
-  explicit CheckBagReportGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetReportAttrs(ctx, &attrs_));
+struct BagReportTraits {
+  using Report = DeviceReport;
+  using Attrs = BagAttrs;
+  static Status GetAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
+    return GetReportAttrs(ctx, attrs);
   }
-
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    const Tensor& report = ctx->input(0);
-    bool empty = false;
-    OP_REQUIRES_OK_ASYNC(ctx, ValidateReportInput(report, &empty), done);
-    if (empty) {
-      done();
-      return;
-    }
-    cudaStream_t stream = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, OpStream(ctx, &stream), done);
-    Tensor host;
-    OP_REQUIRES_OK_ASYNC(ctx, AllocatePinnedReport(ctx, &host), done);
-    const BagAttrs attrs = attrs_;
-    ThenCheckReport<DeviceReport>(
-        ctx, stream, host, reinterpret_cast<const DeviceReport*>(report.flat<int64_t>().data()),
-        /*keep=*/nullptr, [attrs](const DeviceReport& r) { return ReportStatus(r, attrs); },
-        std::move(done));
+  static Status Validate(const Tensor& report, bool* empty) {
+    return ValidateReportInput(report, empty);
   }
-
- private:
-  BagAttrs attrs_;
+  static Status Check(const DeviceReport& r, const BagAttrs& attrs) {
+    return ReportStatus(r, attrs);
+  }
 };
 
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_GPU), CheckBagReportGpuOp);
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_GPU),
+                        CheckReportGpuOp<BagReportTraits>);
 
 // ---------------------------------------------------------------------------
 // Gradient w.r.t. params (GatherReduceSumGrad, GatherReduceSumDenseGrad).

@@ -153,6 +153,46 @@ void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
   info->event_mgr->ThenExecute(se_stream, std::move(finish));
 }
 
+// The GPU kernel of a TfTtemb>Check*Report op: copies the report input (written
+// on the device by the op that produced it) to pinned host memory and finishes
+// from the EventMgr once the stream has run that op, with the CPU kernel's
+// InvalidArgument for what it holds. Traits give
+//   using Report = ...; using Attrs = ...;
+//   static Status GetAttrs(OpKernelConstruction*, Attrs*);
+//   static Status Validate(const Tensor& report, bool* empty);  // empty: a CPU op's
+//   static Status Check(const Report&, const Attrs&);
+template <typename Traits>
+class CheckReportGpuOp : public AsyncOpKernel {
+ public:
+  explicit CheckReportGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, Traits::GetAttrs(ctx, &attrs_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    using Report = typename Traits::Report;
+    const Tensor& report = ctx->input(0);
+    bool empty = false;
+    OP_REQUIRES_OK_ASYNC(ctx, Traits::Validate(report, &empty), done);
+    if (empty) {
+      done();
+      return;
+    }
+    cudaStream_t stream = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, OpCudaStream(ctx, &stream), done);
+    Tensor host;
+    constexpr int64_t kWords = sizeof(Report) / sizeof(int64_t);
+    OP_REQUIRES_OK_ASYNC(ctx, AllocatePinnedWords(ctx, kWords, &host), done);
+    const typename Traits::Attrs* attrs = &attrs_;  // the kernel outlives its calls
+    ThenCheckReport<Report>(
+        ctx, stream, host, reinterpret_cast<const Report*>(report.flat<int64_t>().data()),
+        /*keep=*/nullptr, [attrs](const Report& r) { return Traits::Check(r, *attrs); },
+        std::move(done));
+  }
+
+ private:
+  typename Traits::Attrs attrs_;
+};
+
 // ComputeAsync of a GPU op: `launch(call, &check)` validates, allocates and
 // queues the work on a new Call (GpuCall or TTGpuCall: one op call's stream,
 // report and temporaries) and sets `check`, or returns an error (an

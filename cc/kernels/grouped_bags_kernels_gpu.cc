@@ -1,8 +1,8 @@
 // The GPU glue of the grouped_bags family: GroupBagsLaunch<GpuDevice>, which
 // queues cuda/grouped_bags_kernels.cu's launcher on the op's stream and
 // returns without waiting (its findings in the `report` output), and
-// CheckGroupReport's GPU kernel, which finishes from the EventMgr with the CPU
-// kernel's InvalidArgument for what the report holds.
+// CheckGroupReport's GPU kernel (CheckReportGpuOp), which finishes from the
+// EventMgr with the CPU kernel's InvalidArgument for what the report holds.
 
 #if GOOGLE_CUDA
 
@@ -70,38 +70,24 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
 
 namespace {
 
-// TfTtemb>CheckGroupReport on the GPU: copies the report to pinned host memory
-// and finishes from the EventMgr once the stream has run GroupBags.
-class CheckGroupReportGpuOp : public AsyncOpKernel {
- public:
-  explicit CheckGroupReportGpuOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetGroupAttrs(ctx, /*with_weights=*/false, &attrs_));
+// TfTtemb>CheckGroupReport on the GPU: finishes from the EventMgr once the
+// stream has run GroupBags (CheckReportGpuOp).
+struct GroupReportTraits {
+  using Report = GroupReport;
+  using Attrs = GroupAttrs;
+  static Status GetAttrs(OpKernelConstruction* ctx, GroupAttrs* attrs) {
+    return GetGroupAttrs(ctx, /*with_weights=*/false, attrs);
   }
-
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    const Tensor& report = ctx->input(0);
-    bool empty = false;
-    OP_REQUIRES_OK_ASYNC(ctx, ValidateGroupReportInput(report, &empty), done);
-    if (empty) {
-      done();
-      return;
-    }
-    cudaStream_t stream = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, OpCudaStream(ctx, &stream), done);
-    Tensor host;
-    OP_REQUIRES_OK_ASYNC(ctx, AllocatePinnedWords(ctx, kGroupReportWords, &host), done);
-    const GroupAttrs* attrs = &attrs_;  // the kernel outlives its calls
-    ThenCheckReport<GroupReport>(
-        ctx, stream, host, reinterpret_cast<const GroupReport*>(report.flat<int64_t>().data()),
-        /*keep=*/nullptr, [attrs](const GroupReport& r) { return GroupReportStatus(r, *attrs); },
-        std::move(done));
+  static Status Validate(const Tensor& report, bool* empty) {
+    return ValidateGroupReportInput(report, empty);
   }
-
- private:
-  GroupAttrs attrs_;
+  static Status Check(const GroupReport& r, const GroupAttrs& attrs) {
+    return GroupReportStatus(r, attrs);
+  }
 };
 
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_GPU), CheckGroupReportGpuOp);
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_GPU),
+                        CheckReportGpuOp<GroupReportTraits>);
 
 // row_splits in device memory like the ids: the GPU kernel checks them itself.
 #define TF_TTEMB_REGISTER(T, Tindex)                               \

@@ -116,19 +116,10 @@ class TTGpuCall {
 
   Status Init(OpKernelContext* ctx, bool with_report) {
     ctx_ = ctx;
-    const DeviceContext* device_context = ctx->op_device_context();
-    if (device_context == nullptr || device_context->stream() == nullptr) {
-      return errors::Internal("tf_ttemb: the op has no GPU stream");
-    }
-    stream_ =
-        static_cast<cudaStream_t>(device_context->stream()->platform_specific_handle().stream);
-    if (stream_ == nullptr) {
-      return errors::Internal("tf_ttemb: the op's stream has no CUDA handle");
-    }
+    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream_));
     if (!with_report) return OkStatus();
-    const TensorShape report_shape({kReportWords});
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, report_shape, &device_report_));
-    return ctx->allocate_temp(DT_INT64, report_shape, &host_report_, PinnedHost());
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({kReportWords}), &device_report_));
+    return AllocatePinnedWords(ctx, kReportWords, &host_report_);
   }
 
   cudaStream_t stream() const { return stream_; }
@@ -151,7 +142,7 @@ class TTGpuCall {
   // this call, which lasts until the stream has run the copy).
   Status CopyToDevice(const Tensor& host, Tensor* device) {
     const int64_t n = host.NumElements();
-    TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({n}), &staging_, PinnedHost()));
+    TF_RETURN_IF_ERROR(AllocatePinnedWords(ctx_, n, &staging_));
     TF_RETURN_IF_ERROR(ctx_->allocate_temp(DT_INT64, TensorShape({n}), device));
     if (n == 0) return OkStatus();
     std::memcpy(staging_.flat<int64_t>().data(), host.flat<int64_t>().data(), n * sizeof(int64_t));
@@ -183,21 +174,9 @@ class TTGpuCall {
   }
 
  private:
+  // At least one byte: the launchers take a non-null scratch pointer.
   Status Allocate(size_t bytes, Tensor* tensor, void** ptr) {
-    if (bytes > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
-      return errors::ResourceExhausted("tf_ttemb: scratch of ", bytes, " bytes is too large");
-    }
-    TF_RETURN_IF_ERROR(
-        ctx_->allocate_temp(DT_INT8, TensorShape({std::max<int64_t>(1, bytes)}), tensor));
-    *ptr = tensor->flat<int8>().data();
-    return OkStatus();
-  }
-
-  static AllocatorAttributes PinnedHost() {
-    AllocatorAttributes pinned;
-    pinned.set_on_host(true);
-    pinned.set_gpu_compatible(true);
-    return pinned;
+    return AllocateDeviceScratch(ctx_, std::max<size_t>(1, bytes), tensor, ptr);
   }
 
   static_assert(sizeof(launchers::TTReport) % sizeof(int64_t) == 0,
