@@ -105,9 +105,12 @@ def as_float64(value: Any, rows: Any = None):
         # Summed in float32 (float64 for float64), not in float64: a [nnz, D] float64
         # copy of a large gradient would not fit where the float32 one just does.
         sum_dtype = tf.float64 if value.values.dtype == tf.float64 else tf.float32
-        summed = tf.math.unsorted_segment_sum(
-            tf.cast(value.values, sum_dtype), tf.constant(positions), len(rows)
-        ).numpy()
+        # On the CPU: TensorFlow's GPU kernel counts elements in int32, and a PKM-sized
+        # gradient (2^21 rows of 1024) has 2^31 of them.
+        with tf.device("/CPU:0"):
+            summed = tf.math.unsorted_segment_sum(
+                tf.cast(value.values, sum_dtype), tf.constant(positions), len(rows)
+            ).numpy()
         summed = summed.astype(np.float64)
         if not np.array_equal(rows[positions], indices):
             summed[:] = np.nan
