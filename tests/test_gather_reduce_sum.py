@@ -135,14 +135,18 @@ def test_dims(rng, dim, combiner, weighted, dtype):
 
 
 # The CPU forward sums a bag's columns in chunks of up to 8 vectors (8 float lanes, 4
-# double lanes) held in registers, the last vector partial when the lanes do not divide
-# D: every D below takes another (chunks, vectors, tail) path for float32 or float64
-# (and half types load 8 values at a time, partially in the tail).
+# double lanes; 16 vectors of 16 lanes on AVX-512) held in registers, the last vector
+# partial when the lanes do not divide D, and takes its maxes in chunks of half as many
+# vectors: every D below takes another (chunks, vectors, tail) path for float32 or
+# float64 (and half types load 8 or 16 values at a time, partially in the tail). The
+# backward's half-typed row sums and stores run 8 columns at a time with a scalar tail.
 VECTOR_PATH_DIMS = [*range(1, 18), 20, 24, 31, 32, 33, 40, 48, 56, 63, 64, 65, 72, 100]
 VECTOR_PATH_DIMS += [127, 128, 129, 255, 256, 257, 1023, 1024, 1025]
 
 
-@pytest.mark.parametrize("combiner,weighted", [("sum", False), ("sum", True), ("sqrtn", True)])
+@pytest.mark.parametrize(
+    "combiner,weighted", [("sum", False), ("sum", True), ("sqrtn", True), ("max", False)]
+)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("dim", VECTOR_PATH_DIMS)
 def test_forward_vector_paths(rng, dim, dtype, combiner, weighted):
