@@ -131,7 +131,7 @@ class GatherReduceSumGradOp : public OpKernel {
     if (dim == 0) return;
     call.ReduceAll([&](int64_t u, const auto* acc) {
       T* row = values_out + u * dim;
-      for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+      StoreRow(row, acc, dim);
     });
   }
 
@@ -161,7 +161,7 @@ class GatherReduceSumDenseGradOp : public OpKernel {
     ZeroUntouchedRows(call.pool, s, num_rows, dim, out);
     call.ReduceAll([&](int64_t u, const auto* acc) {
       T* row = out + static_cast<int64_t>(s.keys[s.seg_starts[u]]) * dim;
-      for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+      StoreRow(row, acc, dim);
     });
   }
 
@@ -371,7 +371,7 @@ class GatherReduceSumFusedGradOp : public OpKernel {
           dw[positions[k]] = static_cast<T>(WeightGrad(combiner, dot, dots[b], scale, ws[k]));
         }
         T* out_row = values + (dense ? id : u) * dim;
-        for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);
+        StoreRow(out_row, acc.data(), dim);
       }
     });
   }
