@@ -1,8 +1,9 @@
-"""The CPU forward's two instruction sets give the same bits: the AVX-512 bag sums (chosen
-at run time where the CPU has AVX512F/BW/VL) and the AVX2 ones (TF_TTEMB_CPU_ISA=avx2,
-what every other x86-64 CPU runs), over the row widths whose code paths differ (tails of
-one to fifteen lanes, one and several vectors, the widest unrolled chunk and beyond), every
-dtype, weighted and not. Both agree with the float64 reference."""
+"""The CPU forward's two instruction sets give the same bits: the AVX-512 bag sums and maxes
+(chosen at run time where the CPU has AVX512F/BW/VL) and the AVX2 ones
+(TF_TTEMB_CPU_ISA=avx2, what every other x86-64 CPU runs), over the row widths whose code
+paths differ (tails of one to fifteen lanes, one and several vectors, the widest unrolled
+chunk of the sum and of the max and beyond), every dtype, mean weighted and not, and max
+(with its argmax, through the gradient). Both agree with the float64 reference."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import tensorflow as tf
 from bags import assert_close
 from processes import run_fresh_python
 
-DIMS = [1, 3, 8, 15, 16, 17, 31, 33, 64, 100, 128, 129, 255, 256, 257, 513, 1025]
+DIMS = [1, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 255, 256, 257, 513, 1025]
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 
 SCRIPT = """
@@ -43,6 +44,24 @@ for dim in dims:
                 )
             key = f"{dim}-{name}-{weighted}"
             results[key] = tf.cast(got, tf.float64).numpy()
+        # max over small integers (ties everywhere) and one NaN, with padding and an
+        # empty bag; the dense gradient shows the argmax.
+        rng = np.random.default_rng(dim * 11 + len(name))
+        table = rng.integers(-3, 4, size=(50, dim)).astype(np.float64)
+        table[7, dim // 2] = np.nan
+        ids = rng.integers(-1, 50, size=(9, 13))
+        ids[4] = -1
+        upstream = rng.standard_normal((9, dim))
+        with tf.device("/CPU:0"):
+            params = tf.cast(tf.constant(table), name)
+            with tf.GradientTape() as tape:
+                tape.watch(params)
+                got = tf_ttemb.gather_reduce_sum(
+                    params, tf.constant(ids), combiner="max", padding_id=-1, dense_grad=True
+                )
+            grad = tape.gradient(got, params, output_gradients=tf.cast(upstream, name))
+        results[f"{dim}-{name}-max"] = tf.cast(got, tf.float64).numpy()
+        results[f"{dim}-{name}-max-grad"] = tf.cast(grad, tf.float64).numpy()
 np.savez(out_path, **results)
 print("done")
 """
@@ -85,3 +104,27 @@ def test_avx512_and_avx2_forward_agree_bitwise(both_paths, dim):
                 cast, ids.reshape(-1), np.arange(10) * 13, w, "mean", None
             )
             assert_close(both_paths["avx2"][key], want, scale, tf.as_dtype(name), key)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_avx512_and_avx2_max_agree_bitwise(both_paths, dim):
+    for name in DTYPES:
+        for key in (f"{dim}-{name}-max", f"{dim}-{name}-max-grad"):
+            np.testing.assert_array_equal(
+                both_paths["default"][key], both_paths["avx2"][key], err_msg=key
+            )
+        rng = np.random.default_rng(dim * 11 + len(name))
+        table = rng.integers(-3, 4, size=(50, dim)).astype(np.float64)
+        table[7, dim // 2] = np.nan
+        ids = rng.integers(-1, 50, size=(9, 13))
+        ids[4] = -1
+        upstream = rng.standard_normal((9, dim))
+        splits = np.arange(10) * 13
+        want, _ = reference.forward(table, ids.reshape(-1), splits, None, "max", -1)
+        np.testing.assert_array_equal(both_paths["avx2"][f"{dim}-{name}-max"], want)
+        up = tf.cast(tf.cast(tf.constant(upstream), name), tf.float64).numpy()
+        want_grad, scale = reference.params_grad(
+            table, ids.reshape(-1), splits, up, None, "max", -1
+        )
+        got_grad = both_paths["avx2"][f"{dim}-{name}-max-grad"]
+        assert_close(got_grad, want_grad, scale, tf.as_dtype(name), f"{dim}-{name}-max-grad")

@@ -135,14 +135,18 @@ def test_dims(rng, dim, combiner, weighted, dtype):
 
 
 # The CPU forward sums a bag's columns in chunks of up to 8 vectors (8 float lanes, 4
-# double lanes) held in registers, the last vector partial when the lanes do not divide
-# D: every D below takes another (chunks, vectors, tail) path for float32 or float64
-# (and half types load 8 values at a time, partially in the tail).
+# double lanes; 16 vectors of 16 lanes on AVX-512) held in registers, the last vector
+# partial when the lanes do not divide D, and takes its maxes in chunks of half as many
+# vectors: every D below takes another (chunks, vectors, tail) path for float32 or
+# float64 (and half types load 8 or 16 values at a time, partially in the tail). The
+# backward's half-typed row sums and stores run 8 columns at a time with a scalar tail.
 VECTOR_PATH_DIMS = [*range(1, 18), 20, 24, 31, 32, 33, 40, 48, 56, 63, 64, 65, 72, 100]
 VECTOR_PATH_DIMS += [127, 128, 129, 255, 256, 257, 1023, 1024, 1025]
 
 
-@pytest.mark.parametrize("combiner,weighted", [("sum", False), ("sum", True), ("sqrtn", True)])
+@pytest.mark.parametrize(
+    "combiner,weighted", [("sum", False), ("sum", True), ("sqrtn", True), ("max", False)]
+)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("dim", VECTOR_PATH_DIMS)
 def test_forward_vector_paths(rng, dim, dtype, combiner, weighted):
@@ -745,6 +749,41 @@ def test_ids_out_of_range(rng, case, ids_dtype, implementation, mode):
         f = tf.function(f)
     with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
         f(params, bags.ids)
+
+
+@pytest.mark.parametrize("padding_id", [None, -1], ids=lambda p: f"pad{p}")
+@pytest.mark.parametrize("ids_dtype", list(ID_DTYPES))
+@pytest.mark.parametrize("nnz", [3_000, 70_000])
+def test_first_bad_id_of_a_long_batch(rng, nnz, ids_dtype, padding_id):
+    """The CPU check tests blocks of 512 ids at once (on the pool's threads from 65,536 ids on)
+    and scans a failing block in order: the first bad id is named, past padding entries and
+    blocks that pass, with a later bad id in another block and one after it in its own."""
+    ids = rng.integers(0, N_ERR, size=nnz)
+    if padding_id is not None:
+        ids[rng.random(nnz) < 0.3] = padding_id
+    first = nnz // 2 + 7
+    ids[first] = -3
+    ids[first + 1] = N_ERR
+    ids[nnz - 5] = N_ERR + 11
+    bags = dense_bags(rng, None, N_ERR, ID_DTYPES[ids_dtype], ids=ids.reshape(-1, 10))
+    params, _ = make_params(rng, N_ERR, 2, tf.float32)
+    message = f"indices[{first}] = -3 is not in [0, 4096)"
+    if padding_id is not None:
+        message += f" and is not padding_id ({padding_id})"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        tf_ttemb.gather_reduce_sum(params, bags.ids, padding_id=padding_id)
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_bad_id_in_a_bag_of_zero_weights(rng, combiner):
+    """A bag of scale 0 is never gathered, but its ids are still checked."""
+    params, _ = make_params(rng, N_ERR, 3, tf.float32)
+    ids = tf.constant([[1, 2], [3, 5000]], tf.int64)
+    weights = tf.constant([[0.5, 0.25], [0.0, 0.0]], tf.float32)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=re.escape("indices[3] = 5000 is not in [0, 4096)")
+    ):
+        tf_ttemb.gather_reduce_sum(params, ids, weights, combiner=combiner)
 
 
 @pytest.mark.parametrize(

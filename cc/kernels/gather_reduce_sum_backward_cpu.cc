@@ -131,7 +131,7 @@ struct ParamsGradLaunch<CpuDevice, T, Tindex> {
       ZeroUntouchedRows(call.pool, s, num_rows, dim, out);
       call.ReduceAll([&](int64_t u, const auto* acc) {
         T* row = out + static_cast<int64_t>(s.keys[s.seg_starts[u]]) * dim;
-        for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+        StoreRow(row, acc, dim);
       });
       return OkStatus();
     }
@@ -143,7 +143,7 @@ struct ParamsGradLaunch<CpuDevice, T, Tindex> {
     T* values_out = values->flat<T>().data();
     call.ReduceAll([&](int64_t u, const auto* acc) {
       T* row = values_out + u * dim;
-      for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<T>(acc[d]);
+      StoreRow(row, acc, dim);
     });
     return OkStatus();
   }
@@ -303,7 +303,7 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
           dw[positions[k]] = static_cast<T>(WeightGrad(combiner, dot, dots[b], scale, ws[k]));
         }
         T* out_row = values + (dense ? id : u) * dim;
-        for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(acc[d]);
+        StoreRow(out_row, acc.data(), dim);
       }
     });
     return OkStatus();

@@ -77,18 +77,44 @@ void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t 
 }
 
 // Finds the first index that is neither in [0, num_rows) nor the padding id.
+// Blocks of kCheckBlock ids are tested first with a branch-free OR of the
+// unsigned range test (and of the inequality to the padding id, if any),
+// which the compiler vectorises; only a block that fails is scanned in order
+// for its first bad id.
 template <typename Tindex>
 Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz, int64_t num_rows,
                        const BagAttrs& attrs) {
+  constexpr int64_t kCheckBlock = 512;
   std::atomic<int64_t> first_bad{nnz};
+  const uint64_t rows = static_cast<uint64_t>(num_rows);
+  const bool padding = attrs.has_padding_id;
+  const int64_t padding_id = attrs.padding_id;
+  auto block_fails = [&](int64_t begin, int64_t end) {
+    bool bad = false;
+    if (padding) {
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t id = static_cast<int64_t>(ids[j]);
+        bad |= (static_cast<uint64_t>(id) >= rows) & (id != padding_id);
+      }
+    } else {
+      for (int64_t j = begin; j < end; ++j) {
+        bad |= static_cast<uint64_t>(static_cast<int64_t>(ids[j])) >= rows;
+      }
+    }
+    return bad;
+  };
   auto check = [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t id = static_cast<int64_t>(ids[j]);
-      if ((id < 0 || id >= num_rows) && !IsPadding(ids[j], attrs)) {
-        int64_t seen = first_bad.load();
-        while (j < seen && !first_bad.compare_exchange_weak(seen, j)) {
+    for (int64_t block = begin; block < end; block += kCheckBlock) {
+      const int64_t block_end = std::min(end, block + kCheckBlock);
+      if (!block_fails(block, block_end)) continue;
+      for (int64_t j = block; j < block_end; ++j) {
+        const int64_t id = static_cast<int64_t>(ids[j]);
+        if ((id < 0 || id >= num_rows) && !IsPadding(ids[j], attrs)) {
+          int64_t seen = first_bad.load();
+          while (j < seen && !first_bad.compare_exchange_weak(seen, j)) {
+          }
+          return;
         }
-        return;
       }
     }
   };
@@ -113,9 +139,13 @@ inline void Axpy(Acc* __restrict acc, Acc w, const double* __restrict row, int64
   for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
 }
 template <typename Acc, typename T>
-inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row, int64_t dim) {
+inline void AxpyScalar(Acc* __restrict acc, Acc w, const T* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += w * static_cast<Acc>(row[d]);
 }
+// Half and bfloat16 rows into float: vectorised below where the build has
+// AVX2/FMA/F16C (the same fused multiply-add per element, so the same bits).
+template <typename Acc, typename T>
+inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row, int64_t dim);
 
 template <typename Acc>
 inline void AddRow(Acc* __restrict acc, const float* __restrict row, int64_t dim) {
@@ -218,7 +248,77 @@ template <typename T>
 struct IsWideable : std::integral_constant<bool, std::is_same<T, float>::value ||
                                                      std::is_same<T, Eigen::half>::value ||
                                                      std::is_same<T, bfloat16>::value> {};
+
+template <typename T>
+struct IsHalfType : std::integral_constant<bool, std::is_same<T, Eigen::half>::value ||
+                                                     std::is_same<T, bfloat16>::value> {};
+
+// acc[0, dim) += w * row[0, dim) for a half or bfloat16 row, 8 columns at a
+// time: one fused multiply-add per element, as the scalar loop compiles to.
+template <typename T>
+inline void AxpyHalf(float* __restrict acc, float w, const T* __restrict row, int64_t dim) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, LoadWide8(row + d), _mm256_loadu_ps(acc + d)));
+    _mm256_storeu_ps(acc + d + 8,
+                     _mm256_fmadd_ps(wv, LoadWide8(row + d + 8), _mm256_loadu_ps(acc + d + 8)));
+  }
+  for (; d + 8 <= dim; d += 8) {
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, LoadWide8(row + d), _mm256_loadu_ps(acc + d)));
+  }
+  for (; d < dim; ++d) acc[d] = std::fma(w, static_cast<float>(row[d]), acc[d]);
+}
+
+// 8 floats rounded to 8 halves or bfloat16s exactly as Eigen's scalar
+// conversions round them: to nearest even; a NaN becomes bfloat16's quiet
+// NaN of its sign (0x7FC0 / 0xFFC0), a half NaN is converted by the hardware
+// as _cvtss_sh does.
+inline __m128i NarrowHalf8(__m256 v) {
+  return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline __m128i NarrowBfloat8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan =
+      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)),
+                      _mm256_set1_epi32(0x7FC0));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i out = _mm256_blendv_epi8(rounded, nan, is_nan);  // 8 x 32 bits, each < 2^16
+  return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+}
+inline __m128i Narrow8(__m256 v, const Eigen::half*) { return NarrowHalf8(v); }
+inline __m128i Narrow8(__m256 v, const bfloat16*) { return NarrowBfloat8(v); }
 #endif
+
+template <typename Acc, typename T>
+inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (std::is_same<Acc, float>::value && IsHalfType<T>::value) {
+    AxpyHalf(acc, w, row, dim);
+    return;
+  }
+#endif
+  AxpyScalar(acc, w, row, dim);
+}
+
+// out[0, dim) = acc[0, dim) converted to T (static_cast<T>'s rounding, 8
+// columns at a time for half and bfloat16).
+template <typename T, typename Acc>
+inline void StoreRow(T* __restrict out, const Acc* __restrict acc, int64_t dim) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if constexpr (std::is_same<Acc, float>::value && IsHalfType<T>::value) {
+    for (; d + 8 <= dim; d += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
+                       Narrow8(_mm256_loadu_ps(acc + d), static_cast<const T*>(nullptr)));
+    }
+  }
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<T>(acc[d]);
+}
 
 template <typename Acc, typename A, typename B>
 inline Acc Dot(const A* __restrict a, const B* __restrict b, int64_t dim) {

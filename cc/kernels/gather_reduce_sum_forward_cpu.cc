@@ -37,13 +37,41 @@ namespace {
 // sum over the entries of its block, with the same fused multiply-adds, so
 // the result is bitwise the one of the one-column-at-a-time loop. The
 // denominators of mean and sqrtn come from ComputeBagScale (the backward's),
-// and a bag of scale 0 is never gathered.
+// and a bag of scale 0 is never gathered. The max path walks the same chunks
+// with a running max and its position per column in registers (BagChunkMax:
+// half as many vectors per pass, two registers each), bitwise the scalar
+// rule's result.
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define TF_TTEMB_CPU_AVX2 1
 #endif
 
 #ifdef TF_TTEMB_CPU_AVX2
+
+// How many entries ahead the forward prefetches rows of `bytes` bytes: about
+// 4 KiB of rows in flight, 16 entries ahead for rows of up to 256 bytes, at
+// least 4 for long rows.
+inline int64_t PrefetchDistance(int64_t bytes) {
+  return std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, bytes)));
+}
+
+// Prefetches the first `bytes` bytes of the row of entry `ahead` (every cache
+// line they touch), unless `bytes` is 0, ahead >= prefetch_end or the entry is
+// padding.
+template <typename T, typename Tindex>
+inline void PrefetchAhead(const T* params,    // [N, D]
+                          const Tindex* ids,  // [nnz]
+                          int64_t ahead, int64_t prefetch_end, int64_t bytes, int64_t dim,
+                          const BagAttrs& attrs) {
+  if (bytes <= 0 || ahead >= prefetch_end) return;
+  const int64_t id = static_cast<int64_t>(ids[ahead]);
+  if (attrs.has_padding_id && id == attrs.padding_id) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(params + id * dim) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(params + id * dim) + bytes;
+  for (uintptr_t p = first; p < last; p += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
+  }
+}
 
 // A vector of 8 float or 4 double accumulators and the loads that widen a
 // table's values into one, exactly (half and bfloat16 widen without rounding).
@@ -80,6 +108,28 @@ struct Vec<float> {
   }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void StorePartial(float* p, V v, int n) { _mm256_maskstore_ps(p, Mask(n), v); }
+  // Where the max rule takes x over acc: x > acc (false for NaN), or x is NaN
+  // and acc is not.
+  static V Takes(V x, V acc) {
+    return _mm256_or_ps(
+        _mm256_cmp_ps(x, acc, _CMP_GT_OQ),
+        _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), _mm256_cmp_ps(acc, acc, _CMP_ORD_Q)));
+  }
+  static V Select(V mask, V a, V b) { return _mm256_blendv_ps(a, b, mask); }  // b where mask
+  // Positions inside a bag, one int32 per lane.
+  using P = __m256i;
+  static P PosSet(int32 p) { return _mm256_set1_epi32(p); }
+  static P PosSelect(V mask, P a, P b) {
+    return _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), mask));
+  }
+  static void PosStore(int32* p, P v, int n) {
+    if (n == kLanes) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+    } else {
+      _mm256_maskstore_epi32(p, Mask(n), v);
+    }
+  }
 };
 
 template <>
@@ -97,6 +147,21 @@ struct Vec<double> {
   static V LoadPartial(const double* p, int n) { return _mm256_maskload_pd(p, Mask(n)); }
   static void Store(double* p, V v) { _mm256_storeu_pd(p, v); }
   static void StorePartial(double* p, V v, int n) { _mm256_maskstore_pd(p, Mask(n), v); }
+  static V Takes(V x, V acc) {
+    return _mm256_or_pd(
+        _mm256_cmp_pd(x, acc, _CMP_GT_OQ),
+        _mm256_and_pd(_mm256_cmp_pd(x, x, _CMP_UNORD_Q), _mm256_cmp_pd(acc, acc, _CMP_ORD_Q)));
+  }
+  static V Select(V mask, V a, V b) { return _mm256_blendv_pd(a, b, mask); }
+  // Positions held as doubles (exact below 2^53), converted to int32 on store.
+  using P = __m256d;
+  static P PosSet(int32 p) { return _mm256_set1_pd(static_cast<double>(p)); }
+  static P PosSelect(V mask, P a, P b) { return _mm256_blendv_pd(a, b, mask); }
+  static void PosStore(int32* p, P v, int n) {
+    int32 tmp[kLanes];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm256_cvttpd_epi32(v));
+    std::memcpy(p, tmp, n * sizeof(int32));
+  }
 };
 
 // Vectors of columns one pass over a bag's entries keeps in registers.
@@ -122,22 +187,10 @@ inline void BagChunkSum(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = VA::Zero();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  // About 4 KiB of rows in flight: 16 entries ahead for rows of up to 256
-  // bytes, at least 4 for long rows.
-  const int64_t distance =
-      std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, prefetch_bytes)));
+  const int64_t distance = PrefetchDistance(prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
-    if (prefetch_bytes > 0 && j + distance < prefetch_end) {
-      const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
-      if (!padding || ahead != padding_id) {
-        const uintptr_t first = reinterpret_cast<uintptr_t>(params + ahead * dim) & ~uintptr_t{63};
-        const uintptr_t last = reinterpret_cast<uintptr_t>(params + ahead * dim) + prefetch_bytes;
-        for (uintptr_t p = first; p < last; p += 64) {
-          __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
-        }
-      }
-    }
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
     if (kWeighted) {
@@ -214,6 +267,112 @@ void BagSumAvx2(const T* params, const Tindex* ids, const T* weights, int64_t be
 #undef TF_TTEMB_CHUNK_CASE
 }
 
+// The max combiner on the same column chunks: the running max of each column
+// and the position (inside the bag) it came from, both in registers over one
+// pass of the entries [begin, end). The first non-padding entry sets both; a
+// later entry takes a column where its value is greater (an ordered compare,
+// false for NaN) or is NaN where the max is not. That is the scalar rule
+// `pos < 0 || v > max || (isnan(v) && !isnan(max))`: the first maximal entry
+// wins, NaN is above every number, and the bits are the scalar loop's. Writes
+// the maxes (0 where the bag has no entry) and the positions (-1 there).
+template <int kVecs, bool kTail, typename T, typename Tindex, typename Acc>
+inline void BagChunkMax(const T* params,    // [N, D]
+                        const Tindex* ids,  // [nnz]
+                        int64_t begin, int64_t end, int64_t prefetch_end, int64_t prefetch_bytes,
+                        int64_t dim, int64_t col, int tail, const BagAttrs& attrs,
+                        Acc* maxes,    // [kVecs * kLanes]
+                        int32* pos) {  // [kVecs * kLanes]
+  using VA = Vec<Acc>;
+  constexpr int kLanes = VA::kLanes;
+  typename VA::V acc[kVecs];
+  typename VA::P at[kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    acc[v] = VA::Zero();
+    at[v] = VA::PosSet(-1);
+  }
+  const bool padding = attrs.has_padding_id;
+  const int64_t padding_id = attrs.padding_id;
+  const int64_t distance = PrefetchDistance(prefetch_bytes);
+  auto load = [&](const T* row, int v) {
+    return (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
+                                     : VA::Load(row + v * kLanes);
+  };
+  int64_t j = begin;
+  for (; j < end; ++j) {  // up to the first non-padding entry
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if (padding && id == padding_id) continue;
+    const T* row = params + id * dim + col;
+    for (int v = 0; v < kVecs; ++v) {
+      acc[v] = load(row, v);
+      at[v] = VA::PosSet(static_cast<int32>(j - begin));
+    }
+    ++j;
+    break;
+  }
+  for (; j < end; ++j) {
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if (padding && id == padding_id) continue;
+    const T* row = params + id * dim + col;
+    const typename VA::P here = VA::PosSet(static_cast<int32>(j - begin));
+    for (int v = 0; v < kVecs; ++v) {
+      const typename VA::V x = load(row, v);
+      const typename VA::V take = VA::Takes(x, acc[v]);
+      acc[v] = VA::Select(take, acc[v], x);
+      at[v] = VA::PosSelect(take, at[v], here);
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    const int n = (kTail && v == kVecs - 1) ? tail : kLanes;
+    if (n == kLanes) {
+      VA::Store(maxes + v * kLanes, acc[v]);
+    } else {
+      VA::StorePartial(maxes + v * kLanes, acc[v], n);
+    }
+    VA::PosStore(pos + v * kLanes, at[v], n);
+  }
+}
+
+// Vectors of columns one pass of the max keeps in registers (a max and a
+// position per vector).
+constexpr int kMaxVecsMax = 4;
+
+template <typename T, typename Tindex, typename Acc>
+void BagMaxAvx2(const T* params, const Tindex* ids, int64_t begin, int64_t end,
+                int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* maxes, int32* pos) {
+  constexpr int kLanes = Vec<Acc>::kLanes;
+  const int64_t vecs = (dim + kLanes - 1) / kLanes;
+  const int tail = static_cast<int>(dim % kLanes);
+  int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
+  int64_t col = 0;
+  int64_t left = vecs;
+  for (; left > kMaxVecsMax; left -= kMaxVecsMax, col += kMaxVecsMax * kLanes) {
+    BagChunkMax<kMaxVecsMax, false>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col,
+                                    0, attrs, maxes + col, pos + col);
+    prefetch_bytes = 0;
+  }
+#define TF_TTEMB_CHUNK_CASE(k)                                                                    \
+  case k:                                                                                         \
+    if (tail == 0) {                                                                              \
+      BagChunkMax<k, false>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col, 0,   \
+                            attrs, maxes + col, pos + col);                                       \
+    } else {                                                                                      \
+      BagChunkMax<k, true>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col, tail, \
+                           attrs, maxes + col, pos + col);                                        \
+    }                                                                                             \
+    break;
+  switch (left) {
+    TF_TTEMB_CHUNK_CASE(1)
+    TF_TTEMB_CHUNK_CASE(2)
+    TF_TTEMB_CHUNK_CASE(3)
+    TF_TTEMB_CHUNK_CASE(4)
+    default:
+      break;
+  }
+#undef TF_TTEMB_CHUNK_CASE
+}
+
 // ---------------------------------------------------------------------------
 // AVX-512, chosen at run time (the library itself is built for AVX2, so one
 // build runs everywhere): 16 float lanes per vector and up to kMaxVecs512 = 16
@@ -278,20 +437,10 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance =
-      std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, prefetch_bytes)));
+  const int64_t distance = PrefetchDistance(prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
-    if (prefetch_bytes > 0 && j + distance < prefetch_end) {
-      const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
-      if (!padding || ahead != padding_id) {
-        const uintptr_t first = reinterpret_cast<uintptr_t>(params + ahead * dim) & ~uintptr_t{63};
-        const uintptr_t last = reinterpret_cast<uintptr_t>(params + ahead * dim) + prefetch_bytes;
-        for (uintptr_t p = first; p < last; p += 64) {
-          __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
-        }
-      }
-    }
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
     if (kWeighted) {
@@ -377,6 +526,106 @@ TF_TTEMB_AVX512 void BagSum512(const T* params, const Tindex* ids, const T* weig
 #undef TF_TTEMB_CHUNK_CASE
 }
 
+// As BagChunkMax, 16 lanes per vector; `mask` selects the last vector's lanes
+// when kTail.
+template <int kVecs, bool kTail, typename T, typename Tindex>
+TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
+                                    const Tindex* ids,  // [nnz]
+                                    int64_t begin, int64_t end, int64_t prefetch_end,
+                                    int64_t prefetch_bytes, int64_t dim, int64_t col,
+                                    __mmask16 mask, const BagAttrs& attrs,
+                                    float* maxes,  // [kVecs * 16]
+                                    int32* pos) {  // [kVecs * 16]
+  constexpr int kLanes = Vec512::kLanes;
+  __m512 acc[kVecs];
+  __m512i at[kVecs];
+  for (int v = 0; v < kVecs; ++v) {
+    acc[v] = _mm512_setzero_ps();
+    at[v] = _mm512_set1_epi32(-1);
+  }
+  const bool padding = attrs.has_padding_id;
+  const int64_t padding_id = attrs.padding_id;
+  const int64_t distance = PrefetchDistance(prefetch_bytes);
+  int64_t j = begin;
+  for (; j < end; ++j) {  // up to the first non-padding entry
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if (padding && id == padding_id) continue;
+    const T* row = params + id * dim + col;
+    for (int v = 0; v < kVecs; ++v) {
+      acc[v] = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
+                                         : Vec512::Load(row + v * kLanes);
+      at[v] = _mm512_set1_epi32(static_cast<int32>(j - begin));
+    }
+    ++j;
+    break;
+  }
+  for (; j < end; ++j) {
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    if (padding && id == padding_id) continue;
+    const T* row = params + id * dim + col;
+    const __m512i here = _mm512_set1_epi32(static_cast<int32>(j - begin));
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
+                                                 : Vec512::Load(row + v * kLanes);
+      const __mmask16 take =
+          _mm512_cmp_ps_mask(x, acc[v], _CMP_GT_OQ) |
+          (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(acc[v], acc[v], _CMP_ORD_Q));
+      acc[v] = _mm512_mask_mov_ps(acc[v], take, x);
+      at[v] = _mm512_mask_mov_epi32(at[v], take, here);
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    const __mmask16 store = (kTail && v == kVecs - 1) ? mask : __mmask16{0xFFFF};
+    _mm512_mask_storeu_ps(maxes + v * kLanes, store, acc[v]);
+    _mm512_mask_storeu_epi32(pos + v * kLanes, store, at[v]);
+  }
+}
+
+constexpr int kMaxVecsMax512 = 8;
+
+template <typename T, typename Tindex>
+TF_TTEMB_AVX512 void BagMax512(const T* params, const Tindex* ids, int64_t begin, int64_t end,
+                               int64_t prefetch_end, int64_t dim, const BagAttrs& attrs,
+                               float* maxes, int32* pos) {
+  constexpr int kLanes = Vec512::kLanes;
+  const int64_t vecs = (dim + kLanes - 1) / kLanes;
+  const int tail = static_cast<int>(dim % kLanes);
+  const __mmask16 mask = tail == 0 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << tail) - 1);
+  int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
+  int64_t col = 0;
+  int64_t left = vecs;
+  for (; left > kMaxVecsMax512; left -= kMaxVecsMax512, col += kMaxVecsMax512 * kLanes) {
+    BagChunkMax512<kMaxVecsMax512, false>(params, ids, begin, end, prefetch_end, prefetch_bytes,
+                                          dim, col, 0xFFFF, attrs, maxes + col, pos + col);
+    prefetch_bytes = 0;
+  }
+#define TF_TTEMB_CHUNK_CASE(k)                                                                  \
+  case k:                                                                                       \
+    if (tail == 0) {                                                                            \
+      BagChunkMax512<k, false>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col, \
+                               mask, attrs, maxes + col, pos + col);                            \
+    } else {                                                                                    \
+      BagChunkMax512<k, true>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col,  \
+                              mask, attrs, maxes + col, pos + col);                             \
+    }                                                                                           \
+    break;
+  switch (left) {
+    TF_TTEMB_CHUNK_CASE(1)
+    TF_TTEMB_CHUNK_CASE(2)
+    TF_TTEMB_CHUNK_CASE(3)
+    TF_TTEMB_CHUNK_CASE(4)
+    TF_TTEMB_CHUNK_CASE(5)
+    TF_TTEMB_CHUNK_CASE(6)
+    TF_TTEMB_CHUNK_CASE(7)
+    TF_TTEMB_CHUNK_CASE(8)
+    default:
+      break;
+  }
+#undef TF_TTEMB_CHUNK_CASE
+}
+
 // The bag sum on the widest path this CPU has: AVX-512 for float
 // accumulators (float, half and bfloat16 tables) where the CPU supports it,
 // AVX2 otherwise and for double.
@@ -390,6 +639,19 @@ void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin,
     }
   }
   BagSumAvx2<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim, attrs, sums);
+}
+
+// The max of a bag (see BagChunkMax) on the widest path this CPU has.
+template <typename T, typename Tindex, typename Acc>
+void BagMax(const T* params, const Tindex* ids, int64_t begin, int64_t end, int64_t prefetch_end,
+            int64_t dim, const BagAttrs& attrs, Acc* maxes, int32* pos) {
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (CpuHasAvx512()) {
+      BagMax512(params, ids, begin, end, prefetch_end, dim, attrs, maxes, pos);
+      return;
+    }
+  }
+  BagMaxAvx2(params, ids, begin, end, prefetch_end, dim, attrs, maxes, pos);
 }
 
 #else  // !TF_TTEMB_CPU_AVX2
@@ -413,6 +675,26 @@ void BagSum(const T* params, const Tindex* ids, const T* weights, int64_t begin,
   }
 }
 
+// Portable fallback of the max: the scalar rule, column by column.
+template <typename T, typename Tindex, typename Acc>
+void BagMax(const T* params, const Tindex* ids, int64_t begin, int64_t end, int64_t prefetch_end,
+            int64_t dim, const BagAttrs& attrs, Acc* maxes, int32* pos) {
+  (void)prefetch_end;
+  std::fill(maxes, maxes + dim, Acc(0));
+  std::fill(pos, pos + dim, -1);
+  for (int64_t j = begin; j < end; ++j) {
+    if (IsPadding(ids[j], attrs)) continue;
+    const T* row = params + static_cast<int64_t>(ids[j]) * dim;
+    const int32 p = static_cast<int32>(j - begin);
+    for (int64_t d = 0; d < dim; ++d) {
+      const Acc v = static_cast<Acc>(row[d]);
+      const bool take = pos[d] < 0 || v > maxes[d] || (std::isnan(v) && !std::isnan(maxes[d]));
+      maxes[d] = take ? v : maxes[d];
+      pos[d] = take ? p : pos[d];
+    }
+  }
+}
+
 #endif  // TF_TTEMB_CPU_AVX2
 
 template <typename T, typename Tindex>
@@ -423,27 +705,18 @@ void ForwardMaxBags(const T* params,        // [N, D]
                     T* out,           // [B, D]
                     int32* argmax) {  // [B, D]
   using Acc = AccT<T>;
-  std::vector<Acc> acc(dim);
+  // A bag's maxes; Acc-typed outputs take them in place. The first entry of
+  // the max wins; NaN is above every number (as in tf.reduce_max), so the
+  // first NaN entry wins a column holding NaN; an empty bag gives 0 and -1.
+  std::vector<Acc> scratch(std::is_same<T, Acc>::value ? 0 : dim);
+  const int64_t prefetch_end = splits[bag_end];
   for (int64_t b = bag_begin; b < bag_end; ++b) {
-    const int64_t begin = splits[b], end = splits[b + 1];
     T* out_row = out + b * dim;
-    // The first entry of the max wins; NaN is above every number (as in
-    // tf.reduce_max), so the first NaN entry wins a column holding NaN.
-    int32* pos = argmax + b * dim;
-    std::fill(pos, pos + dim, -1);
-    for (int64_t j = begin; j < end; ++j) {
-      if (IsPadding(ids[j], attrs)) continue;
-      const T* row = params + static_cast<int64_t>(ids[j]) * dim;
-      const int32 p = static_cast<int32>(j - begin);
-      for (int64_t d = 0; d < dim; ++d) {
-        const Acc v = static_cast<Acc>(row[d]);
-        const bool take = pos[d] < 0 || v > acc[d] || (std::isnan(v) && !std::isnan(acc[d]));
-        acc[d] = take ? v : acc[d];
-        pos[d] = take ? p : pos[d];
-      }
-    }
-    for (int64_t d = 0; d < dim; ++d) {
-      out_row[d] = static_cast<T>(pos[d] < 0 ? Acc(0) : acc[d]);
+    Acc* maxes = std::is_same<T, Acc>::value ? reinterpret_cast<Acc*>(out_row) : scratch.data();
+    BagMax(params, ids, splits[b], splits[b + 1], prefetch_end, dim, attrs, maxes,
+           argmax + b * dim);
+    if (!std::is_same<T, Acc>::value) {
+      for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(maxes[d]);
     }
   }
 }
