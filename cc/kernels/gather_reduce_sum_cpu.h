@@ -853,6 +853,19 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
       Name(op).Device(DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<Tindex>("Tindices"), \
       __VA_ARGS__);
 
+// A switch on `left` (a bag's remaining column chunks) whose cases are CASE(1)
+// ... CASE(n) for the n of CASES (TF_TTEMB_CHUNKS_4, _8 or _16), each ending in
+// `break`; other values do nothing.
+#define TF_TTEMB_CHUNKS_4(C) C(1) C(2) C(3) C(4)
+#define TF_TTEMB_CHUNKS_8(C) TF_TTEMB_CHUNKS_4(C) C(5) C(6) C(7) C(8)
+#define TF_TTEMB_CHUNKS_16(C) TF_TTEMB_CHUNKS_8(C) C(9) C(10) C(11) C(12) C(13) C(14) C(15) C(16)
+#define TF_TTEMB_SWITCH_CHUNKS(left, CASES, CASE) \
+  switch (left) {                                 \
+    CASES(CASE)                                   \
+    default:                                      \
+      break;                                      \
+  }
+
 // Expands M(T, Tindex) for every value and index type of the family's CPU kernels.
 #define TF_TTEMB_FOR_CPU_BAG_TYPES(M) \
   M(Eigen::half, int32)               \

@@ -252,18 +252,7 @@ void BagSumAvx2(const T* params, const Tindex* ids, const T* weights, int64_t be
     BagChunkSumTail<k, kWeighted>(params, ids, weights, begin, end, prefetch_end, prefetch_bytes, \
                                   dim, col, tail, attrs, sums + col);                             \
     break;
-  switch (left) {
-    TF_TTEMB_CHUNK_CASE(1)
-    TF_TTEMB_CHUNK_CASE(2)
-    TF_TTEMB_CHUNK_CASE(3)
-    TF_TTEMB_CHUNK_CASE(4)
-    TF_TTEMB_CHUNK_CASE(5)
-    TF_TTEMB_CHUNK_CASE(6)
-    TF_TTEMB_CHUNK_CASE(7)
-    TF_TTEMB_CHUNK_CASE(8)
-    default:
-      break;
-  }
+  TF_TTEMB_SWITCH_CHUNKS(left, TF_TTEMB_CHUNKS_8, TF_TTEMB_CHUNK_CASE)
 #undef TF_TTEMB_CHUNK_CASE
 }
 
@@ -362,14 +351,7 @@ void BagMaxAvx2(const T* params, const Tindex* ids, int64_t begin, int64_t end,
                            attrs, maxes + col, pos + col);                                        \
     }                                                                                             \
     break;
-  switch (left) {
-    TF_TTEMB_CHUNK_CASE(1)
-    TF_TTEMB_CHUNK_CASE(2)
-    TF_TTEMB_CHUNK_CASE(3)
-    TF_TTEMB_CHUNK_CASE(4)
-    default:
-      break;
-  }
+  TF_TTEMB_SWITCH_CHUNKS(left, TF_TTEMB_CHUNKS_4, TF_TTEMB_CHUNK_CASE)
 #undef TF_TTEMB_CHUNK_CASE
 }
 
@@ -503,26 +485,7 @@ TF_TTEMB_AVX512 void BagSum512(const T* params, const Tindex* ids, const T* weig
     BagChunkSum512Tail<k, kWeighted>(params, ids, weights, begin, end, prefetch_end,     \
                                      prefetch_bytes, dim, col, tail, attrs, sums + col); \
     break;
-  switch (left) {
-    TF_TTEMB_CHUNK_CASE(1)
-    TF_TTEMB_CHUNK_CASE(2)
-    TF_TTEMB_CHUNK_CASE(3)
-    TF_TTEMB_CHUNK_CASE(4)
-    TF_TTEMB_CHUNK_CASE(5)
-    TF_TTEMB_CHUNK_CASE(6)
-    TF_TTEMB_CHUNK_CASE(7)
-    TF_TTEMB_CHUNK_CASE(8)
-    TF_TTEMB_CHUNK_CASE(9)
-    TF_TTEMB_CHUNK_CASE(10)
-    TF_TTEMB_CHUNK_CASE(11)
-    TF_TTEMB_CHUNK_CASE(12)
-    TF_TTEMB_CHUNK_CASE(13)
-    TF_TTEMB_CHUNK_CASE(14)
-    TF_TTEMB_CHUNK_CASE(15)
-    TF_TTEMB_CHUNK_CASE(16)
-    default:
-      break;
-  }
+  TF_TTEMB_SWITCH_CHUNKS(left, TF_TTEMB_CHUNKS_16, TF_TTEMB_CHUNK_CASE)
 #undef TF_TTEMB_CHUNK_CASE
 }
 
@@ -611,18 +574,7 @@ TF_TTEMB_AVX512 void BagMax512(const T* params, const Tindex* ids, int64_t begin
                               mask, attrs, maxes + col, pos + col);                             \
     }                                                                                           \
     break;
-  switch (left) {
-    TF_TTEMB_CHUNK_CASE(1)
-    TF_TTEMB_CHUNK_CASE(2)
-    TF_TTEMB_CHUNK_CASE(3)
-    TF_TTEMB_CHUNK_CASE(4)
-    TF_TTEMB_CHUNK_CASE(5)
-    TF_TTEMB_CHUNK_CASE(6)
-    TF_TTEMB_CHUNK_CASE(7)
-    TF_TTEMB_CHUNK_CASE(8)
-    default:
-      break;
-  }
+  TF_TTEMB_SWITCH_CHUNKS(left, TF_TTEMB_CHUNKS_8, TF_TTEMB_CHUNK_CASE)
 #undef TF_TTEMB_CHUNK_CASE
 }
 
