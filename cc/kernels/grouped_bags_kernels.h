@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cc/kernels/gather_reduce_sum_forward_op.h"
+#include "cc/kernels/device_op_kernel.h"
 #include "cuda/common_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
