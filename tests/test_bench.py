@@ -441,6 +441,64 @@ def test_tt_bag_case_against_numpy(dtype, tolerance):
         assert max(case.diffs[impl].values()) < tolerance, case.diffs
 
 
+def _grs_case(monkeypatch, compare_bags, *argv):
+    monkeypatch.setattr(_bench_cases, "COMPARE_BAGS", compare_bags)
+    (opts,) = _runs(
+        "--quick",
+        "--cases",
+        "gather_reduce_sum",
+        "--rows",
+        "50",
+        "--dim",
+        "7",
+        "--bags",
+        "12",
+        "--bag-size",
+        "5",
+        "--in-graph-steps",
+        "2",
+        *argv,
+    )
+    opts.torch_mode = "off"
+    return opts, _bench_cases.build_gather_reduce_sum(opts, "float64", [3, 4], "grs")
+
+
+@pytest.mark.parametrize("compare_bags", [4, 2048])
+@pytest.mark.parametrize("broken", [False, True])
+def test_gather_reduce_sum_case_compares_its_first_bags(monkeypatch, compare_bags, broken):
+    """The agreement is checked on the first COMPARE_BAGS bags of the first batch (all
+    12 with 2048): a custom op that is right gives float64 rounding, one that is off by
+    0.1% shows."""
+    if broken:
+        right = tf_ttemb.gather_reduce_sum
+        monkeypatch.setattr(tf_ttemb, "gather_reduce_sum", lambda *a, **k: right(*a, **k) * 1.001)
+    _, case = _grs_case(monkeypatch, compare_bags)
+    assert max(case.diffs["tf_gather"].values()) == 0
+    worst = max(case.diffs["custom_op"].values())
+    assert worst > 5e-4 if broken else worst < 1e-12, case.diffs
+    # torch's check holds the baseline's first CHECK_BAGS bags: output, weights gradient.
+    count = min(_bench_torch.CHECK_BAGS, compare_bags)
+    out, weights_grad = case.torch_check["fwd_bwd"]
+    assert out.shape == (count, 7) and weights_grad.shape == (count, 5)
+    np.testing.assert_allclose(case.torch_check["fwd"][0], out)
+
+
+def test_baseline_per_call_only_leaves_the_baselines_in_graph_times_out(monkeypatch):
+    opts, case = _grs_case(
+        monkeypatch, 2048, "--baseline-per-call-only", "--repeats", "1", "--warmup", "1"
+    )
+    assert opts.baseline_per_call_only
+    rows = {r["impl"]: r for r in _bench_cases.time_case(case, opts)}
+    for kind in ("fwd", "fwd_bwd"):
+        assert rows["tf_gather"][kind] is not None and rows["custom_op"][kind] is not None
+    for kind in ("fwd_in_graph", "fwd_chained", "fwd_bwd_in_graph"):
+        assert rows["tf_gather"][kind] is None and rows["tf_gather"]["errors"] == {}
+        assert rows["custom_op"][kind] is not None
+    (pkm,) = _runs("--preset", "pkm")
+    (dlrm,) = _runs("--preset", "dlrm")
+    assert pkm.baseline_per_call_only and not dlrm.baseline_per_call_only
+
+
 # ----------------------------------------------------------------------------------------
 # torch.
 
