@@ -1,6 +1,6 @@
 // What the TensorFlow kernels (cc/) and the CUDA launchers (cuda/) both name: the
-// combiner and row-optimizer choices, a bag op's attributes, the type T accumulates in
-// and the TT cache's set hash. Plain C++, no
+// combiner and row-optimizer choices, a bag op's attributes, the type T accumulates in,
+// the device reports of the GPU ops and the TT cache's set hash. Plain C++, no
 // TensorFlow or CUDA headers, so that cc/ code built without CUDA includes it too.
 // cc/ sees these in tensorflow::tf_ttemb, cuda/ in tf_ttemb::gpu (using-declarations).
 
@@ -90,6 +90,35 @@ struct GroupReport {
 constexpr int64_t kGroupReportWords = sizeof(GroupReport) / sizeof(int64_t);
 static_assert(sizeof(GroupReport) % sizeof(int64_t) == 0,
               "GroupReport must be a whole number of int64 words");
+
+// Most cores of a TT table the GPU kernels take (the host checks it before a launch).
+constexpr int kMaxTTCores = 8;
+
+// What a GPU TT op found and counted (TTUniqueIds, TTRows, TTRowsGrad), written on the
+// device by the launchers of cuda/tt_embedding_kernels.cuh and worded on the host (cc/)
+// with the CPU kernels' messages: by the op itself, or for TTRows, by
+// TfTtemb>CheckTTRowsReport from its `report` output. Fields are -1 when unset, except
+// the counts, which the launchers named beside them set.
+struct TTReport {
+  int64_t first_bad_index;         // UniqueIds: smallest j with ids[j] outside
+                                   //   [0, num_embeddings) and not the padding id
+                                   //   -> "indices[j] = v is not in [0, num_embeddings)"
+                                   //      (+ " and is not padding_id (P)");
+                                   // Rows / RowsGrad*: smallest j < num_ids with
+                                   //   ids[j] outside [0, num_tables * prod(p))
+                                   //   -> "ids[j] = v is not in [0, M)"
+  int64_t bad_index_value;         // ids[first_bad_index]
+  int64_t num_unique;              // UniqueIds: U (distinct non-padding global ids)
+  int64_t num_ids;                 // Rows / RowsGradPrepare: the ids counted (max_ids
+                                   //   or *num_ids)
+  int64_t core_rows[kMaxTTCores];  // RowsGradPrepare: n_k, distinct core rows
+                                   //   of core k touched (0 for k >= T)
+  int64_t work_items;              // RowsGradPrepare: what Compute's work buffers
+  int64_t work_values;             //   need for these ids (RowsGradWorkBytes)
+  int64_t reserved[2];
+};
+constexpr int64_t kTTReportWords = sizeof(TTReport) / sizeof(int64_t);
+static_assert(sizeof(TTReport) == 16 * sizeof(int64_t), "TTReport is 16 words");
 
 // Fixed 64-bit mixer (splitmix64's finaliser): which set of TTCacheCount's frequency
 // table an id belongs to, on the CPU and the GPU alike.

@@ -63,10 +63,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/common_types.h"
+
 namespace tf_ttemb {
 namespace gpu {
 
-constexpr int kMaxTTCores = 8;
+// The cores' limit, and what the device found and counted (TTReport, in device
+// memory): cuda/common_types.h.
+using ::tf_ttemb::kMaxTTCores;
+using ::tf_ttemb::TTReport;
 
 // The factorisation of a (table-batched) TT table, as in the contract.
 // p[k], q[k] for k < num_cores; r[0] = r[num_cores] = 1, r[1..num_cores-1]
@@ -78,29 +83,6 @@ struct TTProblem {
   int64_t q[kMaxTTCores] = {};
   int64_t r[kMaxTTCores + 1] = {};
 };
-
-// What the device found and counted, in device memory (16 int64 words).
-// Fields are -1 when unset, except the counts, which are set by the launchers
-// named beside them.
-struct TTReport {
-  int64_t first_bad_index;         // UniqueIds: smallest j with ids[j] outside
-                                   //   [0, num_embeddings) and not the padding id
-                                   //   -> "indices[j] = v is not in [0, num_embeddings)"
-                                   //      (+ " and is not padding_id (P)");
-                                   // Rows / RowsGrad*: smallest j < num_ids with
-                                   //   ids[j] outside [0, num_tables * prod(p))
-                                   //   -> "ids[j] = v is not in [0, M)"
-  int64_t bad_index_value;         // ids[first_bad_index]
-  int64_t num_unique;              // UniqueIds: U (distinct non-padding global ids)
-  int64_t num_ids;                 // Rows / RowsGradPrepare: the ids counted (max_ids
-                                   //   or *num_ids)
-  int64_t core_rows[kMaxTTCores];  // RowsGradPrepare: n_k, distinct core rows
-                                   //   of core k touched (0 for k >= T)
-  int64_t work_items;              // RowsGradPrepare: what Compute's work buffers
-  int64_t work_values;             //   need for these ids (RowsGradWorkBytes)
-  int64_t reserved[2];
-};
-static_assert(sizeof(TTReport) == 16 * sizeof(int64_t), "TTReport is 16 words");
 
 // ---------------------------------------------------------------------------
 // TTUniqueIds: global id g = table * stride + id of every non-padding entry;

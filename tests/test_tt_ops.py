@@ -37,6 +37,16 @@ def full_ranks(ranks):
     return [1, *ranks, 1]
 
 
+def checked_tt_rows(ids, cores, **attrs):
+    """TTRows and the check of its report, as the wrapper runs them: the GPU kernel
+    leaves a bad id in its report, which CheckTTRowsReport raises from (the CPU kernel
+    raises itself and returns an empty report)."""
+    out = lib().tf_ttemb_tt_rows(ids, cores, **attrs)
+    limit = attrs["num_tables"] * int(np.prod(attrs["p_shapes"]))
+    lib().tf_ttemb_check_tt_rows_report(out.report, limit=limit)
+    return out
+
+
 def random_cores(rng, p, q, ranks, num_tables):
     r = full_ranks(ranks)
     return [rng.standard_normal((num_tables * p[k], r[k] * q[k] * r[k + 1])) for k in range(len(p))]
@@ -275,9 +285,9 @@ def test_rows_rejects_bad_ids_and_cores(rng):
     cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks, 2)]
     attrs = attrs_of(p, q, ranks, 2)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"ids\[1\] = 24 is not in \[0, 24\)"):
-        lib().tf_ttemb_tt_rows(tf.constant([0, 24], tf.int64), cores, **attrs)
+        checked_tt_rows(tf.constant([0, 24], tf.int64), cores, **attrs)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"ids\[0\] = -1 is not in \[0, 24\)"):
-        lib().tf_ttemb_tt_rows(tf.constant([-1], tf.int64), cores, **attrs)
+        checked_tt_rows(tf.constant([-1], tf.int64), cores, **attrs)
     with pytest.raises(
         tf.errors.InvalidArgumentError, match=r"cores\[1\] must be \[num_tables \* p_shapes\[1\]"
     ):
@@ -294,6 +304,54 @@ def test_rows_rejects_bad_ids_and_cores(rng):
         )
 
 
+def _tt_report(**findings):
+    """A TTReport (cuda/common_types.h) as the GPU TTRows writes it: the findings given,
+    the rest unset (-1), the ids counted (4)."""
+    words = [-1] * 16
+    words[3] = 4  # num_ids
+    for name, value in findings.items():
+        words[{"first_bad_index": 0, "bad_index_value": 1}[name]] = value
+    return tf.constant(words, tf.int64)
+
+
+@pytest.mark.parametrize(
+    "findings,message",
+    [
+        ({}, None),
+        ({"first_bad_index": 3, "bad_index_value": 99}, "ids[3] = 99 is not in [0, 24)"),
+        ({"first_bad_index": 0, "bad_index_value": -5}, "ids[0] = -5 is not in [0, 24)"),
+    ],
+)
+def test_check_tt_rows_report_words_the_cpu_ops_error(findings, message):
+    """CheckTTRowsReport on the CPU (where a GPU TTRows' report lands when the check is
+    placed there) raises the CPU TTRows' message for what the report holds."""
+    with tf.device("/CPU:0"):
+        if message is None:
+            lib().tf_ttemb_check_tt_rows_report(_tt_report(), limit=24)
+            lib().tf_ttemb_check_tt_rows_report(tf.zeros([0], tf.int64), limit=24)
+            return
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            lib().tf_ttemb_check_tt_rows_report(_tt_report(**findings), limit=24)
+    assert our_message(info.value.message) == message
+
+
+def test_check_tt_rows_report_rejects_a_report_of_another_size():
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"report must be empty or hold 16"):
+        lib().tf_ttemb_check_tt_rows_report(tf.zeros([11], tf.int64), limit=24)
+
+
+def test_cpu_rows_report_is_empty(rng):
+    """The CPU kernel checks the ids itself: its report is empty, and the wrapper adds
+    no check without a GPU."""
+    p, q, ranks = [3, 4], [2, 2], [2]
+    cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks, 1)]
+    with tf.device("/CPU:0"):
+        out = lib().tf_ttemb_tt_rows(
+            tf.constant([0, 5], tf.int64), cores, **attrs_of(p, q, ranks, 1)
+        )
+    assert out.report.shape == (0,)
+
+
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"p{s[0]}q{s[1]}r{s[2]}t{s[3]}")
 @pytest.mark.parametrize("dtype", [tf.float64, tf.float32])
 def test_saved_products_give_the_recomputed_gradient(rng, shape, dtype):
@@ -308,7 +366,7 @@ def _check_saved_products_give_the_recomputed_gradient(rng, shape, dtype):
     ids = tf.constant(pick_ids(rng, p, num_tables, 60, "sorted_unique"))
     grad = tf.constant(rng.standard_normal((ids.shape[0], int(np.prod(q)))), dtype)
     attrs = attrs_of(p, q, ranks, num_tables)
-    rows, saved = lib().tf_ttemb_tt_rows(ids, cores, **attrs)
+    rows, saved, _ = lib().tf_ttemb_tt_rows(ids, cores, **attrs)
     assert saved.shape[0] > 0  # three or more cores in float32/float64
     with_saved = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, saved, **attrs)
     recomputed = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, tf.zeros([0], dtype), **attrs)
@@ -669,13 +727,11 @@ def test_gpu_errors_match_cpu(rng):
     cases = []
     for ids in bad_ids:
         grad = tf.constant(rng.standard_normal((ids.shape[0], 4)))
-        cases.append((lib().tf_ttemb_tt_rows, (ids, cores), attrs))
+        cases.append((checked_tt_rows, (ids, cores), attrs))
         cases.append(
             (lib().tf_ttemb_tt_rows_grad, (ids, cores, grad, tf.zeros([0], tf.float64)), attrs)
         )
-    cases.append(
-        (lib().tf_ttemb_tt_rows, (tf.constant([0], tf.int64), [cores[0], cores[1][:7]]), attrs)
-    )
+    cases.append((checked_tt_rows, (tf.constant([0], tf.int64), [cores[0], cores[1][:7]]), attrs))
     unique = lib().tf_ttemb_tt_unique_ids
     for ids, splits, kwargs in [
         ([1, 2, 9, 11], [0, 4], dict(num_embeddings=8, stride=8)),
@@ -693,6 +749,74 @@ def test_gpu_errors_match_cpu(rng):
     for fn, args, kwargs in cases:
         expected = _error_message("/CPU:0", fn, *args, **kwargs)
         assert _error_message("/GPU:0", fn, *args, **kwargs) == expected
+
+
+@pytest.mark.gpu
+def test_gpu_rows_return_without_raising_and_report_the_first_bad_id(rng):
+    """The GPU TTRows does not wait for its check: with bad ids it returns, the rows of
+    the good ids right; its report, checked on the GPU or on the CPU, gives the CPU
+    kernel's message; a report without findings passes."""
+    if not built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    p, q, ranks = [3, 4], [2, 2], [2]
+    cores_np = random_cores(rng, p, q, ranks, 2)
+    cores = [tf.constant(c) for c in cores_np]
+    attrs = attrs_of(p, q, ranks, 2)
+    ids = np.array([5, 24, 0, 23, -3, 7], np.int64)
+    out = _on("/GPU:0", lib().tf_ttemb_tt_rows, tf.constant(ids), cores, **attrs)
+    _assert_on_gpu(out.rows, out.report)
+    good = [0, 2, 3, 5]
+    np.testing.assert_allclose(
+        out.rows.numpy()[good], reference_rows(cores_np, p, q, ranks, ids[good]), rtol=1e-10
+    )
+    expected = _error_message("/CPU:0", lib().tf_ttemb_tt_rows, tf.constant(ids), cores, **attrs)
+    assert expected == "ids[1] = 24 is not in [0, 24)"
+    for device in ("/GPU:0", "/CPU:0"):
+        assert (
+            _error_message(device, lib().tf_ttemb_check_tt_rows_report, out.report, limit=24)
+            == expected
+        )
+    fine = _on("/GPU:0", lib().tf_ttemb_tt_rows, tf.constant(ids[good]), cores, **attrs)
+    assert fine.report.shape == (16,)
+    with tf.device("/GPU:0"):
+        lib().tf_ttemb_check_tt_rows_report(fine.report, limit=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph_kind", ["tf_function", "tf1_session"])
+def test_gpu_tt_rows_wrapper_raises_bad_ids_from_the_report(rng, graph_kind):
+    """Through tf_ttemb.tt_rows on the GPU, a bad id fails the call whose rows are
+    fetched: a tf.function runs the report's check beside TTRows, a TF1 session because
+    the rows wait for it there."""
+    if not built_with_cuda():
+        pytest.skip("op library built without CUDA")
+    import tf_ttemb
+
+    p, q, ranks = [3, 4], [2, 2], [2]
+    cores_np = random_cores(rng, p, q, ranks, 1)
+    ids = np.array([3, 12, 1], np.int64)
+    message = r"ids\[1\] = 12 is not in \[0, 12\)"
+
+    def rows(cores, ids):
+        return tf_ttemb.tt_rows(
+            cores, ids, p_shapes=p, q_shapes=q, ranks=ranks, implementation="custom_op"
+        )
+
+    if graph_kind == "tf_function":
+        with tf.device("/GPU:0"):
+            cores = [tf.Variable(c) for c in cores_np]
+            lookup = tf.function(lambda ids: rows(cores, ids))
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                lookup(tf.constant(ids)).numpy()
+        return
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/GPU:0"):
+        cores = [tf.Variable(c) for c in cores_np]
+        output = rows(cores, tf.constant(ids))
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run([c.initializer for c in cores])
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                session.run(output)
 
 
 @pytest.mark.gpu

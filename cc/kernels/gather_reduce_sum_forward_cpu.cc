@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/kernels/check_report_op.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
@@ -772,29 +773,9 @@ struct ForwardLaunch<CpuDevice, T, Tindex> {
 
 namespace {
 
-// TfTtemb>CheckBagReport on the CPU: an empty report (a CPU forward's) is OK; a
-// GPU forward's report, copied here by TensorFlow, raises what it holds.
-class CheckBagReportOp : public OpKernel {
- public:
-  explicit CheckBagReportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetReportAttrs(ctx, &attrs_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& report = ctx->input(0);
-    bool empty = false;
-    OP_REQUIRES_OK(ctx, ValidateReportInput(report, &empty));
-    if (empty) return;
-    DeviceReport r;
-    std::memcpy(&r, report.flat<int64_t>().data(), sizeof(r));
-    OP_REQUIRES_OK(ctx, ReportStatus(r, attrs_));
-  }
-
- private:
-  BagAttrs attrs_;
-};
-
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_CPU), CheckBagReportOp);
+// An empty report (a CPU forward's) is OK; a GPU one, copied here, raises what it holds.
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_CPU),
+                        CheckReportCpuOp<BagReportTraits>);
 
 #define TF_TTEMB_REGISTER(T, Tindex)                                               \
   TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSum", T, Tindex,           \

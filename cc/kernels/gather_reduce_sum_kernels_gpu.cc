@@ -41,6 +41,7 @@
 #include <memory>
 #include <utility>
 
+#include "cc/kernels/check_report_op.h"
 #include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/gather_reduce_sum_backward_op.h"
 #include "cc/kernels/gather_reduce_sum_forward_op.h"
@@ -194,21 +195,8 @@ namespace {
 
 // TfTtemb>CheckBagReport on the GPU: copies the forward's report to pinned host
 // memory and finishes from the EventMgr once the stream has run the forward
-// (ThenCheckReport), with the CPU kernel's InvalidArgument for what it holds.
-struct BagReportTraits {
-  using Report = DeviceReport;
-  using Attrs = BagAttrs;
-  static Status GetAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
-    return GetReportAttrs(ctx, attrs);
-  }
-  static Status Validate(const Tensor& report, bool* empty) {
-    return ValidateReportInput(report, empty);
-  }
-  static Status Check(const DeviceReport& r, const BagAttrs& attrs) {
-    return ReportStatus(r, attrs);
-  }
-};
-
+// (ThenCheckReport), with the CPU kernel's InvalidArgument for what it holds
+// (check_report_op.h).
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_GPU),
                         CheckReportGpuOp<BagReportTraits>);
 

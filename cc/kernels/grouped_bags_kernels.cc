@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cc/kernels/check_report_op.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -170,29 +171,9 @@ struct GroupBagsLaunch<CpuDevice, T, Tindex> {
 
 namespace {
 
-// TfTtemb>CheckGroupReport on the CPU: an empty report (a CPU GroupBags') is
-// OK; a GPU GroupBags' report, copied here by TensorFlow, raises what it holds.
-class CheckGroupReportOp : public OpKernel {
- public:
-  explicit CheckGroupReportOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetGroupAttrs(ctx, /*with_weights=*/false, &attrs_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& report = ctx->input(0);
-    bool empty = false;
-    OP_REQUIRES_OK(ctx, ValidateGroupReportInput(report, &empty));
-    if (empty) return;
-    GroupReport r;
-    std::memcpy(&r, report.flat<int64_t>().data(), sizeof(r));
-    OP_REQUIRES_OK(ctx, GroupReportStatus(r, attrs_));
-  }
-
- private:
-  GroupAttrs attrs_;
-};
-
-REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_CPU), CheckGroupReportOp);
+// An empty report (a CPU GroupBags') is OK; a GPU one, copied here, raises what it holds.
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_CPU),
+                        CheckReportCpuOp<GroupReportTraits>);
 
 #define TF_TTEMB_REGISTER(T, Tindex)                               \
   TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GroupBags", T, Tindex, \

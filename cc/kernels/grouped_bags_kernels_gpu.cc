@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/kernels/check_report_op.h"
 #include "cc/kernels/gpu_kernel_util.h"
 #include "cc/kernels/grouped_bags_kernels.h"
 #include "cuda/grouped_bags_kernels.cuh"
@@ -71,21 +72,7 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
 namespace {
 
 // TfTtemb>CheckGroupReport on the GPU: finishes from the EventMgr once the
-// stream has run GroupBags (CheckReportGpuOp).
-struct GroupReportTraits {
-  using Report = GroupReport;
-  using Attrs = GroupAttrs;
-  static Status GetAttrs(OpKernelConstruction* ctx, GroupAttrs* attrs) {
-    return GetGroupAttrs(ctx, /*with_weights=*/false, attrs);
-  }
-  static Status Validate(const Tensor& report, bool* empty) {
-    return ValidateGroupReportInput(report, empty);
-  }
-  static Status Check(const GroupReport& r, const GroupAttrs& attrs) {
-    return GroupReportStatus(r, attrs);
-  }
-};
-
+// stream has run GroupBags (CheckReportGpuOp, check_report_op.h).
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_GPU),
                         CheckReportGpuOp<GroupReportTraits>);
 

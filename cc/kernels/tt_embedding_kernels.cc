@@ -132,6 +132,26 @@ Status GlobalIdError(int64_t position, int64_t value, int64_t limit) {
   return errors::InvalidArgument("ids[", position, "] = ", value, " is not in [0, ", limit, ")");
 }
 
+Status GlobalIdsReportStatus(const TTReport& report, int64_t limit) {
+  if (report.first_bad_index >= 0) {
+    return GlobalIdError(report.first_bad_index, report.bad_index_value, limit);
+  }
+  return OkStatus();
+}
+
+Status GetTTRowsReportAttrs(OpKernelConstruction* ctx, int64_t* limit) {
+  return ctx->GetAttr("limit", limit);
+}
+
+Status ValidateTTReportInput(const Tensor& report, bool* empty) {
+  *empty = report.NumElements() == 0;
+  if (*empty || (report.dims() == 1 && report.NumElements() == kTTReportWords)) {
+    return OkStatus();
+  }
+  return errors::InvalidArgument("report must be empty or hold ", kTTReportWords,
+                                 " words, got shape ", report.shape().DebugString());
+}
+
 Status ValidateGlobalIdValues(const Tensor& ids, const TTShape& shape) {
   const auto flat = ids.flat<int64_t>();
   const int64_t limit = shape.num_ids();
@@ -182,8 +202,8 @@ Status GpuIdsLimit(const char* op, const char* what, int64_t count) {
 }
 
 Status ValidateGpuTTShape(const TTShape& shape) {
-  if (shape.num_cores > kMaxGpuTTCores) {
-    return errors::InvalidArgument("the GPU TT kernels support at most ", kMaxGpuTTCores,
+  if (shape.num_cores > kMaxTTCores) {
+    return errors::InvalidArgument("the GPU TT kernels support at most ", kMaxTTCores,
                                    " cores, got num_cores = ", shape.num_cores);
   }
   if (shape.dim > (int64_t{1} << 31)) {

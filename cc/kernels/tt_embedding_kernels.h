@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cuda/common_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
@@ -66,6 +67,17 @@ Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape, OpInputLis
 // The message for ids[position] = value outside [0, limit).
 Status GlobalIdError(int64_t position, int64_t value, int64_t limit);
 
+// What a GPU TT op found (cuda/common_types.h), with the CPU kernels' message for a
+// bad global id of TTRows / TTRowsGrad: valid ids are [0, limit).
+using ::tf_ttemb::kTTReportWords;
+using ::tf_ttemb::TTReport;
+Status GlobalIdsReportStatus(const TTReport& report, int64_t limit);
+
+// TfTtemb>CheckTTRowsReport: its attr (the ids' bound) and its input, a TTRows report:
+// [0] (from the CPU kernel, which checks the ids itself; `*empty` is set) or a TTReport.
+Status GetTTRowsReportAttrs(OpKernelConstruction* ctx, int64_t* limit);
+Status ValidateTTReportInput(const Tensor& report, bool* empty);
+
 // Checks that TTRowsGrad's grad is [num_ids, D].
 Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape& shape);
 
@@ -79,9 +91,8 @@ Status SavedMismatchError(const Tensor& saved, const char* what);
 // Most ids (or other entries) a GPU launcher sorts and scans: int32 positions.
 constexpr int64_t kMaxGpuIds = (int64_t{1} << 31) - 3;
 
-// Most cores of a GPU TT kernel (launchers::kMaxTTCores of
-// cuda/tt_embedding_kernels.cuh; the GPU glue checks that they agree).
-constexpr int kMaxGpuTTCores = 8;
+// Most cores of a GPU TT kernel (cuda/common_types.h).
+using ::tf_ttemb::kMaxTTCores;
 
 // The error for more than kMaxGpuIds `what` of `op`.
 Status GpuIdsLimit(const char* op, const char* what, int64_t count);

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "Eigen/Core"
+#include "cc/kernels/check_report_op.h"
 #include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/tt_embedding_kernels.h"
 #include "cc/kernels/tt_embedding_op.h"
@@ -867,9 +868,10 @@ struct UniqueIdsLaunch<CpuDevice, Tindex> {
 
 template <typename T>
 struct TTRowsLaunch<CpuDevice, T> {
-  static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsArgs& a,
-                    const CpuStep& step) {
-    return Rows<T>(ctx, shape, a, step.pool);
+  static constexpr int64_t kReportWords = 0;  // the ids are checked here
+
+  static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsArgs& a) {
+    return Rows<T>(ctx, shape, a, ctx->device()->tensorflow_cpu_worker_threads()->workers);
   }
 };
 
@@ -908,6 +910,10 @@ REGISTER_TT_ROWS(double)
 #undef REGISTER_TT_ROWS
 
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp<CpuDevice>);
+
+// An empty report (a CPU TTRows') is OK; a GPU one, copied here, raises what it holds.
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckTTRowsReport").Device(DEVICE_CPU),
+                        CheckReportCpuOp<TTRowsReportTraits>);
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow

@@ -11,12 +11,15 @@
 //     the same order;
 //   * runs the launchers on the op's CUDA stream, with scratch from
 //     allocate_temp sized by the launchers' size queries;
-//   * for the ops that read ids, copies the launchers' TTReport (16 int64
-//     words) into pinned host memory and raises the CPU kernel's
-//     InvalidArgument for the first bad id the device found.
-// The ops are AsyncOpKernels (DeviceOpKernel<GpuDevice>): they queue their
-// work and finish from the device's EventMgr thread once the stream has run
-// it (LaunchThenCheck), so no TensorFlow thread waits on the GPU; an op with
+//   * for the ids it reads, has the launchers fill a TTReport
+//     (cuda/common_types.h) from which the CPU kernel's InvalidArgument for the
+//     first bad id is raised.
+// TTRows is a synchronous OpKernel: it queues its work and returns, its report
+// an output that TfTtemb>CheckTTRowsReport (registered here) raises from, so
+// nothing downstream of the rows waits for the device. The others are
+// AsyncOpKernels (DeviceOpKernel<GpuDevice>): they queue their work and finish
+// from the device's EventMgr thread once the stream has run it
+// (LaunchThenCheck), so no TensorFlow thread waits on the GPU; an op with
 // nothing to check (TTCacheCount, empty inputs) finishes at once.
 //
 // Data-dependent output sizes. TensorFlow allocates an output before a kernel
@@ -33,7 +36,6 @@
 //     report for these ids (not the upper bound for any num_ids ids: 0.6
 //     instead of 8.2 GB in all at FBTT's shape and 1.24M ids), and queues
 //     LaunchRowsGradCompute (Prepare's scratch, untouched in between).
-// TTRows' output [U, D] has a static size: its check only checks the ids.
 // TTCacheCount reads nothing back: it queues the update under the variables'
 // locks, as TensorFlow's own GPU variable updates do; later readers of the
 // variables run on the same stream, after it.
@@ -59,6 +61,7 @@
 #include <memory>
 #include <utility>
 
+#include "cc/kernels/check_report_op.h"
 #include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/gpu_kernel_util.h"
@@ -79,9 +82,6 @@ namespace {
 
 // The CUDA launchers (namespace ::tf_ttemb::gpu, outside `tensorflow`).
 namespace launchers = ::tf_ttemb::gpu;
-
-static_assert(kMaxGpuTTCores == launchers::kMaxTTCores,
-              "tt_embedding_kernels.h's kMaxGpuTTCores must be the launchers' kMaxTTCores");
 
 // The factorisation in the launchers' form (ValidateGpuTTShape, in the kernel
 // constructor, checked that they can take it).
@@ -193,14 +193,6 @@ class TTGpuCall {
   bool copy_pending_ = false;
 };
 
-// The CPU kernels' error for a bad global id of TTRows / TTRowsGrad.
-Status GlobalIdsReportStatus(const launchers::TTReport& r, const TTShape& shape) {
-  if (r.first_bad_index >= 0) {
-    return GlobalIdError(r.first_bad_index, r.bad_index_value, shape.num_ids());
-  }
-  return OkStatus();
-}
-
 // ---------------------------------------------------------------------------
 // TTCacheCount
 
@@ -232,7 +224,7 @@ Status RowsGradCompute(OpKernelContext* ctx, const TTShape& shape, const TTRowsG
   using CT = typename CudaTypeOf<T>::type;
   const int num_cores = shape.num_cores;
   const int64_t num_ids = a.num_ids;
-  TF_RETURN_IF_ERROR(GlobalIdsReportStatus(report, shape));
+  TF_RETURN_IF_ERROR(GlobalIdsReportStatus(report, shape.num_ids()));
   // Checked after the ids, as the CPU kernel does (prepare does not read
   // grad).
   TF_RETURN_IF_ERROR(ValidateRowsGradShape(*a.grad, num_ids, shape));
@@ -336,41 +328,49 @@ struct UniqueIdsLaunch<GpuDevice, Tindex> {
 // ---------------------------------------------------------------------------
 // TTRows
 
-// Asynchronous (the output's shape is known on the host): the op finishes
-// from the stream when the report has come back (TTGpuCall::ThenCheckReport).
+// Synchronous: the rows and the ids' check are queued on the op's stream and the op
+// returns, the check's findings in the `report` output (TfTtemb>CheckTTRowsReport
+// raises from it), so the rows' consumers never wait for a round trip to the host.
+// A bad id's row is computed from an id in range instead (the kernels' SafeId): no
+// read is ever out of bounds.
 template <typename T>
 struct TTRowsLaunch<GpuDevice, T> {
-  using Call = TTGpuCall;
+  static constexpr int64_t kReportWords = kTTReportWords;
 
-  static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsArgs& a,
-                    const GpuStep<TTGpuCall>& step) {
+  static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsArgs& a) {
     using CT = typename CudaTypeOf<T>::type;
     const int64_t num_ids = a.num_ids;
     Tensor* saved = nullptr;  // never produced on GPU (see the top comment)
     TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved));
     if (num_ids == 0) return OkStatus();
 
-    TTGpuCall* call = step.call;
-    TF_RETURN_IF_ERROR(call->Init(ctx, /*with_report=*/true));
+    cudaStream_t stream = nullptr;
+    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream));
     const launchers::TTProblem problem = MakeTTProblem(shape);
     const CT* core_ptrs[launchers::kMaxTTCores] = {};
     for (int k = 0; k < shape.num_cores; ++k) {
       core_ptrs[k] = DevicePtr<T>(a.cores[k]);
     }
+    // TensorFlow's GPU allocator orders a temporary's reuse after the work queued on
+    // the op's stream, so it may go back once queued.
     const size_t scratch_bytes = launchers::RowsScratchBytes<CT>(problem, num_ids);
+    Tensor scratch_tensor;
     void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
-    TF_RETURN_IF_ERROR(CudaStatus(
+    TF_RETURN_IF_ERROR(
+        AllocateDeviceScratch(ctx, std::max<size_t>(1, scratch_bytes), &scratch_tensor, &scratch));
+    auto* report = reinterpret_cast<TTReport*>(a.report->flat<int64_t>().data());
+    return CudaStatus(
         launchers::LaunchRows<CT>(problem, a.ids->flat<int64_t>().data(), num_ids,
-                                  /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(a.rows),
-                                  call->device_report(), scratch, scratch_bytes, call->stream()),
-        "TTRows launch"));
-    *step.check = [shape = &shape](const launchers::TTReport& report) {
-      return GlobalIdsReportStatus(report, *shape);
-    };
-    return OkStatus();
+                                  /*num_ids=*/nullptr, core_ptrs, DevicePtr<T>(a.rows), report,
+                                  scratch, scratch_bytes, stream),
+        "TTRows launch");
   }
 };
+
+// TfTtemb>CheckTTRowsReport on the GPU: finishes from the EventMgr once the stream has
+// run TTRows (CheckReportGpuOp, check_report_op.h).
+REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckTTRowsReport").Device(DEVICE_GPU),
+                        CheckReportGpuOp<TTRowsReportTraits>);
 
 // ---------------------------------------------------------------------------
 // TTRowsGrad

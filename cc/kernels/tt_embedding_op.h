@@ -1,11 +1,12 @@
 // The OpKernels of the TT embedding family (TTUniqueIds, TTRows, TTRowsGrad,
-// TTCacheCount), each written once for both devices (device_op_kernel.h). An
-// op parses its attrs once, runs the host-side checks shared by both devices
+// TTCacheCount), each written once for both devices (device_op_kernel.h; TTRows,
+// which never waits for the device, as a plain OpKernel). An op parses its attrs
+// once, runs the host-side checks shared by both devices
 // (tt_embedding_kernels.h; the ids' values where they are host memory, on the
 // CPU, and the GPU kernels' own limits on the GPU), allocates the outputs
 // whose size the host knows and calls its Launch, which the CPU kernels
 // (tt_embedding_kernels_cpu.cc) and the GPU glue (tt_embedding_kernels_gpu.cc)
-// specialise and register. Every Launch provides
+// specialise and register. Every Launch but TTRows' provides
 //   static Status Run(OpKernelContext*, const Attrs&, const XxxArgs&, const Step&);
 // (TTCacheCount's, which has no attrs, without them) with the Step of
 // device_op_kernel.h (a GpuStep<Call> on the GPU, whose specialisation also
@@ -106,33 +107,46 @@ Status GetRowsAttrs(OpKernelConstruction* ctx, TTShape* shape) {
 }
 
 struct TTRowsArgs : RowsArgs {
-  Tensor* rows = nullptr;  // [num_ids, prod(q_shapes)]
+  Tensor* rows = nullptr;    // [num_ids, prod(q_shapes)]
+  Tensor* report = nullptr;  // [TTRowsLaunch::kReportWords] (0 words: the CPU's)
 };
 
+// TTRowsLaunch<Device, T> provides
+//   static constexpr int64_t kReportWords;  // size of the `report` output
+//   static Status Run(OpKernelContext*, const TTShape&, const TTRowsArgs&);
+// The CPU one checks the ids' values itself (kReportWords = 0) and fills `saved`; the
+// GPU one queues the rows and the ids' check on the op's stream and returns, its
+// findings in `report`, which TfTtemb>CheckTTRowsReport turns into the same
+// InvalidArgument (cc/ops/tt_embedding_ops.cc).
 template <typename Device, typename T>
 struct TTRowsLaunch;
 
+// Synchronous on both devices (the output's size is known on the host, and the GPU
+// check is a separate op), as GatherReduceSum's forward is.
 template <typename Device, typename T>
-class TTRowsOp : public DeviceOpKernel<Device, TTRowsOp<Device, T>> {
+class TTRowsOp : public OpKernel {
  public:
   using Launch = TTRowsLaunch<Device, T>;
 
-  explicit TTRowsOp(OpKernelConstruction* ctx) : DeviceOpKernel<Device, TTRowsOp>(ctx) {
+  explicit TTRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetRowsAttrs<Device>(ctx, &shape_));
   }
 
-  template <typename Step>
-  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+ private:
+  Status Run(OpKernelContext* ctx) {
     TTRowsArgs a;
     TF_RETURN_IF_ERROR(GetRowsArgs<Device>(ctx, shape_, "TTRows", &a));
     TensorShape rows_shape;
     TF_RETURN_IF_ERROR(
         MatrixShape("rows [num_ids, prod(q_shapes)]", a.num_ids, shape_.dim, &rows_shape));
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, rows_shape, &a.rows));
-    return Launch::Run(ctx, shape_, a, step);
+    const int64_t report_words = a.num_ids > 0 ? Launch::kReportWords : 0;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({report_words}), &a.report));
+    return Launch::Run(ctx, shape_, a);
   }
 
- private:
   TTShape shape_;
 };
 

@@ -104,6 +104,7 @@ REGISTER_OP("TfTtemb>TTRows")
     .Input("cores: num_cores * T")  // core k: [num_tables * p_k, r_k q_k r_{k+1}]
     .Output("rows: T")              // [U, prod(q_shapes)]
     .Output("saved: T")             // [S] partial products for TTRowsGrad
+    .Output("report: int64")        // [0] on the CPU; see CheckTTRowsReport
     .Attr("p_shapes: list(int) >= 2")
     .Attr("q_shapes: list(int) >= 2")
     .Attr("ranks: list(int) >= 1")
@@ -116,6 +117,7 @@ REGISTER_OP("TfTtemb>TTRows")
       TF_RETURN_IF_ERROR(TTRowsInputShapes(c, &dim, &ids));
       c->set_output(0, c->Matrix(c->Dim(ids, 0), dim));
       c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
       return OkStatus();
     })
     .Doc(R"doc(
@@ -128,7 +130,23 @@ saved: The partial products of the second-to-last level, which TTRowsGrad
   would otherwise recompute (float32/float64 tables with >= 3 cores, when they
   fit a 64 MiB budget), else empty. Pass it to TTRowsGrad with the same ids
   and cores.
+report: Empty from the CPU kernel, which raises for a bad id itself. The GPU
+  kernel queues its work and returns without waiting for the device; what it
+  found wrong in the ids is in this TTReport (16 words, cuda/common_types.h),
+  which CheckTTRowsReport turns into the CPU kernel's InvalidArgument.
 )doc");
+
+// Raises the CPU kernel's InvalidArgument for what a TTRows `report` holds (nothing for
+// an empty report). Stateful, so that a tf.function runs it although nothing consumes it.
+REGISTER_OP("TfTtemb>CheckTTRowsReport")
+    .Input("report: int64")   // [0] or a TTReport
+    .Attr("limit: int >= 1")  // valid global ids are [0, limit): num_tables * prod(p_shapes)
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle report;
+      return c->WithRank(c->input(0), 1, &report);
+    })
+    .Doc("Raises the InvalidArgument a TTRows report describes.");
 
 REGISTER_OP("TfTtemb>TTRowsGrad")
     .Input("ids: int64")  // [U]

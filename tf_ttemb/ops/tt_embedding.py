@@ -247,14 +247,26 @@ def _composite_rows(cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
     return tf.cast(rows, dtype)
 
 
-def _custom_rows(lib, cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
-    return lib.tf_ttemb_tt_rows(
+def _custom_rows(lib, cores: list, ids: tf.Tensor, shape: TTShape, ids_checked=False):
+    """`TTRows`, and the check of its report where TensorFlow sees a GPU.
+
+    The GPU kernel returns without waiting for the device; what it found wrong in the
+    ids is in its `report` output, which `CheckTTRowsReport` raises the CPU kernel's
+    InvalidArgument from, off the path of the rows' consumers (`_common.after_checks`).
+    `ids_checked`: the ids come from `TTUniqueIds`, which checked them, so no check is
+    added. Without a GPU the CPU kernel checks on its own and its report is empty.
+    """
+    rows, _, report = lib.tf_ttemb_tt_rows(
         ids, [tf.convert_to_tensor(c) for c in cores], **shape.op_attrs()
-    ).rows
+    )
+    if ids_checked or not _common.gpus_visible():
+        return rows
+    limit = shape.num_tables * shape.rows_per_table
+    return _common.after_checks([lib.tf_ttemb_check_tt_rows_report(report, limit=limit)], rows)
 
 
 @tf.RegisterGradient("TfTtemb>TTRows")
-def _tt_rows_grad(op, grad, unused_saved_grad):
+def _tt_rows_grad(op, grad, unused_saved_grad, unused_report_grad):
     """Gradient of TTRows: none for the ids, one IndexedSlices per core (from TTRowsGrad)."""
     lib = _loader.load_op_library()
     num_cores = op.get_attr("num_cores")
@@ -277,6 +289,7 @@ def _tt_rows_grad(op, grad, unused_saved_grad):
 tf.no_gradient("TfTtemb>TTUniqueIds")
 tf.no_gradient("TfTtemb>TTRowsGrad")
 tf.no_gradient("TfTtemb>TTCacheCount")
+tf.no_gradient("TfTtemb>CheckTTRowsReport")
 
 
 def _read_rows(table: Any, positions: tf.Tensor) -> tf.Tensor:
@@ -460,7 +473,10 @@ def _custom_op_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
             )
         counted = _count(frequency_table, global_ids, False)
     rows = rows_with_cache(
-        unique_ids, lambda ids: _custom_rows(lib, cores, ids, shape), *cache, xla=False
+        unique_ids,
+        lambda ids: _custom_rows(lib, cores, ids, shape, ids_checked=True),
+        *cache,
+        xla=False,
     )
     with tf.control_dependencies(counted):
         rows = tf.identity(rows)
