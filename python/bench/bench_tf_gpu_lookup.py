@@ -76,12 +76,14 @@ NAMES = {
 }
 
 
-def verdicts(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """One verdict per target: the custom op's measured value, PASS or MISS (or NOT
-    MEASURED when the bench has no such row or measurement)."""
+def verdicts(rows: List[Dict[str, Any]], presets=("dlrm", "pkm", "fbtt")) -> List[Dict[str, Any]]:
+    """One verdict per target of `presets`: the custom op's measured value, PASS or MISS
+    (or NOT MEASURED when the bench has no such row or measurement)."""
     by_key = {(r["label"], r["dtype"]): r for r in rows if r["impl"] == "custom_op"}
     out = []
     for t in TARGETS:
+        if t.label.split(":")[0] not in presets:
+            continue
         row = by_key.get((t.label, t.dtype))
         value = None if row is None else t.value(row)
         if value is None:
@@ -110,6 +112,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="--in-graph-steps of the bench")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="GPU:0")
+    parser.add_argument(
+        "--presets",
+        type=_bench_util.choice_list(["dlrm", "pkm", "fbtt"]),
+        default=["dlrm", "pkm", "fbtt"],
+        help="comma-separated presets to run (default: all three; one per call keeps a "
+        "device call short)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--quick",
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
         command = [
             "bench",
             "--preset",
-            "dlrm,pkm,fbtt",
+            ",".join(args.presets),
             "--device",
             args.device,
             "--in-graph-steps",
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
         print("--quick: smaller sizes than the targets'; no verdicts")
         result["verdicts"] = []
     else:
-        result["verdicts"] = verdicts(result["results"])
+        result["verdicts"] = verdicts(result["results"], args.presets)
         for v in result["verdicts"]:
             print(format_verdict(v))
     sys.stdout.flush()

@@ -18,6 +18,10 @@
 #           (*) Timed before the lookups ran through the bench (baselines, in-graph
 #           fwd+bwd and chained times added): if suite + benches nears 10 minutes, run
 #           benches in a call of its own.
+# lookups:  the lookup part of benches alone; PRESETS=dlrm (or pkm, fbtt, comma-separated)
+#           runs those presets only, LOOKUP_TIMEOUT its time limit (default 360 s).
+# check_cost: what the GPU ops' id checks cost (bench_report_check.py): the forward and
+#           TTRows with and without their report's check op, per call and in graph.
 # grouped:  GroupedEmbeddingBag against separate layers (bench_grouped.py) and the ops a
 #           lookup runs per device (count_lookup_ops.py --executed).
 # sparse_apply: the sparse-apply benchmark against the plain backward.
@@ -47,11 +51,14 @@ for step in "$@"; do
     suite) pytest_gpu suite 330 tests ;;
     # shellcheck disable=SC2086
     tests) pytest_gpu tests 300 ${TESTS:?set TESTS to the test files} ;;
-    benches)
-      timeout 360 python3 -X faulthandler python/bench/bench_tf_gpu_lookup.py --repeats 9 \
-        --json "$out/lookup.json" > "$out/lookup.txt" 2>&1
+    benches|lookups)
+      presets="${PRESETS:-dlrm,pkm,fbtt}"
+      timeout "${LOOKUP_TIMEOUT:-360}" python3 -X faulthandler python/bench/bench_tf_gpu_lookup.py \
+        --repeats 9 --presets "$presets" --json "$out/lookup_${presets//,/_}.json" \
+        > "$out/lookup_${presets//,/_}.txt" 2>&1
       echo "exit $?"
-      grep -v -E "^[IWE][0-9]{4} |^WARNING|^bench: |^Wrote |^ *$" "$out/lookup.txt" | head -60
+      grep -v -E "^[IWE][0-9]{4} |^WARNING|^bench: |^Wrote |^ *$" "$out/lookup_${presets//,/_}.txt" | head -60
+      [ "$step" = lookups ] && continue
       timeout 150 python3 -X faulthandler python/bench/bench_dlrm_fit.py --steps 30 \
         --json "$out/dlrm_fit.json" > "$out/dlrm_fit.txt" 2>&1
       echo "exit $?"
@@ -65,6 +72,12 @@ for step in "$@"; do
       timeout 120 python3 python/bench/count_lookup_ops.py --executed --json "$out/ops.json" \
         > "$out/ops.txt" 2>&1
       grep -E "traced|executed" "$out/ops.txt" | head -30
+      ;;
+    check_cost)
+      timeout 150 python3 python/bench/bench_report_check.py --json "$out/check_cost.json" \
+        > "$out/check_cost.txt" 2>&1
+      echo "exit $?"
+      grep -v -E "^[IWE][0-9]{4} |^WARNING|^ *$" "$out/check_cost.txt" | tail -14
       ;;
     sparse_apply)
       timeout 90 python3 python/bench/bench_sparse_apply.py --json "$out/sparse_apply.json" \
@@ -106,7 +119,7 @@ for step in "$@"; do
       tail -6 "$out/racecheck.txt"
       ;;
     *)
-      echo "usage: bash python/gpu_harness/gpu_verify.sh suite|tests|benches|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
+      echo "usage: bash python/gpu_harness/gpu_verify.sh suite|tests|benches|lookups|check_cost|grouped|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
       exit 2
       ;;
   esac

@@ -1,0 +1,191 @@
+"""Where the time of a TT lookup goes through TensorFlow: its parts, per call and in graph.
+
+At FBTT-Embedding's benchmark shape (N = 11M rows as TT, p = [200, 220, 250],
+q = [4, 4, 4], ranks [32, 32]) and `--bags` bags of 20 uniform ids, each part is one
+`tf.function` ending in a 1-element fetch, timed per call and in graph (`--steps`
+independent lookups in one call, divided by the count), all parts alternately:
+
+* `empty`: a `tf.function` returning a constant (TensorFlow's per-call floor);
+* `unique`: `TTUniqueIds` alone (the batch's distinct global ids and every entry's slot);
+* `unique+rows`: and `TTRows` on those ids;
+* `forward`: `tf_ttemb.tt_embedding_bag` (the two, and the sum of each bag's rows);
+* `fwd+grad`: forward and the cores' gradients (`TTEmbeddingBag(sparse=False)`, a tape);
+* `sgd step`: one training step of `TTEmbeddingBag(sparse=True, optimizer="sgd")` (the
+  backward applies SGD to the cores' touched rows in place): what `python -m tf_ttemb
+  bench --preset fbtt` times as fwd+bwd.
+
+On the GPU machine: `bash .tfgpu/run.sh python3 python/bench/bench_tt_step_parts.py`.
+`--quick` (a small table) checks the program on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_util
+
+_bench_util.add_checkout_to_path()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="GPU:0")
+    parser.add_argument("--bags", type=_bench_util.positive_int, default=512)
+    parser.add_argument("--steps", type=_bench_util.positive_int, default=20)
+    parser.add_argument("--repeats", type=_bench_util.positive_int, default=20)
+    parser.add_argument("--warmup", type=_bench_util.positive_int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a small table, a few repeats")
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def parts(args):
+    """name -> fn(ids) of each part, and the inputs."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_ttemb
+    from tf_ttemb.layers import TTEmbeddingBag
+    from tf_ttemb.ops import _loader
+
+    rows, p, q, rank = (11_000_000, [200, 220, 250], [4, 4, 4], 32)
+    if args.quick:
+        rows, p, q, rank = (200, [5, 6, 7], [2, 2, 2], 4)
+    length = 20
+    rng = np.random.default_rng(0)
+    inputs = [
+        tf.constant(rng.integers(0, rows, size=(args.bags, length)), tf.int64)
+        for _ in range(args.steps)
+    ]
+    upstream = tf.constant(rng.standard_normal((args.bags, int(np.prod(q)))).astype("float32"))
+
+    def layer(sparse):
+        made = TTEmbeddingBag(
+            rows,
+            int(np.prod(q)),
+            tt_ranks=rank,
+            tt_p_shapes=p,
+            tt_q_shapes=q,
+            combiner="sum",
+            sparse=sparse,
+            optimizer="sgd",
+            learning_rate=0.01,
+            seed=1,
+            implementation="custom_op",
+        )
+        made.build(None)
+        return made
+
+    dense_layer, sparse_layer = layer(False), layer(True)
+    cores = dense_layer.cores
+    lib = _loader.load_op_library()
+    attrs = dict(p_shapes=p, q_shapes=q, ranks=[rank, rank], num_tables=1)
+    splits = tf.constant([0, args.bags * length], tf.int64)
+
+    def unique(ids):
+        return lib.tf_ttemb_tt_unique_ids(
+            tf.reshape(ids, [-1]), splits, num_embeddings=rows, stride=int(np.prod(p))
+        )
+
+    def unique_rows(ids):
+        unique_ids, _ = unique(ids)
+        return lib.tf_ttemb_tt_rows(unique_ids, [c.read_value() for c in cores], **attrs).rows
+
+    def forward(ids):
+        return tf_ttemb.tt_embedding_bag(
+            cores,
+            ids,
+            num_embeddings=rows,
+            p_shapes=p,
+            q_shapes=q,
+            ranks=[rank, rank],
+            combiner="sum",
+            implementation="custom_op",
+        )
+
+    def fwd_grad(ids):
+        with tf.GradientTape() as tape:
+            out = dense_layer(ids)
+        return [out] + tape.gradient(out, dense_layer.trainable_variables, upstream)
+
+    def sgd_step(ids):
+        with tf.GradientTape() as tape:
+            out = sparse_layer(ids)
+        return [out] + tape.gradient(out, sparse_layer.trainable_variables, upstream)
+
+    return {
+        "empty": lambda ids: tf.constant([0.0]),
+        "unique": lambda ids: unique(ids)[0],
+        "unique+rows": unique_rows,
+        "forward": forward,
+        "fwd+grad": fwd_grad,
+        "sgd step": sgd_step,
+    }, inputs
+
+
+def measure(args) -> list:
+    import tensorflow as tf
+
+    def probe(result):
+        items = result if isinstance(result, (list, tuple)) else [result]
+        total = tf.constant(0.0)
+        for item in items:
+            if isinstance(item, tf.IndexedSlices):
+                item = item.values
+            if item is not None:
+                total += tf.cast(tf.reduce_sum(tf.reshape(item, [-1])[:1]), tf.float32)
+        return total
+
+    with tf.device(args.device):
+        fns, inputs = parts(args)
+        steps = {}
+        for name, fn in fns.items():
+            steps[(name, "per call")] = tf.function(lambda fn=fn: probe(fn(inputs[0])))
+            steps[(name, "in graph")] = tf.function(
+                lambda fn=fn: tf.add_n([probe(fn(x)) for x in inputs])
+            )
+        timings = _bench_util.time_alternating(
+            steps, args.warmup, args.repeats, sync=lambda r: r.numpy()
+        )
+    lookups = args.bags * 20
+    results = []
+    for (name, kind), t in timings.items():
+        divisor = len(inputs) if kind == "in graph" else 1
+        ms = t.median_ms / divisor
+        results.append(
+            dict(
+                part=name,
+                kind=kind,
+                median_ms=ms,
+                min_ms=t.min_ms / divisor,
+                us_per_lookup=ms * 1e3 / lookups,
+            )
+        )
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = measure(args)
+    print(f"device {args.device}; {args.bags:,} bags x 20; in graph: {args.steps} per call")
+    rows = [
+        [
+            r["part"],
+            r["kind"],
+            f"{r['median_ms']:.4f}",
+            f"{r['min_ms']:.4f}",
+            f"{r['us_per_lookup']:.4f}",
+        ]
+        for r in results
+    ]
+    print(_bench_util.format_table(["part", "timing", "median ms", "min ms", "us/lookup"], rows))
+    if args.json:
+        _bench_util.write_json(args.json, {"device": args.device, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
