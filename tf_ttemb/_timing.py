@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 MIB = float(1 << 20)
 
@@ -354,6 +354,13 @@ def write_json(path: str, document: Any, indent: int = 2, announce: bool = True)
         log(f"wrote {path}")
 
 
+def write_json_if_asked(path: Optional[str], document: Any) -> None:
+    """The GPU benchmarks' `--json PATH`: writes `document` there, compactly (indent 1) and
+    without a log line, when a path was given."""
+    if path:
+        write_json(path, document, indent=1, announce=False)
+
+
 def log(message: str) -> None:
     """Progress messages go to stderr, the results to stdout."""
     print(message, file=sys.stderr, flush=True)
@@ -410,3 +417,67 @@ def choice_list(allowed: Sequence[str]) -> Callable[[str], List[str]]:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     return parse
+
+
+# ----------------------------------------------------------------------------------------
+# Command-line options and settings the benchmark programs share.
+
+# The table and batch sizes: option dest -> its flags.
+SIZE_OPTIONS = {
+    "num_rows": ("--num-rows", "-N"),
+    "dim": ("--dim", "-D"),
+    "bags": ("--bags", "-B"),
+    "bag_size": ("--bag-size", "-L"),
+}
+
+
+def add_size_options(parser: argparse.ArgumentParser, **options: Any) -> None:
+    """Adds the size options named (`SIZE_OPTIONS`: num_rows, dim, bags, bag_size), in the
+    order given, as positive integers; each keyword's value is its default, or a pair
+    (default, help text)."""
+    for dest, value in options.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        parser.add_argument(*SIZE_OPTIONS[dest], type=positive_int, default=default, help=text)
+
+
+def add_timing_options(
+    parser: argparse.ArgumentParser,
+    repeats: Tuple[Optional[int], str],
+    warmup: Tuple[Optional[int], str],
+    threads_help: Optional[str] = None,
+    warmup_type: Callable[[str], int] = non_negative_int,
+) -> None:
+    """Adds --repeats and --warmup, each from (default, help text), and --threads (TF
+    intra-op threads, default 0) when `threads_help` is given."""
+    parser.add_argument("--repeats", type=positive_int, default=repeats[0], help=repeats[1])
+    parser.add_argument("--warmup", type=warmup_type, default=warmup[0], help=warmup[1])
+    if threads_help is not None:
+        parser.add_argument("--threads", type=non_negative_int, default=0, help=threads_help)
+
+
+def main_or_worker(
+    main: Callable[[Sequence[str]], int],
+    worker_main: Callable[[Dict[str, Any]], None],
+    argv: Optional[Sequence[str]] = None,
+) -> int:
+    """A benchmark program's entry point: the command line `--_worker SPEC` (how
+    `run_worker` starts a worker) runs `worker_main(spec)`, any other `main(argv)`.
+
+    argv defaults to `sys.argv[1:]`; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 2 and argv[0] == "--_worker":
+        worker_main(json.loads(argv[1]))
+        return 0
+    return main(argv)
+
+
+def option_values(args: argparse.Namespace, *names: str) -> Dict[str, Any]:
+    """{name: args.name} for the options named, in that order (a results file's settings)."""
+    return {name: getattr(args, name) for name in names}
+
+
+def from_options(cls: Any, args: argparse.Namespace, **overrides: Any) -> Any:
+    """The dataclass `cls` with each field from the option of the same name, but those in
+    `overrides`."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**dict(values, **overrides))
