@@ -384,12 +384,12 @@ def tt_check_errors():
     def rows_bad():
         gids = torch.tensor([0, 3, 19, 20, 7, -1], device=dev)
         _, rep = gh.tt_rows_async(shape, cores, gids)
-        gh._tt_raise_global(rep, 20)
+        gh.tt_raise_global(rep, 20)
 
     def rows_grad_bad():
         gids = torch.tensor([0, 3, 25, 7], device=dev)
         _, rep = gh.tt_rows_grad(shape, cores, gids, torch.randn(4, 4, device=dev))
-        gh._tt_raise_global(rep, 20)
+        gh.tt_raise_global(rep, 20)
 
     for name, fn, msg in [
         ("rows", rows_bad, "ids[3] = 20 is not in [0, 20)"),

@@ -516,9 +516,9 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     N = math.prod(p)
     nnz = bags * length
     shape = gh.TTShape(p, q, ranks)
-    pinned = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
-    pinned2 = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
-    pinned_bag = torch.empty(gh._REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned = torch.empty(gh.TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned2 = torch.empty(gh.TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned_bag = torch.empty(gh.REPORT_WORDS, dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.current_stream()
     res = {
         "section": "tt_zipf",

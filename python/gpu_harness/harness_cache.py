@@ -10,18 +10,18 @@ from typing import Optional, Union
 
 import torch
 from harness import (
-    _DTYPE_CODES,
+    DTYPE_CODES,
     TTShape,
     TTState,
-    _bind,
-    _load_tt,
-    _out_ptr,
-    _poison,
-    _ptr,
-    _stream,
-    _tt_raise_unique,
-    forward_async,
+    bind,
+    current_stream,
     load,
+    load_tt,
+    out_ptr,
+    poison,
+    ptr,
+    tt_bags_of_rows,
+    tt_check_ids_args,
     tt_rows_async,
     tt_unique_ids_async,
 )
@@ -66,7 +66,7 @@ _cache_loaded = False
 
 def _load_cache() -> ctypes.CDLL:
     global _cache_loaded
-    lib = _load_tt()
+    lib = load_tt()
     if _cache_loaded:
         return lib
     vp, sz, i32, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int64
@@ -92,7 +92,7 @@ def _load_cache() -> ctypes.CDLL:
             [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp],
         ),
     }
-    _bind(lib, sigs)
+    bind(lib, sigs)
     _cache_loaded = True
     return lib
 
@@ -125,15 +125,15 @@ def tt_cache_count(ids, keys, counts, id_bound=0):
     scratch = _scratch_for(nbytes, ids.device)
     _check_upd(
         lib.ttupd_cache_count(
-            _out_ptr(ids),
+            out_ptr(ids),
             n,
             int(id_bound),
-            _out_ptr(keys),
-            _out_ptr(counts),
+            out_ptr(keys),
+            out_ptr(counts),
             h,
             scratch.data_ptr(),
             scratch.numel(),
-            _stream(),
+            current_stream(),
         ),
         "cache count",
     )
@@ -146,29 +146,29 @@ def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
     c = old_ids.numel()
     dev = old_ids.device
     out = {
-        k: _poison(torch.empty(c, dtype=torch.int64, device=dev))
+        k: poison(torch.empty(c, dtype=torch.int64, device=dev))
         for k in ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
     }
-    out["num_fresh"] = _poison(torch.empty(1, dtype=torch.int64, device=dev))
+    out["num_fresh"] = poison(torch.empty(1, dtype=torch.int64, device=dev))
     nbytes = lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
     scratch = _scratch_for(nbytes, dev)
     _check_upd(
         lib.ttupd_cache_populate(
-            _out_ptr(keys),
-            _out_ptr(counts),
+            out_ptr(keys),
+            out_ptr(counts),
             keys.numel(),
-            _out_ptr(old_ids.contiguous()),
+            out_ptr(old_ids.contiguous()),
             c,
             int(fresh_pad_id),
-            _out_ptr(out["new_ids"]),
-            _out_ptr(out["src"]),
-            _out_ptr(out["fresh_rank"]),
-            _out_ptr(out["fresh_ids"]),
-            _out_ptr(out["fresh_at"]),
+            out_ptr(out["new_ids"]),
+            out_ptr(out["src"]),
+            out_ptr(out["fresh_rank"]),
+            out_ptr(out["fresh_ids"]),
+            out_ptr(out["fresh_at"]),
             out["num_fresh"].data_ptr(),
             scratch.data_ptr(),
             scratch.numel(),
-            _stream(),
+            current_stream(),
         ),
         "cache populate",
     )
@@ -184,29 +184,29 @@ def tt_cache_lookup(ids, cache_ids, miss_pad_id=0):
     n = ids.numel()
     dev = ids.device
     out = {
-        k: _poison(torch.empty(n, dtype=torch.int64, device=dev))
+        k: poison(torch.empty(n, dtype=torch.int64, device=dev))
         for k in ("position", "miss_rank", "miss_ids", "miss_at")
     }
-    out["counts"] = _poison(torch.empty(2, dtype=torch.int64, device=dev))
+    out["counts"] = poison(torch.empty(2, dtype=torch.int64, device=dev))
     nbytes = lib.ttupd_cache_lookup_scratch_bytes(n)
     scratch = _scratch_for(nbytes, dev)
     _check_upd(
         lib.ttupd_cache_lookup(
-            _out_ptr(ids),
+            out_ptr(ids),
             n,
-            _out_ptr(cache_ids.contiguous()),
+            out_ptr(cache_ids.contiguous()),
             cache_ids.numel(),
             int(miss_pad_id),
-            _out_ptr(out["position"]),
-            _out_ptr(out["miss_rank"]),
-            _out_ptr(out["miss_ids"]),
-            _out_ptr(out["miss_at"]),
+            out_ptr(out["position"]),
+            out_ptr(out["miss_rank"]),
+            out_ptr(out["miss_ids"]),
+            out_ptr(out["miss_at"]),
             None,
             None,
             out["counts"].data_ptr(),
             scratch.data_ptr(),
             scratch.numel(),
-            _stream(),
+            current_stream(),
         ),
         "cache lookup",
     )
@@ -219,22 +219,22 @@ def tt_select_rows(a, sel_a, b=None, sel_b=None, out=None):
     n = sel_a.numel()
     width = a.shape[1]
     if out is None:
-        out = _poison(torch.empty(n, width, dtype=a.dtype, device=a.device))
+        out = poison(torch.empty(n, width, dtype=a.dtype, device=a.device))
     if b is not None and (b.dtype != a.dtype or b.shape[1] != width):
         raise ValueError("a and b must have the same dtype and width")
     _check_upd(
         lib.ttupd_select_rows(
-            _DTYPE_CODES[a.dtype],
+            DTYPE_CODES[a.dtype],
             n,
             width,
-            _ptr(a.contiguous()),
+            ptr(a.contiguous()),
             a.shape[0],
-            _ptr(sel_a),
-            None if b is None else _ptr(b.contiguous()),
+            ptr(sel_a),
+            None if b is None else ptr(b.contiguous()),
             0 if b is None else b.shape[0],
-            None if sel_b is None else _ptr(sel_b),
-            _out_ptr(out),
-            _stream(),
+            None if sel_b is None else ptr(sel_b),
+            out_ptr(out),
+            current_stream(),
         ),
         "select rows",
     )
@@ -283,9 +283,7 @@ def tt_embedding_bag_forward_cached(
     intermediates (unique, slots, num_unique, lookup, miss_rows, rows)."""
     shape = TTShape(p_shapes, q_shapes, ranks, num_tables)
     cores = shape.check_cores(cores)
-    n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
-    if not 1 <= n_emb <= shape.rows_per_table:
-        raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
+    n_emb, table_splits = tt_check_ids_args(shape, ids, table_splits, num_embeddings)
     if cache_ids.dtype != torch.int64 or cache_ids.dim() != 1:
         raise ValueError("cache_ids must be an int64 vector")
     if (
@@ -295,13 +293,6 @@ def tt_embedding_bag_forward_cached(
         raise ValueError(
             f"cache_rows must be [{cache_ids.numel()}, {shape.dim}] of the cores' dtype"
         )
-    dev = ids.device
-    if table_splits is None:
-        if num_tables != 1:
-            raise ValueError("table_splits is needed when num_tables > 1")
-        table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
-    if table_splits.numel() != num_tables + 1:
-        raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
     unique, slots, urep = tt_unique_ids_async(
         ids, table_splits, n_emb, shape.rows_per_table, padding_id, unique_fill=EMPTY_CACHE_ID
     )
@@ -309,27 +300,6 @@ def tt_embedding_bag_forward_cached(
     num_miss = lookup["counts"][1:2]
     miss_rows, rrep = tt_rows_async(shape, cores, lookup["miss_ids"], num_miss)
     rows = tt_select_rows(cache_rows, lookup["position"], miss_rows, lookup["miss_rank"])
-    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner, padding_id=-1)
-    if check:
-        _tt_raise_unique(urep, n_emb, padding_id)
-        call.raise_for(brep)
-    state = TTState(
-        shape=shape,
-        cores=cores,
-        unique=unique,
-        slots=slots,
-        num_unique=urep[2:3],
-        lookup=lookup,
-        num_miss=num_miss,
-        miss_rows=miss_rows,
-        rows=rows,
-        offsets=offsets,
-        weights=weights,
-        combiner=combiner,
-        out=out,
-        argmax=argmax,
-        unique_report=urep,
-        n_emb=n_emb,
-        padding_id=padding_id,
-    )
-    return out, state
+    state = TTState(shape=shape, cores=cores, unique=unique, slots=slots, num_unique=urep[2:3])
+    state.__dict__.update(lookup=lookup, num_miss=num_miss, miss_rows=miss_rows)
+    return tt_bags_of_rows(state, rows, offsets, weights, combiner, urep, n_emb, padding_id, check)
