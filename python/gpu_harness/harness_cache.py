@@ -108,8 +108,16 @@ def _check_upd(code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {_load_cache().ttupd_error_string(code).decode()}")
 
 
-def _scratch_for(nbytes: int, device) -> torch.Tensor:
-    return torch.empty(max(int(nbytes), 256), dtype=torch.uint8, device=device)
+def _launch_upd(fn, what: str, *args, scratch_bytes: int, device) -> None:
+    """Runs ttupd launcher fn(*args, scratch, its bytes, stream) with scratch of
+    scratch_bytes (at least 256) on `device`; raises RuntimeError naming `what` if it fails."""
+    scratch = torch.empty(max(int(scratch_bytes), 256), dtype=torch.uint8, device=device)
+    _check_upd(fn(*args, scratch.data_ptr(), scratch.numel(), current_stream()), what)
+
+
+def _int64_outputs(n: int, device, *names: str) -> dict:
+    """Fresh int64 outputs [n] (poisoned when POISON is set), by name."""
+    return {k: poison(torch.empty(n, dtype=torch.int64, device=device)) for k in names}
 
 
 def tt_cache_count(ids, keys, counts, id_bound=0):
@@ -121,21 +129,12 @@ def tt_cache_count(ids, keys, counts, id_bound=0):
     if ids.dtype != torch.int64 or keys.dtype != torch.int64 or counts.dtype != torch.int64:
         raise TypeError("ids, keys and counts must be int64")
     n, h = ids.numel(), keys.numel()
-    nbytes = lib.ttupd_cache_count_scratch_bytes(n, h, int(id_bound))
-    scratch = _scratch_for(nbytes, ids.device)
-    _check_upd(
-        lib.ttupd_cache_count(
-            out_ptr(ids),
-            n,
-            int(id_bound),
-            out_ptr(keys),
-            out_ptr(counts),
-            h,
-            scratch.data_ptr(),
-            scratch.numel(),
-            current_stream(),
-        ),
+    _launch_upd(
+        lib.ttupd_cache_count,
         "cache count",
+        *(out_ptr(ids), n, int(id_bound), out_ptr(keys), out_ptr(counts), h),
+        scratch_bytes=lib.ttupd_cache_count_scratch_bytes(n, h, int(id_bound)),
+        device=ids.device,
     )
 
 
@@ -145,32 +144,18 @@ def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
     lib = _load_cache()
     c = old_ids.numel()
     dev = old_ids.device
-    out = {
-        k: poison(torch.empty(c, dtype=torch.int64, device=dev))
-        for k in ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
-    }
-    out["num_fresh"] = poison(torch.empty(1, dtype=torch.int64, device=dev))
-    nbytes = lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
-    scratch = _scratch_for(nbytes, dev)
-    _check_upd(
-        lib.ttupd_cache_populate(
-            out_ptr(keys),
-            out_ptr(counts),
-            keys.numel(),
-            out_ptr(old_ids.contiguous()),
-            c,
-            int(fresh_pad_id),
-            out_ptr(out["new_ids"]),
-            out_ptr(out["src"]),
-            out_ptr(out["fresh_rank"]),
-            out_ptr(out["fresh_ids"]),
-            out_ptr(out["fresh_at"]),
-            out["num_fresh"].data_ptr(),
-            scratch.data_ptr(),
-            scratch.numel(),
-            current_stream(),
-        ),
+    names = ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
+    out = _int64_outputs(c, dev, *names)
+    out.update(_int64_outputs(1, dev, "num_fresh"))
+    old_c = old_ids.contiguous()
+    _launch_upd(
+        lib.ttupd_cache_populate,
         "cache populate",
+        *(out_ptr(keys), out_ptr(counts), keys.numel(), out_ptr(old_c), c, int(fresh_pad_id)),
+        *(out_ptr(out[k]) for k in names),
+        out["num_fresh"].data_ptr(),
+        scratch_bytes=lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c),
+        device=dev,
     )
     return out
 
@@ -183,32 +168,18 @@ def tt_cache_lookup(ids, cache_ids, miss_pad_id=0):
     ids = ids.contiguous()
     n = ids.numel()
     dev = ids.device
-    out = {
-        k: poison(torch.empty(n, dtype=torch.int64, device=dev))
-        for k in ("position", "miss_rank", "miss_ids", "miss_at")
-    }
-    out["counts"] = poison(torch.empty(2, dtype=torch.int64, device=dev))
-    nbytes = lib.ttupd_cache_lookup_scratch_bytes(n)
-    scratch = _scratch_for(nbytes, dev)
-    _check_upd(
-        lib.ttupd_cache_lookup(
-            out_ptr(ids),
-            n,
-            out_ptr(cache_ids.contiguous()),
-            cache_ids.numel(),
-            int(miss_pad_id),
-            out_ptr(out["position"]),
-            out_ptr(out["miss_rank"]),
-            out_ptr(out["miss_ids"]),
-            out_ptr(out["miss_at"]),
-            None,
-            None,
-            out["counts"].data_ptr(),
-            scratch.data_ptr(),
-            scratch.numel(),
-            current_stream(),
-        ),
+    names = ("position", "miss_rank", "miss_ids", "miss_at")
+    out = _int64_outputs(n, dev, *names)
+    out.update(_int64_outputs(2, dev, "counts"))
+    cache_c = cache_ids.contiguous()
+    _launch_upd(
+        lib.ttupd_cache_lookup,
         "cache lookup",
+        *(out_ptr(ids), n, out_ptr(cache_c), cache_ids.numel(), int(miss_pad_id)),
+        *(out_ptr(out[k]) for k in names),
+        *(None, None, out["counts"].data_ptr()),
+        scratch_bytes=lib.ttupd_cache_lookup_scratch_bytes(n),
+        device=dev,
     )
     return out
 
