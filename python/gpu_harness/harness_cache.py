@@ -115,9 +115,11 @@ def _launch_upd(fn, what: str, *args, scratch_bytes: int, device) -> None:
     _check_upd(fn(*args, scratch.data_ptr(), scratch.numel(), current_stream()), what)
 
 
-def _int64_outputs(n: int, device, *names: str) -> dict:
-    """Fresh int64 outputs [n] (poisoned when POISON is set), by name."""
-    return {k: poison(torch.empty(n, dtype=torch.int64, device=device)) for k in names}
+def _int64_outputs(device, n: int, *names: str, **sizes: int) -> dict:
+    """Fresh int64 vectors (poisoned when POISON is set) by name: [n] for each of names,
+    then [size] for each name=size."""
+    sizes = dict(dict.fromkeys(names, n), **sizes)
+    return {k: poison(torch.empty(m, dtype=torch.int64, device=device)) for k, m in sizes.items()}
 
 
 def tt_cache_count(ids, keys, counts, id_bound=0):
@@ -145,13 +147,18 @@ def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
     c = old_ids.numel()
     dev = old_ids.device
     names = ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
-    out = _int64_outputs(c, dev, *names)
-    out.update(_int64_outputs(1, dev, "num_fresh"))
-    old_c = old_ids.contiguous()
+    out = _int64_outputs(dev, c, *names, num_fresh=1)
     _launch_upd(
         lib.ttupd_cache_populate,
         "cache populate",
-        *(out_ptr(keys), out_ptr(counts), keys.numel(), out_ptr(old_c), c, int(fresh_pad_id)),
+        *(
+            out_ptr(keys),
+            out_ptr(counts),
+            keys.numel(),
+            out_ptr(old_ids.contiguous()),
+            c,
+            int(fresh_pad_id),
+        ),
         *(out_ptr(out[k]) for k in names),
         out["num_fresh"].data_ptr(),
         scratch_bytes=lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c),
@@ -169,13 +176,11 @@ def tt_cache_lookup(ids, cache_ids, miss_pad_id=0):
     n = ids.numel()
     dev = ids.device
     names = ("position", "miss_rank", "miss_ids", "miss_at")
-    out = _int64_outputs(n, dev, *names)
-    out.update(_int64_outputs(2, dev, "counts"))
-    cache_c = cache_ids.contiguous()
+    out = _int64_outputs(dev, n, *names, counts=2)
     _launch_upd(
         lib.ttupd_cache_lookup,
         "cache lookup",
-        *(out_ptr(ids), n, out_ptr(cache_c), cache_ids.numel(), int(miss_pad_id)),
+        *(out_ptr(ids), n, out_ptr(cache_ids.contiguous()), cache_ids.numel(), int(miss_pad_id)),
         *(out_ptr(out[k]) for k in names),
         *(None, None, out["counts"].data_ptr()),
         scratch_bytes=lib.ttupd_cache_lookup_scratch_bytes(n),
