@@ -422,22 +422,34 @@ def choice_list(allowed: Sequence[str]) -> Callable[[str], List[str]]:
 # ----------------------------------------------------------------------------------------
 # Command-line options and settings the benchmark programs share.
 
-# The table and batch sizes: option dest -> its flags.
-SIZE_OPTIONS = {
-    "num_rows": ("--num-rows", "-N"),
-    "dim": ("--dim", "-D"),
-    "bags": ("--bags", "-B"),
-    "bag_size": ("--bag-size", "-L"),
-}
+# The short flags of the table and batch sizes.
+SHORT_FLAGS = {"num_rows": "-N", "dim": "-D", "bags": "-B", "bag_size": "-L"}
 
 
-def add_size_options(parser: argparse.ArgumentParser, **options: Any) -> None:
-    """Adds the size options named (`SIZE_OPTIONS`: num_rows, dim, bags, bag_size), in the
-    order given, as positive integers; each keyword's value is its default, or a pair
-    (default, help text)."""
+def add_int_options(parser: argparse.ArgumentParser, **options: Any) -> None:
+    """Adds positive-integer options, in the order given: each keyword is the option's dest
+    (flag `--dest-with-dashes`, and the short flag of `SHORT_FLAGS` for the sizes) and its
+    value the default, or a pair (default, help text)."""
     for dest, value in options.items():
         default, text = value if isinstance(value, tuple) else (value, None)
-        parser.add_argument(*SIZE_OPTIONS[dest], type=positive_int, default=default, help=text)
+        flags = ["--" + dest.replace("_", "-")] + (
+            [SHORT_FLAGS[dest]] if dest in SHORT_FLAGS else []
+        )
+        parser.add_argument(*flags, type=positive_int, default=default, help=text)
+
+
+def choices_parser(
+    description: str, title: str, choices: Mapping[str, str], note: str
+) -> argparse.ArgumentParser:
+    """A benchmark's ArgumentParser whose --help epilog lists what it compares:
+    `title: key = label; ... . note`."""
+    listed = "; ".join(f"{key} = {label}" for key, label in choices.items())
+    return argparse.ArgumentParser(description=description, epilog=f"{title}: {listed}. {note}")
+
+
+def report_text(lines: Sequence[str], failures: Sequence[str]) -> str:
+    """A printed report: its lines, then one `failed: ...` line per failure."""
+    return "\n".join([*lines, *(f"failed: {failure}" for failure in failures)])
 
 
 def add_timing_options(

@@ -892,21 +892,19 @@ def report(
     ]
     for note in allocator_notes:
         lines.append(f"TF allocator statistics unavailable: {note}")
-    for failure in failures:
-        lines.append(f"failed: {failure}")
-    return "\n".join(lines)
+    return util.report_text(lines, failures)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line (see `--help`)."""
-    parser = argparse.ArgumentParser(
-        description="Time and peak memory of tf_ttemb.gather_reduce_sum against the TF "
-        "composite, tf.nn.embedding_lookup_sparse and torch's embedding_bag, on CPU.",
-        epilog="Implementations: "
-        + "; ".join(f"{key} = {label}" for key, label in IMPLS.items())
-        + ". Each one runs in fresh processes. See the module docstring for the method.",
+    parser = util.choices_parser(
+        "Time and peak memory of tf_ttemb.gather_reduce_sum against the TF composite, "
+        "tf.nn.embedding_lookup_sparse and torch's embedding_bag, on CPU.",
+        "Implementations",
+        IMPLS,
+        "Each one runs in fresh processes. See the module docstring for the method.",
     )
-    util.add_size_options(
+    util.add_int_options(
         parser,
         num_rows=(65_536, "rows of the table (default: %(default)s)"),
         dim=(256, "embedding dimension (default: %(default)s)"),

@@ -366,25 +366,24 @@ def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str
             f"first step, LazyAdam vs Keras Adam on touched rows: {verdict} "
             f"(max probe difference {worst:.1e} of the update's norm)"
         )
-    for failure in failures:
-        lines.append(f"failed: {failure}")
-    return "\n".join(lines)
+    return util.report_text(lines, failures)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Training-step time and optimizer-state memory of LazyAdam and "
-        "RowWiseAdagrad against Keras' Adam and Adagrad on an EmbeddingBag table, on CPU.",
-        epilog="Optimizers: "
-        + "; ".join(f"{key} = {label}" for key, label in OPTIMIZERS.items())
-        + ". Each runs in a fresh process. See the module docstring for the method.",
+    parser = util.choices_parser(
+        "Training-step time and optimizer-state memory of LazyAdam and RowWiseAdagrad "
+        "against Keras' Adam and Adagrad on an EmbeddingBag table, on CPU.",
+        "Optimizers",
+        OPTIMIZERS,
+        "Each runs in a fresh process. See the module docstring for the method.",
     )
-    util.add_size_options(parser, num_rows=10_000_000, dim=64, bags=8_192, bag_size=20)
-    parser.add_argument(
-        "--batches",
-        type=util.positive_int,
-        default=4,
-        help="distinct batches of ids the steps cycle through (default: %(default)s)",
+    util.add_int_options(
+        parser,
+        num_rows=10_000_000,
+        dim=64,
+        bags=8_192,
+        bag_size=20,
+        batches=(4, "distinct batches of ids the steps cycle through (default: %(default)s)"),
     )
     parser.add_argument(
         "--optimizers",

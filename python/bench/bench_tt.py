@@ -564,7 +564,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=list(DISTRIBUTIONS),
         help="id distributions (default: uniform,zipf)",
     )
-    util.add_size_options(
+    util.add_int_options(
         parser, bags=(512, "bags (default: 512)"), bag_size=(20, "ids per bag (default: 20)")
     )
     parser.add_argument(
@@ -582,17 +582,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         warmup=(None, "warm-up calls (default: 3, --quick 2)"),
         threads_help="TF intra-op threads (default: 0 = TensorFlow's default, one per usable CPU)",
     )
-    parser.add_argument(
-        "--dense-cap-mib",
-        type=util.positive_int,
-        default=512,
-        help="largest dense comparison table in MiB (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--matmul-size",
-        type=util.positive_int,
-        default=2048,
-        help="matmul ceiling size (default: 2048)",
+    util.add_int_options(
+        parser,
+        dense_cap_mib=(512, "largest dense comparison table in MiB (default: %(default)s)"),
+        matmul_size=(2048, "matmul ceiling size (default: 2048)"),
     )
     parser.add_argument(
         "--no-dense", dest="dense", action="store_false", help="skip the dense table"
