@@ -504,11 +504,19 @@ def _compared(out, ref):
     return {"ok": not bad, "mismatch": bad}
 
 
+def _sizes(small, sizes, large):
+    """The sizes a cache check runs: `sizes`, then `large` unless --small (the sanitizers'
+    sweep)."""
+    return sizes if small else sizes + large
+
+
 def check_lookup(small, gen, rng):
     res = []
-    cases = [(0, 50), (1, 1), (13, 0), (1000, 300), (5000, 4096), (64, 1000)]
-    if not small:
-        cases += [(200_000, 50_000)]
+    cases = _sizes(
+        small,
+        [(0, 50), (1, 1), (13, 0), (1000, 300), (5000, 4096), (64, 1000)],
+        large=[(200_000, 50_000)],
+    )
     for n, c in cases:
         universe = max(4 * (n + c), 10)
         ids = np.sort(rng.choice(universe, size=n, replace=False)).astype(np.int64)
@@ -534,9 +542,11 @@ def check_lookup(small, gen, rng):
 
 def check_populate(small, gen, rng):
     res = []
-    cases = [(1, 1), (32, 5), (100, 40), (1000, 200), (4099, 1000), (50, 80)]
-    if not small:
-        cases += [(262144, 40000)]
+    cases = _sizes(
+        small,
+        [(1, 1), (32, 5), (100, 40), (1000, 200), (4099, 1000), (50, 80)],
+        large=[(262144, 40000)],
+    )
     for table, c in cases:
         for variant in range(2):
             keys = rng.integers(0, 5 * table + 3, table).astype(np.int64)
