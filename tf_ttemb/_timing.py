@@ -6,6 +6,11 @@ Timing: `time_calls` (one callable, repeated) and `time_alternating` (several ca
 timed in turn, so a shared machine's load affects all alike); both take a `sync` that
 waits until the call's work is done (a GPU call returns once its kernels are queued).
 
+The benchmark programs also share their command line from here: the size and timing
+options (`add_int_options`, `add_timing_options`), the worker entry point
+(`main_or_worker`), the settings written with the results (`option_values`) and the
+quiet `--json` of the GPU benchmarks (`write_json_if_asked`).
+
 Nothing here imports TensorFlow or PyTorch (the standard library only, and no tf_ttemb
 module): the benchmark drivers stay light and each measurement runs in a worker process
 that imports the framework it measures (see `run_worker`).
