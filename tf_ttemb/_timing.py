@@ -6,6 +6,11 @@ Timing: `time_calls` (one callable, repeated) and `time_alternating` (several ca
 timed in turn, so a shared machine's load affects all alike); both take a `sync` that
 waits until the call's work is done (a GPU call returns once its kernels are queued).
 
+The benchmark programs also share their command line from here: the size and timing
+options (`add_int_options`, `add_timing_options`), the worker entry point
+(`main_or_worker`), the settings written with the results (`option_values`) and the
+quiet `--json` of the GPU benchmarks (`write_json_if_asked`).
+
 Nothing here imports TensorFlow or PyTorch (the standard library only, and no tf_ttemb
 module): the benchmark drivers stay light and each measurement runs in a worker process
 that imports the framework it measures (see `run_worker`).
@@ -42,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 MIB = float(1 << 20)
 
@@ -354,6 +359,13 @@ def write_json(path: str, document: Any, indent: int = 2, announce: bool = True)
         log(f"wrote {path}")
 
 
+def write_json_if_asked(path: Optional[str], document: Any) -> None:
+    """The GPU benchmarks' `--json PATH`: writes `document` there, compactly (indent 1) and
+    without a log line, when a path was given."""
+    if path:
+        write_json(path, document, indent=1, announce=False)
+
+
 def log(message: str) -> None:
     """Progress messages go to stderr, the results to stdout."""
     print(message, file=sys.stderr, flush=True)
@@ -410,3 +422,79 @@ def choice_list(allowed: Sequence[str]) -> Callable[[str], List[str]]:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     return parse
+
+
+# ----------------------------------------------------------------------------------------
+# Command-line options and settings the benchmark programs share.
+
+# The short flags of the table and batch sizes.
+SHORT_FLAGS = {"num_rows": "-N", "dim": "-D", "bags": "-B", "bag_size": "-L"}
+
+
+def add_int_options(parser: argparse.ArgumentParser, **options: Any) -> None:
+    """Adds positive-integer options, in the order given: each keyword is the option's dest
+    (flag `--dest-with-dashes`, and the short flag of `SHORT_FLAGS` for the sizes) and its
+    value the default, or a pair (default, help text)."""
+    for dest, value in options.items():
+        default, text = value if isinstance(value, tuple) else (value, None)
+        flags = ["--" + dest.replace("_", "-")] + (
+            [SHORT_FLAGS[dest]] if dest in SHORT_FLAGS else []
+        )
+        parser.add_argument(*flags, type=positive_int, default=default, help=text)
+
+
+def choices_parser(
+    description: str, title: str, choices: Mapping[str, str], note: str
+) -> argparse.ArgumentParser:
+    """A benchmark's ArgumentParser whose --help epilog lists what it compares:
+    `title: key = label; ... . note`."""
+    listed = "; ".join(f"{key} = {label}" for key, label in choices.items())
+    return argparse.ArgumentParser(description=description, epilog=f"{title}: {listed}. {note}")
+
+
+def report_text(lines: Sequence[str], failures: Sequence[str]) -> str:
+    """A printed report: its lines, then one `failed: ...` line per failure."""
+    return "\n".join([*lines, *(f"failed: {failure}" for failure in failures)])
+
+
+def add_timing_options(
+    parser: argparse.ArgumentParser,
+    repeats: Tuple[Optional[int], str],
+    warmup: Tuple[Optional[int], str],
+    threads_help: Optional[str] = None,
+    warmup_type: Callable[[str], int] = non_negative_int,
+) -> None:
+    """Adds --repeats and --warmup, each from (default, help text), and --threads (TF
+    intra-op threads, default 0) when `threads_help` is given."""
+    parser.add_argument("--repeats", type=positive_int, default=repeats[0], help=repeats[1])
+    parser.add_argument("--warmup", type=warmup_type, default=warmup[0], help=warmup[1])
+    if threads_help is not None:
+        parser.add_argument("--threads", type=non_negative_int, default=0, help=threads_help)
+
+
+def main_or_worker(
+    main: Callable[[Sequence[str]], int],
+    worker_main: Callable[[Dict[str, Any]], None],
+    argv: Optional[Sequence[str]] = None,
+) -> int:
+    """A benchmark program's entry point: the command line `--_worker SPEC` (how
+    `run_worker` starts a worker) runs `worker_main(spec)`, any other `main(argv)`.
+
+    argv defaults to `sys.argv[1:]`; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 2 and argv[0] == "--_worker":
+        worker_main(json.loads(argv[1]))
+        return 0
+    return main(argv)
+
+
+def option_values(args: argparse.Namespace, *names: str) -> Dict[str, Any]:
+    """{name: args.name} for the options named, in that order (a results file's settings)."""
+    return {name: getattr(args, name) for name in names}
+
+
+def from_options(cls: Any, args: argparse.Namespace, **overrides: Any) -> Any:
+    """The dataclass `cls` with each field from the option of the same name, but those in
+    `overrides`."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**dict(values, **overrides))

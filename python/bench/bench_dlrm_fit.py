@@ -177,13 +177,9 @@ def main(argv=None) -> int:
         f"{best['grouped'] / best['tf_ttemb']:.2f}x the EmbeddingBag layers",
         flush=True,
     )
-    if args.json:
-        _bench_util.write_json(
-            args.json,
-            {"args": vars(args), "device": device, "runs": runs, "ratio": ratio},
-            indent=1,
-            announce=False,
-        )
+    _bench_util.write_json_if_asked(
+        args.json, {"args": vars(args), "device": device, "runs": runs, "ratio": ratio}
+    )
     return 0
 
 

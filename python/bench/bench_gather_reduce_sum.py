@@ -57,7 +57,6 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
-import json
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -286,34 +285,18 @@ def _tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     # full-size call is that of the computation, not of tracing or thread-pool start-up.
     forward_backward.get_concrete_function(ids, weights, upstream)
     forward_backward(*tensors(make_arrays(problem, bags=WARMUP_BAGS)))
-    meter = util.PeakRss()
-    meter.start()
-    output, params_grad, weights_grad = forward_backward(ids, weights, upstream)
-    rss_growth = meter.growth_bytes()
 
-    if isinstance(params_grad, tf.IndexedSlices):
-        params_grad = tf.math.unsorted_segment_sum(
-            tf.cast(params_grad.values, tf.float64), params_grad.indices, problem.num_rows
-        )
-    as_numpy = lambda x: tf.cast(x, tf.float64).numpy()  # noqa: E731
-    prints = fingerprints(
-        *map(as_numpy, (output, params_grad, weights_grad)),
-        arrays["upstream"],
-        make_probes(problem),
-    )
-    del output, params_grad, weights_grad
+    def as_numpy(x):
+        if isinstance(x, tf.IndexedSlices):
+            x = tf.math.unsorted_segment_sum(
+                tf.cast(x.values, tf.float64), x.indices, problem.num_rows
+            )
+        return tf.cast(x, tf.float64).numpy()
 
+    inputs = (ids, weights, upstream)
+    first = _first_step(problem, arrays, forward_backward, inputs, as_numpy)
     threads = threads or util.usable_cpus()
-    result = _timed_result(
-        spec,
-        versions,
-        threads,
-        meter,
-        rss_growth,
-        prints,
-        lambda: forward(ids, weights),
-        lambda: forward_backward(ids, weights, upstream),
-    )
+    result = _timed_result(spec, versions, threads, first, forward, forward_backward, inputs)
     if spec["eager"]:
         result["eager_fwd_bwd"] = util.time_calls(
             lambda: forward_backward_eager(ids, weights, upstream), spec["warmup"], spec["repeats"]
@@ -321,16 +304,33 @@ def _tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
-def _timed_result(spec, versions, threads, meter, rss_growth, prints, fwd, fwd_bwd):
-    """A worker's result: what it measured before, then fwd() and fwd_bwd() timed."""
+def _first_step(problem, arrays, forward_backward, inputs, as_numpy) -> Dict[str, Any]:
+    """The RSS growth of the first full-size `forward_backward(*inputs)` and the
+    fingerprints of its output and gradients (`as_numpy` makes each a float64 array, the
+    table gradient dense); the results are freed before anything is timed."""
+    meter = util.PeakRss()
+    meter.start()
+    output, params_grad, weights_grad = forward_backward(*inputs)
+    rss_growth = meter.growth_bytes()
+    prints = fingerprints(
+        *map(as_numpy, (output, params_grad, weights_grad)),
+        arrays["upstream"],
+        make_probes(problem),
+    )
+    return {"rss_growth_bytes": rss_growth, "rss_method": meter.method, "fingerprints": prints}
+
+
+def _timed_result(spec, versions, threads, first, forward, forward_backward, inputs):
+    """A worker's result: the first step's measures (`_first_step`), then forward(ids,
+    weights) and forward_backward(ids, weights, upstream) timed on `inputs`."""
     warmup, repeats = spec["warmup"], spec["repeats"]
+    fwd = lambda: forward(*inputs[:2])  # noqa: E731
+    fwd_bwd = lambda: forward_backward(*inputs)  # noqa: E731
     return {
         "ok": True,
         "versions": versions,
         "threads": threads,
-        "rss_growth_bytes": rss_growth,
-        "rss_method": meter.method,
-        "fingerprints": prints,
+        **first,
         "fwd": util.time_calls(fwd, warmup, repeats).to_json(),
         "fwd_bwd": util.time_calls(fwd_bwd, warmup, repeats).to_json(),
     }
@@ -370,34 +370,17 @@ def _torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         output.backward(upstream)
         return output, table.grad, weights.grad
 
-    ids, weights, upstream = tensors(arrays)
+    inputs = tensors(arrays)
     forward_backward(*tensors(make_arrays(problem, bags=WARMUP_BAGS)))
-    meter = util.PeakRss()
-    meter.start()
-    output, params_grad, weights_grad = forward_backward(ids, weights, upstream)
-    rss_growth = meter.growth_bytes()
 
-    as_numpy = lambda x: x.detach().to(torch.float64).numpy()  # noqa: E731
-    if params_grad.is_sparse:
-        params_grad = params_grad.coalesce().to_dense()
-    prints = fingerprints(
-        *map(as_numpy, (output, params_grad, weights_grad)),
-        arrays["upstream"],
-        make_probes(problem),
-    )
-    del output, params_grad, weights_grad
+    def as_numpy(x):
+        if x.is_sparse:
+            x = x.coalesce().to_dense()
+        return x.detach().to(torch.float64).numpy()
 
+    first = _first_step(problem, arrays, forward_backward, inputs, as_numpy)
     versions = {"torch": torch.__version__, "numpy": np.__version__}
-    return _timed_result(
-        spec,
-        versions,
-        threads,
-        meter,
-        rss_growth,
-        prints,
-        lambda: forward(ids, weights),
-        lambda: forward_backward(ids, weights, upstream),
-    )
+    return _timed_result(spec, versions, threads, first, forward, forward_backward, inputs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -591,17 +574,21 @@ def _sweep_torch_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     return {"ok": True, "timings": timings, "versions": {"torch": torch.__version__}}
 
 
+def _sweep_spec(
+    args: argparse.Namespace, threads: int, shape: Sequence[int], **extra: Any
+) -> Tuple[Problem, Dict[str, Any]]:
+    """The float32 Problem of a sweep shape (rows, dim, bags, bag size) and its workers' spec
+    (`extra` added)."""
+    problem = Problem(*shape, "float32", args.index_dtype, args.seed)
+    spec = {"problem": dataclasses.asdict(problem), "threads": threads}
+    return problem, dict(spec, **util.option_values(args, "warmup", "repeats"), **extra)
+
+
 def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch: bool):
     """One thread count: both workers on every SWEEP_SHAPES case; the printed table."""
     rows, cases = [], []
-    for n, (num_rows, dim, bags, bag_size) in enumerate(SWEEP_SHAPES, 1):
-        problem = Problem(num_rows, dim, bags, bag_size, "float32", args.index_dtype, args.seed)
-        base = {
-            "problem": dataclasses.asdict(problem),
-            "threads": threads,
-            "warmup": args.warmup,
-            "repeats": args.repeats,
-        }
+    for n, shape in enumerate(SWEEP_SHAPES, 1):
+        problem, base = _sweep_spec(args, threads, shape)
         util.log(f"[{threads} thread(s), {n}/{len(SWEEP_SHAPES)}] {problem.describe()}")
         ours = util.run_worker(script, dict(base, impl="sweep_tf"), {})
         theirs = (
@@ -631,7 +618,7 @@ def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch
         )
         rows.append(
             [
-                f"{num_rows:,} x {dim}, {bags:,} x {bag_size}",
+                f"{problem.num_rows:,} x {problem.dim}, {problem.bags:,} x {problem.bag_size}",
                 ms(mine, "raw_op"),
                 f"{ms(mine, 'wrapper')} ({wrapper_ratio})",
                 ms(other, "fwd_torch_alloc"),
@@ -695,15 +682,7 @@ def _sweep_scaling(cases: List[Dict[str, Any]], thread_counts: List[int]) -> Non
 
 def _sweep_variants(args: argparse.Namespace, threads: int, script: str) -> Dict[str, Any]:
     """Ours: every combiner and table dtype against float32 sum at SWEEP_VARIANT_SHAPE."""
-    num_rows, dim, bags, bag_size = SWEEP_VARIANT_SHAPE
-    problem = Problem(num_rows, dim, bags, bag_size, "float32", args.index_dtype, args.seed)
-    spec = {
-        "problem": dataclasses.asdict(problem),
-        "threads": threads,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "impl": "sweep_variants",
-    }
+    problem, spec = _sweep_spec(args, threads, SWEEP_VARIANT_SHAPE, impl="sweep_variants")
     util.log(f"[{threads} thread(s)] combiners and dtypes at {problem.describe()}")
     result = util.run_worker(script, spec, {})
     timings = result.get("timings", {})
@@ -730,7 +709,8 @@ def _sweep_variants(args: argparse.Namespace, threads: int, script: str) -> Dict
         "fwd+bwd / f32 sum",
     ]
     print(
-        f"ours, {num_rows:,} x {dim}, {bags:,} x {bag_size}, weighted (max: unweighted), "
+        f"ours, {problem.num_rows:,} x {problem.dim}, {problem.bags:,} x {problem.bag_size}, "
+        "weighted (max: unweighted), "
         f"{threads} thread(s): "
         "each combiner and table dtype against float32 sum (target: <= 1.2x; per byte for "
         "the half types)"
@@ -912,47 +892,24 @@ def report(
     ]
     for note in allocator_notes:
         lines.append(f"TF allocator statistics unavailable: {note}")
-    for failure in failures:
-        lines.append(f"failed: {failure}")
-    return "\n".join(lines)
+    return util.report_text(lines, failures)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line (see `--help`)."""
-    parser = argparse.ArgumentParser(
-        description="Time and peak memory of tf_ttemb.gather_reduce_sum against the TF "
-        "composite, tf.nn.embedding_lookup_sparse and torch's embedding_bag, on CPU.",
-        epilog="Implementations: "
-        + "; ".join(f"{key} = {label}" for key, label in IMPLS.items())
-        + ". Each one runs in fresh processes. See the module docstring for the method.",
+    parser = util.choices_parser(
+        "Time and peak memory of tf_ttemb.gather_reduce_sum against the TF composite, "
+        "tf.nn.embedding_lookup_sparse and torch's embedding_bag, on CPU.",
+        "Implementations",
+        IMPLS,
+        "Each one runs in fresh processes. See the module docstring for the method.",
     )
-    parser.add_argument(
-        "--num-rows",
-        "-N",
-        type=util.positive_int,
-        default=65_536,
-        help="rows of the table (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--dim",
-        "-D",
-        type=util.positive_int,
-        default=256,
-        help="embedding dimension (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--bags",
-        "-B",
-        type=util.positive_int,
-        default=2_048,
-        help="number of bags (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--bag-size",
-        "-L",
-        type=util.positive_int,
-        default=128,
-        help="ids per bag (default: %(default)s)",
+    util.add_int_options(
+        parser,
+        num_rows=(65_536, "rows of the table (default: %(default)s)"),
+        dim=(256, "embedding dimension (default: %(default)s)"),
+        bags=(2_048, "number of bags (default: %(default)s)"),
+        bag_size=(128, "ids per bag (default: %(default)s)"),
     )
     parser.add_argument(
         "--dtype",
@@ -966,17 +923,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="int64",
         help="dtype of the ids (default: %(default)s)",
     )
-    parser.add_argument(
-        "--repeats",
-        type=util.positive_int,
-        default=10,
-        help="timed calls per measurement (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=util.non_negative_int,
-        default=2,
-        help="untimed calls before timing (default: %(default)s)",
+    util.add_timing_options(
+        parser,
+        repeats=(10, "timed calls per measurement (default: %(default)s)"),
+        warmup=(2, "untimed calls before timing (default: %(default)s)"),
     )
     parser.add_argument(
         "--impls",
@@ -1033,31 +983,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="with --sweep: the thread counts to run the table at, e.g. 2,1 (default: "
         "--threads, or one per usable CPU)",
     )
-    parser.add_argument("--_worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the benchmark; the exit status is 1 when an implementation failed."""
     args = parse_args(argv)
-    if args._worker:
-        worker_main(json.loads(args._worker))
-        return 0
     if args.sweep:
         document = sweep(args)
         if args.json:
             util.write_json(args.json, document)
         return 0 if all(c["ours"].get("ok") for c in document["cases"]) else 1
 
-    problem = Problem(
-        num_rows=args.num_rows,
-        dim=args.dim,
-        bags=args.bags,
-        bag_size=args.bag_size,
-        dtype=args.dtype,
-        index_dtype=args.index_dtype,
-        seed=args.seed,
-    )
+    problem = util.from_options(Problem, args)
     if args.impls is None:
         # torch is optional by default; asked for explicitly, its absence is reported.
         args.impls = list(IMPLS)
@@ -1079,16 +1017,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "machine": util.machine_info(),
             "versions": versions,
             "problem": dataclasses.asdict(problem),
-            "settings": {
-                "repeats": args.repeats,
-                "warmup": args.warmup,
-                "threads": args.threads,
-                "eager": args.eager,
-                "allocator_stats": args.allocator_stats,
-                "sparse_updated_table": args.sparse_updated,
-                "baseline": BASELINE,
-                "agreement_tolerance": AGREEMENT_TOLERANCE[problem.dtype],
-            },
+            "settings": dict(
+                util.option_values(args, "repeats", "warmup", "threads", "eager"),
+                allocator_stats=args.allocator_stats,
+                sparse_updated_table=args.sparse_updated,
+                baseline=BASELINE,
+                agreement_tolerance=AGREEMENT_TOLERANCE[problem.dtype],
+            ),
             "reference_bytes": reference,
             "results": results,
         }
@@ -1097,4 +1032,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(util.main_or_worker(main, worker_main))

@@ -176,21 +176,18 @@ def main(argv=None) -> int:
         f"{grads['sparse_as_dense'] / 2**20:,.1f} MiB "
         f"({grads['sparse_as_dense'] / grads['indexed_slices_gathered']:.1f}x more)"
     )
-    if args.json:
-        _bench_util.write_json(
-            args.json,
-            {
-                "model": args.model,
-                "kind": kind,
-                "devices": devices,
-                "batch": batch,
-                "steps_per_s_1": one,
-                "steps_per_s_2": two,
-                **grads,
-            },
-            indent=1,
-            announce=False,
-        )
+    _bench_util.write_json_if_asked(
+        args.json,
+        {
+            "model": args.model,
+            "kind": kind,
+            "devices": devices,
+            "batch": batch,
+            "steps_per_s_1": one,
+            "steps_per_s_2": two,
+            **grads,
+        },
+    )
     return 0
 
 

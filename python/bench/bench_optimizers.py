@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -367,28 +366,24 @@ def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str
             f"first step, LazyAdam vs Keras Adam on touched rows: {verdict} "
             f"(max probe difference {worst:.1e} of the update's norm)"
         )
-    for failure in failures:
-        lines.append(f"failed: {failure}")
-    return "\n".join(lines)
+    return util.report_text(lines, failures)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Training-step time and optimizer-state memory of LazyAdam and "
-        "RowWiseAdagrad against Keras' Adam and Adagrad on an EmbeddingBag table, on CPU.",
-        epilog="Optimizers: "
-        + "; ".join(f"{key} = {label}" for key, label in OPTIMIZERS.items())
-        + ". Each runs in a fresh process. See the module docstring for the method.",
+    parser = util.choices_parser(
+        "Training-step time and optimizer-state memory of LazyAdam and RowWiseAdagrad "
+        "against Keras' Adam and Adagrad on an EmbeddingBag table, on CPU.",
+        "Optimizers",
+        OPTIMIZERS,
+        "Each runs in a fresh process. See the module docstring for the method.",
     )
-    parser.add_argument("--num-rows", "-N", type=util.positive_int, default=10_000_000)
-    parser.add_argument("--dim", "-D", type=util.positive_int, default=64)
-    parser.add_argument("--bags", "-B", type=util.positive_int, default=8_192)
-    parser.add_argument("--bag-size", "-L", type=util.positive_int, default=20)
-    parser.add_argument(
-        "--batches",
-        type=util.positive_int,
-        default=4,
-        help="distinct batches of ids the steps cycle through (default: %(default)s)",
+    util.add_int_options(
+        parser,
+        num_rows=10_000_000,
+        dim=64,
+        bags=8_192,
+        bag_size=20,
+        batches=(4, "distinct batches of ids the steps cycle through (default: %(default)s)"),
     )
     parser.add_argument(
         "--optimizers",
@@ -396,23 +391,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=list(OPTIMIZERS),
         help="comma-separated optimizers to run (default: all)",
     )
-    parser.add_argument(
-        "--repeats",
-        type=util.positive_int,
-        default=5,
-        help="timed steps per optimizer (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=util.positive_int,
-        default=2,
-        help="untimed steps first, the checked first step included (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=util.non_negative_int,
-        default=0,
-        help="TF intra-op threads (default: 0 = one per usable CPU)",
+    util.add_timing_options(
+        parser,
+        repeats=(5, "timed steps per optimizer (default: %(default)s)"),
+        warmup=(2, "untimed steps first, the checked first step included (default: %(default)s)"),
+        threads_help="TF intra-op threads (default: 0 = one per usable CPU)",
+        warmup_type=util.positive_int,
     )
     parser.add_argument("--seed", type=int, default=0, help="data seed (default: %(default)s)")
     parser.add_argument(
@@ -421,24 +405,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=os.path.join(util.CHECKOUT_ROOT, "bench_results", "optimizers_cpu.json"),
         help="where to write all results and machine information (default: %(default)s)",
     )
-    parser.add_argument("--_worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the benchmark; the exit status is 1 when an optimizer failed or a target missed."""
     args = parse_args(argv)
-    if args._worker:
-        worker_main(json.loads(args._worker))
-        return 0
-    problem = Problem(
-        num_rows=args.num_rows,
-        dim=args.dim,
-        bags=args.bags,
-        bag_size=args.bag_size,
-        batches=args.batches,
-        seed=args.seed,
-    )
+    problem = util.from_options(Problem, args)
     util.log(f"optimizer benchmark: {problem.describe()}")
     load_start = os.getloadavg()
     results = measure(args, problem)
@@ -450,13 +423,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "load_average_start": list(load_start),
         "load_average_end": list(os.getloadavg()),
         "problem": dataclasses.asdict(problem),
-        "settings": {
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "threads": args.threads,
-            "baseline": BASELINE,
-            "targets": {"lazy_adam_speedup": SPEEDUP_TARGET, "state_ratio": STATE_RATIO_TARGET},
-        },
+        "settings": dict(
+            util.option_values(args, "repeats", "warmup", "threads"),
+            baseline=BASELINE,
+            targets={"lazy_adam_speedup": SPEEDUP_TARGET, "state_ratio": STATE_RATIO_TARGET},
+        ),
         "checks": checks,
         "results": results,
     }
@@ -467,4 +438,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(util.main_or_worker(main, worker_main))

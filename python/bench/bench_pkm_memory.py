@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -616,25 +615,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     parser.add_argument("--json", help="write the results to this JSON file")
-    parser.add_argument("--_worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args._worker:
-        worker_main(json.loads(args._worker))
-        return 0
-    common = dict(
-        dim=args.dim,
-        n_keys=args.n_keys,
-        k_dim=args.k_dim,
-        heads=args.heads,
-        knn=args.knn,
-        seed=args.seed,
-    )
-    shape = Shape(batch=args.batch, seq=args.seq, **common)
-    full = Shape(batch=args.full_batch, seq=args.seq, **common)
+    shape = util.from_options(Shape, args)
+    full = dataclasses.replace(shape, batch=args.full_batch)
     util.log(f"PKM memory benchmark: {shape.describe()}")
     load = {"before": _loadavg()}
     results = measure(args, shape)
@@ -642,16 +629,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text, document = report(shape, full, results, load, args.optimizer)
     print(text)
     if args.json:
-        document["settings"] = {
-            "repeats": args.repeats,
-            "memory_steps": args.memory_steps,
-            "variants": args.variants,
-            "optimizer": args.optimizer,
-            "learning_rate": LEARNING_RATE,
-        }
+        document["settings"] = dict(
+            util.option_values(args, "repeats", "memory_steps", "variants", "optimizer"),
+            learning_rate=LEARNING_RATE,
+        )
         util.write_json(args.json, document)
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(util.main_or_worker(main, worker_main))

@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_ttemb
-from tf_ttemb import demo
+from tf_ttemb.demo import tt_quality as demo
 
 SECTIONS = ("quality", "latency")
 QUANTIZE = (None, "float16", "int8")
@@ -122,15 +122,7 @@ def section_quality(args, directory: str) -> dict[str, Any]:
     model = _ctr_model(task, lambda: tf_ttemb.layers.EmbeddingBag(task.rows, args.dim))
     trained = demo.train_ctr_model(model, train, test, config)
     predict = tf.function(lambda ids, dense: model(ids, dense, training=False))
-    custom = np.concatenate(
-        [
-            predict(
-                tf.constant(test["ids"][i : i + config.eval_batch]),
-                tf.constant(test["dense"][i : i + config.eval_batch]),
-            ).numpy()
-            for i in range(0, len(test["labels"]), config.eval_batch)
-        ]
-    )
+    custom = demo.predict_in_batches(predict, test, config.eval_batch)
     rows = [
         {
             "path": "custom-op model (Keras)",

@@ -161,18 +161,15 @@ def main(argv=None) -> int:
         f"{args.dtype}: apply_sgd / backward (in graph) = {ratio:.2f}x "
         f"(target <= 1.3x): {verdict}"
     )
-    if args.json:
-        _bench_util.write_json(
-            args.json,
-            {
-                "args": vars(args),
-                "device": device,
-                "results": results,
-                "apply_sgd_over_backward": ratio,
-            },
-            indent=1,
-            announce=False,
-        )
+    _bench_util.write_json_if_asked(
+        args.json,
+        {
+            "args": vars(args),
+            "device": device,
+            "results": results,
+            "apply_sgd_over_backward": ratio,
+        },
+    )
     return 0
 
 

@@ -564,11 +564,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=list(DISTRIBUTIONS),
         help="id distributions (default: uniform,zipf)",
     )
-    parser.add_argument(
-        "--bags", "-B", type=util.positive_int, default=512, help="bags (default: 512)"
-    )
-    parser.add_argument(
-        "--bag-size", "-L", type=util.positive_int, default=20, help="ids per bag (default: 20)"
+    util.add_int_options(
+        parser, bags=(512, "bags (default: 512)"), bag_size=(20, "ids per bag (default: 20)")
     )
     parser.add_argument(
         "--zipf-exponent", type=float, default=1.1, help="Zipf exponent (default: 1.1)"
@@ -579,35 +576,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="custom_op",
         help="tt_embedding_bag implementation (default: custom_op)",
     )
-    parser.add_argument(
-        "--repeats",
-        type=util.positive_int,
-        default=None,
-        help="timed calls (default: 20, --quick 5)",
+    util.add_timing_options(
+        parser,
+        repeats=(None, "timed calls (default: 20, --quick 5)"),
+        warmup=(None, "warm-up calls (default: 3, --quick 2)"),
+        threads_help="TF intra-op threads (default: 0 = TensorFlow's default, one per usable CPU)",
     )
-    parser.add_argument(
-        "--warmup",
-        type=util.non_negative_int,
-        default=None,
-        help="warm-up calls (default: 3, --quick 2)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=util.non_negative_int,
-        default=0,
-        help="TF intra-op threads (default: 0 = TensorFlow's default, one per usable CPU)",
-    )
-    parser.add_argument(
-        "--dense-cap-mib",
-        type=util.positive_int,
-        default=512,
-        help="largest dense comparison table in MiB (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--matmul-size",
-        type=util.positive_int,
-        default=2048,
-        help="matmul ceiling size (default: 2048)",
+    util.add_int_options(
+        parser,
+        dense_cap_mib=(512, "largest dense comparison table in MiB (default: %(default)s)"),
+        matmul_size=(2048, "matmul ceiling size (default: 2048)"),
     )
     parser.add_argument(
         "--no-dense", dest="dense", action="store_false", help="skip the dense table"
@@ -684,21 +662,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "numpy": np.__version__,
                 "tf_ttemb": tf_ttemb.__version__,
             },
-            "settings": {
-                key: getattr(args, key)
-                for key in (
-                    "bags",
-                    "bag_size",
-                    "zipf_exponent",
-                    "impl",
-                    "repeats",
-                    "warmup",
-                    "threads",
-                    "dense_cap_mib",
-                    "matmul_size",
-                    "seed",
-                )
-            },
+            "settings": util.option_values(
+                args,
+                "bags",
+                "bag_size",
+                "zipf_exponent",
+                "impl",
+                "repeats",
+                "warmup",
+                "threads",
+                "dense_cap_mib",
+                "matmul_size",
+                "seed",
+            ),
             "flop_formula": "fwd = tt.flops_per_lookup(q, ranks); fwd+bwd = 3 x fwd; "
             "GFLOP/s = lookups x flops / median seconds of one iteration",
             "cases": {name: dataclasses.asdict(case) for name, case in cases.items()},

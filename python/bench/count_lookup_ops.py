@@ -149,8 +149,7 @@ def main(argv=None) -> int:
             results[f"{form}, {step}"]["executed"] = {d: dict(c) for d, c in executed.items()}
             for device, ran in sorted(executed.items()):
                 print(f"  executed on {device}: {sum(ran.values())} ops ({_listed(ran)})")
-    if args.json:
-        _bench_util.write_json(args.json, results, indent=1, announce=False)
+    _bench_util.write_json_if_asked(args.json, results)
     return 0
 
 

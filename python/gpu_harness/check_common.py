@@ -12,6 +12,7 @@ import traceback
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -214,6 +215,22 @@ def log_worst(sweep, prefix, width):
             worst[key] = max(worst.get(key, 0.0), v)
     for (dt, k), v in sorted(worst.items()):
         log(f"  {prefix}worst |err| / sum|terms|  {dt:5s} {k:{width}s} {v:.3g}")
+
+
+def run_poisoned(report, prefix, sweep, *checks):
+    """A section's sweep and checks with harness.POISON on (so that an output element the
+    kernels fail to write shows up): report[prefix + "sweep"] = sweep(), its seconds in
+    report[prefix + "sweep_s"], then report[key] = check() for each (key, check) pair.
+    Returns (the sweep, the number of its cases that failed)."""
+    harness.POISON = True
+    t0 = time.time()
+    result = sweep()
+    report[prefix + "sweep_s"] = time.time() - t0
+    report[prefix + "sweep"] = result
+    for key, check in checks:
+        report[key] = check()
+    harness.POISON = False
+    return result, sum(bool(r["failures"]) for r in result)
 
 
 def case_fields(config, dtype, itype, combiner, weighted, section=None):

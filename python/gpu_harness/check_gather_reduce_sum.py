@@ -8,7 +8,6 @@ import json
 import math
 import pathlib
 import sys
-import time
 import traceback
 
 import torch
@@ -36,6 +35,7 @@ from check_common import (  # noqa: E402
     make_ids,
     random_weights,
     run_cases,
+    run_poisoned,
     timed,
 )
 
@@ -497,15 +497,13 @@ def profile_run():
 def grs_main(args, report):
     """Section "grs": the sweep, error messages, determinism, then (unless --small or
     --no-bench) the benchmarks; logs the summary. Returns whether every check passed."""
-    gh.POISON = True
-    t0 = time.time()
-    sweep = run_sweep(args.small, args.max_cases)
-    report["sweep_s"] = time.time() - t0
-    report["sweep"] = sweep
-    report["errors"] = check_errors()
-    report["determinism"] = check_determinism(args.small)
-    gh.POISON = False
-    n_fail = sum(bool(r["failures"]) for r in sweep)
+    sweep, n_fail = run_poisoned(
+        report,
+        "",
+        lambda: run_sweep(args.small, args.max_cases),
+        ("errors", check_errors),
+        ("determinism", lambda: check_determinism(args.small)),
+    )
     n_err_fail = sum(not r["ok"] for r in report["errors"])
     n_det_fail = sum(not r["bitwise_identical"] for r in report["determinism"])
     if not args.small and not args.no_bench:

@@ -8,7 +8,6 @@ import math
 import pathlib
 import subprocess
 import sys
-import time
 import traceback
 
 import torch
@@ -30,6 +29,7 @@ from check_common import (  # noqa: E402
     make_ids,
     random_weights,
     run_cases,
+    run_poisoned,
     timed,
 )
 from check_gather_reduce_sum import reference  # noqa: E402
@@ -384,12 +384,12 @@ def tt_check_errors():
     def rows_bad():
         gids = torch.tensor([0, 3, 19, 20, 7, -1], device=dev)
         _, rep = gh.tt_rows_async(shape, cores, gids)
-        gh._tt_raise_global(rep, 20)
+        gh.tt_raise_global(rep, 20)
 
     def rows_grad_bad():
         gids = torch.tensor([0, 3, 25, 7], device=dev)
         _, rep = gh.tt_rows_grad(shape, cores, gids, torch.randn(4, 4, device=dev))
-        gh._tt_raise_global(rep, 20)
+        gh.tt_raise_global(rep, 20)
 
     for name, fn, msg in [
         ("rows", rows_bad, "ids[3] = 20 is not in [0, 20)"),
@@ -474,6 +474,20 @@ def tt_bench_inputs(bags, length, dist, p, q, ranks, num_sets=3):
     return cores, sets, off, splits
 
 
+def tt_bench_fields(bags, length, dist, p, q, ranks):
+    """What names a TT benchmark case (float32) in its JSON row, after its section."""
+    return {
+        "bags": bags,
+        "bag_len": length,
+        "lookups": bags * length,
+        "dist": dist,
+        "p": p,
+        "q": q,
+        "ranks": ranks,
+        "dtype": "f32",
+    }
+
+
 def tt_bench_shape(
     name, bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), ranks=(32, 32), torch_ref=True
 ):
@@ -483,18 +497,7 @@ def tt_bench_shape(
     cores, sets, off, splits = tt_bench_inputs(bags, length, dist, p, q, ranks)
     nnz = bags * length
     D = math.prod(q)
-    res = {
-        "section": "tt",
-        "shape": name,
-        "bags": bags,
-        "bag_len": length,
-        "lookups": nnz,
-        "dist": dist,
-        "p": p,
-        "q": q,
-        "ranks": ranks,
-        "dtype": "f32",
-    }
+    res = dict(section="tt", shape=name, **tt_bench_fields(bags, length, dist, p, q, ranks))
     states = {}
 
     def fwd(i):
@@ -748,16 +751,14 @@ def tt_rows_grad_memory():
 
 
 def tt_main(args, report):
-    gh.POISON = True
-    t0 = time.time()
-    sweep = tt_run_sweep(args.small, args.max_cases)
-    report["tt_sweep_s"] = time.time() - t0
-    report["tt_sweep"] = sweep
-    report["tt_errors"] = tt_check_errors()
-    report["tt_determinism"] = tt_check_determinism(args.small)
-    report["tt_rows_grad_work"] = tt_check_rows_grad_work(args.small)
-    gh.POISON = False
-    n_fail = sum(bool(r["failures"]) for r in sweep)
+    sweep, n_fail = run_poisoned(
+        report,
+        "tt_",
+        lambda: tt_run_sweep(args.small, args.max_cases),
+        ("tt_errors", tt_check_errors),
+        ("tt_determinism", lambda: tt_check_determinism(args.small)),
+        ("tt_rows_grad_work", lambda: tt_check_rows_grad_work(args.small)),
+    )
     n_work = sum(bool(r["failures"]) for r in report["tt_rows_grad_work"])
     n_err = sum(not r["ok"] for r in report["tt_errors"])
     n_det = sum(not r["bitwise_identical"] for r in report["tt_determinism"])

@@ -28,10 +28,12 @@ from check_common import (  # noqa: E402
     log_worst,
     make_ids,
     run_cases,
+    run_poisoned,
     timed,
 )
 from check_tt import (  # noqa: E402
     TT_CONFIGS,
+    tt_bench_fields,
     tt_bench_inputs,
     tt_call_kwargs,
     tt_make_case,
@@ -438,13 +440,9 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
 
 
 def tt_cache_main(args, report):
-    gh.POISON = True
-    t0 = time.time()
-    sweep = tt_cache_sweep(args.small, args.max_cases)
-    gh.POISON = False
-    report["tt_cache_sweep_s"] = time.time() - t0
-    report["tt_cache_sweep"] = sweep
-    n_fail = sum(bool(r["failures"]) for r in sweep)
+    sweep, n_fail = run_poisoned(
+        report, "tt_cache_", lambda: tt_cache_sweep(args.small, args.max_cases)
+    )
     n_bits = sum(bool(r.get("bitwise_vs_uncached")) for r in sweep)
     log(
         f"tt_cache sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
@@ -514,24 +512,12 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
     # tt_bench_shape's inputs: the same cores, ids and dy.
     cores, sets, off, splits = tt_bench_inputs(bags, length, dist, p, q, ranks)
     N = math.prod(p)
-    nnz = bags * length
     shape = gh.TTShape(p, q, ranks)
-    pinned = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
-    pinned2 = torch.empty(gh._TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
-    pinned_bag = torch.empty(gh._REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned = torch.empty(gh.TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned2 = torch.empty(gh.TT_REPORT_WORDS, dtype=torch.int64, pin_memory=True)
+    pinned_bag = torch.empty(gh.REPORT_WORDS, dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.current_stream()
-    res = {
-        "section": "tt_zipf",
-        "bags": bags,
-        "bag_len": length,
-        "lookups": nnz,
-        "dist": dist,
-        "p": p,
-        "q": q,
-        "ranks": ranks,
-        "dtype": "f32",
-        "iters": iters,
-    }
+    res = dict(section="tt_zipf", **tt_bench_fields(bags, length, dist, p, q, ranks), iters=iters)
 
     def readback(report, host):
         host.copy_(report, non_blocking=True)

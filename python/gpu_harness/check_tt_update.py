@@ -112,6 +112,12 @@ def scratch(nbytes):
 # -- launch wrappers ---------------------------------------------------------
 
 
+def launch(fn, what, *args, nbytes):
+    """Runs launcher fn(*args, scratch, nbytes, stream) with the cached scratch buffer."""
+    buf = scratch(nbytes)
+    check(fn(*args, buf.data_ptr(), nbytes, stream()), what)
+
+
 def sparse_update(opt, slices, lr, eps):
     """slices: list of dicts var, accum, rows, grad, num_valid (tensors or None)."""
     arr = (Slice * max(1, len(slices)))()
@@ -158,13 +164,8 @@ def select_rows(a, sel_a, b=None, sel_b=None, width=None, out=None):
 def cache_count(ids, keys, counts, id_bound=0):
     n, h = ids.numel(), keys.numel()
     nbytes = LIB.ttupd_cache_count_scratch_bytes(n, h, id_bound)
-    buf = scratch(nbytes)
-    check(
-        LIB.ttupd_cache_count(
-            ptr(ids), n, id_bound, ptr(keys), ptr(counts), h, buf.data_ptr(), nbytes, stream()
-        ),
-        "cache_count",
-    )
+    args = (ptr(ids), n, id_bound, ptr(keys), ptr(counts), h)
+    launch(LIB.ttupd_cache_count, "cache_count", *args, nbytes=nbytes)
 
 
 def i64_poison(n):
@@ -178,27 +179,14 @@ def cache_lookup(ids, cache_ids, pad=0, with_hits=True, out=None):
         if with_hits:
             out["hit_at"], out["hit_pos"] = i64_poison(n), i64_poison(n)
         out["counts"] = i64_poison(2)
-    nbytes = LIB.ttupd_cache_lookup_scratch_bytes(n)
-    buf = scratch(nbytes)
-    check(
-        LIB.ttupd_cache_lookup(
-            ptr(ids),
-            n,
-            ptr(cache_ids),
-            cache_ids.numel(),
-            pad,
-            ptr(out["position"]),
-            ptr(out["miss_rank"]),
-            ptr(out["miss_ids"]),
-            ptr(out["miss_at"]),
-            ptr(out.get("hit_at")),
-            ptr(out.get("hit_pos")),
-            ptr(out["counts"]),
-            buf.data_ptr(),
-            nbytes,
-            stream(),
-        ),
+    outputs = ("position", "miss_rank", "miss_ids", "miss_at")
+    launch(
+        LIB.ttupd_cache_lookup,
         "cache_lookup",
+        *(ptr(ids), n, ptr(cache_ids), cache_ids.numel(), pad),
+        *(ptr(out[k]) for k in outputs),
+        *(ptr(out.get("hit_at")), ptr(out.get("hit_pos")), ptr(out["counts"])),
+        nbytes=LIB.ttupd_cache_lookup_scratch_bytes(n),
     )
     return out
 
@@ -208,27 +196,13 @@ def cache_populate(keys, counts, old_ids, pad=0, out=None):
     if out is None:
         out = {k: i64_poison(c) for k in ["new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at"]}
         out["num_fresh"] = i64_poison(1)
-    nbytes = LIB.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
-    buf = scratch(nbytes)
-    check(
-        LIB.ttupd_cache_populate(
-            ptr(keys),
-            ptr(counts),
-            keys.numel(),
-            ptr(old_ids),
-            c,
-            pad,
-            ptr(out["new_ids"]),
-            ptr(out["src"]),
-            ptr(out["fresh_rank"]),
-            ptr(out["fresh_ids"]),
-            ptr(out["fresh_at"]),
-            ptr(out["num_fresh"]),
-            buf.data_ptr(),
-            nbytes,
-            stream(),
-        ),
+    outputs = ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at", "num_fresh")
+    launch(
+        LIB.ttupd_cache_populate,
         "cache_populate",
+        *(ptr(keys), ptr(counts), keys.numel(), ptr(old_ids), c, pad),
+        *(ptr(out[k]) for k in outputs),
+        nbytes=LIB.ttupd_cache_populate_scratch_bytes(keys.numel(), c),
     )
     return out
 
@@ -523,11 +497,26 @@ def check_count(small, gen, rng):
     return res
 
 
+def _compared(out, ref):
+    """{"ok", "mismatch": the names of the device outputs (dict of CUDA tensors) that differ
+    from the reference's (dict of numpy arrays)}."""
+    bad = [k for k in ref if not np.array_equal(out[k].cpu().numpy(), ref[k])]
+    return {"ok": not bad, "mismatch": bad}
+
+
+def _sizes(small, sizes, large):
+    """The sizes a cache check runs: `sizes`, then `large` unless --small (the sanitizers'
+    sweep)."""
+    return sizes if small else sizes + large
+
+
 def check_lookup(small, gen, rng):
     res = []
-    cases = [(0, 50), (1, 1), (13, 0), (1000, 300), (5000, 4096), (64, 1000)]
-    if not small:
-        cases += [(200_000, 50_000)]
+    cases = _sizes(
+        small,
+        [(0, 50), (1, 1), (13, 0), (1000, 300), (5000, 4096), (64, 1000)],
+        large=[(200_000, 50_000)],
+    )
     for n, c in cases:
         universe = max(4 * (n + c), 10)
         ids = np.sort(rng.choice(universe, size=n, replace=False)).astype(np.int64)
@@ -541,33 +530,23 @@ def check_lookup(small, gen, rng):
                 torch.from_numpy(ids).cuda(), torch.from_numpy(cache_ids).cuda(), pad
             )
             ref = lookup_ref(ids, cache_ids, pad)
-            bad = [k for k in ref if not np.array_equal(out[k].cpu().numpy(), ref[k])]
-            res.append(
-                {
-                    "name": "lookup",
-                    "n": n,
-                    "cache": c,
-                    "pad": pad,
-                    "ok": not bad,
-                    "mismatch": bad,
-                    "hits": int(ref["counts"][0]),
-                }
-            )
+            hits = int(ref["counts"][0])
+            res.append(dict(name="lookup", n=n, cache=c, pad=pad, **_compared(out, ref), hits=hits))
     # Skipped ids: EMPTY in the query.
     ids = np.array([3, 5, 8, EMPTY], np.int64)
     cache_ids = np.array([5, 9, EMPTY], np.int64)
     out = cache_lookup(torch.from_numpy(ids).cuda(), torch.from_numpy(cache_ids).cuda(), 0)
-    ref = lookup_ref(ids, cache_ids, 0)
-    bad = [k for k in ref if not np.array_equal(out[k].cpu().numpy(), ref[k])]
-    res.append({"name": "lookup-empty-id", "ok": not bad, "mismatch": bad})
+    res.append({"name": "lookup-empty-id", **_compared(out, lookup_ref(ids, cache_ids, 0))})
     return res
 
 
 def check_populate(small, gen, rng):
     res = []
-    cases = [(1, 1), (32, 5), (100, 40), (1000, 200), (4099, 1000), (50, 80)]
-    if not small:
-        cases += [(262144, 40000)]
+    cases = _sizes(
+        small,
+        [(1, 1), (32, 5), (100, 40), (1000, 200), (4099, 1000), (50, 80)],
+        large=[(262144, 40000)],
+    )
     for table, c in cases:
         for variant in range(2):
             keys = rng.integers(0, 5 * table + 3, table).astype(np.int64)
@@ -591,19 +570,10 @@ def check_populate(small, gen, rng):
                 pad=0,
             )
             ref = populate_ref(keys, counts, old_ids, 0)
-            bad = [k for k in ref if not np.array_equal(out[k].cpu().numpy(), ref[k])]
-            res.append(
-                {
-                    "name": "populate",
-                    "table": table,
-                    "cache": c,
-                    "variant": variant,
-                    "ok": not bad,
-                    "mismatch": bad,
-                    "fresh": int(ref["num_fresh"][0]),
-                    "stay": int((ref["src"] >= 0).sum()),
-                }
-            )
+            row = dict(name="populate", table=table, cache=c, variant=variant)
+            row.update(_compared(out, ref))
+            row.update(fresh=int(ref["num_fresh"][0]), stay=int((ref["src"] >= 0).sum()))
+            res.append(row)
     return res
 
 

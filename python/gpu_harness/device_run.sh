@@ -12,28 +12,14 @@
 # or the TT embedding bags); unset runs both. The sanitizers run the same
 # section's small sweep.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 LIB="${1:-}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 SECTION=()
 [ -n "${ONLY:-}" ] && SECTION=(--only "$ONLY")
 
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
-  --format=csv > "$OUT/check.log" 2>&1
-if [ -n "$LIB" ] && python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LIB"; then
-  (time bash python/gpu_harness/build_gpu_harness.sh /tmp/rebuild > "$OUT/build_on_device.log" 2>&1;
-   echo "rc=$?" >> "$OUT/build_on_device.log") 2>> "$OUT/build_on_device.log" &
-  BUILD=$!
-  LIB_ARG=(--lib "$LIB")
-else
-  echo "no usable prebuilt library: building here" | tee "$OUT/build_on_device.log"
-  bash python/gpu_harness/build_gpu_harness.sh >> "$OUT/build_on_device.log" 2>&1 || exit 1
-  LIB=build/gpu_harness/libtf_ttemb_gpu_harness.so
-  LIB_ARG=(--lib "$LIB")
-  BUILD=""
-fi
+gpu_facts "$OUT/check.log"
+prepare_library /tmp/rebuild
+LIB_ARG=(--lib "$LIB")
 
 timeout "${CHECK_TIMEOUT:-260}" python3 python/gpu_harness/gpu_check.py "${SECTION[@]}" "${LIB_ARG[@]}" 2>&1 | tee -a "$OUT/check.log"
 echo "check rc=${PIPESTATUS[0]}" | tee -a "$OUT/check.log"

@@ -13,25 +13,12 @@
 # ~50 s of sweep under racecheck on the H200) and racecheck over `--only tt_cache --small
 # --max-cases CACHE_RACE_CASES`.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 LIB="${1:-}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_run_common.sh"
 LOG="$OUT/tt_cache.log"
 
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit \
-  --format=csv > "$LOG" 2>&1
-BUILD=""
-if [ -n "$LIB" ] && python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LIB"; then
-  (time bash python/gpu_harness/build_gpu_harness.sh /tmp/h > "$OUT/build_on_device.log" 2>&1;
-   echo "rc=$?" >> "$OUT/build_on_device.log") 2>> "$OUT/build_on_device.log" &
-  BUILD=$!
-else
-  echo "no usable prebuilt library: building here" | tee "$OUT/build_on_device.log"
-  (time bash python/gpu_harness/build_gpu_harness.sh /tmp/h) >> "$OUT/build_on_device.log" 2>&1 || exit 1
-  LIB=/tmp/h/libtf_ttemb_gpu_harness.so
-fi
+gpu_facts "$LOG"
+prepare_library /tmp/h /tmp/h
 
 timeout "${CHECK_TIMEOUT:-200}" python3 python/gpu_harness/gpu_check.py --only tt_cache \
   --max-cases "${CACHE_CASES:-48}" --lib "$LIB" 2>&1 | tee -a "$LOG"

@@ -31,10 +31,10 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_LIB = REPO / "build" / "gpu_harness" / "libtf_ttemb_gpu_harness.so"
 
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _INDEX_CODES = {torch.int32: 0, torch.int64: 1}
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "max": 3}
-_REPORT_WORDS = 11  # cuda/common_types.h DeviceReport: 8 findings, 3 header words
+REPORT_WORDS = 11  # cuda/common_types.h DeviceReport: 8 findings, 3 header words
 
 # When True, every output is filled with NaN (-7 for integers) before the
 # kernels run, so an element they fail to write shows up in the checks.
@@ -81,14 +81,14 @@ def load(path: Optional[Union[str, os.PathLike]] = None) -> ctypes.CDLL:
         "ttemb_weights_grad_scratch_bytes": (sz, [i32, i32, prob]),
         "ttemb_weights_grad": (i32, [i32, i32, prob, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]),
     }
-    _bind(lib, sigs)
-    if lib.ttemb_report_bytes() != 8 * _REPORT_WORDS:
+    bind(lib, sigs)
+    if lib.ttemb_report_bytes() != 8 * REPORT_WORDS:
         raise RuntimeError("harness library and harness.py disagree on the report layout")
     _lib = lib
     return lib
 
 
-def _bind(lib: ctypes.CDLL, sigs: dict) -> None:
+def bind(lib: ctypes.CDLL, sigs: dict) -> None:
     """Sets each named function's result and argument types: sigs maps name -> (res, args)."""
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -96,14 +96,15 @@ def _bind(lib: ctypes.CDLL, sigs: dict) -> None:
         fn.argtypes = argtypes
 
 
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    """Pointer of an input for the launchers: None for a missing or empty tensor."""
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
 _dummy = {}
 
 
-def _out_ptr(t: torch.Tensor) -> int:
+def out_ptr(t: torch.Tensor) -> int:
     """Pointer of an output; a 16-byte dummy for an empty one (the launchers take the
     form of the output from which pointer is set, and write nothing to an empty one)."""
     if t.numel():
@@ -113,7 +114,8 @@ def _out_ptr(t: torch.Tensor) -> int:
     return _dummy[t.device].data_ptr()
 
 
-def _stream() -> int:
+def current_stream() -> int:
+    """torch's current CUDA stream, on which every launcher runs."""
     return torch.cuda.current_stream().cuda_stream
 
 
@@ -122,7 +124,8 @@ def _check_cuda(code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {load().ttemb_error_string(code).decode()}")
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fills a fresh output with NaN (-7 for integers) when POISON is set; returns it."""
     if POISON and t.numel():
         t.fill_(float("nan") if t.is_floating_point() else -7)
     return t
@@ -147,7 +150,7 @@ class _Call:
                 "row_splits must be a vector [B + 1] with at least 1 element, got shape "
                 f"{list(offsets.shape)}"
             )
-        if params.dtype not in _DTYPE_CODES:
+        if params.dtype not in DTYPE_CODES:
             raise TypeError(f"params dtype {params.dtype} is not supported")
         if ids.dtype not in _INDEX_CODES:
             raise TypeError(f"ids dtype {ids.dtype} is not supported")
@@ -169,7 +172,7 @@ class _Call:
         self.weights = None if weights is None else weights.contiguous()
         self.combiner = combiner
         self.padding_id = padding_id
-        self.dtype = _DTYPE_CODES[params.dtype]
+        self.dtype = DTYPE_CODES[params.dtype]
         self.itype = _INDEX_CODES[ids.dtype]
         p = _Problem()
         p.num_rows = params.shape[0] if num_rows is None else num_rows
@@ -184,10 +187,27 @@ class _Call:
         self.device = params.device
 
     def report(self) -> torch.Tensor:
-        return torch.empty(_REPORT_WORDS, dtype=torch.int64, device=self.device)
+        return torch.empty(REPORT_WORDS, dtype=torch.int64, device=self.device)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=self.device)
+
+    def scratch_for(self, size_fn, *args) -> torch.Tensor:
+        """Scratch of the bytes size_fn(dtype, itype, &problem, *args) asks for."""
+        return self.scratch(size_fn(self.dtype, self.itype, ctypes.byref(self.problem), *args))
+
+    def bag_pointers(self) -> tuple:
+        """The inputs' pointers as the launchers take them: params, ids, offsets, weights."""
+        return ptr(self.params), ptr(self.ids), self.offsets.data_ptr(), ptr(self.weights)
+
+    def launch(self, fn, what: str, *args, scratch: torch.Tensor) -> None:
+        """Runs launcher fn(dtype, itype, &problem, *args, scratch, its bytes, stream) on
+        torch's current stream; raises RuntimeError naming `what` when it fails."""
+        p = ctypes.byref(self.problem)
+        code = fn(
+            self.dtype, self.itype, p, *args, scratch.data_ptr(), scratch.numel(), current_stream()
+        )
+        _check_cuda(code, what)
 
     def raise_for(self, report: torch.Tensor) -> list:
         """Reads a report back (waits for the stream) and raises the CPU op's message."""
@@ -229,31 +249,16 @@ def forward_async(params, ids, offsets, weights=None, combiner="sum", padding_id
     lib = load()
     c = _Call(params, ids, offsets, weights, combiner, padding_id)
     p = c.problem
-    out = _poison(torch.empty(p.num_bags, p.dim, dtype=params.dtype, device=c.device))
-    argmax = _poison(
+    out = poison(torch.empty(p.num_bags, p.dim, dtype=params.dtype, device=c.device))
+    argmax = poison(
         torch.empty(
             p.num_bags if combiner == "max" else 0, p.dim, dtype=torch.int32, device=c.device
         )
     )
-    nbytes = lib.ttemb_forward_scratch_bytes(c.dtype, c.itype, ctypes.byref(p))
-    scratch = c.scratch(nbytes)
+    scratch = c.scratch_for(lib.ttemb_forward_scratch_bytes)
     report = c.report()
-    code = lib.ttemb_forward(
-        c.dtype,
-        c.itype,
-        ctypes.byref(p),
-        _ptr(c.params),
-        _ptr(c.ids),
-        c.offsets.data_ptr(),
-        _ptr(c.weights),
-        _ptr(out),
-        _ptr(argmax),
-        report.data_ptr(),
-        scratch.data_ptr(),
-        scratch.numel(),
-        _stream(),
-    )
-    _check_cuda(code, "forward")
+    pointers = (*c.bag_pointers(), ptr(out), ptr(argmax), report.data_ptr())
+    c.launch(lib.ttemb_forward, "forward", *pointers, scratch=scratch)
     return out, argmax, c, report
 
 
@@ -304,57 +309,42 @@ def backward_async(
         raise ValueError("combiner 'max' needs the forward argmax")
     if fused and combiner in ("mean", "sqrtn") and output is None:
         raise ValueError("the weights gradient of mean and sqrtn needs the forward output")
-    nbytes = lib.ttemb_params_grad_scratch_bytes(
-        c.dtype, c.itype, ctypes.byref(p), int(dense), int(fused)
-    )
-    scratch = c.scratch(nbytes)
+    scratch = c.scratch_for(lib.ttemb_params_grad_scratch_bytes, int(dense), int(fused))
     report = c.report()
-    code = lib.ttemb_params_grad_prepare(
-        c.dtype,
-        c.itype,
-        ctypes.byref(p),
-        _ptr(c.ids),
-        c.offsets.data_ptr(),
-        _ptr(c.weights),
-        report.data_ptr(),
-        int(dense),
-        int(fused),
-        scratch.data_ptr(),
-        scratch.numel(),
-        _stream(),
+    _, ids_ptr, offsets_ptr, weights_ptr = c.bag_pointers()
+    c.launch(
+        lib.ttemb_params_grad_prepare,
+        "params grad prepare",
+        *(ids_ptr, offsets_ptr, weights_ptr, report.data_ptr(), int(dense), int(fused)),
+        scratch=scratch,
     )
-    _check_cuda(code, "params grad prepare")
     if dense:
-        grad_params = _poison(torch.empty_like(c.params))
+        grad_params = poison(torch.empty_like(c.params))
         unique_ids = values = None
     else:
         r = c.raise_for(report)
         num_unique = r[7]
-        unique_ids = _poison(torch.empty(num_unique, dtype=ids.dtype, device=c.device))
-        values = _poison(torch.empty(num_unique, p.dim, dtype=params.dtype, device=c.device))
+        unique_ids = poison(torch.empty(num_unique, dtype=ids.dtype, device=c.device))
+        values = poison(torch.empty(num_unique, p.dim, dtype=params.dtype, device=c.device))
         grad_params = None
     weights_grad = None
     if fused:
-        weights_grad = _poison(torch.empty_like(c.weights))
+        weights_grad = poison(torch.empty_like(c.weights))
     out_c = None if output is None else output.contiguous()
-    code = lib.ttemb_params_grad_reduce(
-        c.dtype,
-        c.itype,
-        ctypes.byref(p),
-        _ptr(grad_out),
-        None if argmax is None else _out_ptr(argmax),
-        _ptr(unique_ids),
-        None if dense else _out_ptr(values),
-        _out_ptr(grad_params) if dense else None,
-        _ptr(c.params) if fused else None,
-        _ptr(out_c) if fused else None,
-        _ptr(c.weights) if fused else None,
-        _ptr(weights_grad),
-        scratch.data_ptr(),
-        scratch.numel(),
-        _stream(),
+    c.launch(
+        lib.ttemb_params_grad_reduce,
+        "params grad reduce",
+        ptr(grad_out),
+        None if argmax is None else out_ptr(argmax),
+        ptr(unique_ids),
+        None if dense else out_ptr(values),
+        out_ptr(grad_params) if dense else None,
+        ptr(c.params) if fused else None,
+        ptr(out_c) if fused else None,
+        ptr(c.weights) if fused else None,
+        ptr(weights_grad),
+        scratch=scratch,
     )
-    _check_cuda(code, "params grad reduce")
     result = grad_params if dense else (unique_ids, values)
     return result, weights_grad, c, report
 
@@ -365,32 +355,17 @@ def weights_grad(
     """Gradient w.r.t. the weights by the stand-alone kernel (the TF op's path)."""
     lib = load()
     c = _Call(params, ids, offsets, weights, combiner, padding_id)
-    p = c.problem
     if weights is None or combiner == "max":
         raise ValueError("the weights gradient needs weights and combiner sum, mean or sqrtn")
     if combiner in ("mean", "sqrtn") and output is None:
         output = gather_reduce_sum(params, ids, offsets, weights, combiner, padding_id)
-    dw = _poison(torch.empty_like(c.weights))
-    nbytes = lib.ttemb_weights_grad_scratch_bytes(c.dtype, c.itype, ctypes.byref(p))
-    scratch = c.scratch(nbytes)
+    dw = poison(torch.empty_like(c.weights))
+    scratch = c.scratch_for(lib.ttemb_weights_grad_scratch_bytes)
     report = c.report()
-    code = lib.ttemb_weights_grad(
-        c.dtype,
-        c.itype,
-        ctypes.byref(p),
-        _ptr(grad_out.contiguous()),
-        _ptr(c.params),
-        _ptr(c.ids),
-        c.offsets.data_ptr(),
-        _ptr(c.weights),
-        None if output is None else _ptr(output.contiguous()),
-        _ptr(dw),
-        report.data_ptr(),
-        scratch.data_ptr(),
-        scratch.numel(),
-        _stream(),
-    )
-    _check_cuda(code, "weights grad")
+    grad_c = grad_out.contiguous()
+    out_c = None if output is None else output.contiguous()
+    pointers = (ptr(grad_c), *c.bag_pointers(), ptr(out_c), ptr(dw), report.data_ptr())
+    c.launch(lib.ttemb_weights_grad, "weights grad", *pointers, scratch=scratch)
     c.raise_for(report)
     return dw
 
@@ -436,7 +411,7 @@ def gather_reduce_sum_backward(
 # synchronisation unless check=True (the default), which reads the reports back
 # and raises the op's messages.
 
-_TT_REPORT_WORDS = 16
+TT_REPORT_WORDS = 16
 
 
 class _TTProblem(ctypes.Structure):
@@ -452,7 +427,8 @@ class _TTProblem(ctypes.Structure):
 _tt_loaded = False
 
 
-def _load_tt() -> ctypes.CDLL:
+def load_tt() -> ctypes.CDLL:
+    """The harness library with the TT embedding functions bound (once)."""
     global _tt_loaded
     lib = load()
     if _tt_loaded:
@@ -477,8 +453,8 @@ def _load_tt() -> ctypes.CDLL:
             [i32, prob, vp, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp, vp, sz, vp],
         ),
     }
-    _bind(lib, sigs)
-    if lib.ttemb_tt_report_bytes() != 8 * _TT_REPORT_WORDS:
+    bind(lib, sigs)
+    if lib.ttemb_tt_report_bytes() != 8 * TT_REPORT_WORDS:
         raise RuntimeError("harness library and harness.py disagree on the TT report layout")
     _tt_loaded = True
     return lib
@@ -487,7 +463,7 @@ def _load_tt() -> ctypes.CDLL:
 def _ptr_array(tensors) -> ctypes.Array:
     arr = (ctypes.c_void_p * 8)()
     for k, t in enumerate(tensors):
-        arr[k] = None if t is None else _out_ptr(t)
+        arr[k] = None if t is None else out_ptr(t)
     return arr
 
 
@@ -532,7 +508,7 @@ class TTShape:
                 raise ValueError(f"core {k} must have shape {list(want)}, got {list(c.shape)}")
             if c.dtype != dtype or not c.is_cuda:
                 raise ValueError("cores must be CUDA tensors of one dtype")
-        if dtype not in _DTYPE_CODES:
+        if dtype not in DTYPE_CODES:
             raise TypeError(f"cores dtype {dtype} is not supported")
         return [c.contiguous() for c in cores]
 
@@ -544,18 +520,18 @@ def tt_unique_ids_async(
     report[2] holds U on the device; nothing is read back. unique_fill: a value written to
     all nnz entries of unique_ids before the launch, so entries U.. hold it (the cached
     forward fills EMPTY_CACHE_ID, which the cache lookup skips)."""
-    lib = _load_tt()
+    lib = load_tt()
     if ids.dtype not in _INDEX_CODES:
         raise TypeError(f"ids dtype {ids.dtype} is not supported")
     ids = ids.contiguous()
     nnz = ids.numel()
     num_tables = table_splits.numel() - 1
     dev = ids.device
-    unique = _poison(torch.empty(nnz, dtype=torch.int64, device=dev))
+    unique = poison(torch.empty(nnz, dtype=torch.int64, device=dev))
     if unique_fill is not None:
         unique.fill_(int(unique_fill))
-    slots = _poison(torch.empty(nnz, dtype=ids.dtype, device=dev))
-    report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=dev)
+    slots = poison(torch.empty(nnz, dtype=ids.dtype, device=dev))
+    report = torch.empty(TT_REPORT_WORDS, dtype=torch.int64, device=dev)
     args = (
         _INDEX_CODES[ids.dtype],
         nnz,
@@ -569,14 +545,14 @@ def tt_unique_ids_async(
     scratch = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=dev)
     code = lib.ttemb_tt_unique(
         *args,
-        _ptr(ids),
+        ptr(ids),
         table_splits.contiguous().data_ptr(),
-        _out_ptr(unique),
-        _out_ptr(slots),
+        out_ptr(unique),
+        out_ptr(slots),
         report.data_ptr(),
         scratch.data_ptr(),
         scratch.numel(),
-        _stream(),
+        current_stream(),
     )
     _check_cuda(code, "tt unique ids")
     return unique, slots, report
@@ -586,30 +562,30 @@ def tt_rows_async(shape: TTShape, cores, ids, num_ids=None):
     """TTRows: rows [len(ids), D] of global ids (int64); num_ids: a 1-element int64 CUDA
     tensor holding how many ids are valid (rows past it are not written). Returns
     (rows, report)."""
-    lib = _load_tt()
+    lib = load_tt()
     cores = shape.check_cores(cores)
     dtype = cores[0].dtype
     ids = ids.contiguous()
     n = ids.numel()
-    rows = _poison(torch.empty(n, shape.dim, dtype=dtype, device=ids.device))
-    report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=ids.device)
+    rows = poison(torch.empty(n, shape.dim, dtype=dtype, device=ids.device))
+    report = torch.empty(TT_REPORT_WORDS, dtype=torch.int64, device=ids.device)
     pr = ctypes.byref(shape.problem)
-    nbytes = lib.ttemb_tt_rows_scratch_bytes(_DTYPE_CODES[dtype], pr, n)
+    nbytes = lib.ttemb_tt_rows_scratch_bytes(DTYPE_CODES[dtype], pr, n)
     if nbytes == 0:
         raise ValueError("TT shape not supported by the kernels")
     scratch = torch.empty(int(nbytes), dtype=torch.uint8, device=ids.device)
     code = lib.ttemb_tt_rows(
-        _DTYPE_CODES[dtype],
+        DTYPE_CODES[dtype],
         pr,
-        _ptr(ids),
+        ptr(ids),
         n,
         None if num_ids is None else num_ids.data_ptr(),
         _ptr_array(cores),
-        _out_ptr(rows),
+        out_ptr(rows),
         report.data_ptr(),
         scratch.data_ptr(),
         scratch.numel(),
-        _stream(),
+        current_stream(),
     )
     _check_cuda(code, "tt rows")
     return rows, report
@@ -629,7 +605,7 @@ def tt_rows_grad(
     dense=False only: counts, the n_k already known on the host (no read-back; they must be
     the ones prepare finds); host_report, a pinned int64 [16] CPU tensor the report is copied
     into before waiting for the stream (the TF glue's read-back), instead of report.cpu()."""
-    lib = _load_tt()
+    lib = load_tt()
     cores = shape.check_cores(cores)
     dtype = cores[0].dtype
     ids = ids.contiguous()
@@ -638,9 +614,9 @@ def tt_rows_grad(
     if tuple(grad.shape) != (n, shape.dim) or grad.dtype != dtype:
         raise ValueError(f"grad must be [{n}, {shape.dim}] of the cores' dtype")
     dev = ids.device
-    report = torch.empty(_TT_REPORT_WORDS, dtype=torch.int64, device=dev)
+    report = torch.empty(TT_REPORT_WORDS, dtype=torch.int64, device=dev)
     pr = ctypes.byref(shape.problem)
-    code_t = _DTYPE_CODES[dtype]
+    code_t = DTYPE_CODES[dtype]
     read_back = not dense and counts is None
     if read_back:
         nbytes = lib.ttemb_tt_rows_grad_prepare_scratch_bytes(code_t, pr, n)
@@ -653,13 +629,13 @@ def tt_rows_grad(
     code = lib.ttemb_tt_rows_grad_prepare(
         code_t,
         pr,
-        _ptr(ids),
+        ptr(ids),
         n,
         num_ptr,
         report.data_ptr(),
         scratch.data_ptr(),
         scratch.numel(),
-        _stream(),
+        current_stream(),
     )
     _check_cuda(code, "tt rows grad prepare")
     prepared, work = None, None
@@ -683,7 +659,7 @@ def tt_rows_grad(
     )
     if dense:
         grads = [
-            _poison(
+            poison(
                 torch.empty(shape.num_tables * shape.p[k], shape.widths[k], dtype=dtype, device=dev)
             )
             for k in range(shape.num_cores)
@@ -691,9 +667,9 @@ def tt_rows_grad(
         outputs = (None, None, _ptr_array(grads))
     else:
         counts = [int(c) for c in counts]
-        idx = [_poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
+        idx = [poison(torch.empty(c, dtype=torch.int64, device=dev)) for c in counts]
         vals = [
-            _poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
+            poison(torch.empty(c, shape.widths[k], dtype=dtype, device=dev))
             for k, c in enumerate(counts)
         ]
         outputs = (_ptr_array(idx), _ptr_array(vals), None)
@@ -701,16 +677,16 @@ def tt_rows_grad(
     code = lib.ttemb_tt_rows_grad_compute(
         code_t,
         pr,
-        _ptr(ids),
+        ptr(ids),
         n,
         num_ptr,
         _ptr_array(cores),
-        _out_ptr(grad),
+        out_ptr(grad),
         *outputs,  # sparse indices, sparse values, dense gradients
         scratch.data_ptr(),
         scratch.numel(),
         *work_args,
-        _stream(),
+        current_stream(),
     )
     _check_cuda(code, "tt rows grad compute")
     return grads, report
@@ -720,9 +696,9 @@ def tt_rows_grad_bytes(shape: TTShape, dtype, n, prepared=None) -> dict:
     """TTRowsGrad's scratch for n ids: `one_buffer` (index part + work part at its upper
     bound, no read-back), `index` (Prepare's part) and `work` (Compute's float part, for
     `prepared`, a CPU copy of Prepare's report for those ids; None: the upper bound)."""
-    lib = _load_tt()
+    lib = load_tt()
     pr = ctypes.byref(shape.problem)
-    code_t = _DTYPE_CODES[dtype]
+    code_t = DTYPE_CODES[dtype]
     return {
         "one_buffer": int(lib.ttemb_tt_rows_grad_scratch_bytes(code_t, pr, n)),
         "index": int(lib.ttemb_tt_rows_grad_prepare_scratch_bytes(code_t, pr, n)),
@@ -734,7 +710,8 @@ def tt_rows_grad_bytes(shape: TTShape, dtype, n, prepared=None) -> dict:
     }
 
 
-def _tt_raise_unique(report, num_embeddings, padding_id):
+def tt_raise_unique(report, num_embeddings, padding_id):
+    """Reads TTUniqueIds' report back and raises the op's message for a bad id."""
     r = report.cpu().tolist()
     if r[0] >= 0:
         msg = f"indices[{r[0]}] = {r[1]} is not in [0, {num_embeddings})"
@@ -744,7 +721,8 @@ def _tt_raise_unique(report, num_embeddings, padding_id):
     return r
 
 
-def _tt_raise_global(report, limit):
+def tt_raise_global(report, limit):
+    """Reads a TT rows (gradient) report back and raises for a global id not below limit."""
     r = report.cpu().tolist()
     if r[0] >= 0:
         raise ValueError(f"ids[{r[0]}] = {r[1]} is not in [0, {limit})")
@@ -775,38 +753,62 @@ def tt_embedding_bag_forward(
 ):
     """Forward of a TT embedding bag; returns (out [B, D], TTState)."""
     shape = TTShape(p_shapes, q_shapes, ranks, num_tables)
-    n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
-    if not 1 <= n_emb <= shape.rows_per_table:
-        raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
-    dev = ids.device
-    if table_splits is None:
-        if num_tables != 1:
-            raise ValueError("table_splits is needed when num_tables > 1")
-        table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
-    if table_splits.numel() != num_tables + 1:
-        raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
+    n_emb, table_splits = tt_check_ids_args(shape, ids, table_splits, num_embeddings)
     unique, slots, urep = tt_unique_ids_async(
         ids, table_splits, n_emb, shape.rows_per_table, padding_id
     )
     num_unique = urep[2:3]
     rows, rrep = tt_rows_async(shape, cores, unique, num_unique)
-    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner, padding_id=-1)
+    return tt_bags_of_rows(
+        TTState(shape=shape, cores=cores, unique=unique, slots=slots, num_unique=num_unique),
+        rows,
+        offsets,
+        weights,
+        combiner,
+        urep,
+        n_emb,
+        padding_id,
+        check,
+    )
+
+
+def tt_check_ids_args(shape, ids, table_splits, num_embeddings):
+    """A TT forward's checked rows per table (num_embeddings; None: all of the shape's) and
+    table_splits (None: one table holds every id); returns (n_emb, table_splits)."""
+    n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
+    if not 1 <= n_emb <= shape.rows_per_table:
+        raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
+    num_tables = shape.num_tables
+    if table_splits is None:
+        if num_tables != 1:
+            raise ValueError("table_splits is needed when num_tables > 1")
+        table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=ids.device)
+    if table_splits.numel() != num_tables + 1:
+        raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
+    return n_emb, table_splits
+
+
+def tt_bags_of_rows(
+    state, rows, offsets, weights, combiner, unique_report, n_emb, padding_id, check
+):
+    """The last step of a TT forward: the bags' reduction over the rows [nnz, D] of the
+    distinct ids (state.slots: each entry's row). With check, reads the unique-ids report
+    and the reduction's back and raises the op's messages. Completes `state` (the forward's
+    intermediates so far) with the rows, the bags and the output; returns (out, state)."""
+    out, argmax, call, brep = forward_async(
+        rows, state.slots, offsets, weights, combiner, padding_id=-1
+    )
     if check:
-        _tt_raise_unique(urep, n_emb, padding_id)
+        tt_raise_unique(unique_report, n_emb, padding_id)
         call.raise_for(brep)
-    state = TTState(
-        shape=shape,
-        cores=cores,
-        unique=unique,
-        slots=slots,
-        num_unique=num_unique,
+    state.__dict__.update(
         rows=rows,
         offsets=offsets,
         weights=weights,
         combiner=combiner,
         out=out,
         argmax=argmax,
-        unique_report=urep,
+        unique_report=unique_report,
         n_emb=n_emb,
         padding_id=padding_id,
     )
@@ -832,7 +834,7 @@ def tt_embedding_bag_backward_from(state, grad_out, dense=True, check=True):
     grads, grep = tt_rows_grad(s.shape, s.cores, s.unique, drows, s.num_unique, dense=dense)
     if check:
         call.raise_for(brep)
-        _tt_raise_global(grep, s.shape.num_tables * s.shape.rows_per_table)
+        tt_raise_global(grep, s.shape.num_tables * s.shape.rows_per_table)
     return grads, dw
 
 

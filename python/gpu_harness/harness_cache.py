@@ -10,18 +10,18 @@ from typing import Optional, Union
 
 import torch
 from harness import (
-    _DTYPE_CODES,
+    DTYPE_CODES,
     TTShape,
     TTState,
-    _bind,
-    _load_tt,
-    _out_ptr,
-    _poison,
-    _ptr,
-    _stream,
-    _tt_raise_unique,
-    forward_async,
+    bind,
+    current_stream,
     load,
+    load_tt,
+    out_ptr,
+    poison,
+    ptr,
+    tt_bags_of_rows,
+    tt_check_ids_args,
     tt_rows_async,
     tt_unique_ids_async,
 )
@@ -66,7 +66,7 @@ _cache_loaded = False
 
 def _load_cache() -> ctypes.CDLL:
     global _cache_loaded
-    lib = _load_tt()
+    lib = load_tt()
     if _cache_loaded:
         return lib
     vp, sz, i32, i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int64
@@ -92,7 +92,7 @@ def _load_cache() -> ctypes.CDLL:
             [vp, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, sz, vp],
         ),
     }
-    _bind(lib, sigs)
+    bind(lib, sigs)
     _cache_loaded = True
     return lib
 
@@ -108,8 +108,18 @@ def _check_upd(code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {_load_cache().ttupd_error_string(code).decode()}")
 
 
-def _scratch_for(nbytes: int, device) -> torch.Tensor:
-    return torch.empty(max(int(nbytes), 256), dtype=torch.uint8, device=device)
+def _launch_upd(fn, what: str, *args, scratch_bytes: int, device) -> None:
+    """Runs ttupd launcher fn(*args, scratch, its bytes, stream) with scratch of
+    scratch_bytes (at least 256) on `device`; raises RuntimeError naming `what` if it fails."""
+    scratch = torch.empty(max(int(scratch_bytes), 256), dtype=torch.uint8, device=device)
+    _check_upd(fn(*args, scratch.data_ptr(), scratch.numel(), current_stream()), what)
+
+
+def _int64_outputs(device, n: int, *names: str, **sizes: int) -> dict:
+    """Fresh int64 vectors (poisoned when POISON is set) by name: [n] for each of names,
+    then [size] for each name=size."""
+    sizes = dict(dict.fromkeys(names, n), **sizes)
+    return {k: poison(torch.empty(m, dtype=torch.int64, device=device)) for k, m in sizes.items()}
 
 
 def tt_cache_count(ids, keys, counts, id_bound=0):
@@ -121,21 +131,12 @@ def tt_cache_count(ids, keys, counts, id_bound=0):
     if ids.dtype != torch.int64 or keys.dtype != torch.int64 or counts.dtype != torch.int64:
         raise TypeError("ids, keys and counts must be int64")
     n, h = ids.numel(), keys.numel()
-    nbytes = lib.ttupd_cache_count_scratch_bytes(n, h, int(id_bound))
-    scratch = _scratch_for(nbytes, ids.device)
-    _check_upd(
-        lib.ttupd_cache_count(
-            _out_ptr(ids),
-            n,
-            int(id_bound),
-            _out_ptr(keys),
-            _out_ptr(counts),
-            h,
-            scratch.data_ptr(),
-            scratch.numel(),
-            _stream(),
-        ),
+    _launch_upd(
+        lib.ttupd_cache_count,
         "cache count",
+        *(out_ptr(ids), n, int(id_bound), out_ptr(keys), out_ptr(counts), h),
+        scratch_bytes=lib.ttupd_cache_count_scratch_bytes(n, h, int(id_bound)),
+        device=ids.device,
     )
 
 
@@ -145,32 +146,23 @@ def tt_cache_populate(keys, counts, old_ids, fresh_pad_id=0):
     lib = _load_cache()
     c = old_ids.numel()
     dev = old_ids.device
-    out = {
-        k: _poison(torch.empty(c, dtype=torch.int64, device=dev))
-        for k in ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
-    }
-    out["num_fresh"] = _poison(torch.empty(1, dtype=torch.int64, device=dev))
-    nbytes = lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c)
-    scratch = _scratch_for(nbytes, dev)
-    _check_upd(
-        lib.ttupd_cache_populate(
-            _out_ptr(keys),
-            _out_ptr(counts),
+    names = ("new_ids", "src", "fresh_rank", "fresh_ids", "fresh_at")
+    out = _int64_outputs(dev, c, *names, num_fresh=1)
+    _launch_upd(
+        lib.ttupd_cache_populate,
+        "cache populate",
+        *(
+            out_ptr(keys),
+            out_ptr(counts),
             keys.numel(),
-            _out_ptr(old_ids.contiguous()),
+            out_ptr(old_ids.contiguous()),
             c,
             int(fresh_pad_id),
-            _out_ptr(out["new_ids"]),
-            _out_ptr(out["src"]),
-            _out_ptr(out["fresh_rank"]),
-            _out_ptr(out["fresh_ids"]),
-            _out_ptr(out["fresh_at"]),
-            out["num_fresh"].data_ptr(),
-            scratch.data_ptr(),
-            scratch.numel(),
-            _stream(),
         ),
-        "cache populate",
+        *(out_ptr(out[k]) for k in names),
+        out["num_fresh"].data_ptr(),
+        scratch_bytes=lib.ttupd_cache_populate_scratch_bytes(keys.numel(), c),
+        device=dev,
     )
     return out
 
@@ -183,32 +175,16 @@ def tt_cache_lookup(ids, cache_ids, miss_pad_id=0):
     ids = ids.contiguous()
     n = ids.numel()
     dev = ids.device
-    out = {
-        k: _poison(torch.empty(n, dtype=torch.int64, device=dev))
-        for k in ("position", "miss_rank", "miss_ids", "miss_at")
-    }
-    out["counts"] = _poison(torch.empty(2, dtype=torch.int64, device=dev))
-    nbytes = lib.ttupd_cache_lookup_scratch_bytes(n)
-    scratch = _scratch_for(nbytes, dev)
-    _check_upd(
-        lib.ttupd_cache_lookup(
-            _out_ptr(ids),
-            n,
-            _out_ptr(cache_ids.contiguous()),
-            cache_ids.numel(),
-            int(miss_pad_id),
-            _out_ptr(out["position"]),
-            _out_ptr(out["miss_rank"]),
-            _out_ptr(out["miss_ids"]),
-            _out_ptr(out["miss_at"]),
-            None,
-            None,
-            out["counts"].data_ptr(),
-            scratch.data_ptr(),
-            scratch.numel(),
-            _stream(),
-        ),
+    names = ("position", "miss_rank", "miss_ids", "miss_at")
+    out = _int64_outputs(dev, n, *names, counts=2)
+    _launch_upd(
+        lib.ttupd_cache_lookup,
         "cache lookup",
+        *(out_ptr(ids), n, out_ptr(cache_ids.contiguous()), cache_ids.numel(), int(miss_pad_id)),
+        *(out_ptr(out[k]) for k in names),
+        *(None, None, out["counts"].data_ptr()),
+        scratch_bytes=lib.ttupd_cache_lookup_scratch_bytes(n),
+        device=dev,
     )
     return out
 
@@ -219,22 +195,22 @@ def tt_select_rows(a, sel_a, b=None, sel_b=None, out=None):
     n = sel_a.numel()
     width = a.shape[1]
     if out is None:
-        out = _poison(torch.empty(n, width, dtype=a.dtype, device=a.device))
+        out = poison(torch.empty(n, width, dtype=a.dtype, device=a.device))
     if b is not None and (b.dtype != a.dtype or b.shape[1] != width):
         raise ValueError("a and b must have the same dtype and width")
     _check_upd(
         lib.ttupd_select_rows(
-            _DTYPE_CODES[a.dtype],
+            DTYPE_CODES[a.dtype],
             n,
             width,
-            _ptr(a.contiguous()),
+            ptr(a.contiguous()),
             a.shape[0],
-            _ptr(sel_a),
-            None if b is None else _ptr(b.contiguous()),
+            ptr(sel_a),
+            None if b is None else ptr(b.contiguous()),
             0 if b is None else b.shape[0],
-            None if sel_b is None else _ptr(sel_b),
-            _out_ptr(out),
-            _stream(),
+            None if sel_b is None else ptr(sel_b),
+            out_ptr(out),
+            current_stream(),
         ),
         "select rows",
     )
@@ -283,9 +259,7 @@ def tt_embedding_bag_forward_cached(
     intermediates (unique, slots, num_unique, lookup, miss_rows, rows)."""
     shape = TTShape(p_shapes, q_shapes, ranks, num_tables)
     cores = shape.check_cores(cores)
-    n_emb = shape.rows_per_table if num_embeddings is None else int(num_embeddings)
-    if not 1 <= n_emb <= shape.rows_per_table:
-        raise ValueError(f"num_embeddings must be in [1, {shape.rows_per_table}], got {n_emb}")
+    n_emb, table_splits = tt_check_ids_args(shape, ids, table_splits, num_embeddings)
     if cache_ids.dtype != torch.int64 or cache_ids.dim() != 1:
         raise ValueError("cache_ids must be an int64 vector")
     if (
@@ -295,13 +269,6 @@ def tt_embedding_bag_forward_cached(
         raise ValueError(
             f"cache_rows must be [{cache_ids.numel()}, {shape.dim}] of the cores' dtype"
         )
-    dev = ids.device
-    if table_splits is None:
-        if num_tables != 1:
-            raise ValueError("table_splits is needed when num_tables > 1")
-        table_splits = torch.tensor([0, ids.numel()], dtype=torch.int64, device=dev)
-    if table_splits.numel() != num_tables + 1:
-        raise ValueError(f"table_splits must have num_tables + 1 = {num_tables + 1} entries")
     unique, slots, urep = tt_unique_ids_async(
         ids, table_splits, n_emb, shape.rows_per_table, padding_id, unique_fill=EMPTY_CACHE_ID
     )
@@ -309,27 +276,6 @@ def tt_embedding_bag_forward_cached(
     num_miss = lookup["counts"][1:2]
     miss_rows, rrep = tt_rows_async(shape, cores, lookup["miss_ids"], num_miss)
     rows = tt_select_rows(cache_rows, lookup["position"], miss_rows, lookup["miss_rank"])
-    out, argmax, call, brep = forward_async(rows, slots, offsets, weights, combiner, padding_id=-1)
-    if check:
-        _tt_raise_unique(urep, n_emb, padding_id)
-        call.raise_for(brep)
-    state = TTState(
-        shape=shape,
-        cores=cores,
-        unique=unique,
-        slots=slots,
-        num_unique=urep[2:3],
-        lookup=lookup,
-        num_miss=num_miss,
-        miss_rows=miss_rows,
-        rows=rows,
-        offsets=offsets,
-        weights=weights,
-        combiner=combiner,
-        out=out,
-        argmax=argmax,
-        unique_report=urep,
-        n_emb=n_emb,
-        padding_id=padding_id,
-    )
-    return out, state
+    state = TTState(shape=shape, cores=cores, unique=unique, slots=slots, num_unique=urep[2:3])
+    state.__dict__.update(lookup=lookup, num_miss=num_miss, miss_rows=miss_rows)
+    return tt_bags_of_rows(state, rows, offsets, weights, combiner, urep, n_emb, padding_id, check)

@@ -209,6 +209,21 @@ class TrainConfig:
     eval_batch: int = 16_384
 
 
+def predict_in_batches(
+    predict: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], data: Dict[str, np.ndarray], batch: int
+) -> np.ndarray:
+    """`predict(ids, dense)` over the examples of `data` (`ctr_data`'s form), `batch` at a
+    time, concatenated."""
+    return np.concatenate(
+        [
+            predict(
+                tf.constant(data["ids"][i : i + batch]), tf.constant(data["dense"][i : i + batch])
+            ).numpy()
+            for i in range(0, len(data["labels"]), batch)
+        ]
+    )
+
+
 def train_ctr_model(
     model: CtrModel,
     train: Dict[str, np.ndarray],
@@ -298,15 +313,7 @@ def train_ctr_model(
             progress(i + 1, loss)
     train_s = time.perf_counter() - start_all
 
-    test_logits = np.concatenate(
-        [
-            predict(
-                tf.constant(test["ids"][i : i + config.eval_batch]),
-                tf.constant(test["dense"][i : i + config.eval_batch]),
-            ).numpy()
-            for i in range(0, len(test["labels"]), config.eval_batch)
-        ]
-    )
+    test_logits = predict_in_batches(predict, test, config.eval_batch)
     tail = losses[-max(1, config.steps // 10) :]
     warm = times[5:] if len(times) > 5 else times
     return {
