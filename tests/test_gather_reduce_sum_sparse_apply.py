@@ -416,32 +416,23 @@ def test_op_scalar_errors(lib, rng):
         call_op(lib, lr=float("inf"), rng=rng)
     with raises("epsilon = -0.5 must be finite and >= 0"):
         call_op(lib, eps=-0.5, rng=rng)
-    with raises("learning_rate must be a scalar, got shape [1]"):
-        lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-            grad=tf.zeros([1, 3]),
-            params=tf.Variable(tf.zeros([4, 3])).handle,
-            indices=tf.constant([0], tf.int64),
-            row_splits=tf.constant([0, 1], tf.int64),
-            weights=tf.zeros([0]),
-            output=tf.zeros([1, 3]),
-            argmax=tf.zeros([0, 3], tf.int32),
-            learning_rate=tf.constant([0.1]),
-            epsilon=tf.constant(0.1),
-            accumulators=[],
-        )
-    with raises("epsilon must be a scalar, got shape [2]"):
-        lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-            grad=tf.zeros([1, 3]),
-            params=tf.Variable(tf.zeros([4, 3])).handle,
-            indices=tf.constant([0], tf.int64),
-            row_splits=tf.constant([0, 1], tf.int64),
-            weights=tf.zeros([0]),
-            output=tf.zeros([1, 3]),
-            argmax=tf.zeros([0, 3], tf.int32),
-            learning_rate=tf.constant(0.1),
-            epsilon=tf.constant([0.1, 0.2]),
-            accumulators=[],
-        )
+    for learning_rate, epsilon, message in (
+        ([0.1], 0.1, "learning_rate must be a scalar, got shape [1]"),
+        (0.1, [0.1, 0.2], "epsilon must be a scalar, got shape [2]"),
+    ):
+        with raises(message):
+            lib.tf_ttemb_gather_reduce_sum_sparse_apply(
+                grad=tf.zeros([1, 3]),
+                params=tf.Variable(tf.zeros([4, 3])).handle,
+                indices=tf.constant([0], tf.int64),
+                row_splits=tf.constant([0, 1], tf.int64),
+                weights=tf.zeros([0]),
+                output=tf.zeros([1, 3]),
+                argmax=tf.zeros([0, 3], tf.int32),
+                learning_rate=tf.constant(learning_rate),
+                epsilon=tf.constant(epsilon),
+                accumulators=[],
+            )
 
 
 def test_op_attr_errors(lib, rng):

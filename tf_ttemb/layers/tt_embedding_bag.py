@@ -201,12 +201,8 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 for k in range(shape.num_cores)
             ]
         if self.use_cache:
-            self.cache_ids = self.add_weight(
-                name="cache_ids",
-                shape=(self.cache_size,),
-                dtype="int64",
-                initializer=keras.initializers.Constant(_tte.EMPTY_CACHE_ID),
-                trainable=False,
+            self.cache_ids = self._int64_state(
+                "cache_ids", self.cache_size, keras.initializers.Constant(_tte.EMPTY_CACHE_ID)
             )
             self.cache_rows = self.add_weight(
                 name="cache_rows",
@@ -215,20 +211,10 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 trainable=trainable,
                 autocast=False,
             )
-            self.freq_keys = self.add_weight(
-                name="freq_keys",
-                shape=(self.hashtbl_size,),
-                dtype="int64",
-                initializer=keras.initializers.Constant(-1),
-                trainable=False,
+            self.freq_keys = self._int64_state(
+                "freq_keys", self.hashtbl_size, keras.initializers.Constant(-1)
             )
-            self.freq_counts = self.add_weight(
-                name="freq_counts",
-                shape=(self.hashtbl_size,),
-                dtype="int64",
-                initializer="zeros",
-                trainable=False,
-            )
+            self.freq_counts = self._int64_state("freq_counts", self.hashtbl_size, "zeros")
             if self.sparse and self.optimizer == "adagrad":
                 self.cache_rows_accumulator = self.add_weight(
                     name="cache_rows_accumulator",
@@ -238,6 +224,12 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                     autocast=False,
                 )
         self.built = True
+
+    def _int64_state(self, name: str, size: int, initializer: Any) -> Any:
+        """A non-trainable int64 weight [size] of the cache or its frequency table."""
+        return self.add_weight(
+            name=name, shape=(size,), dtype="int64", initializer=initializer, trainable=False
+        )
 
     # ------------------------------------------------------------------------------------
     # Lookup.
