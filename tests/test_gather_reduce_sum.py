@@ -909,34 +909,18 @@ def call_raw(
         num_bags = max(int(row_splits.shape[0]) - 1, 0)
     dim = int(params.shape[-1]) if params.shape.rank else 1
     grad = tf.constant(rng.normal(size=(num_bags, dim)), dtype=tf.float32)
+    inputs = dict(indices=indices, row_splits=row_splits, weights=weights, **attrs)
     if op == "tf_ttemb_gather_reduce_sum":  # with the check of its report, as the wrapper runs it
-        outputs = getattr(raw_ops, op)(
-            params=params, indices=indices, row_splits=row_splits, weights=weights, **attrs
-        )
+        outputs = getattr(raw_ops, op)(params=params, **inputs)
         raw_ops.tf_ttemb_check_bag_report(
             outputs[2], padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
         )
         return outputs
     if op == "tf_ttemb_gather_reduce_sum_weights_grad":
-        return getattr(raw_ops, op)(
-            grad=grad,
-            params=params,
-            indices=indices,
-            row_splits=row_splits,
-            weights=weights,
-            output=tf.zeros_like(grad),
-            **attrs,
-        )
+        return getattr(raw_ops, op)(grad=grad, params=params, output=tf.zeros_like(grad), **inputs)
     argmax = tf.zeros([num_bags if combiner == "max" else 0, dim], dtype=tf.int32)
-    return getattr(raw_ops, op)(
-        grad=grad,
-        indices=indices,
-        row_splits=row_splits,
-        weights=weights,
-        argmax=argmax,
-        num_rows=tf.constant(int(params.shape[0]), dtype=tf.int64),
-        **attrs,
-    )
+    num_rows = tf.constant(int(params.shape[0]), dtype=tf.int64)
+    return getattr(raw_ops, op)(grad=grad, argmax=argmax, num_rows=num_rows, **inputs)
 
 
 ROW_SPLITS_CASES = [
