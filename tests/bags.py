@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import reference
 import tensorflow as tf
 
@@ -38,6 +39,20 @@ COMBINER_WEIGHTING = [
 def combiner_id(value):
     combiner, weighted = value
     return f"{combiner}-{'weighted' if weighted else 'unweighted'}"
+
+
+def combiner_cases(names: str, cases: list):
+    """`pytest.mark.parametrize(names, cases)` over tuples (combiner, weighted, *more), each
+    with the id of its combiner and weighting followed by the rest ("sum-weighted-ragged")."""
+    ids = ["-".join([combiner_id(case[:2]), *map(str, case[2:])]) for case in cases]
+    return pytest.mark.parametrize(names, cases, ids=ids)
+
+
+def some_combiners(*ids: str):
+    """`pytest.mark.parametrize("combiner,weighted", ...)` over the cases named by `ids`, a
+    combiner and "-weighted" for weights ("sum-weighted", "max")."""
+    cases = [(i.split("-")[0], i.endswith("-weighted")) for i in ids]
+    return pytest.mark.parametrize("combiner,weighted", cases, ids=list(ids))
 
 
 @dataclasses.dataclass

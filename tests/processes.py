@@ -1,5 +1,6 @@
 """Helpers the tests share about where they run: the devices TensorFlow sees, fresh
-interpreters, and op error texts without TensorFlow's device-dependent decorations."""
+interpreters (and a SavedModel served in one), and op error texts without TensorFlow's
+device-dependent decorations."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 
+import numpy as np
 import tensorflow as tf
 
 import tf_ttemb
@@ -117,3 +119,24 @@ def run_fresh_python(
         return lines
     assert result.returncode == 0, f"subprocess failed:\n{result.stderr[-4000:]}"
     return result.stdout.strip().splitlines()[-1]
+
+
+SERVE_EXPORT = """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    import tf_ttemb  # registers the ops the SavedModel uses
+
+    path, ids_file = sys.argv[1:]
+    loaded = tf.saved_model.load(path)
+    print(json.dumps(loaded.serve(tf.constant(np.load(ids_file))).numpy().tolist()))
+"""
+
+
+def served_in_fresh_process(path, ids: np.ndarray, folder) -> np.ndarray:
+    """The `serve` signature of the SavedModel at `path`, called on `ids` in a fresh
+    interpreter that imports tf_ttemb (`ids` travel in a file in `folder`), as float32."""
+    ids_file = pathlib.Path(folder) / "ids.npy"
+    np.save(ids_file, ids)
+    got = run_fresh_python(SERVE_EXPORT, str(path), str(ids_file))
+    return np.array(json.loads(got), np.float32)

@@ -162,3 +162,19 @@ def touched_rows(ids, padding_id=None):
     if padding_id is not None:
         u = u[u != padding_id]
     return u
+
+
+def finite_difference(fn, array, eps=1e-6):
+    """d fn / d array by central differences (fn: array -> float), changing one entry of
+    `array` at a time in place (and putting it back)."""
+    grad = np.zeros_like(array)
+    flat, out = array.reshape(-1), grad.reshape(-1)
+    for i in range(flat.size):
+        keep = flat[i]
+        flat[i] = keep + eps
+        up = fn(array)
+        flat[i] = keep - eps
+        down = fn(array)
+        flat[i] = keep
+        out[i] = (up - down) / (2 * eps)
+    return grad

@@ -19,6 +19,29 @@ from processes import run_fresh_python
 
 DIMS = [1, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 255, 256, 257, 513, 1025]
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def mean_inputs(dim, name, weighted):
+    """(table, ids, weights) of the mean lookups (name: the dtype, which seeds them too)."""
+    rng = np.random.default_rng(dim * 7 + len(name) + weighted)
+    table = rng.standard_normal((50, dim))
+    ids = rng.integers(0, 50, size=(9, 13))
+    weights = rng.random((9, 13)) if weighted else None
+    return table, ids, weights
+
+
+def max_inputs(dim, name):
+    """(table, ids, upstream) of the max lookup: small integers (ties everywhere) and one
+    NaN, with padding and an empty bag."""
+    rng = np.random.default_rng(dim * 11 + len(name))
+    table = rng.integers(-3, 4, size=(50, dim)).astype(np.float64)
+    table[7, dim // 2] = np.nan
+    ids = rng.integers(-1, 50, size=(9, 13))
+    ids[4] = -1
+    upstream = rng.standard_normal((9, dim))
+    return table, ids, upstream
+
 
 SCRIPT = """
 import json, sys
@@ -27,14 +50,13 @@ import tensorflow as tf
 import tf_ttemb
 
 out_path, dims, dtypes = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+sys.path.insert(0, sys.argv[4])  # the tests' folder: the inputs are this module's
+from test_cpu_isa import max_inputs, mean_inputs
 results = {}
 for dim in dims:
     for name in dtypes:
         for weighted in (False, True):
-            rng = np.random.default_rng(dim * 7 + len(name) + weighted)
-            table = rng.standard_normal((50, dim))
-            ids = rng.integers(0, 50, size=(9, 13))
-            weights = rng.random((9, 13)) if weighted else None
+            table, ids, weights = mean_inputs(dim, name, weighted)
             with tf.device("/CPU:0"):
                 got = tf_ttemb.gather_reduce_sum(
                     tf.cast(tf.constant(table), name),
@@ -46,12 +68,7 @@ for dim in dims:
             results[key] = tf.cast(got, tf.float64).numpy()
         # max over small integers (ties everywhere) and one NaN, with padding and an
         # empty bag; the dense gradient shows the argmax.
-        rng = np.random.default_rng(dim * 11 + len(name))
-        table = rng.integers(-3, 4, size=(50, dim)).astype(np.float64)
-        table[7, dim // 2] = np.nan
-        ids = rng.integers(-1, 50, size=(9, 13))
-        ids[4] = -1
-        upstream = rng.standard_normal((9, dim))
+        table, ids, upstream = max_inputs(dim, name)
         with tf.device("/CPU:0"):
             params = tf.cast(tf.constant(table), name)
             with tf.GradientTape() as tape:
@@ -78,7 +95,9 @@ def both_paths(tmp_path_factory):
                 patch.setenv("TF_TTEMB_CPU_ISA", "avx2")
             else:
                 patch.delenv("TF_TTEMB_CPU_ISA", raising=False)
-            last = run_fresh_python(SCRIPT, str(path), json.dumps(DIMS), json.dumps(DTYPES))
+            last = run_fresh_python(
+                SCRIPT, str(path), json.dumps(DIMS), json.dumps(DTYPES), str(TESTS_DIR)
+            )
         assert last == "done", last
         outputs[isa] = dict(np.load(pathlib.Path(path)))
     return outputs
@@ -92,10 +111,7 @@ def test_avx512_and_avx2_forward_agree_bitwise(both_paths, dim):
             np.testing.assert_array_equal(
                 both_paths["default"][key], both_paths["avx2"][key], err_msg=key
             )
-            rng = np.random.default_rng(dim * 7 + len(name) + weighted)
-            table = rng.standard_normal((50, dim))
-            ids = rng.integers(0, 50, size=(9, 13))
-            weights = rng.random((9, 13)) if weighted else None
+            table, ids, weights = mean_inputs(dim, name, weighted)
             cast = tf.cast(tf.cast(tf.constant(table), name), tf.float64).numpy()
             w = None
             if weights is not None:
@@ -113,12 +129,7 @@ def test_avx512_and_avx2_max_agree_bitwise(both_paths, dim):
             np.testing.assert_array_equal(
                 both_paths["default"][key], both_paths["avx2"][key], err_msg=key
             )
-        rng = np.random.default_rng(dim * 11 + len(name))
-        table = rng.integers(-3, 4, size=(50, dim)).astype(np.float64)
-        table[7, dim // 2] = np.nan
-        ids = rng.integers(-1, 50, size=(9, 13))
-        ids[4] = -1
-        upstream = rng.standard_normal((9, dim))
+        table, ids, upstream = max_inputs(dim, name)
         splits = np.arange(10) * 13
         want, _ = reference.forward(table, ids.reshape(-1), splits, None, "max", -1)
         np.testing.assert_array_equal(both_paths["avx2"][f"{dim}-{name}-max"], want)

@@ -20,7 +20,7 @@ from bags import (
     sparse_bags,
     weights_like,
 )
-from processes import run_fresh_python
+from processes import run_fresh_python, served_in_fresh_process
 
 import tf_ttemb
 from tf_ttemb.layers import EmbeddingBag
@@ -345,18 +345,6 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     np.testing.assert_array_equal(np.array(got["dense"], np.float32), layer(dense.ids).numpy())
 
 
-SERVE_EXPORT = """
-    import json, sys
-    import numpy as np
-    import tensorflow as tf
-    import tf_ttemb  # registers the ops the SavedModel uses
-
-    path, ids_file = sys.argv[1:]
-    loaded = tf.saved_model.load(path)
-    print(json.dumps(loaded.serve(tf.constant(np.load(ids_file))).numpy().tolist()))
-"""
-
-
 @pytest.mark.slow
 def test_model_export_served_in_fresh_process(rng, tmp_path):
     keras.utils.set_random_seed(int(rng.integers(2**31)))
@@ -365,9 +353,8 @@ def test_model_export_served_in_fresh_process(rng, tmp_path):
     want = model(bags.ids).numpy()
     path = tmp_path / "exported"
     model.export(str(path), format="tf_saved_model")
-    np.save(tmp_path / "ids.npy", bags.ids.numpy())
-    got = json.loads(run_fresh_python(SERVE_EXPORT, str(path), str(tmp_path / "ids.npy")))
-    np.testing.assert_allclose(np.array(got, np.float32), want, rtol=1e-6, atol=1e-6)
+    got = served_in_fresh_process(path, bags.ids.numpy(), tmp_path)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------

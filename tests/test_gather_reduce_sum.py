@@ -21,6 +21,7 @@ from bags import (
     FORMS,
     ID_DTYPES,
     assert_close,
+    combiner_cases,
     combiner_id,
     dense_bags,
     dense_value,
@@ -199,11 +200,7 @@ EMPTY_MODES = [(c, w, "eager") for c, w in COMBINER_WEIGHTING] + [
 ]
 
 
-@pytest.mark.parametrize(
-    "combiner,weighted,mode",
-    EMPTY_MODES,
-    ids=[f"{combiner_id((c, w))}-{m}" for c, w, m in EMPTY_MODES],
-)
+@combiner_cases("combiner,weighted,mode", EMPTY_MODES)
 @pytest.mark.parametrize("form,spec", EMPTY_CASES, ids=[f"{f}-{s}" for f, s in EMPTY_CASES])
 def test_empty_batches_and_empty_bags(rng, form, spec, combiner, weighted, mode):
     bags = empty_bags(rng, form, spec, tf.int32)
@@ -419,11 +416,7 @@ FD_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "combiner,weighted,form,implementation",
-    FD_CASES,
-    ids=[f"{combiner_id((c, w))}-{f}-{i}" for c, w, f, i in FD_CASES],
-)
+@combiner_cases("combiner,weighted,form,implementation", FD_CASES)
 def test_compute_gradient_float64(rng, combiner, weighted, form, implementation):
     num_rows, dim = 5, 3
     bags = make_bags(rng, form, num_rows, tf.int32, padding_id=-1, num_bags=3, max_len=4)
@@ -455,8 +448,11 @@ def test_compute_gradient_float64(rng, combiner, weighted, form, implementation)
 # --------------------------------------------------------------------------------------
 
 
-def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_rows, dim, modes):
-    """Runs custom_op (eager) and composite (each mode) on the same data; compares all three."""
+def _both_implementations(rng, form, ids_dtype, dtype, combiner, weighted, modes):
+    """Runs each (mode, implementation) of `modes` on the same bags of `form` (11 rows,
+    padding -1, D = 5); compares each with the reference and with the first."""
+    padding_id, num_rows, dim = -1, 11, 5
+    bags = make_bags(rng, form, num_rows, ids_dtype, padding_id=padding_id)
     params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
     w, w64 = make_weights(rng, bags, dtype) if weighted else (None, None)
     up, up64 = make_upstream(rng, bags, dim, dtype)
@@ -506,18 +502,8 @@ def _both_implementations(rng, bags, dtype, combiner, weighted, padding_id, num_
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)
 def test_custom_op_matches_composite(rng, combiner, weighted, form, dtype):
-    bags = make_bags(rng, form, 11, tf.int32, padding_id=-1)
-    _both_implementations(
-        rng,
-        bags,
-        DTYPES[dtype],
-        combiner,
-        weighted,
-        -1,
-        11,
-        5,
-        modes=[("eager", "custom_op"), ("eager", "composite")],
-    )
+    modes = [("eager", "custom_op"), ("eager", "composite")]
+    _both_implementations(rng, form, tf.int32, DTYPES[dtype], combiner, weighted, modes)
 
 
 # Tracing the composite path (a while loop plus its custom gradient) takes seconds.
@@ -528,24 +514,10 @@ COMPOSITE_FUNCTION_CASES = [(c, w, "ragged") for c, w in COMBINER_WEIGHTING] + [
 ]
 
 
-@pytest.mark.parametrize(
-    "combiner,weighted,form",
-    COMPOSITE_FUNCTION_CASES,
-    ids=[f"{combiner_id((c, w))}-{f}" for c, w, f in COMPOSITE_FUNCTION_CASES],
-)
+@combiner_cases("combiner,weighted,form", COMPOSITE_FUNCTION_CASES)
 def test_custom_op_matches_composite_in_tf_function(rng, combiner, weighted, form):
-    bags = make_bags(rng, form, 11, tf.int64, padding_id=-1)
-    _both_implementations(
-        rng,
-        bags,
-        tf.float32,
-        combiner,
-        weighted,
-        -1,
-        11,
-        5,
-        modes=[("function", "custom_op"), ("function", "composite")],
-    )
+    modes = [("function", "custom_op"), ("function", "composite")]
+    _both_implementations(rng, form, tf.int64, tf.float32, combiner, weighted, modes)
 
 
 # Each XLA compilation takes seconds: every combiner once (ragged ids), every form once.
@@ -556,24 +528,10 @@ JIT_CASES = [(c, w, "ragged", "auto") for c, w in COMBINER_WEIGHTING] + [
 ]
 
 
-@pytest.mark.parametrize(
-    "combiner,weighted,form,implementation",
-    JIT_CASES,
-    ids=[f"{combiner_id((c, w))}-{f}-{i}" for c, w, f, i in JIT_CASES],
-)
+@combiner_cases("combiner,weighted,form,implementation", JIT_CASES)
 def test_jit_compile_matches_custom_op(rng, combiner, weighted, form, implementation):
-    bags = make_bags(rng, form, 11, tf.int64, padding_id=-1)
-    _both_implementations(
-        rng,
-        bags,
-        tf.float32,
-        combiner,
-        weighted,
-        -1,
-        11,
-        5,
-        modes=[("eager", "custom_op"), ("jit", implementation)],
-    )
+    modes = [("eager", "custom_op"), ("jit", implementation)]
+    _both_implementations(rng, form, tf.int64, tf.float32, combiner, weighted, modes)
 
 
 @pytest.mark.parametrize(
@@ -582,18 +540,8 @@ def test_jit_compile_matches_custom_op(rng, combiner, weighted, form, implementa
     ids=["float16-mean-weighted", "bfloat16-max", "float64-sqrtn-weighted"],
 )
 def test_jit_compile_other_dtypes(rng, combiner, weighted, dtype):
-    bags = make_bags(rng, "ragged", 11, tf.int32, padding_id=-1)
-    _both_implementations(
-        rng,
-        bags,
-        DTYPES[dtype],
-        combiner,
-        weighted,
-        -1,
-        11,
-        5,
-        modes=[("eager", "custom_op"), ("jit", "auto")],
-    )
+    modes = [("eager", "custom_op"), ("jit", "auto")]
+    _both_implementations(rng, "ragged", tf.int32, DTYPES[dtype], combiner, weighted, modes)
 
 
 def _composite_module():
@@ -609,11 +557,7 @@ CHUNK_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "combiner,weighted,form,mode",
-    CHUNK_CASES,
-    ids=[f"{combiner_id((c, w))}-{f}-{m}" for c, w, f, m in CHUNK_CASES],
-)
+@combiner_cases("combiner,weighted,form,mode", CHUNK_CASES)
 def test_composite_across_many_chunks(rng, monkeypatch, combiner, weighted, form, mode):
     """A tiny chunk budget makes the composite loop over many chunks, the last one partial."""
     monkeypatch.setattr(_composite_module(), "COMPOSITE_CHUNK_BYTES", 40)
@@ -965,34 +909,18 @@ def call_raw(
         num_bags = max(int(row_splits.shape[0]) - 1, 0)
     dim = int(params.shape[-1]) if params.shape.rank else 1
     grad = tf.constant(rng.normal(size=(num_bags, dim)), dtype=tf.float32)
+    inputs = dict(indices=indices, row_splits=row_splits, weights=weights, **attrs)
     if op == "tf_ttemb_gather_reduce_sum":  # with the check of its report, as the wrapper runs it
-        outputs = getattr(raw_ops, op)(
-            params=params, indices=indices, row_splits=row_splits, weights=weights, **attrs
-        )
+        outputs = getattr(raw_ops, op)(params=params, **inputs)
         raw_ops.tf_ttemb_check_bag_report(
             outputs[2], padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
         )
         return outputs
     if op == "tf_ttemb_gather_reduce_sum_weights_grad":
-        return getattr(raw_ops, op)(
-            grad=grad,
-            params=params,
-            indices=indices,
-            row_splits=row_splits,
-            weights=weights,
-            output=tf.zeros_like(grad),
-            **attrs,
-        )
+        return getattr(raw_ops, op)(grad=grad, params=params, output=tf.zeros_like(grad), **inputs)
     argmax = tf.zeros([num_bags if combiner == "max" else 0, dim], dtype=tf.int32)
-    return getattr(raw_ops, op)(
-        grad=grad,
-        indices=indices,
-        row_splits=row_splits,
-        weights=weights,
-        argmax=argmax,
-        num_rows=tf.constant(int(params.shape[0]), dtype=tf.int64),
-        **attrs,
-    )
+    num_rows = tf.constant(int(params.shape[0]), dtype=tf.int64)
+    return getattr(raw_ops, op)(grad=grad, argmax=argmax, num_rows=num_rows, **inputs)
 
 
 ROW_SPLITS_CASES = [
@@ -1037,22 +965,6 @@ def test_raw_op_ids_out_of_range(raw_ops, rng, op, padding_id):
         )
 
 
-@pytest.mark.parametrize("op", RAW_OPS)
-def test_raw_op_weights_count_mismatch(raw_ops, rng, op):
-    with pytest.raises(
-        tf.errors.InvalidArgumentError, match=re.escape("weights has 5 entries but indices has 6")
-    ):
-        call_raw(
-            raw_ops,
-            op,
-            rng.normal(size=(8, 2)),
-            tf.constant([0, 1, 2, 3, 4, 5]),
-            [0, 3, 6],
-            rng.uniform(size=5),
-            rng=rng,
-        )
-
-
 def test_raw_op_params_not_a_matrix(raw_ops, rng):
     with pytest.raises(
         tf.errors.InvalidArgumentError,
@@ -1062,18 +974,26 @@ def test_raw_op_params_not_a_matrix(raw_ops, rng):
 
 
 @pytest.mark.parametrize("op", RAW_OPS)
-def test_raw_op_max_with_weights(raw_ops, rng, op):
-    with pytest.raises(
-        tf.errors.InvalidArgumentError, match=re.escape("combiner 'max' does not take weights")
-    ):
+@pytest.mark.parametrize(
+    "indices,row_splits,num_weights,combiner,message",
+    [
+        ([0, 1, 2, 3, 4, 5], [0, 3, 6], 5, "sum", "weights has 5 entries but indices has 6"),
+        ([0, 1, 2], [0, 1, 3], 3, "max", "combiner 'max' does not take weights"),
+    ],
+    ids=["count_mismatch", "max_with_weights"],
+)
+def test_raw_op_weights_errors(
+    raw_ops, rng, op, indices, row_splits, num_weights, combiner, message
+):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
         call_raw(
             raw_ops,
             op,
             rng.normal(size=(8, 2)),
-            tf.constant([0, 1, 2]),
-            [0, 1, 3],
-            rng.uniform(size=3),
-            combiner="max",
+            tf.constant(indices),
+            row_splits,
+            rng.uniform(size=num_weights),
+            combiner=combiner,
             rng=rng,
         )
 

@@ -75,20 +75,11 @@ def make_accumulator(rng, optimizer, num_rows, dim, dtype):
     return tf.Variable(t), acc64
 
 
-def run_step(
-    variable,
-    bags,
-    weights,
-    upstream,
-    optimizer,
-    lr,
-    eps,
-    accumulator,
-    combiner,
-    padding_id,
-    use_function=False,
-):
-    """One gradient through the lookup (which updates `variable`); returns (out, dw, trig)."""
+def run_step(variable, bags, weights, upstream, use_function=False, **update):
+    """One gradient through the lookup (which updates `variable`); returns (out, dw, trig).
+
+    `update`: the other arguments of gather_reduce_sum_sparse_apply (optimizer,
+    learning_rate, accumulator, epsilon, combiner, padding_id)."""
     trigger = tf.Variable(tf.zeros([0], tf.float32))
 
     def step():
@@ -96,18 +87,7 @@ def run_step(
             if weights is not None:
                 tape.watch(weights)
             w = None if weights is None else weights_like(bags.ids, weights)
-            out = gather_reduce_sum_sparse_apply(
-                variable,
-                bags.ids,
-                w,
-                trigger=trigger,
-                optimizer=optimizer,
-                learning_rate=lr,
-                accumulator=accumulator,
-                epsilon=eps,
-                combiner=combiner,
-                padding_id=padding_id,
-            )
+            out = gather_reduce_sum_sparse_apply(variable, bags.ids, w, trigger=trigger, **update)
         sources = [trigger] + ([weights] if weights is not None else [])
         grads = tape.gradient(out, sources, output_gradients=upstream)
         return out, grads
@@ -138,13 +118,13 @@ def check_against_reference(
         bags,
         weights,
         upstream,
-        optimizer,
-        lr,
-        eps,
-        accumulator,
-        combiner,
-        padding_id,
         use_function,
+        optimizer=optimizer,
+        learning_rate=lr,
+        accumulator=accumulator,
+        epsilon=eps,
+        combiner=combiner,
+        padding_id=padding_id,
     )
 
     out_want, out_scale = reference.forward(
@@ -258,9 +238,8 @@ def test_deterministic_across_runs(rng):
     for _ in range(3):
         variable = tf.Variable(params)
         accumulator = tf.Variable(tf.fill([num_rows, dim], 0.5))
-        _, dw, _ = run_step(
-            variable, bags, weights, upstream, "adagrad", 0.1, 1e-3, accumulator, "sqrtn", None
-        )
+        update = dict(optimizer="adagrad", learning_rate=0.1, epsilon=1e-3, combiner="sqrtn")
+        _, dw, _ = run_step(variable, bags, weights, upstream, accumulator=accumulator, **update)
         results.append((variable.numpy(), accumulator.numpy(), dw.numpy()))
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -437,32 +416,23 @@ def test_op_scalar_errors(lib, rng):
         call_op(lib, lr=float("inf"), rng=rng)
     with raises("epsilon = -0.5 must be finite and >= 0"):
         call_op(lib, eps=-0.5, rng=rng)
-    with raises("learning_rate must be a scalar, got shape [1]"):
-        lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-            grad=tf.zeros([1, 3]),
-            params=tf.Variable(tf.zeros([4, 3])).handle,
-            indices=tf.constant([0], tf.int64),
-            row_splits=tf.constant([0, 1], tf.int64),
-            weights=tf.zeros([0]),
-            output=tf.zeros([1, 3]),
-            argmax=tf.zeros([0, 3], tf.int32),
-            learning_rate=tf.constant([0.1]),
-            epsilon=tf.constant(0.1),
-            accumulators=[],
-        )
-    with raises("epsilon must be a scalar, got shape [2]"):
-        lib.tf_ttemb_gather_reduce_sum_sparse_apply(
-            grad=tf.zeros([1, 3]),
-            params=tf.Variable(tf.zeros([4, 3])).handle,
-            indices=tf.constant([0], tf.int64),
-            row_splits=tf.constant([0, 1], tf.int64),
-            weights=tf.zeros([0]),
-            output=tf.zeros([1, 3]),
-            argmax=tf.zeros([0, 3], tf.int32),
-            learning_rate=tf.constant(0.1),
-            epsilon=tf.constant([0.1, 0.2]),
-            accumulators=[],
-        )
+    for learning_rate, epsilon, message in (
+        ([0.1], 0.1, "learning_rate must be a scalar, got shape [1]"),
+        (0.1, [0.1, 0.2], "epsilon must be a scalar, got shape [2]"),
+    ):
+        with raises(message):
+            lib.tf_ttemb_gather_reduce_sum_sparse_apply(
+                grad=tf.zeros([1, 3]),
+                params=tf.Variable(tf.zeros([4, 3])).handle,
+                indices=tf.constant([0], tf.int64),
+                row_splits=tf.constant([0, 1], tf.int64),
+                weights=tf.zeros([0]),
+                output=tf.zeros([1, 3]),
+                argmax=tf.zeros([0, 3], tf.int32),
+                learning_rate=tf.constant(learning_rate),
+                epsilon=tf.constant(epsilon),
+                accumulators=[],
+            )
 
 
 def test_op_attr_errors(lib, rng):

@@ -80,28 +80,15 @@ def _op_calls(lib, combiner, weighted):
             t.grad, t.ids, t.splits, t.weights, t.argmax, NUM_ROWS, **a
         )
 
-    def weights_grad(t, a):
-        return lib.tf_ttemb_gather_reduce_sum_weights_grad(
-            t.grad, t.params, t.ids, t.splits, t.weights, t.output, **a
-        )
+    def reads_output(op, resource=False, **extra):
+        """An op of inputs (grad, table, ids, splits, weights, output): the table is params,
+        or with `resource` the variable's handle."""
 
-    def resource_weights_grad(t, a):
-        return lib.tf_ttemb_resource_gather_reduce_sum_weights_grad(
-            t.grad, t.table.handle, t.ids, t.splits, t.weights, t.output, **a
-        )
-
-    def fused_grad(dense):
         def call(t, a):
-            return lib.tf_ttemb_gather_reduce_sum_fused_grad(
-                t.grad, t.params, t.ids, t.splits, t.weights, t.output, dense_grad=dense, **a
-            )
+            table = t.table.handle if resource else t.params
+            return op(t.grad, table, t.ids, t.splits, t.weights, t.output, **extra, **a)
 
         return call
-
-    def resource_fused_grad(t, a):
-        return lib.tf_ttemb_resource_gather_reduce_sum_fused_grad(
-            t.grad, t.table.handle, t.ids, t.splits, t.weights, t.output, **a
-        )
 
     def sparse_apply(optimizer):
         def call(t, a):
@@ -129,12 +116,17 @@ def _op_calls(lib, combiner, weighted):
         "dense_grad": dense_grad,
     }
     if weighted:
+        fused = lib.tf_ttemb_gather_reduce_sum_fused_grad
         calls.update(
-            weights_grad=weights_grad,
-            resource_weights_grad=resource_weights_grad,
-            fused_grad=fused_grad(False),
-            fused_dense_grad=fused_grad(True),
-            resource_fused_grad=resource_fused_grad,
+            weights_grad=reads_output(lib.tf_ttemb_gather_reduce_sum_weights_grad),
+            resource_weights_grad=reads_output(
+                lib.tf_ttemb_resource_gather_reduce_sum_weights_grad, resource=True
+            ),
+            fused_grad=reads_output(fused, dense_grad=False),
+            fused_dense_grad=reads_output(fused, dense_grad=True),
+            resource_fused_grad=reads_output(
+                lib.tf_ttemb_resource_gather_reduce_sum_fused_grad, resource=True
+            ),
         )
     for optimizer in ("sgd", "rowwise_adagrad", "adagrad"):
         calls[f"sparse_apply_{optimizer}"] = sparse_apply(optimizer)

@@ -288,23 +288,35 @@ def test_lazy_adam_dense_is_keras_adam(rng, dtype):
     np.testing.assert_array_equal(lazy._row_steps[0].numpy(), np.full(8, 4))
 
 
-@pytest.mark.parametrize("kind", OPTIMIZERS)
-def test_sparse_and_dense_steps_mix(rng, kind):
-    """A dense step counts as a touch of every row (per-row step counts all advance)."""
-    init = rng.normal(size=(20, 3))
+def _sparse_and_dense_steps(rng, kind, rows, steps, check_untouched=False, **decay):
+    """Sparse steps with a dense one (step 2) among them, on the optimizer and the reference,
+    whose states must agree at the end; with `check_untouched`, each sparse step must also
+    leave the raw state of the rows it does not touch as it was."""
+    init = rng.normal(size=(rows, 3))
     variable = tf.Variable(init)
-    optimizer = make_optimizer(kind)
-    reference = Reference(kind, init, **HYPER[kind])
-    for step in range(5):
+    optimizer = make_optimizer(kind, **decay)
+    if check_untouched:
+        optimizer.build([variable])
+    reference = Reference(kind, init, **decay, **HYPER[kind])
+    for step in range(steps):
         if step == 2:
             gradient = rng.normal(size=init.shape)
             optimizer.apply([tf.constant(gradient)], [variable])
             reference.dense(LR, gradient)
         else:
-            slices, indices, values = random_slices(rng, 20, (3,), "float64")
+            slices, indices, values = random_slices(rng, rows, (3,), "float64")
+            before = raw_state(optimizer, variable) if check_untouched else None
             optimizer.apply([slices], [variable])
             reference.sparse(LR, indices, values)
+            if check_untouched:
+                assert_rows_unchanged(before, raw_state(optimizer, variable), indices)
     assert_state_close(state_of(optimizer, variable), reference.state(), "float64")
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_sparse_and_dense_steps_mix(rng, kind):
+    """A dense step counts as a touch of every row (per-row step counts all advance)."""
+    _sparse_and_dense_steps(rng, kind, 20, 5)
 
 
 def test_lazy_adam_bias_correction_is_per_row():
@@ -474,23 +486,7 @@ def test_loss_scale_optimizer_skips_non_finite_sparse_steps():
 
 @pytest.mark.parametrize("kind", OPTIMIZERS)
 def test_weight_decay_sparse_touches_only_rows_dense_all(rng, kind):
-    init = rng.normal(size=(15, 3))
-    variable = tf.Variable(init)
-    optimizer = make_optimizer(kind, weight_decay=0.2)
-    optimizer.build([variable])
-    reference = Reference(kind, init, weight_decay=0.2, **HYPER[kind])
-    for step in range(4):
-        if step == 2:
-            gradient = rng.normal(size=init.shape)
-            optimizer.apply([tf.constant(gradient)], [variable])
-            reference.dense(LR, gradient)
-        else:
-            slices, indices, values = random_slices(rng, 15, (3,), "float64")
-            before = raw_state(optimizer, variable)
-            optimizer.apply([slices], [variable])
-            reference.sparse(LR, indices, values)
-            assert_rows_unchanged(before, raw_state(optimizer, variable), indices)
-    assert_state_close(state_of(optimizer, variable), reference.state(), "float64")
+    _sparse_and_dense_steps(rng, kind, 15, 4, check_untouched=True, weight_decay=0.2)
 
 
 @pytest.mark.parametrize("kind", OPTIMIZERS)

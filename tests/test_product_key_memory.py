@@ -9,24 +9,18 @@ are checked against central finite differences of the reference.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
 import pytest
+import reference
 import tensorflow as tf
+from processes import served_in_fresh_process
 
-import tf_ttemb
 from tf_ttemb.layers import ProductKeyMemory
 from tf_ttemb.layers.product_key_memory import MemoryStats, memory_usage
 
-REPO_ROOT = pathlib.Path(tf_ttemb.__file__).resolve().parent.parent
 EPS_BN = 1e-5
 SMALL = dict(n_keys=6, k_dim=6, heads=2, knn=3)  # finite-difference shapes
 MEDIUM = dict(n_keys=16, k_dim=8, heads=2, knn=4)
@@ -134,21 +128,6 @@ def brute_force_top(q_flat, keys, n, knn):
     scores = np.einsum("thd,hsd->ths", q, full_keys)  # [T, H, n**2]
     top = _top(scores, knn)
     return top, np.take_along_axis(scores, top, -1)
-
-
-def finite_difference(fn, array, eps=1e-6):
-    """d fn / d array by central differences (fn: array -> float)."""
-    grad = np.zeros_like(array)
-    flat, out = array.reshape(-1), grad.reshape(-1)
-    for i in range(flat.size):
-        keep = flat[i]
-        flat[i] = keep + eps
-        up = fn(array)
-        flat[i] = keep - eps
-        down = fn(array)
-        flat[i] = keep
-        out[i] = (up - down) / (2 * eps)
-    return grad
 
 
 def make_layer(rng, d_in, dtype="float32", bn_random=True, **kwargs):
@@ -302,8 +281,8 @@ def _reference_gradients(layer, x, mask, upstream, training=True):
 
         return loss
 
-    return [finite_difference(loss_of("x"), x.copy())] + [
-        finite_difference(loss_of(name), weights[name].copy())
+    return [reference.finite_difference(loss_of("x"), x.copy())] + [
+        reference.finite_difference(loss_of(name), weights[name].copy())
         for name in ("query_kernel", "keys", "values")
     ]
 
@@ -682,21 +661,23 @@ def test_dropout_only_in_training(rng):
 # Serialization and export.
 # --------------------------------------------------------------------------------------
 
-FULL_CONFIG = dict(
-    output_dim=5,
-    n_keys=7,
-    k_dim=6,
-    heads=3,
-    knn=4,
-    query_batchnorm=False,
-    input_dropout=0.1,
-    query_dropout=0.2,
-    value_dropout=0.3,
-    keys_initializer="glorot_uniform",
-    values_initializer=keras.initializers.RandomNormal(0, 2.0),
-    dense_grad=True,
-    implementation="composite",
-)
+# Each constructor argument the config tests cover: (its value in FULL_CONFIG, its default).
+CONFIG_VALUES = {
+    "output_dim": (5, None),
+    "n_keys": (7, 512),
+    "k_dim": (6, 256),
+    "heads": (3, 4),
+    "knn": (4, 32),
+    "query_batchnorm": (False, True),
+    "input_dropout": (0.1, 0.0),
+    "query_dropout": (0.2, 0.0),
+    "value_dropout": (0.3, 0.0),
+    "keys_initializer": ("glorot_uniform", None),
+    "values_initializer": (keras.initializers.RandomNormal(0, 2.0), None),
+    "dense_grad": (True, False),
+    "implementation": ("composite", "auto"),
+}
+FULL_CONFIG = {key: full for key, (full, _) in CONFIG_VALUES.items()}
 
 
 def test_get_config_from_config(rng):
@@ -721,38 +702,9 @@ def test_get_config_from_config(rng):
 
 def test_default_config():
     config = ProductKeyMemory().get_config()
-    assert {
-        k: config[k]
-        for k in (
-            "output_dim",
-            "n_keys",
-            "k_dim",
-            "heads",
-            "knn",
-            "query_batchnorm",
-            "input_dropout",
-            "query_dropout",
-            "value_dropout",
-            "keys_initializer",
-            "values_initializer",
-            "dense_grad",
-            "implementation",
-        )
-    } == dict(
-        output_dim=None,
-        n_keys=512,
-        k_dim=256,
-        heads=4,
-        knn=32,
-        query_batchnorm=True,
-        input_dropout=0.0,
-        query_dropout=0.0,
-        value_dropout=0.0,
-        keys_initializer=None,
-        values_initializer=None,
-        dense_grad=False,
-        implementation="auto",
-    )
+    assert {k: config[k] for k in CONFIG_VALUES} == {
+        key: default for key, (_, default) in CONFIG_VALUES.items()
+    }
 
 
 def test_default_initialisation(rng):
@@ -786,18 +738,6 @@ def test_keras_file_round_trip(rng, tmp_path):
     np.testing.assert_array_equal(loaded.predict(ids, verbose=0), want)
 
 
-SERVE_EXPORT = """
-    import json, sys
-    import numpy as np
-    import tensorflow as tf
-    import tf_ttemb  # registers the ops the SavedModel uses
-
-    path, ids_file = sys.argv[1:]
-    loaded = tf.saved_model.load(path)
-    print(json.dumps(loaded.serve(tf.constant(np.load(ids_file))).numpy().tolist()))
-"""
-
-
 @pytest.mark.slow
 def test_saved_model_served_in_fresh_process(rng, tmp_path):
     model, _ = _pkm_model(rng)
@@ -805,19 +745,7 @@ def test_saved_model_served_in_fresh_process(rng, tmp_path):
     want = model(ids).numpy()
     path = tmp_path / "exported"
     model.export(str(path), format="tf_saved_model", verbose=False)
-    np.save(tmp_path / "ids.npy", ids)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SERVE_EXPORT), str(path), str(tmp_path / "ids.npy")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    got = np.array(json.loads(result.stdout.strip().splitlines()[-1]), np.float32)
+    got = served_in_fresh_process(path, ids, tmp_path)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 

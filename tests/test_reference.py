@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference
+from bags import COMBINER_WEIGHTING
 
 PADDING = -1
 
@@ -64,32 +65,7 @@ def test_forward_max_and_empty_bags(rng):
     np.testing.assert_array_equal(got[3], params[1])
 
 
-def _numeric_grad(f, x, delta=1e-6):
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + delta
-        hi = f(x)
-        flat[i] = old - delta
-        lo = f(x)
-        flat[i] = old
-        gflat[i] = (hi - lo) / (2 * delta)
-    return g
-
-
-@pytest.mark.parametrize(
-    "combiner,weighted",
-    [
-        ("sum", False),
-        ("sum", True),
-        ("mean", False),
-        ("mean", True),
-        ("sqrtn", False),
-        ("sqrtn", True),
-        ("max", False),
-    ],
-)
+@pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING)
 def test_gradients_match_finite_differences(rng, combiner, weighted):
     ids, splits = _random_csr(rng)
     if combiner == "max":  # distinct values: no ties for the finite differences to cross
@@ -104,7 +80,9 @@ def test_gradients_match_finite_differences(rng, combiner, weighted):
         return float(np.sum(out * upstream))
 
     dp, scale = reference.params_grad(params, ids, splits, upstream, weights, combiner, PADDING)
-    np.testing.assert_allclose(dp, _numeric_grad(loss_of_params, params.copy()), atol=1e-7)
+    np.testing.assert_allclose(
+        dp, reference.finite_difference(loss_of_params, params.copy()), atol=1e-7
+    )
     assert np.all(scale >= np.abs(dp) - 1e-12)
     untouched = np.setdiff1d(np.arange(6), ids)
     np.testing.assert_array_equal(dp[untouched], 0.0)
@@ -118,7 +96,9 @@ def test_gradients_match_finite_differences(rng, combiner, weighted):
         dw, scale = reference.weights_grad(
             params, ids, splits, weights, upstream, combiner, PADDING
         )
-        np.testing.assert_allclose(dw, _numeric_grad(loss_of_weights, weights.copy()), atol=1e-7)
+        np.testing.assert_allclose(
+            dw, reference.finite_difference(loss_of_weights, weights.copy()), atol=1e-7
+        )
         np.testing.assert_array_equal(dw[ids == PADDING], 0.0)
         assert np.all(scale >= np.abs(dw) - 1e-12)
 

@@ -24,6 +24,7 @@ from bags import (
     make_bags,
     make_upstream,
     ragged_bags,
+    some_combiners,
     sparse_bags,
     weights_like,
 )
@@ -35,6 +36,11 @@ from tf_ttemb.ops import tt_embedding as tte
 
 COMBINER_IDS = [combiner_id(v) for v in COMBINER_WEIGHTING]
 FORMS = ("dense2d", "dense3d", "ragged", "sparse")
+
+
+def tt_shape(n, p, q, ranks) -> dict:
+    """The table's shape as `tt_embedding_bag` takes it, for a case (n, p, q, ranks) of CASES."""
+    return dict(num_embeddings=n, p_shapes=p, q_shapes=q, ranks=ranks)
 
 
 def _library_has(*names: str) -> bool:
@@ -224,10 +230,7 @@ def check_lookup(
         w,
         up,
         mode,
-        num_embeddings=n,
-        p_shapes=p,
-        q_shapes=q,
-        ranks=ranks,
+        **tt_shape(n, p, q, ranks),
         combiner=combiner,
         padding_id=padding_id,
         implementation=implementation,
@@ -269,11 +272,7 @@ def test_every_combiner_and_form(rng, combiner, weighted, form, implementation):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize(
-    "combiner,weighted",
-    [("sum", True), ("sqrtn", True), ("max", False)],
-    ids=["sum-weighted", "sqrtn-weighted", "max"],
-)
+@some_combiners("sum-weighted", "sqrtn-weighted", "max")
 def test_core_counts_and_odd_dims(rng, case, combiner, weighted, implementation):
     check_lookup(rng, case, "ragged", combiner, weighted, implementation)
 
@@ -336,10 +335,7 @@ def test_compute_gradient_float64(rng, implementation):
             list(args[:-1]),
             bags.ids,
             bags.ids.with_flat_values(args[-1]),
-            num_embeddings=n,
-            p_shapes=p,
-            q_shapes=q,
-            ranks=ranks,
+            **tt_shape(n, p, q, ranks),
             combiner="sum",
             padding_id=-1,
             implementation=implementation,
@@ -357,10 +353,7 @@ def test_empty_batch_and_empty_bags(rng, form, combiner, implementation):
     n, p, q, ranks = CASES["3cores-d3"]
     cores = [tf.constant(c) for c in random_cores(rng, p, q, ranks)]
     kwargs = dict(
-        num_embeddings=n,
-        p_shapes=p,
-        q_shapes=q,
-        ranks=ranks,
+        **tt_shape(n, p, q, ranks),
         combiner=combiner,
         padding_id=-1,
         implementation=implementation,
@@ -392,10 +385,7 @@ def test_core_gradients_are_indexed_slices(rng, implementation):
         out = tf_ttemb.tt_embedding_bag(
             cores,
             ids,
-            num_embeddings=n,
-            p_shapes=p,
-            q_shapes=q,
-            ranks=ranks,
+            **tt_shape(n, p, q, ranks),
             implementation=implementation,
         )
     for k, g in enumerate(tape.gradient(out, cores, output_gradients=tf.ones_like(out))):
@@ -435,11 +425,7 @@ def _table_inputs(rng, form, n, ids_dtype=tf.int64):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("form", ["dense", "list-ragged", "list-sparse", "list-dense"])
-@pytest.mark.parametrize(
-    "combiner,weighted",
-    [("sum", True), ("mean", False), ("max", False)],
-    ids=["sum-weighted", "mean", "max"],
-)
+@some_combiners("sum-weighted", "mean", "max")
 def test_table_batched(rng, form, combiner, weighted, implementation):
     n, p, q, ranks = CASES["3cores-d3"]
     dim = math.prod(q)
@@ -462,10 +448,7 @@ def test_table_batched(rng, form, combiner, weighted, implementation):
             core_values,
             indices,
             weights,
-            num_embeddings=n,
-            p_shapes=p,
-            q_shapes=q,
-            ranks=ranks,
+            **tt_shape(n, p, q, ranks),
             num_tables=NUM_TABLES,
             combiner=combiner,
             padding_id=-1,
@@ -502,10 +485,7 @@ def test_table_batched_list_of_mixed_forms(rng, implementation):
     out = tf_ttemb.tt_embedding_bag(
         [tf.constant(c) for c in cores],
         [ragged.ids, sparse.ids],
-        num_embeddings=n,
-        p_shapes=p,
-        q_shapes=q,
-        ranks=ranks,
+        **tt_shape(n, p, q, ranks),
         num_tables=2,
         implementation=implementation,
     )
@@ -529,11 +509,7 @@ def test_table_batched_list_of_mixed_forms(rng, implementation):
         if not (m == "jit" and i == "custom_op")
     ],
 )
-@pytest.mark.parametrize(
-    "combiner,weighted",
-    [("sum", True), ("sqrtn", False), ("max", False)],
-    ids=["sum-weighted", "sqrtn", "max"],
-)
+@some_combiners("sum-weighted", "sqrtn", "max")
 def test_cache_rows_replace_the_cores(rng, combiner, weighted, implementation, mode):
     """Cached ids read (and train) cache_rows; the cores get only the other ids' gradient."""
     n, p, q, ranks = CASES["3cores-d3"]
@@ -562,10 +538,7 @@ def test_cache_rows_replace_the_cores(rng, combiner, weighted, implementation, m
                 core_values,
                 tf.constant(ids),
                 None if w is None else tf.constant(w),
-                num_embeddings=n,
-                p_shapes=p,
-                q_shapes=q,
-                ranks=ranks,
+                **tt_shape(n, p, q, ranks),
                 num_tables=2,
                 combiner=combiner,
                 cache_ids=tf.constant(cache_ids),
@@ -613,10 +586,7 @@ def test_cache_rows_variable_gets_indexed_slices(rng, implementation):
         out = tf_ttemb.tt_embedding_bag(
             cores,
             tf.constant([[3, 4], [9, 9]]),
-            num_embeddings=n,
-            p_shapes=p,
-            q_shapes=q,
-            ranks=ranks,
+            **tt_shape(n, p, q, ranks),
             cache_ids=cache_ids,
             cache_rows=rows,
             implementation=implementation,
@@ -709,10 +679,7 @@ def test_ids_out_of_range(rng, case, message, implementation, mode):
         return tf_ttemb.tt_embedding_bag(
             cores,
             ids,
-            num_embeddings=n,
-            p_shapes=p,
-            q_shapes=q,
-            ranks=ranks,
+            **tt_shape(n, p, q, ranks),
             num_tables=num_tables,
             padding_id=padding_id,
             implementation=implementation,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import reference
 import tensorflow as tf
-from bags import assert_close, dense_bags, make_bags, ragged_bags, weights_like
+from bags import assert_close, dense_bags, make_bags, ragged_bags, some_combiners, weights_like
 from processes import run_fresh_python
 from test_tt_embedding import (
     CASES,
@@ -84,11 +84,7 @@ def make_layer(rng, case="3cores-d3", cls=TTEmbeddingBag, num_tables=1, **kwargs
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("form", ["dense2d", "dense3d", "ragged", "sparse"])
-@pytest.mark.parametrize(
-    "combiner,weighted",
-    [("sum", True), ("mean", False), ("max", False)],
-    ids=["sum-weighted", "mean", "max"],
-)
+@some_combiners("sum-weighted", "mean", "max")
 def test_forward_matches_reference(rng, combiner, weighted, form, implementation):
     layer = make_layer(rng, combiner=combiner, padding_id=-1, implementation=implementation)
     bags = make_bags(rng, form, layer.num_embeddings, tf.int64, padding_id=-1)

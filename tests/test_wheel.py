@@ -62,6 +62,13 @@ def _clean_env() -> dict:
     return env
 
 
+def _run_clean(command: list, cwd=None, check: bool = False) -> subprocess.CompletedProcess:
+    """`command` run with its output captured as text, in `_clean_env()`."""
+    return subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, check=check, env=_clean_env()
+    )
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> pathlib.Path:
     out_dir = tmp_path_factory.mktemp("dist")
@@ -138,15 +145,12 @@ def venv(tmp_path_factory, wheel) -> pathlib.Path:
     env_dir = root / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     python = env_dir / "bin" / "python"
-    fresh_site = subprocess.run(
+    fresh_site = _run_clean(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
         check=True,
-        env=_clean_env(),
     ).stdout.strip()
     (pathlib.Path(fresh_site) / "_tf_base.pth").write_text(f"{base}\n")
-    proc = subprocess.run(
+    proc = _run_clean(
         # --isolated: no pip config or PIP_* variables (no find-links), so with --no-index
         # nothing but the wheel can be installed.
         [
@@ -162,10 +166,6 @@ def venv(tmp_path_factory, wheel) -> pathlib.Path:
             "--disable-pip-version-check",
             str(wheel),
         ],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Looking in links" not in proc.stdout, proc.stdout
@@ -326,13 +326,9 @@ _PROBE = textwrap.dedent(
 def test_installed_wheel_works_outside_checkout(venv, tmp_path, rng):
     python = venv / "bin" / "python"
     seed = int(rng.integers(1 << 30))
-    proc = subprocess.run(
+    proc = _run_clean(
         [str(python), "-c", _PROBE, str(seed)],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -350,24 +346,16 @@ def test_installed_wheel_works_outside_checkout(venv, tmp_path, rng):
 
 def test_installed_cli(venv, tmp_path):
     script = venv / "bin" / "tf-ttemb"
-    proc = subprocess.run(
+    proc = _run_clean(
         [str(script), "--help"],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr
     for command in ("demo", "bench", "info"):
         assert command in proc.stdout
-    proc = subprocess.run(
+    proc = _run_clean(
         [str(venv / "bin" / "python"), "-m", "tf_ttemb", "info", "--json", "-"],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-        env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout)

@@ -7,7 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_ttemb import _args, _serving_hook
+from tf_ttemb import _args
 from tf_ttemb import distribute as _distribute
 from tf_ttemb.ops import _common
 from tf_ttemb.ops import gather_reduce_sum as _grs
@@ -97,11 +97,7 @@ class EmbeddingBag(keras.layers.Layer):
         _args.check_choice("combiner", combiner, _common.COMBINERS)
         _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
         padding_id = _args.layer_padding_id(padding_id, "input_dim", input_dim)
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                "EmbeddingBag needs the TensorFlow backend of Keras, got "
-                f"{keras.backend.backend()!r}"
-            )
+        _common.check_keras_backend("EmbeddingBag", keras.backend.backend())
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
@@ -132,12 +128,9 @@ class EmbeddingBag(keras.layers.Layer):
 
     def call(self, indices: Any, weights: Any = None) -> tf.Tensor:
         """Combines the embeddings of each bag of `indices`; see the class docstring."""
-        if self.combiner == "max" and weights is not None:
-            raise ValueError("combiner 'max' does not take weights")
-        substitute = _serving_hook.serving_table(self)
-        if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
-            output = substitute.lookup(indices, weights, self.combiner, self.padding_id)
-            return tf.cast(output, self.compute_dtype)
+        served = _common.serving_lookup(self, indices, weights)
+        if served is not None:  # tf_ttemb.export_for_serving is tracing the model
+            return served
         # The table is passed as the variable itself, so the custom op reads it in place
         # (no per-step copy of the [input_dim, output_dim] table, which TensorFlow would
         # otherwise make once the table has been updated sparsely). Under mixed precision
@@ -169,14 +162,12 @@ class EmbeddingBag(keras.layers.Layer):
     def get_config(self) -> dict:
         config = super().get_config()
         config.update(
-            input_dim=self.input_dim,
-            output_dim=self.output_dim,
-            combiner=self.combiner,
-            padding_id=self.padding_id,
-            embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer),
-            embeddings_regularizer=keras.regularizers.serialize(self.embeddings_regularizer),
-            embeddings_constraint=keras.constraints.serialize(self.embeddings_constraint),
-            dense_grad=self.dense_grad,
-            implementation=self.implementation,
+            _common.constructor_config(
+                self,
+                EmbeddingBag,
+                embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer),
+                embeddings_regularizer=keras.regularizers.serialize(self.embeddings_regularizer),
+                embeddings_constraint=keras.constraints.serialize(self.embeddings_constraint),
+            )
         )
         return config

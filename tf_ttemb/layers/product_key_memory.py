@@ -350,11 +350,7 @@ class ProductKeyMemory(keras.layers.Layer):
                 )
         values_learning_rate = _finite("values_learning_rate", values_learning_rate, low=0.0)
         values_epsilon = _finite("values_epsilon", values_epsilon, low=0.0, allow_low=True)
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                "ProductKeyMemory needs the TensorFlow backend of Keras, got "
-                f"{keras.backend.backend()!r}"
-            )
+        _common.check_keras_backend("ProductKeyMemory", keras.backend.backend())
         super().__init__(**kwargs)
         self.output_dim = output_dim
         self.n_keys = n_keys
@@ -429,26 +425,18 @@ class ProductKeyMemory(keras.layers.Layer):
             self.query_bn_beta = self.add_weight(
                 name="query_bn_beta", shape=(query_size,), initializer="zeros", autocast=False
             )
-            self.query_bn_moving_mean = self.add_weight(
-                name="query_bn_moving_mean",
-                shape=(query_size,),
-                initializer="zeros",
-                trainable=False,
-                autocast=False,
-                # Under tf.distribute each replica's update is averaged into every copy,
-                # so the replicas' moving statistics never drift apart.
-                aggregation="mean",
-            )
-            self.query_bn_moving_variance = self.add_weight(
-                name="query_bn_moving_variance",
-                shape=(query_size,),
-                initializer="ones",
-                trainable=False,
-                autocast=False,
-                # Under tf.distribute each replica's update is averaged into every copy,
-                # so the replicas' moving statistics never drift apart.
-                aggregation="mean",
-            )
+            for name, initializer in (("moving_mean", "zeros"), ("moving_variance", "ones")):
+                weight = self.add_weight(
+                    name=f"query_bn_{name}",
+                    shape=(query_size,),
+                    initializer=initializer,
+                    trainable=False,
+                    autocast=False,
+                    # Under tf.distribute each replica's update is averaged into every copy,
+                    # so the replicas' moving statistics never drift apart.
+                    aggregation="mean",
+                )
+                setattr(self, f"query_bn_{name}", weight)
         half = self.k_dim // 2
         keys_initializer = self.keys_initializer or keras.initializers.RandomUniform(
             -1.0 / math.sqrt(half), 1.0 / math.sqrt(half)
@@ -882,22 +870,12 @@ class ProductKeyMemory(keras.layers.Layer):
             return None if value is None else keras.initializers.serialize(value)
 
         config.update(
-            output_dim=self.output_dim,
-            n_keys=self.n_keys,
-            k_dim=self.k_dim,
-            heads=self.heads,
-            knn=self.knn,
-            query_batchnorm=self.query_batchnorm,
-            input_dropout=self.input_dropout,
-            query_dropout=self.query_dropout,
-            value_dropout=self.value_dropout,
-            keys_initializer=initializer(self.keys_initializer),
-            values_initializer=initializer(self.values_initializer),
-            dense_grad=self.dense_grad,
-            implementation=self.implementation,
-            values_optimizer=self.values_optimizer,
-            values_learning_rate=self.values_learning_rate,
-            values_epsilon=self.values_epsilon,
+            _common.constructor_config(
+                self,
+                ProductKeyMemory,
+                keys_initializer=initializer(self.keys_initializer),
+                values_initializer=initializer(self.values_initializer),
+            )
         )
         return config
 
@@ -916,15 +894,8 @@ def _apply_values_update(
     dtype = variable.dtype
     rate = tf.constant(learning_rate, dtype)
     eps = tf.constant(epsilon, dtype)
-    if isinstance(grad, tf.IndexedSlices):
-        indices = tf.cast(grad.indices, tf.int64)
-        values = tf.cast(grad.values, dtype)
-        if not _common.in_xla_context():  # tf.unique does not compile
-            indices, position = tf.unique(indices)
-            values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
-        else:  # densify: the Adagrads need each row once
-            rows = tf.shape(variable, out_type=tf.int64)[0]
-            grad = tf.math.unsorted_segment_sum(values, indices, rows)
+    # Densified under XLA: the Adagrads need each row once.
+    grad, indices, values = _common.deduplicated_rows(variable, grad)
     if isinstance(grad, tf.IndexedSlices):
         if optimizer == "sgd":
             return [variable.scatter_sub(tf.IndexedSlices(rate * values, indices))]
@@ -932,10 +903,7 @@ def _apply_values_update(
             squares = tf.reduce_mean(tf.square(values), axis=1)
         else:
             squares = tf.square(values)
-        added = accumulator.scatter_add(tf.IndexedSlices(squares, indices))
-        with tf.control_dependencies([added]):
-            state = accumulator.sparse_read(indices)
-        denominator = tf.sqrt(state) + eps
+        denominator = tf.sqrt(_common.accumulated(accumulator, squares, indices)) + eps
         if optimizer == "rowwise_adagrad":
             denominator = denominator[:, None]
         step = tf.math.divide_no_nan(rate * values, denominator)
@@ -947,10 +915,7 @@ def _apply_values_update(
         squares = tf.reduce_mean(tf.square(grad), axis=1)
     else:
         squares = tf.square(grad)
-    added = accumulator.assign_add(squares)
-    with tf.control_dependencies([added]):
-        state = accumulator.read_value()
-    denominator = tf.sqrt(state) + eps
+    denominator = tf.sqrt(_common.accumulated(accumulator, squares)) + eps
     if optimizer == "rowwise_adagrad":
         denominator = denominator[:, None]
     return [variable.assign_sub(tf.math.divide_no_nan(rate * grad, denominator))]

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_ttemb import _args, _serving_hook, tt
+from tf_ttemb import _args, tt
 from tf_ttemb.ops import _common, composite
 from tf_ttemb.ops import tt_embedding as _tte
 
@@ -57,9 +57,11 @@ def _in_place(variable: Any) -> Any:
 class _TTEmbeddingBagBase(keras.layers.Layer):
     """Shared implementation of `TTEmbeddingBag` and `TableBatchedTTEmbeddingBag`."""
 
+    # Whether the constructor takes `num_tables` (TableBatchedTTEmbeddingBag: first).
+    _takes_num_tables = False
+
     def __init__(
         self,
-        num_tables: int,
         num_embeddings: int,
         embedding_dim: int,
         tt_ranks: int | Sequence[int],
@@ -79,6 +81,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         implementation: str = "auto",
         **kwargs: Any,
     ) -> None:
+        num_tables = kwargs.pop("num_tables") if self._takes_num_tables else 1
         num_tables = _args.positive_int("num_tables", num_tables)
         num_embeddings = _args.positive_int("num_embeddings", num_embeddings)
         embedding_dim = _args.positive_int("embedding_dim", embedding_dim)
@@ -108,11 +111,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
             )
         if seed is not None:
             seed = _args.positive_int("seed", seed, minimum=0)
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                f"{type(self).__name__} needs the TensorFlow backend of Keras, got "
-                f"{keras.backend.backend()!r}"
-            )
+        _common.check_keras_backend(type(self).__name__, keras.backend.backend())
         super().__init__(**kwargs)
         self.num_tables = num_tables
         self.num_embeddings = num_embeddings
@@ -202,12 +201,8 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 for k in range(shape.num_cores)
             ]
         if self.use_cache:
-            self.cache_ids = self.add_weight(
-                name="cache_ids",
-                shape=(self.cache_size,),
-                dtype="int64",
-                initializer=keras.initializers.Constant(_tte.EMPTY_CACHE_ID),
-                trainable=False,
+            self.cache_ids = self._int64_state(
+                "cache_ids", self.cache_size, keras.initializers.Constant(_tte.EMPTY_CACHE_ID)
             )
             self.cache_rows = self.add_weight(
                 name="cache_rows",
@@ -216,20 +211,10 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 trainable=trainable,
                 autocast=False,
             )
-            self.freq_keys = self.add_weight(
-                name="freq_keys",
-                shape=(self.hashtbl_size,),
-                dtype="int64",
-                initializer=keras.initializers.Constant(-1),
-                trainable=False,
+            self.freq_keys = self._int64_state(
+                "freq_keys", self.hashtbl_size, keras.initializers.Constant(-1)
             )
-            self.freq_counts = self.add_weight(
-                name="freq_counts",
-                shape=(self.hashtbl_size,),
-                dtype="int64",
-                initializer="zeros",
-                trainable=False,
-            )
+            self.freq_counts = self._int64_state("freq_counts", self.hashtbl_size, "zeros")
             if self.sparse and self.optimizer == "adagrad":
                 self.cache_rows_accumulator = self.add_weight(
                     name="cache_rows_accumulator",
@@ -240,16 +225,19 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
                 )
         self.built = True
 
+    def _int64_state(self, name: str, size: int, initializer: Any) -> Any:
+        """A non-trainable int64 weight [size] of the cache or its frequency table."""
+        return self.add_weight(
+            name=name, shape=(size,), dtype="int64", initializer=initializer, trainable=False
+        )
+
     # ------------------------------------------------------------------------------------
     # Lookup.
 
     def _lookup(self, indices: Any, weights: Any, training: Any) -> tf.Tensor:
-        if self.combiner == "max" and weights is not None:
-            raise ValueError("combiner 'max' does not take weights")
-        substitute = _serving_hook.serving_table(self)
-        if substitute is not None:  # tf_ttemb.export_for_serving is tracing the model
-            output = substitute.lookup(indices, weights, self.combiner, self.padding_id)
-            return tf.cast(output, self.compute_dtype)
+        served = _common.serving_lookup(self, indices, weights)
+        if served is not None:  # tf_ttemb.export_for_serving is tracing the model
+            return served
         fused = self.sparse and training is not False
         cores = [_in_place(c) for c in self.cores]
         cache_ids = cache_rows = frequency_table = None
@@ -481,25 +469,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
 
     def get_config(self) -> dict:
         config = super().get_config()
-        config.update(
-            num_embeddings=self.num_embeddings,
-            embedding_dim=self.embedding_dim,
-            tt_ranks=list(self.tt_ranks),
-            tt_p_shapes=list(self.tt_p_shapes),
-            tt_q_shapes=list(self.tt_q_shapes),
-            combiner=self.combiner,
-            padding_id=self.padding_id,
-            sparse=self.sparse,
-            optimizer=self.optimizer,
-            learning_rate=self.learning_rate,
-            eps=self.eps,
-            use_cache=self.use_cache,
-            cache_size=self.cache_size,
-            hashtbl_size=self.hashtbl_size,
-            weight_dist=self.weight_dist,
-            seed=self.seed,
-            implementation=self.implementation,
-        )
+        config.update(_common.constructor_config(self, _TTEmbeddingBagBase))
         return config
 
 
@@ -520,29 +490,18 @@ def _apply_update(variable, accumulator, grad, learning_rate: float, eps: float)
     """
     dtype = variable.dtype
     rate = tf.constant(learning_rate, dtype)
-    if isinstance(grad, tf.IndexedSlices):
-        indices = tf.cast(grad.indices, tf.int64)
-        values = tf.cast(grad.values, dtype)
-        if not _common.in_xla_context():  # tf.unique does not compile
-            indices, position = tf.unique(indices)
-            values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
-        elif accumulator is not None:  # Adagrad needs each row once: densify
-            rows = tf.shape(variable, out_type=tf.int64)[0]
-            grad = tf.math.unsorted_segment_sum(values, indices, rows)
+    # Densified under XLA for Adagrad, which needs each row once.
+    grad, indices, values = _common.deduplicated_rows(variable, grad, accumulator is not None)
     if isinstance(grad, tf.IndexedSlices):
         if accumulator is None:
             return [variable.scatter_sub(tf.IndexedSlices(rate * values, indices))]
-        added = accumulator.scatter_add(tf.IndexedSlices(values * values, indices))
-        with tf.control_dependencies([added]):
-            state = accumulator.sparse_read(indices)
+        state = _common.accumulated(accumulator, values * values, indices)
         step = rate * values / (tf.sqrt(state) + tf.constant(eps, dtype))
         return [variable.scatter_sub(tf.IndexedSlices(step, indices))]
     grad = tf.cast(tf.convert_to_tensor(grad), dtype)
     if accumulator is None:
         return [variable.assign_sub(rate * grad)]
-    added = accumulator.assign_add(grad * grad)
-    with tf.control_dependencies([added]):
-        state = accumulator.read_value()
+    state = _common.accumulated(accumulator, grad * grad)
     return [variable.assign_sub(rate * grad / (tf.sqrt(state) + tf.constant(eps, dtype)))]
 
 
@@ -652,49 +611,6 @@ class TTEmbeddingBag(_TTEmbeddingBagBase):
     """
     )
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        tt_ranks: int | Sequence[int],
-        tt_p_shapes: Sequence[int] | None = None,
-        tt_q_shapes: Sequence[int] | None = None,
-        combiner: str = "sum",
-        padding_id: int | None = None,
-        sparse: bool = False,
-        optimizer: str = "sgd",
-        learning_rate: float = 0.1,
-        eps: float = 1e-10,
-        use_cache: bool = False,
-        cache_size: int = 0,
-        hashtbl_size: int = 0,
-        weight_dist: str = "approx-uniform",
-        seed: int | None = None,
-        implementation: str = "auto",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            1,
-            num_embeddings,
-            embedding_dim,
-            tt_ranks,
-            tt_p_shapes,
-            tt_q_shapes,
-            combiner,
-            padding_id,
-            sparse,
-            optimizer,
-            learning_rate,
-            eps,
-            use_cache,
-            cache_size,
-            hashtbl_size,
-            weight_dist,
-            seed,
-            implementation,
-            **kwargs,
-        )
-
     def call(self, indices: Any, weights: Any = None, training: bool | None = None) -> tf.Tensor:
         """Combines the rows of each bag of `indices`; see the class docstring."""
         return self._lookup(indices, weights, training)
@@ -771,6 +687,13 @@ class TableBatchedTTEmbeddingBag(_TTEmbeddingBagBase):
     TensorShape([3, 100, 8])
     """
     )
+
+    _takes_num_tables = True
+
+    def __init__(self, num_tables: int, *args: Any, **kwargs: Any) -> None:
+        """The arguments of the class docstring: `num_tables` first, then those of
+        `TTEmbeddingBag`."""
+        super().__init__(*args, num_tables=num_tables, **kwargs)
 
     def call(self, indices: Any, weights: Any = None, training: bool | None = None) -> tf.Tensor:
         """Combines the rows of each bag of each table; see the class docstring."""

@@ -1,6 +1,9 @@
 """What every lookup of tf_ttemb shares: the choices, the dtype sets, the argument checks,
 the resource-variable probe and the XLA/TPU probes.
 
+Also what the layers share: the checks of their constructors, their `get_config`, the start
+of their lookups and the in-place row updates of their fused optimizers.
+
 Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribute`,
 `tf_ttemb.serving` and the layers); not an API.
 """
@@ -8,13 +11,14 @@ Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribu
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import tensorflow as tf
 
-from tf_ttemb import _args
+from tf_ttemb import _args, _serving_hook
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -220,3 +224,75 @@ def replica_local_variable(variable) -> Optional[tf.Variable]:
         ):
             return component
     return None
+
+
+# ----------------------------------------------------------------------------------------
+# What the layers share.
+
+
+def check_keras_backend(layer: str, backend: str) -> None:
+    """Raises a ValueError naming `layer` unless `backend` (`keras.backend.backend()`) is
+    TensorFlow's: the layers run the package's TensorFlow ops."""
+    if backend != "tensorflow":
+        raise ValueError(f"{layer} needs the TensorFlow backend of Keras, got {backend!r}")
+
+
+def constructor_config(layer: Any, owner: type, **special: Any) -> dict:
+    """The `get_config` entries of `layer`'s class `owner`: each argument of `owner`'s
+    constructor (but `*args` and `**kwargs`), the value given in `special` or else the
+    layer's attribute of that name (a list copied)."""
+    config = {}
+    for name, parameter in inspect.signature(owner.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        value = special[name] if name in special else getattr(layer, name)
+        config[name] = list(value) if isinstance(value, list) else value
+    return config
+
+
+def serving_lookup(layer: Any, indices: Any, weights: Any) -> tf.Tensor | None:
+    """The start of a bag layer's lookup (its `combiner`, `padding_id` and
+    `compute_dtype`): raises for weights with combiner "max"; while
+    `tf_ttemb.export_for_serving` traces the model, the lookup in the table it substitutes
+    for the layer's (in the compute dtype), else None (the layer reads its own table)."""
+    if layer.combiner == "max" and weights is not None:
+        raise ValueError("combiner 'max' does not take weights")
+    substitute = _serving_hook.serving_table(layer)
+    if substitute is None:
+        return None
+    output = substitute.lookup(indices, weights, layer.combiner, layer.padding_id)
+    return tf.cast(output, layer.compute_dtype)
+
+
+def deduplicated_rows(variable: Any, grad: Any, densify_under_xla: bool = True) -> tuple:
+    """`grad` of `variable` made ready for an in-place update of the rows it touches.
+
+    Returns `(grad, indices, values)`. For a `tf.IndexedSlices` gradient: its indices
+    (int64) and values (in the variable's dtype), duplicates summed first; under XLA,
+    where `tf.unique` does not compile, as they are, or with `densify_under_xla` summed
+    into a dense gradient of every row, returned as `grad`. A dense gradient comes back
+    as it is.
+    """
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad, None, None
+    indices = tf.cast(grad.indices, tf.int64)
+    values = tf.cast(grad.values, variable.dtype)
+    if not in_xla_context():
+        indices, position = tf.unique(indices)
+        values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
+    elif densify_under_xla:
+        rows = tf.shape(variable, out_type=tf.int64)[0]
+        grad = tf.math.unsorted_segment_sum(values, indices, rows)
+    return grad, indices, values
+
+
+def accumulated(accumulator: Any, squares: tf.Tensor, indices: tf.Tensor | None = None):
+    """Adds `squares` to the rows `indices` of `accumulator` (all of it when None) in
+    place; returns those rows (all of it) once updated."""
+    if indices is None:
+        added = accumulator.assign_add(squares)
+        with tf.control_dependencies([added]):
+            return accumulator.read_value()
+    added = accumulator.scatter_add(tf.IndexedSlices(squares, indices))
+    with tf.control_dependencies([added]):
+        return accumulator.sparse_read(indices)

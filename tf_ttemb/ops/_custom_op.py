@@ -52,6 +52,12 @@ def _attrs_of(op) -> dict:
     }
 
 
+def _forward_op_parts(op) -> tuple:
+    """What a forward op's gradient reads: (lib, attrs, table, ids, row_splits, weights,
+    output, argmax); the table is params, or the variable's handle."""
+    return (_loader.load_op_library(), _attrs_of(op), *op.inputs[:4], *op.outputs[:2])
+
+
 def _params_grad_sparse(lib, params_shape, ids, row_splits, weights, argmax, grad, attrs):
     """The two-op backward's params gradient: IndexedSlices over the sorted unique ids."""
     unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
@@ -71,10 +77,7 @@ def _weights_grad(lib, params, ids, row_splits, weights, output, grad, attrs):
 @tf.RegisterGradient("TfTtemb>GatherReduceSum")
 def _gather_reduce_sum_grad(op, grad, unused_argmax_grad, unused_report_grad):
     """Gradients of GatherReduceSum: IndexedSlices over sorted unique ids, weights, None."""
-    lib = _loader.load_op_library()
-    attrs = _attrs_of(op)
-    params, ids, row_splits, weights = op.inputs[:4]
-    output, argmax = op.outputs[:2]
+    lib, attrs, params, ids, row_splits, weights, output, argmax = _forward_op_parts(op)
     if _use_fused_backward(attrs):
         unique_ids, values, weights_grad = lib.tf_ttemb_gather_reduce_sum_fused_grad(
             grad, params, ids, row_splits, weights, output, dense_grad=False, **attrs
@@ -101,10 +104,7 @@ def _use_fused_backward(attrs: dict) -> bool:
 @tf.RegisterGradient("TfTtemb>ResourceGatherReduceSum")
 def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad, unused_report_grad):
     """Gradients of ResourceGatherReduceSum, as for GatherReduceSum, w.r.t. the handle."""
-    lib = _loader.load_op_library()
-    attrs = _attrs_of(op)
-    handle, ids, row_splits, weights = op.inputs[:4]
-    output, argmax = op.outputs[:2]
+    lib, attrs, handle, ids, row_splits, weights, output, argmax = _forward_op_parts(op)
     params_shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
     if _use_fused_backward(attrs):
         dense_grad = op.get_attr("dense_grad")

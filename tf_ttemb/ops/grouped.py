@@ -118,15 +118,7 @@ def grouped_gather_reduce_sum(
            [ 4., 30.]], dtype=float32)
     """
     g = _checked_args(
-        params,
-        indices,
-        weights,
-        num_rows,
-        row_offsets,
-        combiner,
-        padding_ids,
-        labels,
-        implementation,
+        indices, weights, num_rows, row_offsets, combiner, padding_ids, labels, implementation
     )
     with tf.name_scope(name or "grouped_gather_reduce_sum"):
         variable = _common.resource_variable(params)
@@ -204,9 +196,7 @@ def grouped_gather_reduce_sum_sparse_apply(
     >>> table[:, 0].numpy()  # row 1 of table 0 read once, row 0 of table 1 twice
     array([ 1. ,  0.5,  0. ,  1. ,  1. ], dtype=float32)
     """
-    g = _checked_args(
-        params, indices, weights, num_rows, row_offsets, combiner, padding_ids, labels, None
-    )
+    g = _checked_args(indices, weights, num_rows, row_offsets, combiner, padding_ids, labels, None)
     variable = _common.resource_variable(params)
     if variable is None:
         raise ValueError(
@@ -237,18 +227,10 @@ class _Args(NamedTuple):
 
 
 def _checked_args(
-    params,
-    indices,
-    weights,
-    num_rows,
-    row_offsets,
-    combiner,
-    padding_ids,
-    labels,
-    implementation,
+    indices, weights, num_rows, row_offsets, combiner, padding_ids, labels, implementation
 ) -> _Args:
-    """The arguments of a grouped lookup, checked (ValueError naming the argument)."""
-    del params  # checked with the table, once it is a tensor or variable
+    """The arguments of a grouped lookup but the table, checked (ValueError naming the
+    argument); the table is checked once it is a tensor or variable (`_checked_table`)."""
     indices = list(indices)
     count = len(indices)
     if count == 0:
