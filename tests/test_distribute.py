@@ -408,6 +408,89 @@ def test_sharded_lookup_in_tf_function_and_errors(rng):
     )
 
 
+@pytest.mark.parametrize("combiner_weighted", bag_data.COMBINER_WEIGHTING, ids=bag_data.combiner_id)
+@pytest.mark.parametrize("dtype_name", ["float64", "float32", "float16", "bfloat16"])
+def test_sharded_grouped_lookup_matches_reference(rng, combiner_weighted, dtype_name):
+    """Three features (dense, ragged, sparse ids; two share a table) on a stacked table of
+    18 rows in three shards that split both tables: output, per-shard IndexedSlices
+    gradients and weight gradients equal the float64 reference of each feature's table."""
+    combiner, weighted = combiner_weighted
+    dtype = bag_data.DTYPES[dtype_name]
+    dim, num_rows, row_offsets, padding_ids = 3, [7, 11, 7], [0, 7, 0], [None, 4, 2]
+    rows = [5, 8, 5]  # boundaries at rows 5 (inside table 0) and 13 (inside table 1)
+    forms = ["dense2d", "ragged", "sparse"]
+    bags = [
+        bag_data.make_bags(rng, form, n, tf.int64, padding_id=p)
+        for form, n, p in zip(forms, num_rows, padding_ids)
+    ]
+    params, params64 = bag_data.make_params(rng, 18, dim, dtype, distinct=True)
+    offsets = np.cumsum([0] + rows)
+    shards = [tf.Variable(params[lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
+    values, weights, weights64 = [], None, [None] * 3
+    if weighted:
+        for t, b in enumerate(bags):
+            v, weights64[t] = bag_data.make_weights(rng, b, dtype)
+            values.append(v)
+        weights = [bag_data.weights_like(b.ids, v) for b, v in zip(bags, values)]
+    upstream, upstream64 = bag_data.quantize(rng.normal(size=(6, 3 * dim)), dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        out = distribute.sharded_grouped_gather_reduce_sum(
+            shards,
+            [b.ids for b in bags],
+            weights,
+            num_rows=num_rows,
+            row_offsets=row_offsets,
+            combiner=combiner,
+            padding_ids=padding_ids,
+        )
+        loss = tf.reduce_sum(tf.cast(out, tf.float64) * tf.cast(upstream, tf.float64))
+    grads = tape.gradient(loss, shards + values)
+    assert out.dtype == dtype and tuple(out.shape) == (6, 3 * dim)
+    want_dp = np.zeros((18, dim))
+    scale_dp = np.zeros((18, dim))
+    for t, (b, n, lo) in enumerate(zip(bags, num_rows, row_offsets)):
+        table64 = params64[lo : lo + n]
+        cols = slice(t * dim, (t + 1) * dim)
+        want, dp, dw = bag_data.reference_all(
+            table64, b, weights64[t], upstream64[:, cols], combiner, padding_ids[t]
+        )
+        bag_data.assert_close(out.numpy()[:, cols], want[0], want[1], dtype, f"output {t}")
+        want_dp[lo : lo + n] += dp[0]
+        scale_dp[lo : lo + n] += dp[1]
+        if weighted:
+            got_dw = b.csr_from_values(bag_data.dense_value(grads[3 + t]))
+            bag_data.assert_close(got_dw, dw[0], dw[1], dtype, f"weights grad {t}")
+    for s, (grad, lo, hi) in enumerate(zip(grads[:3], offsets[:-1], offsets[1:])):
+        assert isinstance(grad, tf.IndexedSlices), (s, type(grad))
+        assert int(grad.dense_shape[0]) == hi - lo
+        bag_data.assert_close(
+            bag_data.dense_value(grad), want_dp[lo:hi], scale_dp[lo:hi], dtype, f"shard {s}"
+        )
+
+
+def test_sharded_grouped_lookup_errors_and_unsharded(rng):
+    table = rng.normal(size=(9, 2))
+    shards = [tf.Variable(table[:4]), tf.Variable(table[4:])]
+    ids = [tf.constant([[0, 3], [1, 1]]), tf.constant([[4], [0]])]
+    lookup = distribute.sharded_grouped_gather_reduce_sum
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature b: indices\[0\] = 5"):
+        lookup(shards, [ids[0], tf.constant([[5], [0]])], num_rows=[4, 5], labels=["a", "b"])
+    with pytest.raises(ValueError, match=r"params has 9 rows but the features' tables need 10"):
+        lookup(shards, ids, num_rows=[4, 5], row_offsets=[0, 5])
+    with pytest.raises(ValueError, match="combiner 'max' does not take weights"):
+        lookup(shards, ids, [None, tf.ones([2, 1], tf.float64)], num_rows=[4, 5], combiner="max")
+    with pytest.raises(ValueError, match=r"shard 1 is \(5, 1\) float64"):
+        lookup([shards[0], tf.Variable(table[4:, :1])], ids, num_rows=[4, 5])
+    want = np.concatenate([table[[0, 3]].sum(0, keepdims=True), table[[1, 1]].sum(0)[None]])
+    want = np.concatenate([want, table[[4 + 4, 4 + 0]]], axis=1)
+    sharded = tf.function(lambda ids: lookup(shards, ids, num_rows=[4, 5]))(ids)
+    np.testing.assert_allclose(sharded.numpy(), want, rtol=1e-12)
+    # Not sharded: the plain grouped op.
+    whole = lookup(tf.Variable(table), ids, num_rows=[4, 5])
+    np.testing.assert_allclose(whole.numpy(), want, rtol=1e-12)
+
+
 # --------------------------------------------------------------------------------------
 # ParameterServerStrategy on a localhost cluster: 2 workers, 2 parameter servers.
 # --------------------------------------------------------------------------------------
@@ -552,6 +635,7 @@ def test_parameter_server_sharded_embedding_bag(rng, tmp_path):
     ], report
     # The shards are only read by the fused op (and its gradient, and the tape's empty
     # sparse read) and written by the optimizer's row scatter: never read whole.
+    assert report["grads"] == ["IndexedSlices"], report
     assert "ReadVariableOp" not in report["handle_users"], report
     assert "TfTtemb>ResourceGatherReduceSum" in report["handle_users"], report
     touched = np.unique(flat[flat != padding])
