@@ -9,8 +9,8 @@ import keras
 import tensorflow as tf
 
 from tf_ttemb import _args
+from tf_ttemb import distribute as _distribute
 from tf_ttemb.ops import _common
-from tf_ttemb.ops import grouped as _grouped
 
 _KEYS = ("name", "input_dim", "output_dim", "combiner", "initializer", "padding_id", "table")
 
@@ -67,6 +67,14 @@ class GroupedEmbeddingBag(keras.layers.Layer):
       * `padding_id`: None (default), -1 or a row in [0, input_dim), ignored in bags;
       * `table`: the name of its table (default: the feature's name). Features with
         the same table share it and must agree on input_dim, output_dim and initializer.
+
+    Under `tf.distribute.ParameterServerStrategy` each stack is one variable placed
+    whole on a parameter server, or, with a `variable_partitioner`, a `ShardedVariable`
+    split by rows (anywhere, inside a table too): the layer then looks it up with
+    `tf_ttemb.distribute.sharded_grouped_gather_reduce_sum`, each shard's part on the
+    parameter server that holds it, and each shard gets its own `tf.IndexedSlices`
+    gradient (differentiate w.r.t. `tf_ttemb.distribute.shards_of(layer.stacked[w])`).
+    See `docs/distribute.md`.
 
     Under mixed precision the tables stay in the variable dtype and the result is cast
     to the compute dtype. With `implementation="auto"` or `"custom_op"` the layer
@@ -219,7 +227,9 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             group_weights = [per_feature[t] for t in members]
             if all(w is None for w in group_weights):
                 group_weights = None
-            out = _grouped.grouped_gather_reduce_sum(
+            # A stack sharded by ParameterServerStrategy's variable_partitioner is looked
+            # up shard by shard where each shard lives; an unsharded one in one call.
+            out = _distribute.sharded_grouped_gather_reduce_sum(
                 self.stacked[width],
                 [ids[t] for t in members],
                 group_weights,
