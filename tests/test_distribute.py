@@ -537,6 +537,17 @@ CLUSTER = """
         strategy = tf.distribute.ParameterServerStrategy(
             resolver, variable_partitioner=partitioner)
         return servers, strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def graph_report(graph, variables):
+        # The types of the ops that use the variables' handles (captured into the function
+        # as placeholders), and the devices of the lookups.
+        handles = {id(internal) for external, internal in graph.captures
+                   if any(external is v.handle for v in variables)}
+        users = sorted({op.type for op in graph.get_operations()
+                        if any(id(t) in handles for t in op.inputs)})
+        lookups = sorted({op.device for op in graph.get_operations()
+                          if op.type == "TfTtemb>ResourceGatherReduceSum"})
+        return users, lookups
 """
 
 PS_LOOKUP = (
@@ -578,14 +589,7 @@ PS_LOOKUP = (
 
     outputs, grads = coordinator.schedule(step).fetch()
     coordinator.join()
-    graph = graphs[0]
-    # Which ops use the shards' handles (captured into the function as placeholders)?
-    handles = {id(internal) for external, internal in graph.captures
-               if any(external is s.handle for s in shards)}
-    users = sorted({op.type for op in graph.get_operations()
-                    if any(id(t) in handles for t in op.inputs)})
-    lookups = sorted({op.device for op in graph.get_operations()
-                      if op.type == "TfTtemb>ResourceGatherReduceSum"})
+    users, lookups = graph_report(graphs[0], shards)
     result = {f"out_{c}": np.asarray(o) for c, o in zip(COMBINERS, outputs)}
     for k, (layer, c) in enumerate(zip(layers, COMBINERS)):
         for s in range(2):
@@ -911,13 +915,7 @@ PS_GROUPED = (
         # One step at a time: every step sees the previous one's update.
         losses.append(float(coordinator.schedule(step, args=(args,)).fetch()))
         coordinator.join()
-    graph = graphs[0]
-    handles = {id(internal) for external, internal in graph.captures
-               if any(external is v.handle for v in variables)}
-    users = sorted({op.type for op in graph.get_operations()
-                    if any(id(t) in handles for t in op.inputs)})
-    lookups = sorted({op.device for op in graph.get_operations()
-                      if op.type == "TfTtemb>ResourceGatherReduceSum"})
+    users, lookups = graph_report(graphs[0], variables)
     result = {}
     for width, stack in layer.stacked.items():
         shards = distribute.shards_of(stack) or [stack]
