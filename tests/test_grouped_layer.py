@@ -405,3 +405,30 @@ def test_fused_config_errors(kwargs, message):
     kwargs = {"features": FUSED_FEATURES, "sparse": True, **kwargs}
     with pytest.raises(ValueError, match=message):
         GroupedEmbeddingBag(**kwargs)
+
+
+def test_fused_adagrad_state_survives_save_and_load(rng, tmp_path):
+    """A .keras round trip keeps the stacks and the Adagrad accumulators: the next step
+    of the loaded model equals the next step of the original."""
+    features = [FUSED_FEATURES[0], FUSED_FEATURES[1], FUSED_FEATURES[3]]
+    model = _model(GroupedEmbeddingBag(features, sparse=True, optimizer="rowwise_adagrad"))
+    data = {k: v for k, v in _inputs(rng, 32).items() if k in ("user", "item", "country")}
+    labels = rng.normal(size=(32, 1)).astype(np.float32)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(data, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "fused.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    layers = [m.layers[3] for m in (model, loaded)]
+    assert layers[1].get_config() == layers[0].get_config()
+    for w in (5, 8):
+        assert np.max(layers[0].accumulators[w].numpy()) > 0
+        np.testing.assert_array_equal(
+            layers[1].accumulators[w].numpy(), layers[0].accumulators[w].numpy()
+        )
+    for m in (model, loaded):
+        m.fit(data, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for w in (5, 8):
+        np.testing.assert_allclose(
+            layers[1].stacked[w].numpy(), layers[0].stacked[w].numpy(), rtol=1e-6, atol=1e-7
+        )
