@@ -408,6 +408,89 @@ def test_sharded_lookup_in_tf_function_and_errors(rng):
     )
 
 
+@pytest.mark.parametrize("combiner_weighted", bag_data.COMBINER_WEIGHTING, ids=bag_data.combiner_id)
+@pytest.mark.parametrize("dtype_name", ["float64", "float32", "float16", "bfloat16"])
+def test_sharded_grouped_lookup_matches_reference(rng, combiner_weighted, dtype_name):
+    """Three features (dense, ragged, sparse ids; two share a table) on a stacked table of
+    18 rows in three shards that split both tables: output, per-shard IndexedSlices
+    gradients and weight gradients equal the float64 reference of each feature's table."""
+    combiner, weighted = combiner_weighted
+    dtype = bag_data.DTYPES[dtype_name]
+    dim, num_rows, row_offsets, padding_ids = 3, [7, 11, 7], [0, 7, 0], [None, 4, 2]
+    rows = [5, 8, 5]  # boundaries at rows 5 (inside table 0) and 13 (inside table 1)
+    forms = ["dense2d", "ragged", "sparse"]
+    bags = [
+        bag_data.make_bags(rng, form, n, tf.int64, padding_id=p)
+        for form, n, p in zip(forms, num_rows, padding_ids)
+    ]
+    params, params64 = bag_data.make_params(rng, 18, dim, dtype, distinct=True)
+    offsets = np.cumsum([0] + rows)
+    shards = [tf.Variable(params[lo:hi]) for lo, hi in zip(offsets[:-1], offsets[1:])]
+    values, weights, weights64 = [], None, [None] * 3
+    if weighted:
+        for t, b in enumerate(bags):
+            v, weights64[t] = bag_data.make_weights(rng, b, dtype)
+            values.append(v)
+        weights = [bag_data.weights_like(b.ids, v) for b, v in zip(bags, values)]
+    upstream, upstream64 = bag_data.quantize(rng.normal(size=(6, 3 * dim)), dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        out = distribute.sharded_grouped_gather_reduce_sum(
+            shards,
+            [b.ids for b in bags],
+            weights,
+            num_rows=num_rows,
+            row_offsets=row_offsets,
+            combiner=combiner,
+            padding_ids=padding_ids,
+        )
+        loss = tf.reduce_sum(tf.cast(out, tf.float64) * tf.cast(upstream, tf.float64))
+    grads = tape.gradient(loss, shards + values)
+    assert out.dtype == dtype and tuple(out.shape) == (6, 3 * dim)
+    want_dp = np.zeros((18, dim))
+    scale_dp = np.zeros((18, dim))
+    for t, (b, n, lo) in enumerate(zip(bags, num_rows, row_offsets)):
+        table64 = params64[lo : lo + n]
+        cols = slice(t * dim, (t + 1) * dim)
+        want, dp, dw = bag_data.reference_all(
+            table64, b, weights64[t], upstream64[:, cols], combiner, padding_ids[t]
+        )
+        bag_data.assert_close(out.numpy()[:, cols], want[0], want[1], dtype, f"output {t}")
+        want_dp[lo : lo + n] += dp[0]
+        scale_dp[lo : lo + n] += dp[1]
+        if weighted:
+            got_dw = b.csr_from_values(bag_data.dense_value(grads[3 + t]))
+            bag_data.assert_close(got_dw, dw[0], dw[1], dtype, f"weights grad {t}")
+    for s, (grad, lo, hi) in enumerate(zip(grads[:3], offsets[:-1], offsets[1:])):
+        assert isinstance(grad, tf.IndexedSlices), (s, type(grad))
+        assert int(grad.dense_shape[0]) == hi - lo
+        bag_data.assert_close(
+            bag_data.dense_value(grad), want_dp[lo:hi], scale_dp[lo:hi], dtype, f"shard {s}"
+        )
+
+
+def test_sharded_grouped_lookup_errors_and_unsharded(rng):
+    table = rng.normal(size=(9, 2))
+    shards = [tf.Variable(table[:4]), tf.Variable(table[4:])]
+    ids = [tf.constant([[0, 3], [1, 1]]), tf.constant([[4], [0]])]
+    lookup = distribute.sharded_grouped_gather_reduce_sum
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature b: indices\[0\] = 5"):
+        lookup(shards, [ids[0], tf.constant([[5], [0]])], num_rows=[4, 5], labels=["a", "b"])
+    with pytest.raises(ValueError, match=r"params has 9 rows but the features' tables need 10"):
+        lookup(shards, ids, num_rows=[4, 5], row_offsets=[0, 5])
+    with pytest.raises(ValueError, match="combiner 'max' does not take weights"):
+        lookup(shards, ids, [None, tf.ones([2, 1], tf.float64)], num_rows=[4, 5], combiner="max")
+    with pytest.raises(ValueError, match=r"shard 1 is \(5, 1\) float64"):
+        lookup([shards[0], tf.Variable(table[4:, :1])], ids, num_rows=[4, 5])
+    want = np.concatenate([table[[0, 3]].sum(0, keepdims=True), table[[1, 1]].sum(0)[None]])
+    want = np.concatenate([want, table[[4 + 4, 4 + 0]]], axis=1)
+    sharded = tf.function(lambda ids: lookup(shards, ids, num_rows=[4, 5]))(ids)
+    np.testing.assert_allclose(sharded.numpy(), want, rtol=1e-12)
+    # Not sharded: the plain grouped op.
+    whole = lookup(tf.Variable(table), ids, num_rows=[4, 5])
+    np.testing.assert_allclose(whole.numpy(), want, rtol=1e-12)
+
+
 # --------------------------------------------------------------------------------------
 # ParameterServerStrategy on a localhost cluster: 2 workers, 2 parameter servers.
 # --------------------------------------------------------------------------------------
@@ -454,6 +537,17 @@ CLUSTER = """
         strategy = tf.distribute.ParameterServerStrategy(
             resolver, variable_partitioner=partitioner)
         return servers, strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+    def graph_report(graph, variables):
+        # The types of the ops that use the variables' handles (captured into the function
+        # as placeholders), and the devices of the lookups.
+        handles = {id(internal) for external, internal in graph.captures
+                   if any(external is v.handle for v in variables)}
+        users = sorted({op.type for op in graph.get_operations()
+                        if any(id(t) in handles for t in op.inputs)})
+        lookups = sorted({op.device for op in graph.get_operations()
+                          if op.type == "TfTtemb>ResourceGatherReduceSum"})
+        return users, lookups
 """
 
 PS_LOOKUP = (
@@ -495,14 +589,7 @@ PS_LOOKUP = (
 
     outputs, grads = coordinator.schedule(step).fetch()
     coordinator.join()
-    graph = graphs[0]
-    # Which ops use the shards' handles (captured into the function as placeholders)?
-    handles = {id(internal) for external, internal in graph.captures
-               if any(external is s.handle for s in shards)}
-    users = sorted({op.type for op in graph.get_operations()
-                    if any(id(t) in handles for t in op.inputs)})
-    lookups = sorted({op.device for op in graph.get_operations()
-                      if op.type == "TfTtemb>ResourceGatherReduceSum"})
+    users, lookups = graph_report(graphs[0], shards)
     result = {f"out_{c}": np.asarray(o) for c, o in zip(COMBINERS, outputs)}
     for k, (layer, c) in enumerate(zip(layers, COMBINERS)):
         for s in range(2):
@@ -751,3 +838,262 @@ def test_parameter_server_worker_killed_mid_training(rng, tmp_path):
     got = np.load(tmp_path / "table.npy")
     # A lost or doubled step would be off by lr * its gradient, far beyond rounding.
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------
+# GroupedEmbeddingBag under ParameterServerStrategy: stacks whole on a parameter server,
+# or sharded by rows with shard boundaries inside tables.
+# --------------------------------------------------------------------------------------
+
+# Two widths (two stacks); four lookups of width 4 (sum over two features, mean over two
+# features sharing a table, max) and one of width 3. Stack 4 is user [0, 23), item
+# [23, 40), tags [40, 49), page [49, 61): two shards split it at row 31, inside item's
+# table; stack 3 (country, 6 rows) is split inside country's.
+GROUPED_FEATURES = [
+    {"name": "user", "input_dim": 23, "output_dim": 4},
+    {"name": "item", "input_dim": 17, "output_dim": 4, "combiner": "mean", "padding_id": 0},
+    {"name": "history", "input_dim": 17, "output_dim": 4, "combiner": "mean", "table": "item"},
+    {"name": "tags", "input_dim": 9, "output_dim": 4, "combiner": "max"},
+    {"name": "country", "input_dim": 6, "output_dim": 3},
+    {"name": "page", "input_dim": 12, "output_dim": 4},
+]
+GROUPED_TABLES = {"user": (4, 0), "item": (4, 23), "tags": (4, 40), "page": (4, 49)}
+GROUPED_TABLES["country"] = (3, 0)
+GROUPED_TABLES["history"] = GROUPED_TABLES["item"]
+GROUPED_DENSE = {"user": 1, "item": 3, "tags": 2, "country": 2}  # the others are ragged
+GROUPED_WEIGHTED = ("item", "history")
+
+PS_GROUPED = (
+    CLUSTER
+    + """
+    data = np.load(sys.argv[1], allow_pickle=True)
+    placement, dtype = sys.argv[3], sys.argv[4]
+    features = json.loads(str(data["features"]))
+    steps, lr = int(data["steps"]), float(data["lr"])
+    partitioner = (tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+                   if placement == "rows" else None)
+    servers, strategy, coordinator = connect(
+        [("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)], partitioner)
+    with strategy.scope():
+        layer = tf_ttemb.layers.GroupedEmbeddingBag(features, dtype=dtype)
+        layer.build(None)
+        for width in layer.stacked:
+            layer.stacked[width].assign(data[f"stack_{width}"].astype(dtype))
+        # Differentiate w.r.t. the shards of a sharded stack (Keras 3 cannot take a
+        # gradient w.r.t. a Keras variable holding a ShardedVariable), else the stack.
+        variables = [s for w in sorted(layer.stacked)
+                     for s in (distribute.shards_of(layer.stacked[w]) or [layer.stacked[w]])]
+        optimizer = keras.optimizers.SGD(lr)
+        optimizer.build(variables)
+    names = [f["name"] for f in features]
+    ragged = [n for n in names if f"0_{n}_splits" in data.files]
+    graphs, grad_types = [], set()
+
+    @tf.function
+    def step(args):
+        def replica(args):
+            inputs = {n: (tf.RaggedTensor.from_row_splits(args[n], args[n + "_splits"])
+                          if n in ragged else args[n]) for n in names}
+            weights = {n: (inputs[n].with_flat_values(args[n + "_weights"]) if n in ragged
+                           else args[n + "_weights"]) for n in names if n + "_weights" in args}
+            with tf.GradientTape() as tape:
+                out = layer(inputs, weights)
+                loss = tf.reduce_sum(tf.square(out - args["target"]))
+            grads = tape.gradient(loss, variables)
+            grad_types.update(type(g).__name__ for g in grads)
+            optimizer.apply(grads, variables)
+            return loss
+        graphs.append(tf.compat.v1.get_default_graph())
+        return strategy.run(replica, (args,))
+
+    losses = []
+    for i in range(steps):
+        prefix = f"{i}_"
+        args = {k[len(prefix):]: tf.constant(data[k].astype(dtype) if "weights" in k or
+                                             "target" in k else data[k])
+                for k in data.files if k.startswith(prefix)}
+        # One step at a time: every step sees the previous one's update.
+        losses.append(float(coordinator.schedule(step, args=(args,)).fetch()))
+        coordinator.join()
+    users, lookups = graph_report(graphs[0], variables)
+    result = {}
+    for width, stack in layer.stacked.items():
+        shards = distribute.shards_of(stack) or [stack]
+        result[f"stack_{width}"] = np.concatenate([np.asarray(s.numpy()) for s in shards])
+        result[f"rows_{width}"] = np.asarray([s.shape[0] for s in shards])
+        result[f"devices_{width}"] = np.asarray(
+            [(s.value if isinstance(s, keras.Variable) else s).device for s in shards])
+    result["table_item"] = layer.table("item").numpy()
+    np.savez(sys.argv[2], **result)
+    print(json.dumps({"handle_users": users, "lookup_devices": lookups, "losses": losses,
+                      "grads": sorted(grad_types)}), flush=True)
+"""
+)
+
+
+def _grouped_steps(rng, steps: int, batch: int) -> list:
+    """Per step: each feature's ids (dense [B, L] or ragged flat + splits, an empty bag
+    and padding entries among them), weights, and a target of [B, 19]."""
+    out = []
+    for _ in range(steps):
+        step = {}
+        for f in GROUPED_FEATURES:
+            name, rows = f["name"], f["input_dim"]
+            if name in GROUPED_DENSE:
+                ids = rng.integers(0, rows, size=(batch, GROUPED_DENSE[name]))
+            else:
+                lengths = rng.integers(0, 5, size=batch)
+                lengths[1] = 0  # an empty bag
+                ids = rng.integers(0, rows, size=lengths.sum())
+                step[name + "_splits"] = np.concatenate([[0], np.cumsum(lengths)])
+            if f.get("padding_id") is not None:
+                ids[rng.random(ids.shape) < 0.25] = f["padding_id"]
+            step[name] = ids.astype(np.int64)
+            if name in GROUPED_WEIGHTED:
+                step[name + "_weights"] = rng.uniform(0.5, 2.0, size=ids.shape)
+        step["target"] = rng.normal(size=(batch, sum(f["output_dim"] for f in GROUPED_FEATURES)))
+        out.append(step)
+    return out
+
+
+def _grouped_reference(stacks: dict, data: list, lr: float) -> tuple[dict, list]:
+    """float64 numpy: SGD on loss = sum((out - target)^2), step after step; the stacks
+    after the steps and each step's loss."""
+    import reference
+
+    stacks = {w: s.astype(np.float64).copy() for w, s in stacks.items()}
+    losses = []
+    for step in data:
+        outs, cuts = [], []
+        for f in GROUPED_FEATURES:
+            name = f["name"]
+            width, offset = GROUPED_TABLES[name]
+            table = stacks[width][offset : offset + f["input_dim"]]
+            ids = step[name]
+            splits = step.get(name + "_splits")
+            if splits is None:
+                splits = np.arange(0, ids.size + 1, ids.shape[1])
+            weights = step.get(name + "_weights")
+            weights = None if weights is None else weights.reshape(-1)
+            args = (ids.reshape(-1), splits, weights, f.get("combiner", "sum"))
+            outs.append((reference.forward(table, *args, f.get("padding_id"))[0], args))
+            cuts.append(width)
+        out = np.concatenate([o for o, _ in outs], axis=1)
+        dy = 2.0 * (out - step["target"])
+        losses.append(float(np.sum((out - step["target"]) ** 2)))
+        grads = {w: np.zeros_like(s) for w, s in stacks.items()}
+        start = 0
+        for f, (_, args), width in zip(GROUPED_FEATURES, outs, cuts):
+            _, offset = GROUPED_TABLES[f["name"]]
+            table = stacks[width][offset : offset + f["input_dim"]]
+            flat, splits, weights, combiner = args
+            grad, _ = reference.params_grad(
+                table,
+                flat,
+                splits,
+                dy[:, start : start + width],
+                weights,
+                combiner,
+                f.get("padding_id"),
+            )
+            grads[width][offset : offset + f["input_dim"]] += grad
+            start += width
+        for w in stacks:
+            stacks[w] -= lr * grads[w]
+    return stacks, losses
+
+
+def _grouped_single_process(stacks: dict, data: list, lr: float, dtype: str) -> dict:
+    """The same steps with the layer in this process, no strategy."""
+    from tf_ttemb.layers import GroupedEmbeddingBag
+
+    layer = GroupedEmbeddingBag(GROUPED_FEATURES, dtype=dtype)
+    layer.build()
+    for w, s in stacks.items():
+        layer.stacked[w].assign(s.astype(dtype))
+    variables = [layer.stacked[w] for w in sorted(layer.stacked)]
+    import keras
+
+    optimizer = keras.optimizers.SGD(lr)
+    for step in data:
+        inputs, weights = {}, {}
+        for f in GROUPED_FEATURES:
+            name = f["name"]
+            ids = tf.constant(step[name])
+            if name + "_splits" in step:
+                ids = tf.RaggedTensor.from_row_splits(ids, tf.constant(step[name + "_splits"]))
+            inputs[name] = ids
+            if name + "_weights" in step:
+                values = tf.constant(step[name + "_weights"].astype(dtype))
+                weights[name] = ids.with_flat_values(values) if name + "_splits" in step else values
+        with tf.GradientTape() as tape:
+            out = layer(inputs, weights)
+            loss = tf.reduce_sum(tf.square(out - step["target"].astype(dtype)))
+        optimizer.apply(tape.gradient(loss, variables), variables)
+    return {w: layer.stacked[w].numpy() for w in layer.stacked}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("placement", ["whole", "rows"])
+def test_parameter_server_grouped_embedding_bag(rng, tmp_path, placement, dtype):
+    """GroupedEmbeddingBag on a cluster of 2 workers and 2 parameter servers, trained by
+    ClusterCoordinator-scheduled SGD steps (sum, mean over a shared table with weights and
+    padding, max, ragged bags with an empty one; two widths). "whole": each width's stack
+    lives whole on one parameter server. "rows": FixedShardsPartitioner(2) shards each
+    stack by rows, the boundary inside a table, and each shard is looked up where it
+    lives. After the steps the stacks equal the same steps in one process and a float64
+    numpy reference of them, untouched rows are unchanged, and the gradients are
+    IndexedSlices (no op reads a stack or shard whole)."""
+    steps, batch, lr = 3, 6, 0.0625  # exact in float32 (Keras keeps it so)
+    data = _grouped_steps(rng, steps, batch)
+    stacks = {4: rng.uniform(-0.5, 0.5, size=(61, 4)), 3: rng.uniform(-0.5, 0.5, size=(6, 3))}
+    stacks = {w: s.astype(dtype).astype(np.float64) for w, s in stacks.items()}
+    arrays = {f"stack_{w}": s for w, s in stacks.items()}
+    for i, step in enumerate(data):
+        arrays.update({f"{i}_{k}": v for k, v in step.items()})
+    np.savez(
+        tmp_path / "in.npz",
+        features=json.dumps(GROUPED_FEATURES),
+        steps=steps,
+        lr=lr,
+        **arrays,
+    )
+    reports = run_script(
+        PS_GROUPED, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"), placement, dtype
+    )
+    report = reports[-1]
+    got = np.load(tmp_path / "out.npz")
+    want, want_losses = _grouped_reference(stacks, data, lr)
+    single = _grouped_single_process(stacks, data, lr, dtype)
+    tolerance = TOLERANCE[dtype]
+    np.testing.assert_allclose(report["losses"], want_losses, rtol=tolerance)
+    ps_devices = ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
+    for width, rows in ((4, 61), (3, 6)):
+        stack = got[f"stack_{width}"]
+        np.testing.assert_allclose(stack, want[width], rtol=tolerance, atol=tolerance)
+        np.testing.assert_allclose(stack, single[width], rtol=tolerance, atol=tolerance)
+        # Training moved the stacks; rows no step read are bitwise unchanged.
+        touched = np.zeros(rows, bool)
+        for step in data:
+            for f in GROUPED_FEATURES:
+                w, offset = GROUPED_TABLES[f["name"]]
+                if w == width:
+                    ids = step[f["name"]].reshape(-1)
+                    touched[offset + ids[ids != f.get("padding_id", -1)]] = True
+        assert np.max(np.abs(stack - stacks[width])[touched]) > 1e-2, width
+        np.testing.assert_array_equal(stack[~touched], stacks[width][~touched].astype(dtype))
+        devices = [str(d) for d in got[f"devices_{width}"]]
+        if placement == "rows":
+            assert list(got[f"rows_{width}"]) == [(rows + 1) // 2, rows // 2]
+            assert devices == ps_devices, devices
+        else:
+            assert list(got[f"rows_{width}"]) == [rows]
+            assert devices[0] in ps_devices, devices
+    if placement == "whole":  # round robin: one stack on each parameter server
+        assert {str(got["devices_4"][0]), str(got["devices_3"][0])} == set(ps_devices)
+    else:
+        assert report["lookup_devices"] == ps_devices, report
+    np.testing.assert_allclose(got["table_item"], got["stack_4"][23:40], rtol=0, atol=0)
+    assert report["grads"] == ["IndexedSlices"], report
+    assert "ReadVariableOp" not in report["handle_users"], report
+    assert "TfTtemb>ResourceGatherReduceSum" in report["handle_users"], report

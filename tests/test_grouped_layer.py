@@ -236,3 +236,199 @@ def test_call_errors(rng):
         layer({"user": tf.constant([[1]]), "item": tf.constant([[1]]), "x": tf.constant([[1]])})
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature item: indices\[1\] = 30"):
         layer({"user": tf.constant([[1]]), "item": tf.constant([[1, 30]])})
+
+
+# Fused update (sparse=True): features sharing a table share its combiner.
+FUSED_FEATURES = [dict(f) for f in FEATURES]
+FUSED_FEATURES[2]["combiner"] = "mean"
+# Where each feature's table lies: (width, first row in its stack, rows).
+LAYOUT = {"user": (8, 0, 40), "item": (8, 40, 30), "country": (5, 0, 7), "tags": (8, 70, 11)}
+LAYOUT["history"] = LAYOUT["item"]
+FUSED_TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+def _flat_bags(ids):
+    """(flat ids, row splits) of dense [B, L] or ragged ids, as numpy."""
+    if isinstance(ids, tf.RaggedTensor):
+        return ids.flat_values.numpy(), ids.row_splits.numpy()
+    ids = np.asarray(ids)
+    return ids.reshape(-1), np.arange(0, ids.size + 1, ids.shape[1])
+
+
+def _fused_reference(stacks, accumulators, inputs, weights, target, optimizer, lr, eps):
+    """float64 numpy: one fused step of loss = sum((out - target)^2) / 2 on the stacks
+    (dicts width -> array, updated in place); returns the loss."""
+    import reference
+
+    outs, args = [], []
+    for f in FUSED_FEATURES:
+        width, offset, rows = LAYOUT[f["name"]]
+        flat, splits = _flat_bags(inputs[f["name"]])
+        w = weights.get(f["name"])
+        w = None if w is None else np.asarray(w, np.float64).reshape(-1)
+        call = (flat, splits, w, f.get("combiner", "sum"), f.get("padding_id"))
+        outs.append(reference.forward(stacks[width][offset : offset + rows], *call)[0])
+        args.append((width, offset, rows, call))
+    out = np.concatenate(outs, axis=1)
+    dy = out - target
+    grads = {w: np.zeros_like(s) for w, s in stacks.items()}
+    read = {w: np.zeros(len(s), bool) for w, s in stacks.items()}
+    start = 0
+    for width, offset, rows, (flat, splits, w, combiner, padding) in args:
+        table = stacks[width][offset : offset + rows]
+        grad, _ = reference.params_grad(
+            table, flat, splits, dy[:, start : start + width], w, combiner, padding
+        )
+        grads[width][offset : offset + rows] += grad
+        live = flat[flat != padding] if padding is not None else flat
+        read[width][offset + live] = True
+        start += width
+    for width, stack in stacks.items():
+        g = grads[width][read[width]]
+        if optimizer == "sgd":
+            step = g
+        elif optimizer == "rowwise_adagrad":
+            accumulators[width][read[width]] += np.mean(g * g, axis=1)
+            step = g / (np.sqrt(accumulators[width][read[width]])[:, None] + eps)
+        else:
+            accumulators[width][read[width]] += g * g
+            step = g / (np.sqrt(accumulators[width][read[width]]) + eps)
+        stack[read[width]] -= lr * step
+    return float(np.sum(dy * dy) / 2)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
+def test_fused_update_matches_a_float64_reference(rng, optimizer, dtype):
+    """Two steps of sparse=True (every lookup group updates its rows in the backward pass,
+    the shared table once per row): stacks and accumulators equal a float64 numpy
+    reference; rows not read are bitwise unchanged; training=False does not update."""
+    lr, eps = 0.25, 0.05
+    layer = GroupedEmbeddingBag(
+        FUSED_FEATURES, sparse=True, optimizer=optimizer, learning_rate=lr, eps=eps, dtype=dtype
+    )
+    layer.build()
+    assert [v.name for v in layer.trainable_variables] == ["fused_update_trigger"]
+    stacks = {w: tf.cast(v, tf.float64).numpy() for w, v in layer.stacked.items()}
+    for name in ("user", "item", "country", "tags"):
+        width, offset, rows = LAYOUT[name]
+        np.testing.assert_array_equal(
+            layer.table(name).numpy(), layer.stacked[width].numpy()[offset : offset + rows]
+        )
+    start = {w: s.copy() for w, s in stacks.items()}
+    accumulators = {
+        w: np.zeros(len(s) if optimizer == "rowwise_adagrad" else s.shape)
+        for w, s in stacks.items()
+    }
+    if optimizer != "sgd":
+        assert {w: tuple(a.shape) for w, a in layer.accumulators.items()} == {
+            w: a.shape for w, a in accumulators.items()
+        }
+    read = {w: np.zeros(len(s), bool) for w, s in stacks.items()}
+    for _ in range(2):
+        inputs = _inputs(rng)
+        weights = {"item": rng.uniform(0.5, 1.5, size=(BATCH, 3)).astype(dtype)}
+        target = rng.normal(size=(BATCH, 37)).astype(dtype)
+        frozen = {w: v.numpy() for w, v in layer.stacked.items()}
+        layer(inputs, weights, training=False)
+        for w, v in layer.stacked.items():
+            np.testing.assert_array_equal(v.numpy(), frozen[w])
+        with tf.GradientTape() as tape:
+            out = layer(inputs, weights, training=True)
+            loss = tf.reduce_sum(tf.square(tf.cast(out, tf.float64) - target)) / 2
+        (trigger_grad,) = tape.gradient(loss, layer.trainable_variables)
+        assert tuple(trigger_grad.shape) == (0,)
+        want_loss = _fused_reference(
+            stacks, accumulators, inputs, weights, target.astype(np.float64), optimizer, lr, eps
+        )
+        tol = FUSED_TOLERANCE[dtype]
+        np.testing.assert_allclose(float(loss), want_loss, rtol=tol)
+        for f in FUSED_FEATURES:
+            width, offset, _ = LAYOUT[f["name"]]
+            flat, _ = _flat_bags(inputs[f["name"]])
+            read[width][offset + flat[flat != f.get("padding_id", -1)]] = True
+    for w, v in layer.stacked.items():
+        got = tf.cast(v, tf.float64).numpy()
+        scale = np.max(np.abs(stacks[w]))
+        np.testing.assert_allclose(got, stacks[w], rtol=tol, atol=tol * scale)
+        assert np.max(np.abs(got - start[w])[read[w]]) > lr / 4, w  # the reads moved
+        np.testing.assert_array_equal(got[~read[w]], start[w][~read[w]])
+        if optimizer != "sgd":
+            acc = layer.accumulators[w].numpy()
+            np.testing.assert_allclose(
+                acc, accumulators[w], rtol=tol, atol=tol * np.max(accumulators[w])
+            )
+
+
+def test_fused_sgd_in_fit_matches_keras_sgd(rng):
+    """Model.fit with sparse=True, optimizer="sgd" (reached through the trigger) trains the
+    tables as the unfused layer does with keras SGD of the same learning rate."""
+    features = [FUSED_FEATURES[0], FUSED_FEATURES[1], FUSED_FEATURES[3]]
+    data = {k: v for k, v in _inputs(rng, 64).items() if k in ("user", "item", "country")}
+    labels = rng.normal(size=(64, 1)).astype(np.float32)
+    plain = GroupedEmbeddingBag(features)
+    fused = GroupedEmbeddingBag(features, sparse=True, learning_rate=0.25)
+    models = [_model(plain), _model(fused)]
+    for w in plain.stacked:
+        fused.stacked[w].assign(plain.stacked[w])
+    models[1].layers[-1].set_weights(models[0].layers[-1].get_weights())
+    start = {w: v.numpy() for w, v in plain.stacked.items()}
+    for m in models:
+        m.compile(optimizer=keras.optimizers.SGD(0.25), loss="mse")
+        m.fit(data, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for w in plain.stacked:
+        got, want = fused.stacked[w].numpy(), plain.stacked[w].numpy()
+        assert np.max(np.abs(want - start[w])) > 1e-3
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    config = fused.get_config()
+    again = GroupedEmbeddingBag.from_config(config)
+    assert again.get_config() == config
+    assert (again.sparse, again.optimizer, again.learning_rate) == (True, "sgd", 0.25)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(optimizer="adam"), "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad'"),
+        (dict(learning_rate=0), r"learning_rate must be a positive finite number, got 0"),
+        (dict(eps=-1.0), r"eps must be a non-negative finite number, got -1.0"),
+        (dict(dense_grad=True), "dense_grad=True does not apply with sparse=True"),
+        (dict(implementation="composite"), "implementation must be 'auto' or 'custom_op'"),
+        (
+            dict(features=FEATURES),
+            r"sharing table 'item' must share a combiner .*'item' has 'mean', 'history' has 'sum'",
+        ),
+        (dict(dtype="mixed_float16"), "cannot undo the loss scaling"),
+    ],
+)
+def test_fused_config_errors(kwargs, message):
+    kwargs = {"features": FUSED_FEATURES, "sparse": True, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        GroupedEmbeddingBag(**kwargs)
+
+
+def test_fused_adagrad_state_survives_save_and_load(rng, tmp_path):
+    """A .keras round trip keeps the stacks and the Adagrad accumulators: the next step
+    of the loaded model equals the next step of the original."""
+    features = [FUSED_FEATURES[0], FUSED_FEATURES[1], FUSED_FEATURES[3]]
+    model = _model(GroupedEmbeddingBag(features, sparse=True, optimizer="rowwise_adagrad"))
+    data = {k: v for k, v in _inputs(rng, 32).items() if k in ("user", "item", "country")}
+    labels = rng.normal(size=(32, 1)).astype(np.float32)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(data, labels, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "fused.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    layers = [m.layers[3] for m in (model, loaded)]
+    assert layers[1].get_config() == layers[0].get_config()
+    for w in (5, 8):
+        assert np.max(layers[0].accumulators[w].numpy()) > 0
+        np.testing.assert_array_equal(
+            layers[1].accumulators[w].numpy(), layers[0].accumulators[w].numpy()
+        )
+    for m in (model, loaded):
+        m.fit(data, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for w in (5, 8):
+        np.testing.assert_allclose(
+            layers[1].stacked[w].numpy(), layers[0].stacked[w].numpy(), rtol=1e-6, atol=1e-7
+        )

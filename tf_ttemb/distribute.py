@@ -19,8 +19,12 @@ Gradients flow back the same way: each shard receives a `tf.IndexedSlices` gradi
 its own touched rows (local row numbers), so an optimizer updates only those rows, on the
 parameter server that holds them.
 
-`tf_ttemb.layers.EmbeddingBag` uses this automatically when its table is sharded.
-See `docs/distribute.md`.
+`sharded_grouped_gather_reduce_sum` does the same for many features' tables stacked by
+rows in one sharded table (`grouped_gather_reduce_sum`'s layout): shard boundaries need
+not fall between tables.
+
+`tf_ttemb.layers.EmbeddingBag` and `tf_ttemb.layers.GroupedEmbeddingBag` use these
+automatically when their tables are sharded. See `docs/distribute.md`.
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ import tensorflow as tf
 
 from tf_ttemb.ops import _bags, _common
 from tf_ttemb.ops import gather_reduce_sum as _grs
+from tf_ttemb.ops import grouped as _grouped
 
-__all__ = ["is_sharded", "shards_of", "sharded_gather_reduce_sum"]
+__all__ = [
+    "is_sharded",
+    "shards_of",
+    "sharded_gather_reduce_sum",
+    "sharded_grouped_gather_reduce_sum",
+]
 
 
 def shards_of(params: Any) -> list | None:
@@ -218,6 +228,92 @@ def sharded_gather_reduce_sum(
         if bags.batch_shape is not None:
             output = tf.reshape(output, tf.concat([bags.batch_shape, [dim]], 0))
         output.set_shape(bags.static_batch_shape.concatenate([dim]))
+        return output
+
+
+def sharded_grouped_gather_reduce_sum(
+    params: Any,
+    indices: Sequence[Any],
+    weights: Sequence[Any] | None = None,
+    *,
+    num_rows: Sequence[int],
+    row_offsets: Sequence[int] | None = None,
+    combiner: str = "sum",
+    padding_ids: Sequence[int | None] | None = None,
+    labels: Sequence[str] | None = None,
+    dense_grad: bool = False,
+    implementation: str = "auto",
+    name: str | None = None,
+) -> tf.Tensor:
+    """`tf_ttemb.grouped_gather_reduce_sum` on a stacked table sharded by rows.
+
+    Same arguments, result and gradients as `grouped_gather_reduce_sum`, except that
+    `params` is sharded (see `shards_of`; an unsharded table is passed on to
+    `grouped_gather_reduce_sum`) and each shard gets its own gradient, as in
+    `sharded_gather_reduce_sum`. The shards split the stacked table anywhere, within a
+    feature's table too: the ids are checked against their own feature's table and
+    offset to rows of the stacked table on the worker (one `GroupBags`), then every
+    feature's bags are looked up shard by shard by `sharded_gather_reduce_sum`, each
+    shard's part where it lives.
+
+    Returns:
+      [B, T * D]: feature 0's embeddings, then feature 1's, ...
+
+    Raises:
+      As `grouped_gather_reduce_sum`, and for shards of different widths or dtypes.
+
+    Example:
+
+    >>> import numpy as np
+    >>> import tensorflow as tf
+    >>> from tf_ttemb.distribute import sharded_grouped_gather_reduce_sum
+    >>> table = np.array([[1.0], [2.0], [10.0], [20.0], [30.0]])  # tables of 2 and 3 rows
+    >>> shards = [tf.Variable(table[:3]), tf.Variable(table[3:])]  # split inside table 1
+    >>> ids = [tf.constant([[0, 1], [1, 1]]), tf.ragged.constant([[2], [0, 1]])]
+    >>> sharded_grouped_gather_reduce_sum(shards, ids, num_rows=[2, 3]).numpy()
+    array([[ 3., 30.],
+           [ 4., 30.]])
+    """
+    shards = shards_of(params)
+    if shards is None:
+        return _grouped.grouped_gather_reduce_sum(
+            params,
+            indices,
+            weights,
+            num_rows=num_rows,
+            row_offsets=row_offsets,
+            combiner=combiner,
+            padding_ids=padding_ids,
+            labels=labels,
+            dense_grad=dense_grad,
+            implementation=implementation,
+            name=name,
+        )
+    weighted = weights is not None and any(w is not None for w in weights)
+    _common.check_lookup_args(combiner, weights if weighted else None, None, implementation)
+    offsets, dim, dtype = _check_shards(shards)
+    with tf.name_scope(name or "sharded_grouped_gather_reduce_sum"):
+        ids, flat_weights, batch = _grouped.grouped_bags(
+            tf.TensorSpec([offsets[-1], dim], dtype),
+            indices,
+            weights,
+            num_rows=num_rows,
+            row_offsets=row_offsets,
+            padding_ids=padding_ids,
+            labels=labels,
+        )
+        output = sharded_gather_reduce_sum(
+            shards,
+            ids,
+            flat_weights,
+            combiner=combiner,
+            padding_id=-1,
+            dense_grad=dense_grad,
+            implementation=implementation,
+        )
+        count = len(list(indices))
+        output = tf.reshape(output, [-1, count * dim])  # [B * T, D] example by example
+        output.set_shape([batch, count * dim])
         return output
 
 

@@ -3,16 +3,33 @@ table, looked up together (one lookup per embedding width and combiner)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tf_ttemb import _args
+from tf_ttemb import distribute as _distribute
 from tf_ttemb.ops import _common
 from tf_ttemb.ops import grouped as _grouped
 
 _KEYS = ("name", "input_dim", "output_dim", "combiner", "initializer", "padding_id", "table")
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+
+
+def _non_negative(name: str, value: Any, positive: bool) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        kind = "a positive" if positive else "a non-negative"
+        raise ValueError(f"{name} must be {kind} finite number, got {value!r}")
+    return float(value)
 
 
 def _feature(config: Any, position: int) -> dict:
@@ -68,6 +85,28 @@ class GroupedEmbeddingBag(keras.layers.Layer):
       * `table`: the name of its table (default: the feature's name). Features with
         the same table share it and must agree on input_dim, output_dim and initializer.
 
+    Under `tf.distribute.ParameterServerStrategy` each stack is one variable placed
+    whole on a parameter server, or, with a `variable_partitioner`, a `ShardedVariable`
+    split by rows (anywhere, inside a table too): the layer then looks it up with
+    `tf_ttemb.distribute.sharded_grouped_gather_reduce_sum`, each shard's part on the
+    parameter server that holds it, and each shard gets its own `tf.IndexedSlices`
+    gradient (differentiate w.r.t. `tf_ttemb.distribute.shards_of(layer.stacked[w])`).
+    See `docs/distribute.md`.
+
+    Fused update (`sparse=True`): the stacks are non-trainable and the backward pass
+    updates the rows it read in place, every table of a lookup in one
+    `tf_ttemb.ops.grouped.grouped_gather_reduce_sum_sparse_apply` call (no [rows, D]
+    gradient is materialised and the model's optimizer never sees the tables). With `g`
+    a row's summed gradient and `lr = learning_rate`: "sgd": `w -= lr * g`;
+    "rowwise_adagrad": `a += mean(g**2); w -= lr * g / (sqrt(a) + eps)`, one accumulator
+    per row (`accumulators_<width>`, [rows]); "adagrad": the same per element
+    ([rows, width]); accumulators start at 0. An empty trainable variable
+    `fused_update_trigger` is the handle through which tapes (and `Model.fit`) reach the
+    update; calls with `training=False` never update. Each row gets one update per step
+    (features sharing a table must then share a combiner). The fused update runs the
+    custom op only: not under XLA, not under `tf.distribute` strategies, and not with a
+    `mixed_float16` policy (it cannot undo the loss scaling).
+
     Under mixed precision the tables stay in the variable dtype and the result is cast
     to the compute dtype. With `implementation="auto"` or `"custom_op"` the layer
     reports `supports_jit = False` (the custom op has no XLA kernel); "composite"
@@ -80,6 +119,10 @@ class GroupedEmbeddingBag(keras.layers.Layer):
       dense_grad: Whether the tables' gradients are dense rather than IndexedSlices.
       implementation: "auto", "custom_op" or "composite"; see
         `tf_ttemb.gather_reduce_sum`.
+      sparse: Fuse the optimizer step into the backward pass (see above).
+      optimizer: With `sparse=True`: "sgd" (default), "rowwise_adagrad" or "adagrad".
+      learning_rate: Of the fused update, a positive number (default 0.1).
+      eps: The Adagrads' epsilon, >= 0 (default 1e-10).
       **kwargs: Base `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -113,6 +156,10 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         output_mode: str = "concat",
         dense_grad: bool = False,
         implementation: str = "auto",
+        sparse: bool = False,
+        optimizer: str = "sgd",
+        learning_rate: float = 0.1,
+        eps: float = 1e-10,
         **kwargs: Any,
     ) -> None:
         features = [_feature(f, t) for t, f in enumerate(list(features))]
@@ -133,6 +180,12 @@ class GroupedEmbeddingBag(keras.layers.Layer):
                 )
         _args.check_choice("output_mode", output_mode, ("concat", "list"))
         _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
+        _args.check_choice("optimizer", optimizer, OPTIMIZERS)
+        learning_rate = _non_negative("learning_rate", learning_rate, positive=True)
+        eps = _non_negative("eps", eps, positive=False)
+        sparse = bool(sparse)
+        if sparse:
+            _check_fused(features, dense_grad, implementation)
         if keras.backend.backend() != "tensorflow":
             raise ValueError(
                 "GroupedEmbeddingBag needs the TensorFlow backend of Keras, got "
@@ -143,7 +196,17 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         self.output_mode = output_mode
         self.dense_grad = bool(dense_grad)
         self.implementation = implementation
-        self.supports_jit = implementation == "composite"
+        self.sparse = sparse
+        self.optimizer = optimizer
+        self.learning_rate = learning_rate
+        self.eps = eps
+        if sparse and self.dtype_policy.name == "mixed_float16":
+            raise ValueError(
+                "sparse=True (the update fused into the backward pass) cannot undo the loss "
+                "scaling of the mixed_float16 policy; give this layer dtype='float32' or "
+                "'mixed_bfloat16', or use sparse=False"
+            )
+        self.supports_jit = implementation == "composite" and not sparse
         # Tables per width, in first-use order, each with its first row in the stack.
         self._tables: dict = {}  # table name -> (width, row offset, rows, initializer)
         rows_of_width: dict = {}
@@ -177,9 +240,25 @@ class GroupedEmbeddingBag(keras.layers.Layer):
                 name=f"embeddings_{width}",
                 shape=(rows, width),
                 initializer=initializer,
-                trainable=True,
+                trainable=not self.sparse,
                 autocast=False,
             )
+        self.accumulators = {}
+        if self.sparse:
+            self.update_trigger = self.add_weight(
+                name="fused_update_trigger", shape=(0,), initializer="zeros", trainable=True
+            )
+            accumulator_dtype = "float64" if self.variable_dtype == "float64" else "float32"
+            for width, rows in self._rows_of_width.items():
+                if self.optimizer != "sgd":
+                    self.accumulators[width] = self.add_weight(
+                        name=f"accumulators_{width}",
+                        shape=(rows,) if self.optimizer == "rowwise_adagrad" else (rows, width),
+                        initializer="zeros",
+                        dtype=accumulator_dtype,
+                        trainable=False,
+                        autocast=False,
+                    )
         self.built = True
 
     def table(self, name: str) -> tf.Tensor:
@@ -206,7 +285,7 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             )
         return values
 
-    def call(self, inputs: Any, weights: Any = None) -> Any:
+    def call(self, inputs: Any, weights: Any = None, training: Any = None) -> Any:
         """The features' bags combined; see the class docstring."""
         ids = self._by_feature(inputs, "inputs", required=True)
         per_feature = (
@@ -219,18 +298,37 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             group_weights = [per_feature[t] for t in members]
             if all(w is None for w in group_weights):
                 group_weights = None
-            out = _grouped.grouped_gather_reduce_sum(
-                self.stacked[width],
-                [ids[t] for t in members],
-                group_weights,
+            group = dict(
                 num_rows=[self.features[t]["input_dim"] for t in members],
                 row_offsets=[self._tables[self.features[t]["table"]][1] for t in members],
                 combiner=combiner,
                 padding_ids=[self.features[t]["padding_id"] for t in members],
                 labels=[self.features[t]["name"] for t in members],
-                dense_grad=self.dense_grad,
-                implementation=self.implementation,
             )
+            if self.sparse and training is not False:
+                out = _grouped.grouped_gather_reduce_sum_sparse_apply(
+                    self.stacked[width],
+                    [ids[t] for t in members],
+                    group_weights,
+                    trigger=tf.convert_to_tensor(_common.resource_variable(self.update_trigger)),
+                    optimizer=self.optimizer,
+                    learning_rate=self.learning_rate,
+                    accumulator=self.accumulators.get(width),
+                    epsilon=self.eps,
+                    **group,
+                )
+            else:
+                # A stack sharded by ParameterServerStrategy's variable_partitioner is
+                # looked up shard by shard where each shard lives; an unsharded one in one
+                # call.
+                out = _distribute.sharded_grouped_gather_reduce_sum(
+                    self.stacked[width],
+                    [ids[t] for t in members],
+                    group_weights,
+                    dense_grad=self.dense_grad,
+                    implementation=self.implementation,
+                    **group,
+                )
             out = tf.cast(out, self.compute_dtype)
             if len(self._groups) == 1 and self.output_mode == "concat":
                 return out
@@ -253,5 +351,29 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             output_mode=self.output_mode,
             dense_grad=self.dense_grad,
             implementation=self.implementation,
+            sparse=self.sparse,
+            optimizer=self.optimizer,
+            learning_rate=self.learning_rate,
+            eps=self.eps,
         )
         return config
+
+
+def _check_fused(features: list, dense_grad: bool, implementation: str) -> None:
+    """The layer arguments sparse=True cannot take (ValueError naming them)."""
+    if dense_grad:
+        raise ValueError("dense_grad=True does not apply with sparse=True (no table gradient)")
+    if implementation == "composite":
+        raise ValueError(
+            "sparse=True runs the custom op (the fused update has no composite form); "
+            "implementation must be 'auto' or 'custom_op', got 'composite'"
+        )
+    combiners: dict = {}
+    for f in features:
+        first = combiners.setdefault(f["table"], (f["name"], f["combiner"]))
+        if first[1] != f["combiner"]:
+            raise ValueError(
+                f"with sparse=True the features sharing table {f['table']!r} must share a "
+                f"combiner (one fused update per row and step); {first[0]!r} has "
+                f"{first[1]!r}, {f['name']!r} has {f['combiner']!r}"
+            )

@@ -217,6 +217,38 @@ def grouped_gather_reduce_sum_sparse_apply(
         return _concatenated(output, joined, g.count, shape)
 
 
+def grouped_bags(
+    table: tf.TensorSpec,
+    indices: Sequence[Any],
+    weights: Sequence[Any] | None = None,
+    *,
+    num_rows: Sequence[int],
+    row_offsets: Sequence[int] | None = None,
+    padding_ids: Sequence[int | None] | None = None,
+    labels: Sequence[str] | None = None,
+) -> tuple:
+    """The features' bags as one batch of bags of the stacked table, for lookups that
+    cannot take the table whole (`tf_ttemb.distribute.sharded_grouped_gather_reduce_sum`).
+
+    The ids are checked and offset as in `grouped_gather_reduce_sum` (same arguments;
+    `table` gives the stacked table's shape and dtype) and reordered example by example:
+    bag `b * T + t` is example b's bag of feature t, a padding entry's id is -1.
+
+    Returns:
+      (ids, weights, batch): ids a [B * T, (L)] int64 `tf.RaggedTensor` of rows of the
+      stacked table, weights one like it or None, batch the static B or None.
+    """
+    g = _checked_args(
+        table, indices, weights, num_rows, row_offsets, "sum", padding_ids, labels, None
+    )
+    _checked_table(table, g)
+    joined = _bags.concat_bags(g.indices, g.weights, table.dtype, False, "feature")
+    bags = _grouped_bags(joined.bags, g.attrs, table.dtype)
+    ids = tf.RaggedTensor.from_row_splits(bags.ids, bags.row_splits, validate=False)
+    weights = None if bags.weights is None else ids.with_flat_values(bags.weights)
+    return ids, weights, joined.static_batch
+
+
 class _Args(NamedTuple):
     indices: list
     weights: list | None
