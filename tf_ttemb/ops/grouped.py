@@ -238,9 +238,7 @@ def grouped_bags(
       (ids, weights, batch): ids a [B * T, (L)] int64 `tf.RaggedTensor` of rows of the
       stacked table, weights one like it or None, batch the static B or None.
     """
-    g = _checked_args(
-        table, indices, weights, num_rows, row_offsets, "sum", padding_ids, labels, None
-    )
+    g = _checked_args(indices, weights, num_rows, row_offsets, "sum", padding_ids, labels, None)
     _checked_table(table, g)
     joined = _bags.concat_bags(g.indices, g.weights, table.dtype, False, "feature")
     bags = _grouped_bags(joined.bags, g.attrs, table.dtype)
