@@ -29,9 +29,6 @@
 namespace tf_ttemb {
 namespace gpu {
 
-using ::tf_ttemb::AccT;
-using ::tf_ttemb::AccumulatorOf;
-
 #if defined(__CUDACC__)
 __device__ __forceinline__ float ToAcc(float x) { return x; }
 __device__ __forceinline__ double ToAcc(double x) { return x; }

@@ -91,40 +91,8 @@ __device__ __forceinline__ void StoreVec(T* __restrict__ p, const Pack<T>& x, in
   }
 }
 
-// acc[e] = fma(w, element e, acc[e]) over the V elements held in the raw
-// 16 bytes of a row vector (little-endian, element 0 in the low bits of x):
-// the same values as ToAcc on a Pack, in fewer instructions (for bf16 a
-// shift or a mask per element) and without 16-bit registers.
-__device__ __forceinline__ void FmaRaw(float w, const uint4& r, float (&acc)[4]) {
-  acc[0] = fma(w, __uint_as_float(r.x), acc[0]);
-  acc[1] = fma(w, __uint_as_float(r.y), acc[1]);
-  acc[2] = fma(w, __uint_as_float(r.z), acc[2]);
-  acc[3] = fma(w, __uint_as_float(r.w), acc[3]);
-}
-__device__ __forceinline__ void FmaRaw(double w, const uint4& r, double (&acc)[2]) {
-  acc[0] = fma(w, __hiloint2double(static_cast<int>(r.y), static_cast<int>(r.x)), acc[0]);
-  acc[1] = fma(w, __hiloint2double(static_cast<int>(r.w), static_cast<int>(r.z)), acc[1]);
-}
-__device__ __forceinline__ void FmaRawBf16(float w, const uint4& r, float (&acc)[8]) {
-  const unsigned words[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    acc[2 * k] = fma(w, __uint_as_float(words[k] << 16), acc[2 * k]);
-    acc[2 * k + 1] = fma(w, __uint_as_float(words[k] & 0xffff0000u), acc[2 * k + 1]);
-  }
-}
-__device__ __forceinline__ void FmaRawHalf(float w, const uint4& r, float (&acc)[8]) {
-  const unsigned words[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    __half2 h;
-    memcpy(&h, &words[k], sizeof(h));
-    const float2 f = __half22float2(h);
-    acc[2 * k] = fma(w, f.x, acc[2 * k]);
-    acc[2 * k + 1] = fma(w, f.y, acc[2 * k + 1]);
-  }
-}
-// The V elements held in the raw 16 bytes of a row vector, as AccT<T>.
+// The V elements held in the raw 16 bytes of a row vector (little-endian, element 0 in
+// the low bits of x), as AccT<T>.
 template <typename T>
 __device__ __forceinline__ void RawToAcc(const uint4& r, AccT<T> (&f)[VecOf<T>()]) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
@@ -164,15 +132,15 @@ __device__ __forceinline__ uint4 AccToRaw(const AccT<T> (&f)[VecOf<T>()]) {
   return *reinterpret_cast<const uint4*>(o.v);
 }
 
+// acc[e] = fma(w, element e, acc[e]) over the V elements held in the raw 16 bytes of a
+// row vector: the same values as ToAcc on a Pack, in fewer instructions (for bf16 a shift
+// or a mask per element) and without 16-bit registers.
 template <typename T>
 __device__ __forceinline__ void FmaRawOf(AccT<T> w, const uint4& r, AccT<T> (&acc)[VecOf<T>()]) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    FmaRawBf16(w, r, acc);
-  } else if constexpr (std::is_same<T, __half>::value) {
-    FmaRawHalf(w, r, acc);
-  } else {
-    FmaRaw(w, r, acc);
-  }
+  AccT<T> f[VecOf<T>()];
+  RawToAcc<T>(r, f);
+#pragma unroll
+  for (int e = 0; e < VecOf<T>(); ++e) acc[e] = fma(w, f[e], acc[e]);
 }
 
 template <int V>

@@ -41,10 +41,6 @@
 namespace tf_ttemb {
 namespace gpu {
 
-using ::tf_ttemb::AccT;
-using ::tf_ttemb::Combiner;
-using ::tf_ttemb::DeviceReport;
-
 // Sizes and attributes of one call: the op's BagOptions (combiner, has_weights,
 // has_padding_id, padding_id; cuda/common_types.h) and the sizes.
 struct BagProblem : ::tf_ttemb::BagOptions {

@@ -36,8 +36,6 @@
 namespace tf_ttemb {
 namespace gpu {
 
-using ::tf_ttemb::RowOptimizer;
-
 template <typename Acc>
 struct RowUpdate {
   RowOptimizer optimizer = RowOptimizer::kSgd;

@@ -15,8 +15,6 @@
 namespace tf_ttemb {
 namespace gpu {
 
-using ::tf_ttemb::GroupReport;
-
 // One call: T features of B bags each, nnz entries. `features` points to
 // 4 * T int64 in device memory: num_rows[T], row_offsets[T], padding_ids[T],
 // has_padding_ids[T] (0 or 1).

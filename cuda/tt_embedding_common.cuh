@@ -193,16 +193,22 @@ __global__ void CheckIdsKernel(Geo g, const int64_t* ids, const int64_t* counts,
   }
 }
 
-// ids is the full (not offset) array here.
-__global__ void FinishReportKernel(const int64_t* ids, const int64_t* num_ids, int64_t max_ids,
-                                   TTReport* report) {
+// The report's bad id once the checks have run: its value, or -1 and -1 for none
+// (one thread; `ids` the full, not offset, array).
+template <typename Tindex>
+__device__ void FinishBadIndex(const Tindex* ids, TTReport* report) {
   const int64_t first = report->first_bad_index;
   if (first == kNoBad) {
     report->first_bad_index = -1;
     report->bad_index_value = -1;
   } else {
-    report->bad_index_value = ids[first];
+    report->bad_index_value = static_cast<int64_t>(ids[first]);
   }
+}
+
+__global__ void FinishReportKernel(const int64_t* ids, const int64_t* num_ids, int64_t max_ids,
+                                   TTReport* report) {
+  FinishBadIndex(ids, report);
   report->num_ids = num_ids == nullptr ? max_ids : min(*num_ids, max_ids);
 }
 

@@ -66,13 +66,7 @@ __global__ void UniqueScatterKernel(int64_t nnz, const int64_t* keys, const int3
 template <typename Tindex>
 __global__ void UniqueFinishKernel(const Tindex* ids, int64_t nnz, const int32_t* incl,
                                    TTReport* report) {
-  const int64_t first = report->first_bad_index;
-  if (first == kNoBad) {
-    report->first_bad_index = -1;
-    report->bad_index_value = -1;
-  } else {
-    report->bad_index_value = static_cast<int64_t>(ids[first]);
-  }
+  FinishBadIndex(ids, report);
   report->num_unique = nnz > 0 ? incl[nnz - 1] : 0;
   report->num_ids = nnz;
 }

@@ -68,10 +68,8 @@
 namespace tf_ttemb {
 namespace gpu {
 
-// The cores' limit, and what the device found and counted (TTReport, in device
-// memory): cuda/common_types.h.
-using ::tf_ttemb::kMaxTTCores;
-using ::tf_ttemb::TTReport;
+// The cores' limit (kMaxTTCores) and what the device found and counted (TTReport, in
+// device memory) are in cuda/common_types.h.
 
 // The factorisation of a (table-batched) TT table, as in the contract.
 // p[k], q[k] for k < num_cores; r[0] = r[num_cores] = 1, r[1..num_cores-1]

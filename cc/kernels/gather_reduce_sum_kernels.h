@@ -25,14 +25,6 @@
 namespace tensorflow {
 namespace tf_ttemb {
 
-// Shared with the CUDA launchers (cuda/common_types.h): the combiner and
-// optimizer choices, and AccT<T>, float32 for half types and T otherwise.
-using ::tf_ttemb::AccT;
-using ::tf_ttemb::Combiner;
-using ::tf_ttemb::DeviceReport;
-using ::tf_ttemb::kDeviceReportWords;
-using ::tf_ttemb::RowOptimizer;
-
 // Attributes common to every op of the family (combiner, weights, padding id),
 // parsed once in the kernel constructor; the launchers take the same struct.
 using BagAttrs = ::tf_ttemb::BagOptions;

@@ -19,9 +19,6 @@
 namespace tensorflow {
 namespace tf_ttemb {
 
-using ::tf_ttemb::GroupReport;
-using ::tf_ttemb::kGroupReportWords;
-
 // The per-feature attrs of GroupBags and CheckGroupReport, checked to be lists
 // of one length (the number of features) with rows and offsets >= 0.
 struct GroupAttrs {

@@ -67,10 +67,8 @@ Status ValidateRowsInputs(OpKernelContext* ctx, const TTShape& shape, OpInputLis
 // The message for ids[position] = value outside [0, limit).
 Status GlobalIdError(int64_t position, int64_t value, int64_t limit);
 
-// What a GPU TT op found (cuda/common_types.h), with the CPU kernels' message for a
+// What a GPU TT op found (TTReport, cuda/common_types.h), with the CPU kernels' message for a
 // bad global id of TTRows / TTRowsGrad: valid ids are [0, limit).
-using ::tf_ttemb::kTTReportWords;
-using ::tf_ttemb::TTReport;
 Status GlobalIdsReportStatus(const TTReport& report, int64_t limit);
 
 // TfTtemb>CheckTTRowsReport: its attr (the ids' bound) and its input, a TTRows report:
@@ -91,8 +89,7 @@ Status SavedMismatchError(const Tensor& saved, const char* what);
 // Most ids (or other entries) a GPU launcher sorts and scans: int32 positions.
 constexpr int64_t kMaxGpuIds = (int64_t{1} << 31) - 3;
 
-// Most cores of a GPU TT kernel (cuda/common_types.h).
-using ::tf_ttemb::kMaxTTCores;
+// (Most cores of a GPU TT kernel: kMaxTTCores, cuda/common_types.h.)
 
 // The error for more than kMaxGpuIds `what` of `op`.
 Status GpuIdsLimit(const char* op, const char* what, int64_t count);

@@ -799,8 +799,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
 // ---------------------------------------------------------------------------
 // TTCacheCount
 
-// Which set an id belongs to (cuda/common_types.h, shared with the GPU).
-using ::tf_ttemb::MixId;
+// Which set an id belongs to: MixId (cuda/common_types.h, shared with the GPU).
 
 // With the variables locked and of `a.size` > 0 slots (the op's checks).
 Status CacheCount(OpKernelContext* ctx, const CacheCountArgs& a) {

@@ -58,6 +58,17 @@ Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHa
   return c->WithRank(c->input(2), 1, indices);
 }
 
+// Shapes of the params-gradient ops taking (grad [B, D], indices, row_splits, weights,
+// argmax, num_rows scalar): checks them, merges B, and returns grad's shape.
+Status ParamsGradInputShapes(InferenceContext* c, ShapeHandle* grad) {
+  ShapeHandle num_rows;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, grad));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 0, &num_rows));
+  DimensionHandle num_bags;
+  TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
+  return c->Merge(c->Dim(*grad, 0), num_bags, &num_bags);
+}
+
 }  // namespace
 
 #define TF_TTEMB_BAG_ATTRS                                       \
@@ -117,12 +128,8 @@ REGISTER_OP("TfTtemb>GatherReduceSumGrad")
     .Output("values: T")                 // [U, D]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle grad, num_rows;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 0, &num_rows));
-      DimensionHandle num_bags;
-      TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+      ShapeHandle grad;
+      TF_RETURN_IF_ERROR(ParamsGradInputShapes(c, &grad));
       DimensionHandle unique = c->UnknownDim();
       c->set_output(0, c->Vector(unique));
       c->set_output(1, c->Matrix(unique, c->Dim(grad, 1)));
@@ -142,12 +149,8 @@ REGISTER_OP("TfTtemb>GatherReduceSumDenseGrad")
     .Output("params_grad: T")    // [N, D]
     .TF_TTEMB_BAG_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle grad, num_rows_shape;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 0, &num_rows_shape));
-      DimensionHandle num_bags;
-      TF_RETURN_IF_ERROR(BagInputShapes(c, 1, 2, 3, &num_bags));
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
+      ShapeHandle grad;
+      TF_RETURN_IF_ERROR(ParamsGradInputShapes(c, &grad));
       DimensionHandle num_rows;
       TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(5, &num_rows));
       c->set_output(0, c->Matrix(num_rows, c->Dim(grad, 1)));

@@ -71,6 +71,15 @@ Status TTRowsInputShapes(InferenceContext* c, int64_t* dim, ShapeHandle* ids) {
 
 }  // namespace
 
+// The factorisation and value type of TTRows and TTRowsGrad.
+#define TF_TTEMB_TT_ATTRS               \
+  Attr("p_shapes: list(int) >= 2")      \
+      .Attr("q_shapes: list(int) >= 2") \
+      .Attr("ranks: list(int) >= 1")    \
+      .Attr("num_tables: int >= 1 = 1") \
+      .Attr("num_cores: int >= 2")      \
+      .Attr("T: {half, bfloat16, float, double}")
+
 REGISTER_OP("TfTtemb>TTUniqueIds")
     .Input("ids: Tindices")        // [nnz]
     .Input("table_splits: int64")  // [num_tables + 1]
@@ -105,12 +114,7 @@ REGISTER_OP("TfTtemb>TTRows")
     .Output("rows: T")              // [U, prod(q_shapes)]
     .Output("saved: T")             // [S] partial products for TTRowsGrad
     .Output("report: int64")        // [0] on the CPU; see CheckTTRowsReport
-    .Attr("p_shapes: list(int) >= 2")
-    .Attr("q_shapes: list(int) >= 2")
-    .Attr("ranks: list(int) >= 1")
-    .Attr("num_tables: int >= 1 = 1")
-    .Attr("num_cores: int >= 2")
-    .Attr("T: {half, bfloat16, float, double}")
+    .TF_TTEMB_TT_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
       ShapeHandle ids;
@@ -155,12 +159,7 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
     .Input("saved: T")                               // TTRows' saved output, or empty
     .Output("core_grad_indices: num_cores * int64")  // core k: [n_k]
     .Output("core_grad_values: num_cores * T")       // core k: [n_k, width_k]
-    .Attr("p_shapes: list(int) >= 2")
-    .Attr("q_shapes: list(int) >= 2")
-    .Attr("ranks: list(int) >= 1")
-    .Attr("num_tables: int >= 1 = 1")
-    .Attr("num_cores: int >= 2")
-    .Attr("T: {half, bfloat16, float, double}")
+    .TF_TTEMB_TT_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       int64_t dim;
       ShapeHandle ids, grad;

@@ -92,7 +92,9 @@ def parts(args):
 
     def unique_rows(ids):
         unique_ids, _ = unique(ids)
-        return lib.tf_ttemb_tt_rows(unique_ids, [tf.convert_to_tensor(c) for c in cores], **attrs).rows
+        return lib.tf_ttemb_tt_rows(
+            unique_ids, [tf.convert_to_tensor(c) for c in cores], **attrs
+        ).rows
 
     def forward(ids):
         return tf_ttemb.tt_embedding_bag(
