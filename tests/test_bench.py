@@ -649,3 +649,49 @@ def test_presets_on_the_gpu(tmp_path):
         assert result["environment"]["torch"]["device"] == "cuda:0"
     else:
         assert len([n for n in result["notes"] if n.startswith("torch")]) == 1, result["notes"]
+
+
+@pytest.mark.parametrize(
+    "script,key,names",
+    [
+        ("bench_report_check.py", "variant", {"op only", "op and check"}),
+        (
+            "bench_tt_step_parts.py",
+            "part",
+            {"empty", "unique", "unique+rows", "forward", "fwd+grad", "sgd step"},
+        ),
+    ],
+)
+def test_gpu_breakdown_benches_run_on_the_cpu(tmp_path, script, key, names):
+    """The two GPU breakdown programs run (--quick, on the CPU) and time every part per
+    call and in graph."""
+    path = tmp_path / "out.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(CHECKOUT / "python" / "bench" / script),
+            "--quick",
+            "--device",
+            "CPU:0",
+            "--repeats",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(path),
+        ],
+        cwd=CHECKOUT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(path.read_text())["results"]
+    assert {r[key] for r in results} == names
+    assert {r["kind"] for r in results} == {"per call", "in graph"}
+    assert len(results) == 2 * len(names) * (2 if script == "bench_report_check.py" else 1)
+    assert all(r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] for r in results)

@@ -128,6 +128,32 @@ def time_alternating(
     return {name: Timing(statistics.median(s), min(s), len(s)) for name, s in samples.items()}
 
 
+def time_per_call_and_in_graph(
+    tf: Any,
+    probes: Mapping[Any, Callable[[Any], Any]],
+    inputs: Sequence[Any],
+    warmup: int,
+    repeats: int,
+) -> List[Dict[str, Any]]:
+    """Times TensorFlow steps through `tf.function`, all alternately: for each key of
+    `probes` (fn(x) -> a scalar tensor that depends on the step's whole result), "per call"
+    runs fn(inputs[0]) in one call and "in graph" the steps of every input in one call,
+    divided by their count. Each call ends by fetching the scalar (so its time includes
+    the device's work). Returns dicts of key, kind, median_ms, min_ms."""
+    steps = {}
+    for key, fn in probes.items():
+        steps[(key, "per call")] = tf.function(lambda fn=fn: fn(inputs[0]))
+        steps[(key, "in graph")] = tf.function(lambda fn=fn: tf.add_n([fn(x) for x in inputs]))
+    timings = time_alternating(steps, warmup, repeats, sync=lambda r: r.numpy())
+    out = []
+    for (key, kind), t in timings.items():
+        divisor = len(inputs) if kind == "in graph" else 1
+        out.append(
+            dict(key=key, kind=kind, median_ms=t.median_ms / divisor, min_ms=t.min_ms / divisor)
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------------------
 # Peak memory.
 

@@ -32,9 +32,7 @@ _bench_util.add_checkout_to_path()
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="GPU:0")
-    parser.add_argument("--steps", type=_bench_util.positive_int, default=20)
-    parser.add_argument("--repeats", type=_bench_util.positive_int, default=30)
-    parser.add_argument("--warmup", type=_bench_util.positive_int, default=3)
+    _bench_util.add_int_options(parser, steps=20, repeats=30, warmup=3)
     parser.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
@@ -110,36 +108,16 @@ def measure(args) -> list:
     with tf.device(args.device):
         for build in (_bag_ops, _tt_ops):
             name, shape, lookup, inputs = build(lib, tf, rng, args)
-            steps = {}
-            for checked in (False, True):
-                label = "op and check" if checked else "op only"
-
-                def per_call(lookup=lookup, checked=checked):
-                    return tf.reduce_sum(lookup(inputs[0], checked)[:1])
-
-                def in_graph(lookup=lookup, checked=checked):
-                    return tf.add_n([tf.reduce_sum(lookup(x, checked)[:1]) for x in inputs])
-
-                steps[(label, "per call")] = tf.function(per_call)
-                steps[(label, "in graph")] = tf.function(in_graph)
-            timings = _bench_util.time_alternating(
-                {k: f for k, f in steps.items()},
-                args.warmup,
-                args.repeats,
-                sync=lambda r: r.numpy(),
-            )
-            for (label, kind), t in timings.items():
-                divisor = len(inputs) if kind == "in graph" else 1
-                results.append(
-                    dict(
-                        case=name,
-                        shape=shape,
-                        variant=label,
-                        kind=kind,
-                        median_ms=t.median_ms / divisor,
-                        min_ms=t.min_ms / divisor,
-                    )
+            probes = {
+                label: (
+                    lambda x, lookup=lookup, checked=checked: tf.reduce_sum(lookup(x, checked)[:1])
                 )
+                for label, checked in (("op only", False), ("op and check", True))
+            }
+            for r in _bench_util.time_per_call_and_in_graph(
+                tf, probes, inputs, args.warmup, args.repeats
+            ):
+                results.append(dict(case=name, shape=shape, variant=r.pop("key"), **r))
     return results
 
 

@@ -33,10 +33,7 @@ _bench_util.add_checkout_to_path()
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="GPU:0")
-    parser.add_argument("--bags", type=_bench_util.positive_int, default=512)
-    parser.add_argument("--steps", type=_bench_util.positive_int, default=20)
-    parser.add_argument("--repeats", type=_bench_util.positive_int, default=20)
-    parser.add_argument("--warmup", type=_bench_util.positive_int, default=3)
+    _bench_util.add_int_options(parser, bags=512, steps=20, repeats=20, warmup=3)
     parser.add_argument("--quick", action="store_true", help="a small table, a few repeats")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
@@ -143,30 +140,24 @@ def measure(args) -> list:
 
     with tf.device(args.device):
         fns, inputs = parts(args)
-        steps = {}
-        for name, fn in fns.items():
-            steps[(name, "per call")] = tf.function(lambda fn=fn: probe(fn(inputs[0])))
-            steps[(name, "in graph")] = tf.function(
-                lambda fn=fn: tf.add_n([probe(fn(x)) for x in inputs])
-            )
-        timings = _bench_util.time_alternating(
-            steps, args.warmup, args.repeats, sync=lambda r: r.numpy()
+        timed = _bench_util.time_per_call_and_in_graph(
+            tf,
+            {name: (lambda x, fn=fn: probe(fn(x))) for name, fn in fns.items()},
+            inputs,
+            args.warmup,
+            args.repeats,
         )
     lookups = args.bags * 20
-    results = []
-    for (name, kind), t in timings.items():
-        divisor = len(inputs) if kind == "in graph" else 1
-        ms = t.median_ms / divisor
-        results.append(
-            dict(
-                part=name,
-                kind=kind,
-                median_ms=ms,
-                min_ms=t.min_ms / divisor,
-                us_per_lookup=ms * 1e3 / lookups,
-            )
+    return [
+        dict(
+            part=r["key"],
+            kind=r["kind"],
+            median_ms=r["median_ms"],
+            min_ms=r["min_ms"],
+            us_per_lookup=r["median_ms"] * 1e3 / lookups,
         )
-    return results
+        for r in timed
+    ]
 
 
 def main(argv=None) -> int:
