@@ -169,6 +169,7 @@ struct WeightsGradLaunch<CpuDevice, T, Tindex> {
     thread::ThreadPool* pool = step.pool;
     TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, shapes.nnz, a.num_rows, attrs));
 
+    CollapseToHugePages(*a.params);
     const T* dy_data = a.grad->flat<T>().data();
     const T* params_data = a.params->flat<T>().data();
     const T* w = a.weights->flat<T>().data();
@@ -259,6 +260,7 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
       AdviseHugePages(values, grad_rows * dim * static_cast<int64_t>(sizeof(T)));
       ZeroUntouchedRows(call.pool, s, grad_rows, dim, values);
     }
+    CollapseToHugePages(*a.params);
     const T* params_data = a.params->flat<T>().data();
     std::vector<Acc>& w_sorted = *ThreadScratch::Get().weights(static_cast<Acc*>(nullptr));
     SortedCoefficients(call.pool, s, call.weights, call.scales.data(), &call.coef, &w_sorted);

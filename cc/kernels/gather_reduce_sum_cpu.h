@@ -15,15 +15,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/huge_pages.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -783,24 +780,6 @@ void ZeroUntouchedRows(thread::ThreadPool* pool, const SortedEntries& s, int64_t
       }
     }
   });
-}
-
-// Advises the kernel to back [p, p + bytes) with transparent huge pages
-// before its first touch (the pages of a freshly allocated dense [N, D]
-// gradient): 2 MiB faults instead of 512 of 4 KiB each. Only the whole 2 MiB
-// pages inside the range are advised; a no-op where THP is off or the pages
-// exist already, and never an error.
-inline void AdviseHugePages(void* p, int64_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (bytes < static_cast<int64_t>(4 * kHuge)) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)bytes;
-#endif
 }
 
 // Per-bag scale (see BagScale), computed once per bag.

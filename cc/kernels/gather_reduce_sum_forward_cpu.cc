@@ -759,6 +759,7 @@ struct ForwardLaunch<CpuDevice, T, Tindex> {
       }
     }
     if (num_bags == 0 || a.dim == 0) return OkStatus();
+    CollapseToHugePages(*a.params);
     const T* params = a.params->flat<T>().data();
     const T* weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
     T* out = a.output->flat<T>().data();

@@ -97,6 +97,8 @@ struct SparseApplyLaunch<CpuDevice, T, Tindex> {
     if (a.acc_var != nullptr) {
       TF_RETURN_IF_ERROR(EnsureExclusiveHostBuffer(ctx, a.acc_var));
     }
+    CollapseToHugePages(*a.params_var->tensor());
+    if (a.acc_var != nullptr) CollapseToHugePages(*a.acc_var->tensor());
     T* table = a.params_var->tensor()->flat<T>().data();
     Acc* state = a.acc_var != nullptr ? a.acc_var->tensor()->flat<Acc>().data() : nullptr;
 
