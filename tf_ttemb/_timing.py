@@ -6,10 +6,12 @@ Timing: `time_calls` (one callable, repeated) and `time_alternating` (several ca
 timed in turn, so a shared machine's load affects all alike); both take a `sync` that
 waits until the call's work is done (a GPU call returns once its kernels are queued).
 
-The benchmark programs also share their command line from here: the size and timing
-options (`add_int_options`, `add_timing_options`), the worker entry point
-(`main_or_worker`), the settings written with the results (`option_values`) and the
-quiet `--json` of the GPU benchmarks (`write_json_if_asked`).
+The benchmark programs, `python -m tf_ttemb bench` and the demo also share their command
+line from here: the integer and choice-list types and options (`positive_int`,
+`positive_int_list`, `add_int_options`, `add_choice_list`), the timing options
+(`add_timing_options`), the worker entry point (`main_or_worker`), the report rows of
+worker results (`result_rows`), the settings written with the results (`option_values`)
+and the quiet `--json` of the GPU benchmarks (`write_json_if_asked`).
 
 Nothing here imports TensorFlow or PyTorch (the standard library only, and no tf_ttemb
 module): the benchmark drivers stay light and each measurement runs in a worker process
@@ -417,25 +419,32 @@ def parse_list(text: str, allowed: Sequence[str]) -> List[str]:
 # Command-line types (argparse `type=`).
 
 
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1; thousands separators (`,` or `_`) are allowed."""
-    value = int(text.replace(",", "").replace("_", ""))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    """An integer >= 0; thousands separators (`,` or `_`) are allowed."""
+    return _int_at_least(text, 0)
 
 
-# argparse names the type in its message for a value int() rejects ("invalid
-# _positive_int value: 'x'"): the benchmarks' messages keep the names they always had.
-positive_int.__name__ = "_positive_int"
-non_negative_int.__name__ = "_non_negative_int"
+def positive_int_list(text: str) -> List[int]:
+    """Comma-separated integers >= 1 (`2048,4096`; `_` may separate thousands)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return [positive_int(item) for item in items]
 
 
 def choice_list(allowed: Sequence[str]) -> Callable[[str], List[str]]:
@@ -469,6 +478,20 @@ def add_int_options(parser: argparse.ArgumentParser, **options: Any) -> None:
         parser.add_argument(*flags, type=positive_int, default=default, help=text)
 
 
+def add_choice_list(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    allowed: Sequence[str],
+    text: str,
+    default: Optional[Sequence[str]] = None,
+    **kwargs: Any,
+) -> None:
+    """Adds option `flag`: a comma-separated list of `allowed` choices (see `choice_list`),
+    with help `text`; `default` None leaves the choice to the program. `kwargs` go to
+    `add_argument` (e.g. `metavar`)."""
+    parser.add_argument(flag, type=choice_list(allowed), default=default, help=text, **kwargs)
+
+
 def choices_parser(
     description: str, title: str, choices: Mapping[str, str], note: str
 ) -> argparse.ArgumentParser:
@@ -476,6 +499,26 @@ def choices_parser(
     `title: key = label; ... . note`."""
     listed = "; ".join(f"{key} = {label}" for key, label in choices.items())
     return argparse.ArgumentParser(description=description, epilog=f"{title}: {listed}. {note}")
+
+
+def result_rows(
+    results: Sequence[Mapping[str, Any]],
+    label_of: Callable[[Mapping[str, Any]], str],
+    width: int,
+    row_of: Callable[[Mapping[str, Any], str], List[str]],
+) -> Tuple[List[List[str]], List[str]]:
+    """A report's table rows, one per worker result in order, and its failures: the row
+    `row_of(result, label)` of a result that ran (`ok`), `label` and `width - 1` cells
+    "n/a" for one that failed, with its line `label: error` in the failures."""
+    rows, failures = [], []
+    for result in results:
+        label = label_of(result)
+        if result.get("ok"):
+            rows.append(row_of(result, label))
+        else:
+            rows.append([label] + ["n/a"] * (width - 1))
+            failures.append(f"{label}: {result.get('error', 'failed')}")
+    return rows, failures
 
 
 def report_text(lines: Sequence[str], failures: Sequence[str]) -> str:

@@ -198,23 +198,6 @@ The benchmark programs in the checkout's python/bench/ directory measure more
 (peak memory, FLOP rates, more shapes); this command is the one that ships in the wheel."""
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_list(text: str) -> List[int]:
-    items = [item for item in text.split(",") if item.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return [_positive(item.strip()) for item in items]
-
-
 def _shown(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(f"{v:,}" for v in value)
@@ -226,25 +209,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__.split("\n", 2)[2].split("How it measures")[0].strip()
     parser.epilog = EPILOG
-    parser.add_argument(
+    _timing.add_choice_list(
+        parser,
         "--preset",
-        type=_timing.choice_list(list(PRESETS)),
-        default=None,
-        metavar="NAME[,NAME...]",
-        help="model-shaped sizes, cases and dtypes (one run each; explicit options win): "
+        list(PRESETS),
+        "model-shaped sizes, cases and dtypes (one run each; explicit options win): "
         + "; ".join(f"{name}: {p.text}" for name, p in PRESETS.items()),
+        metavar="NAME[,NAME...]",
     )
-    parser.add_argument(
+    _timing.add_choice_list(
+        parser,
         "--cases",
-        type=_timing.choice_list(CASES),
-        default=None,
-        help=f"comma-separated cases to run (default: the preset's, else all: {','.join(CASES)})",
+        CASES,
+        f"comma-separated cases to run (default: the preset's, else all: {','.join(CASES)})",
     )
-    parser.add_argument(
+    _timing.add_choice_list(
+        parser,
         "--dtypes",
-        type=_timing.choice_list(DTYPES),
-        default=None,
-        help="comma-separated value dtypes of gather_reduce_sum, tt_rows and tt_bag "
+        DTYPES,
+        "comma-separated value dtypes of gather_reduce_sum, tt_rows and tt_bag "
         f"(from {','.join(DTYPES)}; default: the preset's, else float32)",
     )
     parser.add_argument(
@@ -261,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=_timing.positive_int,
         default=None,
         help="TensorFlow intra-op threads (default: TensorFlow's choice, one per core)",
     )
@@ -289,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sizes.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
-            type=_positive_list if name in LIST_SIZES else _positive,
+            type=_timing.positive_int_list if name in LIST_SIZES else _timing.positive_int,
             default=None,
             metavar="N[,N...]" if name in LIST_SIZES else "N",
             help=f"{text} ({_shown(default)} / {_shown(quick)})"

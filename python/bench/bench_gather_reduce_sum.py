@@ -830,14 +830,8 @@ def report(
     if args.eager:
         headers.append("eager f+b ms")
     headers += ["peak MiB (TF alloc)", "peak MiB (RSS)", "speed-up fwd", "speed-up f+b", "agrees"]
-    rows = []
-    failures = []
-    for result in results:
-        label = IMPLS[result["impl"]]
-        if not result.get("ok"):
-            rows.append([label] + ["n/a"] * (len(headers) - 1))
-            failures.append(f"{label}: {result.get('error', 'failed')}")
-            continue
+
+    def row_of(result, label):
         allocator = result.get("allocator_peak") or {}
         if check_ref is result:
             agrees = "ref"
@@ -848,14 +842,15 @@ def report(
         row = [label, _ms(result.get("fwd")), _ms(result.get("fwd_bwd"))]
         if args.eager:
             row.append(_ms(result.get("eager_fwd_bwd")))
-        row += [
+        return row + [
             _mib(allocator.get("growth_bytes")) if allocator.get("ok") else "-",
             _mib(result.get("rss_growth_bytes")),
             _speedup(result, baseline, "fwd"),
             _speedup(result, baseline, "fwd_bwd"),
             agrees,
         ]
-        rows.append(row)
+
+    rows, failures = util.result_rows(results, lambda r: IMPLS[r["impl"]], len(headers), row_of)
 
     rss_methods = sorted({r["rss_method"] for r in measured.values() if r.get("rss_method")})
     allocator_notes = sorted(
@@ -927,20 +922,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser,
         repeats=(10, "timed calls per measurement (default: %(default)s)"),
         warmup=(2, "untimed calls before timing (default: %(default)s)"),
+        threads_help="TF intra-op threads, and torch threads (default: 0 = TensorFlow's "
+        "default, one per usable CPU)",
     )
-    parser.add_argument(
+    util.add_choice_list(
+        parser,
         "--impls",
-        type=util.choice_list(IMPLS),
-        default=None,
-        help="comma-separated implementations to run (default: all; torch "
-        "is skipped where it is not importable)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=util.non_negative_int,
-        default=0,
-        help="TF intra-op threads, and torch threads (default: 0 = "
-        "TensorFlow's default, one per usable CPU)",
+        IMPLS,
+        "comma-separated implementations to run (default: all; torch is skipped where it is "
+        "not importable)",
     )
     parser.add_argument(
         "--no-eager",
@@ -977,7 +967,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sweep-threads",
-        type=lambda text: [util.positive_int(t) for t in text.split(",") if t.strip()],
+        type=util.positive_int_list,
         default=None,
         metavar="N,M",
         help="with --sweep: the thread counts to run the table at, e.g. 2,1 (default: "

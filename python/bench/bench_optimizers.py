@@ -298,13 +298,8 @@ def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str
         "table grad",
         "load before/after",
     ]
-    rows, failures = [], []
-    for result in results:
-        label = OPTIMIZERS[result["optimizer"]]
-        if not result.get("ok"):
-            rows.append([label] + ["n/a"] * (len(headers) - 1))
-            failures.append(f"{label}: {result.get('error', 'failed')}")
-            continue
+
+    def row_of(result, label):
         step = result["step"]
         speedup = "-"
         ratio = "-"
@@ -312,18 +307,20 @@ def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str
             speedup = f"{baseline['step']['median_ms'] / step['median_ms']:.1f}x"
             if result["state_bytes"]:
                 ratio = f"1/{baseline['state_bytes'] / result['state_bytes']:.1f}"
-        rows.append(
-            [
-                label,
-                f"{step['median_ms']:,.1f} ({step['min_ms']:,.1f})",
-                speedup,
-                _mib(result["state_bytes"]),
-                ratio,
-                _mib(result["rss_growth_bytes"]),
-                "/".join(result["gradient_kinds"]) or "-",
-                f"{result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}",
-            ]
-        )
+        return [
+            label,
+            f"{step['median_ms']:,.1f} ({step['min_ms']:,.1f})",
+            speedup,
+            _mib(result["state_bytes"]),
+            ratio,
+            _mib(result["rss_growth_bytes"]),
+            "/".join(result["gradient_kinds"]) or "-",
+            f"{result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}",
+        ]
+
+    rows, failures = util.result_rows(
+        results, lambda r: OPTIMIZERS[r["optimizer"]], len(headers), row_of
+    )
     touched = next((r["touched_rows_first_batch"] for r in ok.values()), None)
     threads = sorted({r["threads"] for r in ok.values()})
     repeats = next((r["step"]["repeats"] for r in ok.values()), "?")
@@ -385,11 +382,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         bag_size=20,
         batches=(4, "distinct batches of ids the steps cycle through (default: %(default)s)"),
     )
-    parser.add_argument(
+    util.add_choice_list(
+        parser,
         "--optimizers",
-        type=util.choice_list(OPTIMIZERS),
+        OPTIMIZERS,
+        "comma-separated optimizers to run (default: all)",
         default=list(OPTIMIZERS),
-        help="comma-separated optimizers to run (default: all)",
     )
     util.add_timing_options(
         parser,

@@ -565,47 +565,30 @@ def report(
     return "\n".join(lines), document
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--batch", type=_positive, default=4, help="sequences (default: 4)")
-    parser.add_argument("--seq", type=_positive, default=512, help="tokens each (default: 512)")
-    parser.add_argument(
-        "--full-batch",
-        type=_positive,
-        default=32,
-        help="batch of the request's shape, arithmetic only (default: 32)",
+    util.add_int_options(
+        parser,
+        batch=(4, "sequences (default: 4)"),
+        seq=(512, "tokens each (default: 512)"),
+        full_batch=(32, "batch of the request's shape, arithmetic only (default: 32)"),
+        dim=(1024, "input and value size (default: 1024)"),
+        n_keys=(512, "default: 512"),
+        k_dim=(256, "default: 256"),
+        heads=(4, "default: 4"),
+        knn=(32, "default: 32"),
+        repeats=(5, "timed calls per variant (default: 5)"),
+        memory_steps=(2, "measured steps per variant, max reported (default: 2)"),
     )
-    parser.add_argument(
-        "--dim", type=_positive, default=1024, help="input and value size (default: 1024)"
-    )
-    parser.add_argument("--n-keys", type=_positive, default=512, help="default: 512")
-    parser.add_argument("--k-dim", type=_positive, default=256, help="default: 256")
-    parser.add_argument("--heads", type=_positive, default=4, help="default: 4")
-    parser.add_argument("--knn", type=_positive, default=32, help="default: 32")
-    parser.add_argument(
-        "--repeats", type=_positive, default=5, help="timed calls per variant (default: 5)"
-    )
-    parser.add_argument(
-        "--memory-steps",
-        type=_positive,
-        default=2,
-        help="measured steps per variant, max reported (default: 2)",
-    )
-    parser.add_argument(
+    util.add_choice_list(
+        parser,
         "--variants",
-        type=lambda text: util.parse_list(text, list(VARIANTS)),
+        VARIANTS,
+        f"comma-separated, from {', '.join(VARIANTS)} (default: all)",
         default=list(VARIANTS),
-        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)",
     )
     parser.add_argument(
         "--optimizer",

@@ -132,8 +132,7 @@ def main(argv=None) -> int:
     for r in results[:: len(results) // 2]:
         print(f"  {r['case']}: {r['shape']}")
     print(_bench_util.format_table(["case", "timing", "variant", "median ms", "min ms"], rows))
-    if args.json:
-        _bench_util.write_json(args.json, {"device": args.device, "results": results})
+    _bench_util.write_json_if_asked(args.json, {"device": args.device, "results": results})
     return 0
 
 

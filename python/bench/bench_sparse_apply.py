@@ -55,20 +55,14 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-rows", "-N", type=int, default=262_144)
-    parser.add_argument("--dim", "-D", type=int, default=1024)
-    parser.add_argument("--bags", "-B", type=int, default=16_384)
-    parser.add_argument("--bag-size", "-L", type=int, default=128)
+    _bench_util.add_int_options(parser, num_rows=262_144, dim=1024, bags=16_384, bag_size=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--steps", type=int, default=20, help="ops per in-graph call")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per case")
+    _bench_util.add_int_options(
+        parser, steps=(20, "ops per in-graph call"), repeats=(10, "timed calls per case")
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results to this file")
-    args = parser.parse_args(argv)
-    for name in ("num_rows", "dim", "bags", "bag_size", "steps", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:

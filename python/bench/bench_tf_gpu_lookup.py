@@ -57,6 +57,7 @@ class Target:
         return None if timing is None else timing["median_ms"]
 
 
+PRESETS = ("dlrm", "pkm", "fbtt")
 TARGETS = [
     Target("dlrm:gather_reduce_sum", "float32", "fwd_in_graph", 0.07, "ms"),
     Target("dlrm:gather_reduce_sum", "float32", "fwd_bwd", 0.5, "ms"),
@@ -76,7 +77,7 @@ NAMES = {
 }
 
 
-def verdicts(rows: List[Dict[str, Any]], presets=("dlrm", "pkm", "fbtt")) -> List[Dict[str, Any]]:
+def verdicts(rows: List[Dict[str, Any]], presets=PRESETS) -> List[Dict[str, Any]]:
     """One verdict per target of `presets`: the custom op's measured value, PASS or MISS
     (or NOT MEASURED when the bench has no such row or measurement)."""
     by_key = {(r["label"], r["dtype"]): r for r in rows if r["impl"] == "custom_op"}
@@ -112,12 +113,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="--in-graph-steps of the bench")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--device", default="GPU:0")
-    parser.add_argument(
+    _bench_util.add_choice_list(
+        parser,
         "--presets",
-        type=_bench_util.choice_list(["dlrm", "pkm", "fbtt"]),
-        default=["dlrm", "pkm", "fbtt"],
-        help="comma-separated presets to run (default: all three; one per call keeps a "
-        "device call short)",
+        PRESETS,
+        "comma-separated presets to run (default: all three; one per call keeps a device "
+        "call short)",
+        default=list(PRESETS),
     )
     parser.add_argument("--json", default=None)
     parser.add_argument(

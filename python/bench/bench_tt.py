@@ -552,17 +552,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "fused SGD) on CPU, against a dense gather_reduce_sum and this machine's matmul rate.",
         epilog="See the module docstring for the cases, the FLOP formula and the method.",
     )
-    parser.add_argument(
+    util.add_choice_list(
+        parser,
         "--cases",
-        type=util.choice_list(CASE_NAMES),
-        default=None,
-        help=f"comma-separated cases (default: all: {','.join(CASE_NAMES)}; --quick: fbtt)",
+        CASE_NAMES,
+        f"comma-separated cases (default: all: {','.join(CASE_NAMES)}; --quick: fbtt)",
     )
-    parser.add_argument(
+    util.add_choice_list(
+        parser,
         "--distributions",
-        type=util.choice_list(DISTRIBUTIONS),
+        DISTRIBUTIONS,
+        "id distributions (default: uniform,zipf)",
         default=list(DISTRIBUTIONS),
-        help="id distributions (default: uniform,zipf)",
     )
     util.add_int_options(
         parser, bags=(512, "bags (default: 512)"), bag_size=(20, "ids per bag (default: 20)")

@@ -175,8 +175,7 @@ def main(argv=None) -> int:
         for r in results
     ]
     print(_bench_util.format_table(["part", "timing", "median ms", "min ms", "us/lookup"], rows))
-    if args.json:
-        _bench_util.write_json(args.json, {"device": args.device, "results": results})
+    _bench_util.write_json_if_asked(args.json, {"device": args.device, "results": results})
     return 0
 
 

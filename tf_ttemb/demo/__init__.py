@@ -34,8 +34,9 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
+from tf_ttemb import _timing
 from tf_ttemb.demo import gather_reduce_sum, pkm_lm, tt_quality
 from tf_ttemb.ops import _loader
 
@@ -71,38 +72,6 @@ SECTIONS: Dict[str, Section] = {
 }
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(item.replace("_", "")) for item in text.split(",") if item.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _sections(text: str) -> List[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown section(s) {unknown or text!r}; choose from {', '.join(SECTIONS)}"
-        )
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the demo's options to `parser` (the `demo` subcommand of `python -m tf_ttemb`)."""
     parser.add_argument(
@@ -111,57 +80,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where the plots and JSON results go (default: %(default)s/)",
     )
-    parser.add_argument(
+    _timing.add_choice_list(
+        parser,
         "--sections",
-        type=_sections,
+        list(SECTIONS),
+        f"comma-separated sections to run (default: all: {', '.join(SECTIONS)})",
         default=list(SECTIONS),
-        help=f"comma-separated sections to run (default: all: {', '.join(SECTIONS)})",
     )
     parser.add_argument(
         "--tokens",
-        type=_int_list,
+        type=_timing.positive_int_list,
         default=None,
         help="token counts of the scaling sweep (default: 256,512,1024,2048,4096; "
         "2048,4096,8192,16384 with a GPU)",
     )
-    parser.add_argument(
-        "--headline-tokens",
-        type=_positive_int,
-        default=None,
-        help="token count of the summary and the equality check (default: 1024; 16384 = "
-        "32 x 512 with a GPU)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=_positive_int,
-        default=3,
-        help="timed steps per measurement (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--slots",
-        type=_positive_int,
-        default=None,
-        help=f"rows of the values table (default: {gather_reduce_sum.PkmShape.slots}; "
-        "262144 with a GPU)",
-    )
-    parser.add_argument(
-        "--dim",
-        type=_positive_int,
-        default=None,
-        help=f"width of the values table (default: {gather_reduce_sum.PkmShape.dim}; "
-        "1024 with a GPU)",
-    )
-    parser.add_argument(
-        "--heads",
-        type=_positive_int,
-        default=None,
-        help=f"memory heads per token (default: {gather_reduce_sum.PkmShape.heads}; 4 with a GPU)",
-    )
-    parser.add_argument(
-        "--knn",
-        type=_positive_int,
-        default=None,
-        help=f"slots per head (default: {gather_reduce_sum.PkmShape.knn}; 32 with a GPU)",
+    pkm = gather_reduce_sum.PkmShape
+    _timing.add_int_options(
+        parser,
+        headline_tokens=(
+            None,
+            "token count of the summary and the equality check (default: 1024; 16384 = "
+            "32 x 512 with a GPU)",
+        ),
+        repeats=(3, "timed steps per measurement (default: %(default)s)"),
+        slots=(None, f"rows of the values table (default: {pkm.slots}; 262144 with a GPU)"),
+        dim=(None, f"width of the values table (default: {pkm.dim}; 1024 with a GPU)"),
+        heads=(None, f"memory heads per token (default: {pkm.heads}; 4 with a GPU)"),
+        knn=(None, f"slots per head (default: {pkm.knn}; 32 with a GPU)"),
     )
     parser.add_argument(
         "--quick",
@@ -171,47 +116,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with 30 steps per model and 32 validation windows (overrides those options, except "
         "an explicit --lm-steps)",
     )
-    parser.add_argument(
-        "--tt-rows",
-        type=_positive_int,
-        default=1_000_000,
-        help="tt_quality: rows of each of the 3 embedding tables (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--tt-dim",
-        type=_positive_int,
-        default=16,
-        help="tt_quality: embedding dimension (default: %(default)s)",
+    _timing.add_int_options(
+        parser,
+        tt_rows=(
+            1_000_000,
+            "tt_quality: rows of each of the 3 embedding tables (default: %(default)s)",
+        ),
+        tt_dim=(16, "tt_quality: embedding dimension (default: %(default)s)"),
     )
     parser.add_argument(
         "--tt-ranks",
-        type=_int_list,
+        type=_timing.positive_int_list,
         default=[4, 16, 64],
         help="tt_quality: TT ranks to compare with the full tables (default: 4,16,64)",
     )
-    parser.add_argument(
-        "--tt-steps",
-        type=_positive_int,
-        default=tt_quality.TrainConfig.steps,
-        help="tt_quality: training steps per model (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--tt-batch",
-        type=_positive_int,
-        default=tt_quality.TrainConfig.batch,
-        help="tt_quality: examples per training step (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--tt-test-examples",
-        type=_positive_int,
-        default=100_000,
-        help="tt_quality: held-out examples (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lm-steps",
-        type=_positive_int,
-        default=None,
-        help="pkm_lm: training steps per model (default: 200; 2000 with --lm-long)",
+    train = tt_quality.TrainConfig
+    _timing.add_int_options(
+        parser,
+        tt_steps=(train.steps, "tt_quality: training steps per model (default: %(default)s)"),
+        tt_batch=(train.batch, "tt_quality: examples per training step (default: %(default)s)"),
+        tt_test_examples=(100_000, "tt_quality: held-out examples (default: %(default)s)"),
+        lm_steps=(None, "pkm_lm: training steps per model (default: 200; 2000 with --lm-long)"),
     )
     parser.add_argument(
         "--lm-long",
@@ -219,11 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pkm_lm: a longer run, 2000 steps per model and 1024 validation windows "
         "(about 10x the default's time)",
     )
-    parser.add_argument(
-        "--lm-batch",
-        type=_positive_int,
-        default=16,
-        help="pkm_lm: windows of 128 bytes per training step (default: %(default)s)",
+    _timing.add_int_options(
+        parser,
+        lm_batch=(16, "pkm_lm: windows of 128 bytes per training step (default: %(default)s)"),
     )
     parser.add_argument(
         "--lm-lr",

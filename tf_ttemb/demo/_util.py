@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
@@ -30,6 +33,24 @@ def median_time_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
 
 
 format_table = _timing.format_table
+
+
+def save_results(
+    args: argparse.Namespace, name: str, document: Any, plot: Callable[[str], bool]
+) -> None:
+    """Writes a section's results to `--out`/NAME.json and, without `--no-plot`, its plot
+    to NAME.png by `plot(path)` (False where matplotlib is not installed); says which."""
+    json_path = os.path.join(args.out, f"{name}.json")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2)
+    png_path = os.path.join(args.out, f"{name}.png")
+    if args.no_plot:
+        print(f"Saved {json_path}.")
+    elif plot(png_path):
+        print(f"Saved {png_path} and {json_path}.")
+    else:
+        print(f"Saved {json_path} (no plot: matplotlib is not installed).")
+
 
 NOT_MEASURED = "not measured"
 

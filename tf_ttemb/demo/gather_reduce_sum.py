@@ -591,14 +591,7 @@ def section_gather_reduce_sum(args: argparse.Namespace) -> Dict[str, Any]:
         "max_abs_difference": {name: diff for name, (diff, _) in differences.items()},
         "sweep": {name: {str(t): v for t, v in by_t.items()} for name, by_t in sweep.items()},
     }
-    json_path = os.path.join(args.out, "gather_reduce_sum.json")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    png_path = os.path.join(args.out, "gather_reduce_sum.png")
-    if args.no_plot:
-        print(f"Saved {json_path}.")
-    elif _plot(png_path, shape, token_counts, sweep):
-        print(f"Saved {png_path} and {json_path}.")
-    else:
-        print(f"Saved {json_path} (no plot: matplotlib is not installed).")
+    _util.save_results(
+        args, "gather_reduce_sum", result, lambda path: _plot(path, shape, token_counts, sweep)
+    )
     return result

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import platform
@@ -761,18 +760,9 @@ def section(args: argparse.Namespace) -> Dict[str, Any]:
     }
     if MEMORY in results:
         document["verdict"] = verdict(results)
-    json_path = os.path.join(args.out, "pkm_lm.json")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=2)
-    png_path = os.path.join(args.out, "pkm_lm.png")
     title = (
         f"Byte-level LM on Python {corpus.python_version}'s stdlib source: "
         f"{options.model.layers} layers, d_model {options.model.d_model}"
     )
-    if args.no_plot:
-        print(f"Saved {json_path}.")
-    elif _plot(png_path, results, title):
-        print(f"Saved {png_path} and {json_path}.")
-    else:
-        print(f"Saved {json_path} (no plot: matplotlib is not installed).")
+    _util.save_results(args, "pkm_lm", document, lambda path: _plot(path, results, title))
     return document

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import time
@@ -567,14 +566,10 @@ def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:
         "dense_only": floor,
         "results": results,
     }
-    json_path = os.path.join(args.out, "tt_quality.json")
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=2)
-    png_path = os.path.join(args.out, "tt_quality.png")
-    if args.no_plot:
-        print(f"Saved {json_path}.")
-    elif _plot_tt_quality(png_path, task, results, ceiling, floor):
-        print(f"Saved {png_path} and {json_path}.")
-    else:
-        print(f"Saved {json_path} (no plot: matplotlib is not installed).")
+    _util.save_results(
+        args,
+        "tt_quality",
+        document,
+        lambda path: _plot_tt_quality(path, task, results, ceiling, floor),
+    )
     return document

@@ -245,9 +245,7 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             )
         self.accumulators = {}
         if self.sparse:
-            self.update_trigger = self.add_weight(
-                name="fused_update_trigger", shape=(0,), initializer="zeros", trainable=True
-            )
+            self.update_trigger = _common.add_update_trigger(self, "fused_update_trigger")
             accumulator_dtype = "float64" if self.variable_dtype == "float64" else "float32"
             for width, rows in self._rows_of_width.items():
                 if self.optimizer != "sgd":

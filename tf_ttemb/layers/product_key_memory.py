@@ -461,16 +461,8 @@ class ProductKeyMemory(keras.layers.Layer):
             autocast=False,
         )
         if fused:
-            # The backward pass of the memory read runs only when a trainable variable
-            # depends on it; this empty one does, and its (empty) gradient carries the
-            # values update. See "Values optimizer" in the class docstring.
-            self.values_update_trigger = self.add_weight(
-                name="values_update_trigger",
-                shape=(0,),
-                initializer="zeros",
-                trainable=True,
-                autocast=False,
-            )
+            # See "Values optimizer" in the class docstring.
+            self.values_update_trigger = _common.add_update_trigger(self, "values_update_trigger")
             if self.values_optimizer != "sgd":
                 rowwise = self.values_optimizer == "rowwise_adagrad"
                 self.values_accumulator = self.add_weight(

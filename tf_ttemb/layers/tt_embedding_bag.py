@@ -166,64 +166,42 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
             )
         self._initial_cores = None
         trainable = not self.sparse
-        self.cores = []
-        for k in range(shape.num_cores):
-            self.cores.append(
-                self.add_weight(
-                    name=f"core_{k}",
-                    shape=shape.core_shape(k),
-                    initializer=_constant(initial[k]),
-                    trainable=trainable,
-                    # Read in the variable dtype, never as an autocast copy; see call().
-                    autocast=False,
-                )
-            )
+        self.cores = [
+            self._float_state(f"core_{k}", shape.core_shape(k), _constant(initial[k]), trainable)
+            for k in range(shape.num_cores)
+        ]
         if self.sparse:
-            # The backward pass of a lookup runs only when some trainable variable
-            # depends on it; this empty one does, and its (empty) gradient is what
-            # carries the fused update. See the class docstring.
-            self.update_trigger = self.add_weight(
-                name="fused_update_trigger",
-                shape=(0,),
-                initializer="zeros",
-                trainable=True,
-                autocast=False,
-            )
+            # See the class docstring.
+            self.update_trigger = _common.add_update_trigger(self, "fused_update_trigger")
         if self.sparse and self.optimizer == "adagrad":
             self.core_accumulators = [
-                self.add_weight(
-                    name=f"core_{k}_accumulator",
-                    shape=shape.core_shape(k),
-                    initializer="zeros",
-                    trainable=False,
-                    autocast=False,
-                )
+                self._float_state(f"core_{k}_accumulator", shape.core_shape(k))
                 for k in range(shape.num_cores)
             ]
         if self.use_cache:
+            cache_shape = (self.cache_size, self.embedding_dim)
             self.cache_ids = self._int64_state(
                 "cache_ids", self.cache_size, keras.initializers.Constant(_tte.EMPTY_CACHE_ID)
             )
-            self.cache_rows = self.add_weight(
-                name="cache_rows",
-                shape=(self.cache_size, self.embedding_dim),
-                initializer="zeros",
-                trainable=trainable,
-                autocast=False,
-            )
+            self.cache_rows = self._float_state("cache_rows", cache_shape, trainable=trainable)
             self.freq_keys = self._int64_state(
                 "freq_keys", self.hashtbl_size, keras.initializers.Constant(-1)
             )
             self.freq_counts = self._int64_state("freq_counts", self.hashtbl_size, "zeros")
             if self.sparse and self.optimizer == "adagrad":
-                self.cache_rows_accumulator = self.add_weight(
-                    name="cache_rows_accumulator",
-                    shape=(self.cache_size, self.embedding_dim),
-                    initializer="zeros",
-                    trainable=False,
-                    autocast=False,
+                self.cache_rows_accumulator = self._float_state(
+                    "cache_rows_accumulator", cache_shape
                 )
         self.built = True
+
+    def _float_state(
+        self, name: str, shape: tuple, initializer: Any = "zeros", trainable: bool = False
+    ) -> Any:
+        """A float weight (a core, the cache rows or their optimizer state), read in the
+        variable dtype, never as an autocast copy; see call()."""
+        return self.add_weight(
+            name=name, shape=shape, initializer=initializer, trainable=trainable, autocast=False
+        )
 
     def _int64_state(self, name: str, size: int, initializer: Any) -> Any:
         """A non-trainable int64 weight [size] of the cache or its frequency table."""
@@ -259,10 +237,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
             indices,
             weights,
             num_embeddings=self.num_embeddings,
-            p_shapes=self.tt_p_shapes,
-            q_shapes=self.tt_q_shapes,
-            ranks=self.tt_ranks,
-            num_tables=self.num_tables,
+            **self._shape.op_attrs(),
             combiner=self.combiner,
             padding_id=self.padding_id,
             cache_ids=cache_ids,
@@ -378,10 +353,7 @@ class _TTEmbeddingBagBase(keras.layers.Layer):
         return _tte.tt_rows(
             [_in_place(c) for c in self.cores],
             ids,
-            p_shapes=self.tt_p_shapes,
-            q_shapes=self.tt_q_shapes,
-            ranks=self.tt_ranks,
-            num_tables=self.num_tables,
+            **self._shape.op_attrs(),
             implementation=self.implementation,
         )
 

@@ -237,6 +237,15 @@ def check_keras_backend(layer: str, backend: str) -> None:
         raise ValueError(f"{layer} needs the TensorFlow backend of Keras, got {backend!r}")
 
 
+def add_update_trigger(layer: Any, name: str) -> Any:
+    """A layer's empty trainable weight (shape [0]) for a fused update. The backward pass of
+    a lookup runs only when some trainable variable depends on it; this one does, and its
+    (empty) gradient is what carries the update of the tables, applied in place."""
+    return layer.add_weight(
+        name=name, shape=(0,), initializer="zeros", trainable=True, autocast=False
+    )
+
+
 def constructor_config(layer: Any, owner: type, **special: Any) -> dict:
     """The `get_config` entries of `layer`'s class `owner`: each argument of `owner`'s
     constructor (but `*args` and `**kwargs`), the value given in `special` or else the
