@@ -157,13 +157,32 @@ inline void AddRow(Acc* __restrict acc, const T* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += static_cast<Acc>(row[d]);
 }
 
-// Prefetches every cache line of a row that will be read soon, so the
-// random-access gather runs at memory bandwidth rather than latency.
+// Prefetches the cache line holding `p` into every cache level. An asm
+// statement on x86-64, not __builtin_prefetch: GCC 12 deletes a loop whose
+// only statements are __builtin_prefetch calls (it counts the builtin as free
+// of side effects and, from C++11 on, such a loop as finite and so as dead),
+// which had silently removed the row prefetches of these kernels.
+inline void PrefetchLine(const void* p) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Prefetches every cache line that [p, p + bytes) touches.
+inline void PrefetchBytes(const void* p, int64_t bytes) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
+    PrefetchLine(reinterpret_cast<const void*>(line));
+  }
+}
+
+// Prefetches a row that will be read soon, so the random-access gather runs at
+// memory bandwidth rather than latency.
 template <typename T>
 inline void PrefetchRow(const T* row, int64_t dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  PrefetchBytes(row, dim * static_cast<int64_t>(sizeof(T)));
 }
 
 // Dot product in Acc with 16 independent partial sums (vectorisable without

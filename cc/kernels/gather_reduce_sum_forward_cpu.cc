@@ -67,11 +67,7 @@ inline void PrefetchAhead(const T* params,    // [N, D]
   if (bytes <= 0 || ahead >= prefetch_end) return;
   const int64_t id = static_cast<int64_t>(ids[ahead]);
   if (attrs.has_padding_id && id == attrs.padding_id) return;
-  const uintptr_t first = reinterpret_cast<uintptr_t>(params + id * dim) & ~uintptr_t{63};
-  const uintptr_t last = reinterpret_cast<uintptr_t>(params + id * dim) + bytes;
-  for (uintptr_t p = first; p < last; p += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 3);
-  }
+  PrefetchBytes(params + id * dim, bytes);
 }
 
 // A vector of 8 float or 4 double accumulators and the loads that widen a
