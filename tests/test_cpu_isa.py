@@ -139,3 +139,45 @@ def test_avx512_and_avx2_max_agree_bitwise(both_paths, dim):
         )
         got_grad = both_paths["avx2"][f"{dim}-{name}-max-grad"]
         assert_close(got_grad, want_grad, scale, tf.as_dtype(name), f"{dim}-{name}-max-grad")
+
+
+def _disassembly(symbol_part: str) -> dict:
+    """{function name: its x86-64 disassembly} of the op library's functions whose
+    demangled name contains `symbol_part` (objdump from binutils, beside the compiler)."""
+    import shutil
+    import subprocess
+
+    import tf_ttemb
+
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    library = pathlib.Path(tf_ttemb.__file__).with_name("_tf_ttemb_ops.so")
+    text = subprocess.run(
+        [objdump, "-d", "-C", "--no-show-raw-insn", str(library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    functions, name = {}, None
+    for line in text.splitlines():
+        if line.endswith(">:"):
+            name = line[line.index("<") + 1 : -2] if symbol_part in line else None
+            if name is not None:
+                functions[name] = []
+        elif name is not None:
+            functions[name].append(line)
+    return {k: "\n".join(v) for k, v in functions.items()}
+
+
+@pytest.mark.skipif(
+    __import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 code only"
+)
+@pytest.mark.parametrize("kernel", ["BagChunkSum<", "BagChunkMax<"])
+def test_forward_bag_loops_prefetch_rows(kernel):
+    """The forward's bag loops prefetch rows ahead: GCC 12 once deleted every
+    __builtin_prefetch loop there (PrefetchLine in gather_reduce_sum_cpu.h)."""
+    bodies = _disassembly(kernel)
+    float_bodies = {k: v for k, v in bodies.items() if ", float, long" in k}
+    assert float_bodies, f"no {kernel}...float, long...> function in the op library"
+    assert any("prefetcht0" in body for body in float_bodies.values()), sorted(float_bodies)
