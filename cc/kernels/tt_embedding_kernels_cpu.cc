@@ -897,16 +897,7 @@ REGISTER_TT_UNIQUE_IDS(int32_t)
 REGISTER_TT_UNIQUE_IDS(int64_t)
 #undef REGISTER_TT_UNIQUE_IDS
 
-#define REGISTER_TT_ROWS(T)                                                                     \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
-                          TTRowsOp<CpuDevice, T>);                                              \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          TTRowsGradOp<CpuDevice, T>);
-REGISTER_TT_ROWS(Eigen::half)
-REGISTER_TT_ROWS(Eigen::bfloat16)
-REGISTER_TT_ROWS(float)
-REGISTER_TT_ROWS(double)
-#undef REGISTER_TT_ROWS
+TF_TTEMB_REGISTER_TT_ROWS(DEVICE_CPU, CpuDevice)
 
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp<CpuDevice>);
 

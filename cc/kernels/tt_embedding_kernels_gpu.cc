@@ -469,16 +469,7 @@ TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int32_t)
 TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int64_t)
 #undef TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU
 
-#define TF_TTEMB_REGISTER_TT_ROWS_GPU(T)                                                        \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_GPU).TypeConstraint<T>("T"),     \
-                          TTRowsOp<GpuDevice, T>);                                              \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"), \
-                          TTRowsGradOp<GpuDevice, T>);
-TF_TTEMB_REGISTER_TT_ROWS_GPU(Eigen::half)
-TF_TTEMB_REGISTER_TT_ROWS_GPU(bfloat16)
-TF_TTEMB_REGISTER_TT_ROWS_GPU(float)
-TF_TTEMB_REGISTER_TT_ROWS_GPU(double)
-#undef TF_TTEMB_REGISTER_TT_ROWS_GPU
+TF_TTEMB_REGISTER_TT_ROWS(DEVICE_GPU, GpuDevice)
 
 REGISTER_KERNEL_BUILDER(
     Name("TfTtemb>TTCacheCount").Device(DEVICE_GPU).HostMemory("keys").HostMemory("counts"),
