@@ -101,7 +101,7 @@ launchers::TTProblem MakeTTProblem(const TTShape& s) {
 // host copy, and the call's scratch, for one op call. The call lives until the
 // op finishes from the stream (ThenCheckReport), when everything queued that
 // reads its host memory has run.
-class TTGpuCall {
+class TTGpuCall : public ReportCall<launchers::TTReport> {
  public:
   TTGpuCall() = default;
   TTGpuCall(const TTGpuCall&) = delete;
@@ -114,28 +114,11 @@ class TTGpuCall {
     if (copy_pending_) cudaStreamSynchronize(stream_);
   }
 
-  Status Init(OpKernelContext* ctx, bool with_report) {
-    ctx_ = ctx;
-    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream_));
-    if (!with_report) return OkStatus();
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({kReportWords}), &device_report_));
-    return AllocatePinnedWords(ctx, kReportWords, &host_report_);
-  }
-
-  cudaStream_t stream() const { return stream_; }
-
-  launchers::TTReport* device_report() {
-    return reinterpret_cast<launchers::TTReport*>(device_report_.flat<int64_t>().data());
-  }
-
-  // Device scratch of at least `bytes` bytes (the launchers align it).
-  Status AllocateScratch(size_t bytes, void** scratch) {
-    return Allocate(bytes, &scratch_, scratch);
-  }
-
   // A second device scratch (TTRowsGrad's work part), alive as long as this
   // call, like the first.
-  Status AllocateWork(size_t bytes, void** work) { return Allocate(bytes, &work_, work); }
+  Status AllocateWork(size_t bytes, void** work) {
+    return AllocateDeviceScratch(ctx_, std::max<size_t>(1, bytes), &work_, work);
+  }
 
   // Copies a host int64 tensor to a new device temporary, through pinned
   // memory (the copy is asynchronous; the staging buffer lives as long as
@@ -153,19 +136,12 @@ class TTGpuCall {
         "copy to the device");
   }
 
-  // Reads the report back without waiting (tf_ttemb::ThenCheckReport): the
-  // op's status is `check`'s and `done` is called once the stream has run what is queued;
-  // the call (report, scratch, staging) lives until then.
-  using ReportCheck = std::function<Status(const launchers::TTReport&)>;
+  // ReportCall::ThenCheckReport, noting that the stream has run the copies.
   static void ThenCheckReport(std::shared_ptr<TTGpuCall> call, ReportCheck check,
                               AsyncOpKernel::DoneCallback done) {
-    OpKernelContext* ctx = call->ctx_;
-    const cudaStream_t stream = call->stream_;
-    const Tensor host = call->host_report_;
-    const launchers::TTReport* report = call->device_report();
     TTGpuCall* raw = call.get();
-    ::tensorflow::tf_ttemb::ThenCheckReport<launchers::TTReport>(
-        ctx, stream, host, report, std::move(call),
+    ReportCall::ThenCheckReport(
+        std::move(call),
         [raw, check = std::move(check)](const launchers::TTReport& r) {
           raw->copy_pending_ = false;  // the stream has run the copies
           return check(r);
@@ -174,20 +150,6 @@ class TTGpuCall {
   }
 
  private:
-  // At least one byte: the launchers take a non-null scratch pointer.
-  Status Allocate(size_t bytes, Tensor* tensor, void** ptr) {
-    return AllocateDeviceScratch(ctx_, std::max<size_t>(1, bytes), tensor, ptr);
-  }
-
-  static_assert(sizeof(launchers::TTReport) % sizeof(int64_t) == 0,
-                "TTReport must be a whole number of int64 words");
-  static constexpr int64_t kReportWords = sizeof(launchers::TTReport) / sizeof(int64_t);
-
-  OpKernelContext* ctx_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  Tensor device_report_;
-  Tensor host_report_;
-  Tensor scratch_;
   Tensor work_;
   Tensor staging_;
   bool copy_pending_ = false;
