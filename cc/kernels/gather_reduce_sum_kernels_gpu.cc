@@ -85,7 +85,7 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs, const BagShapes& shapes
 
 // The op's CUDA stream, the launchers' DeviceReport in device memory and its pinned
 // host copy, and the call's scratch, for one Compute call (ReportCall).
-class GpuCall : public ReportCall<launchers::DeviceReport> {
+class GpuCall : public ReportCall<DeviceReport> {
  public:
   // Init, and the scratch every launch of the call takes: `scratch_bytes` bytes,
   // a launcher's *ScratchBytes query.
@@ -113,7 +113,7 @@ class GpuCall : public ReportCall<launchers::DeviceReport> {
 
 // The launchers' U (distinct non-padding ids) as read back in the report,
 // checked against what it can be.
-Status NumUnique(const launchers::DeviceReport& report, const BagShapes& shapes, int64_t num_rows,
+Status NumUnique(const DeviceReport& report, const BagShapes& shapes, int64_t num_rows,
                  int64_t* num_unique) {
   *num_unique = report.num_unique;
   if (*num_unique < 0 || *num_unique > std::min(shapes.nnz, num_rows)) {
@@ -245,14 +245,11 @@ struct ParamsGradLaunch<GpuDevice, T, Tindex> {
                            call->scratch(), call->scratch_bytes(), call->stream()),
                        "gather_reduce_sum params grad reduce"));
       }
-      *step.check = [attrs](const launchers::DeviceReport& report) {
-        return ReportStatus(report, attrs);
-      };
+      *step.check = [attrs](const DeviceReport& report) { return ReportStatus(report, attrs); };
       return OkStatus();
     }
     const ParamsGradShapes shapes = a.shapes;
-    *step.check = [attrs, ctx, call, in, p,
-                   shapes](const launchers::DeviceReport& report) -> Status {
+    *step.check = [attrs, ctx, call, in, p, shapes](const DeviceReport& report) -> Status {
       TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes.bags, shapes.num_rows, &num_unique));
@@ -295,9 +292,7 @@ struct WeightsGradLaunch<GpuDevice, T, Tindex> {
             DevicePtr<T>(a.weights_grad), call->device_report(), call->scratch(),
             call->scratch_bytes(), call->stream()),
         "gather_reduce_sum weights grad launch"));
-    *step.check = [attrs](const launchers::DeviceReport& report) {
-      return ReportStatus(report, attrs);
-    };
+    *step.check = [attrs](const DeviceReport& report) { return ReportStatus(report, attrs); };
     return OkStatus();
   }
 };
@@ -355,13 +350,11 @@ struct FusedGradLaunch<GpuDevice, T, Tindex> {
     };
     if (dense) {
       TF_RETURN_IF_ERROR(reduce(a.unique_ids, a.params_grad));
-      *step.check = [attrs](const launchers::DeviceReport& report) {
-        return ReportStatus(report, attrs);
-      };
+      *step.check = [attrs](const DeviceReport& report) { return ReportStatus(report, attrs); };
       return OkStatus();
     }
     *step.check = [attrs, ctx, shapes = a.shapes, num_rows = a.num_rows, dim = a.dim,
-                   reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
+                   reduce = std::move(reduce)](const DeviceReport& report) -> Status {
       TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
@@ -469,9 +462,7 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
             fuse ? DevicePtr<T>(*a.weights) : nullptr, call->device_report(),
             /*dense=*/false, fuse, call->scratch(), call->scratch_bytes(), call->stream()),
         "gather_reduce_sum sparse apply prepare"));
-    *step.check = [bag](const launchers::DeviceReport& report) {
-      return ReportStatus(report, bag);
-    };
+    *step.check = [bag](const DeviceReport& report) { return ReportStatus(report, bag); };
     if (a.shapes.nnz == 0) return OkStatus();
     if (a.dim == 0) {
       if (!fuse) return OkStatus();
@@ -490,7 +481,7 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
           "gather_reduce_sum sparse apply");
     }
     *step.check = [ctx, attrs, call, p, shapes = a.shapes,
-                   weights_grad = a.weights_grad](const launchers::DeviceReport& report) -> Status {
+                   weights_grad = a.weights_grad](const DeviceReport& report) -> Status {
       TF_RETURN_IF_ERROR(ReportStatus(report, attrs.bag));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, p.num_rows, &num_unique));

@@ -101,7 +101,7 @@ launchers::TTProblem MakeTTProblem(const TTShape& s) {
 // host copy, and the call's scratch, for one op call. The call lives until the
 // op finishes from the stream (ThenCheckReport), when everything queued that
 // reads its host memory has run.
-class TTGpuCall : public ReportCall<launchers::TTReport> {
+class TTGpuCall : public ReportCall<TTReport> {
  public:
   TTGpuCall() = default;
   TTGpuCall(const TTGpuCall&) = delete;
@@ -142,7 +142,7 @@ class TTGpuCall : public ReportCall<launchers::TTReport> {
     TTGpuCall* raw = call.get();
     ReportCall::ThenCheckReport(
         std::move(call),
-        [raw, check = std::move(check)](const launchers::TTReport& r) {
+        [raw, check = std::move(check)](const TTReport& r) {
           raw->copy_pending_ = false;  // the stream has run the copies
           return check(r);
         },
@@ -182,7 +182,7 @@ Status EnsureExclusiveOnGpu(OpKernelContext* ctx, cudaStream_t stream, Var* var)
 template <typename T>
 Status RowsGradCompute(OpKernelContext* ctx, const TTShape& shape, const TTRowsGradArgs& a,
                        TTGpuCall* call, void* scratch, size_t scratch_bytes,
-                       const launchers::TTReport& report) {
+                       const TTReport& report) {
   using CT = typename CudaTypeOf<T>::type;
   const int num_cores = shape.num_cores;
   const int64_t num_ids = a.num_ids;
@@ -193,9 +193,9 @@ Status RowsGradCompute(OpKernelContext* ctx, const TTShape& shape, const TTRowsG
   OpOutputList indices_out, values_out;
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
-  const CT* core_ptrs[launchers::kMaxTTCores] = {};
-  int64_t* index_ptrs[launchers::kMaxTTCores] = {};
-  CT* value_ptrs[launchers::kMaxTTCores] = {};
+  const CT* core_ptrs[kMaxTTCores] = {};
+  int64_t* index_ptrs[kMaxTTCores] = {};
+  CT* value_ptrs[kMaxTTCores] = {};
   for (int k = 0; k < num_cores; ++k) {
     const int64_t count = report.core_rows[k];
     const int64_t core_rows = shape.num_tables * shape.p[k];
@@ -269,7 +269,7 @@ struct UniqueIdsLaunch<GpuDevice, Tindex> {
                        call->device_report(), scratch, scratch_bytes, call->stream()),
                    "TTUniqueIds launch"));
     *step.check = [ctx, nnz, unique_buffer, num_embeddings = attrs.num_embeddings,
-                   bag = attrs.bag](const launchers::TTReport& report) -> Status {
+                   bag = attrs.bag](const TTReport& report) -> Status {
       if (report.first_bad_index >= 0) {
         return BadIndexError(report.first_bad_index, report.bad_index_value, num_embeddings, bag);
       }
@@ -309,7 +309,7 @@ struct TTRowsLaunch<GpuDevice, T> {
     cudaStream_t stream = nullptr;
     TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream));
     const launchers::TTProblem problem = MakeTTProblem(shape);
-    const CT* core_ptrs[launchers::kMaxTTCores] = {};
+    const CT* core_ptrs[kMaxTTCores] = {};
     for (int k = 0; k < shape.num_cores; ++k) {
       core_ptrs[k] = DevicePtr<T>(a.cores[k]);
     }
@@ -378,8 +378,7 @@ struct TTRowsGradLaunch<GpuDevice, T> {
                                              /*num_ids=*/nullptr, call->device_report(), scratch,
                                              scratch_bytes, call->stream()),
         "TTRowsGrad prepare"));
-    *step.check = [ctx, shape = &shape, a, call, scratch,
-                   scratch_bytes](const launchers::TTReport& report) {
+    *step.check = [ctx, shape = &shape, a, call, scratch, scratch_bytes](const TTReport& report) {
       return RowsGradCompute<T>(ctx, *shape, a, call, scratch, scratch_bytes, report);
     };
     return OkStatus();
