@@ -22,12 +22,21 @@
     if (err_ != cudaSuccess) return err_; \
   } while (0)
 
-// Expands M(T) for each value type the launchers take; each .cu file instantiates its own
-// launchers with it.
-#define TTEMB_FOR_EACH_VALUE_TYPE(M) M(__half) M(__nv_bfloat16) M(float) M(double)
+// Expands M(T, args...) for each value type T the launchers take; each .cu file
+// instantiates its own launchers with it (or with TTEMB_FOR_EACH_VALUE_TYPE, M(T)).
+#define TTEMB_FOR_EACH_VALUE_TYPE_WITH(M, ...) \
+  M(__half, __VA_ARGS__) M(__nv_bfloat16, __VA_ARGS__) M(float, __VA_ARGS__) M(double, __VA_ARGS__)
+#define TTEMB_VALUE_TYPE_ONLY(T, M) M(T)
+#define TTEMB_FOR_EACH_VALUE_TYPE(M) TTEMB_FOR_EACH_VALUE_TYPE_WITH(TTEMB_VALUE_TYPE_ONLY, M)
 
 namespace tf_ttemb {
 namespace gpu {
+
+// Threads per block of the package's kernels.
+constexpr int kBlock = 256;
+// Grid-stride kernels sized by upper bounds (counts that live on the device) launch at
+// most this many blocks: a capped grid keeps empty blocks cheap.
+constexpr int64_t kMaxGridBlocks = 4096;
 
 #if defined(__CUDACC__)
 __device__ __forceinline__ float ToAcc(float x) { return x; }
@@ -81,6 +90,12 @@ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Blocks of `threads` for `work` items, at least 1 and at most `max_blocks`.
 inline int GridBlocks(int64_t work, int threads, int64_t max_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(work, threads), max_blocks)));
+}
+
+// FlatBlocks: GridBlocks for a grid-stride kernel of `threads` per block, capped at
+// kMaxGridBlocks.
+inline int FlatBlocks(int64_t work, int threads = kBlock) {
+  return GridBlocks(work, threads, kMaxGridBlocks);
 }
 
 // The smallest power of two >= x, at most `cap` (a power of two); 1 for x <= 1.

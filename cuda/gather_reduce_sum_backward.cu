@@ -144,8 +144,9 @@ __global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  //
 // ---------------------------------------------------------------------------
 // Weights gradient on its own.
 
+// The problem (its sizes and bag options), the pointers and the column layout.
 template <typename T, typename Tindex>
-struct WeightsGradArgs {
+struct WeightsGradArgs : BagProblem {
   const T* grad;          // [B, D]
   const T* params;        // [N, D]
   const Tindex* ids;      // [nnz]
@@ -155,10 +156,8 @@ struct WeightsGradArgs {
   const AccT<T>* dyout;   // [B] or null (sum)
   T* weights_grad;        // [nnz]
   DeviceReport* report;
-  int64_t num_rows, dim, dim_vecs, num_bags, nnz, padding_id, num_items;
+  int64_t dim_vecs, num_items;
   int group;
-  Combiner combiner;
-  bool has_padding;
 };
 
 // Work item = kWeightsGradEntries consecutive entries; the group computes
@@ -177,7 +176,7 @@ __global__ void __launch_bounds__(kBlock) WeightsGradKernel(const WeightsGradArg
     for (int64_t j = j0; j < j1; ++j) {
       while (b + 1 < a.num_bags && a.splits[b + 1] <= j) ++b;
       const int64_t id = static_cast<int64_t>(a.ids[j]);
-      const bool pad = a.has_padding && id == a.padding_id;
+      const bool pad = a.has_padding_id && id == a.padding_id;
       const bool valid = !pad && id >= 0 && id < a.num_rows;
       if (!valid && !pad && walk.lane == 0) ReportMin(&a.report->first_bad_index, j);
       const A s = a.scale != nullptr ? a.scale[b] : A(1);
@@ -330,6 +329,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
     }
     const Columns cols = ColumnsFor<T>(p.dim);
     WeightsGradArgs<T, Tindex> a;
+    static_cast<BagProblem&>(a) = p;
     a.grad = grad;
     a.params = params;
     a.ids = ids;
@@ -339,16 +339,9 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
     a.dyout = scaled ? dyout : nullptr;
     a.weights_grad = weights_grad;
     a.report = report;
-    a.num_rows = p.num_rows;
-    a.dim = p.dim;
     a.dim_vecs = cols.dim_vecs;
-    a.num_bags = p.num_bags;
-    a.nnz = p.nnz;
-    a.padding_id = p.padding_id;
     a.num_items = CeilDiv(p.nnz, kWeightsGradEntries);
     a.group = cols.group;
-    a.combiner = p.combiner;
-    a.has_padding = p.has_padding_id;
     const int grid = GridFor(a.num_items * cols.group);
     if (p.dim % VecOf<T>() == 0 && Aligned16(grad) && Aligned16(params)) {
       WeightsGradKernel<T, Tindex, true><<<grid, kBlock, 0, stream>>>(a);
@@ -371,6 +364,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
 // ---------------------------------------------------------------------------
 // Instantiations.
 
+#define TTEMB_INSTANTIATE_T(T) template size_t WeightsGradScratchBytes<T>(const BagProblem&);
 #define TTEMB_INSTANTIATE(T, Tindex)                                                            \
   template size_t ParamsGradScratchBytes<T, Tindex>(const BagProblem&, bool, bool);             \
   template cudaError_t LaunchParamsGradPrepare<T, Tindex>(                                      \
@@ -380,12 +374,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
       const BagProblem&, const T*, const T*, const Tindex*, const int64_t*, const T*, const T*, \
       T*, DeviceReport*, void*, size_t, cudaStream_t);
 
-#define TTEMB_INSTANTIATE_T(T)                                   \
-  template size_t WeightsGradScratchBytes<T>(const BagProblem&); \
-  TTEMB_INSTANTIATE(T, int32_t)                                  \
-  TTEMB_INSTANTIATE(T, int64_t)
-
-TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_T)
+TTEMB_INSTANTIATE_BAG_LAUNCHERS(TTEMB_INSTANTIATE_T, TTEMB_INSTANTIATE)
 
 #undef TTEMB_INSTANTIATE_T
 #undef TTEMB_INSTANTIATE

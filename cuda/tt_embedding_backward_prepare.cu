@@ -166,8 +166,8 @@ template <typename T>
 cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b, const GradScratch<T>& s,
                             int64_t nmax, int64_t sentinel, int64_t piece_items, const CoreSort& cs,
                             int64_t* key_count, cudaStream_t stream) {
-  PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel, piece_items,
-                                                           s.piece_flags, b.flags);
+  PieceFlagsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(s.keys_out, nmax, sentinel, piece_items,
+                                                         s.piece_flags, b.flags);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
@@ -175,7 +175,7 @@ cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b, cons
   bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
                                                            static_cast<int>(nmax), stream));
-  PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+  PieceListKernel<<<GridFor(nmax), kBlock, 0, stream>>>(
       s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
       cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, key_count);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -206,14 +206,14 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
   TTEMB_RETURN_IF_CUDA_ERROR(
       cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
   if (nmax > 0) {
-    CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, ids, b.counts, 0, report);
+    CheckIdsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, ids, b.counts, 0, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     TTEMB_RETURN_IF_CUDA_ERROR(BuildLevels(g, ids, nmax, &b, stream));
     for (int k = 0; k < g.T; ++k) {
       CoreSort& cs = s.core[k];
       const int64_t sentinel = g.tables * g.p[k];
-      RowKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, k, b.counts, nmax, b.row[k],
-                                                            sentinel, s.keys_in, s.vals_in);
+      RowKeysKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, k, b.counts, nmax, b.row[k], sentinel,
+                                                          s.keys_in, s.vals_in);
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       size_t bytes = b.cub_bytes;
       TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
@@ -222,7 +222,7 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
       TTEMB_RETURN_IF_CUDA_ERROR(LaunchPieceList(g, k, b, s, nmax, sentinel, CorePieceItems(g, k),
                                                  cs, &report->core_rows[k], stream));
       if (cs.piece_order != nullptr) {
-        PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kThreads, 0, stream>>>(
+        PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kBlock, 0, stream>>>(
             cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax, s.keys_in,
             s.vals_in);
         TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -235,8 +235,8 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
     for (int t = 1; t < g.T; ++t) {
       CoreSort& cs = s.child[t];
       const int64_t sentinel = nmax;
-      ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
-                                                               sentinel, s.keys_out);
+      ParentKeysKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
+                                                             sentinel, s.keys_out);
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       TTEMB_RETURN_IF_CUDA_ERROR(
           LaunchPieceList(g, t, b, s, nmax, sentinel, kChildPieceItems, cs, cs.row_count, stream));

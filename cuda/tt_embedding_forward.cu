@@ -127,20 +127,20 @@ cudaError_t LaunchUniqueIds(const UniqueIdsProblem& p, const Tindex* ids,
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   if (p.nnz > 0) {
     const int64_t sentinel = p.num_tables * p.stride;
-    UniqueKeysKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
-        p, ids, table_splits, sentinel, s.keys_in, s.vals_in, report);
+    UniqueKeysKernel<Tindex><<<GridFor(p.nnz), kBlock, 0, stream>>>(p, ids, table_splits, sentinel,
+                                                                    s.keys_in, s.vals_in, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = s.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
         s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out, static_cast<int>(p.nnz), 0,
         BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
     UniqueFlagsKernel<Tindex>
-        <<<GridFor(p.nnz), kThreads, 0, stream>>>(p.nnz, s.keys_out, sentinel, s.flags);
+        <<<GridFor(p.nnz), kBlock, 0, stream>>>(p.nnz, s.keys_out, sentinel, s.flags);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     bytes = s.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(s.cub_temp, bytes, s.flags, s.incl,
                                                              static_cast<int>(p.nnz), stream));
-    UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
+    UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kBlock, 0, stream>>>(
         p.nnz, s.keys_out, s.vals_out, s.flags, s.incl, sentinel, unique_ids, slots);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
@@ -180,7 +180,7 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
     const int64_t* cids = ids + begin;
     ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, begin, chunk, b.counts);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, cids, b.counts, begin, report);
+    CheckIdsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, cids, b.counts, begin, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     TTEMB_RETURN_IF_CUDA_ERROR(BuildLevels(g, cids, nmax, &b, stream));
     T* out = rows + begin * g.D;

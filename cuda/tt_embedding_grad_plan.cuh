@@ -17,6 +17,16 @@ namespace {
 constexpr int kByRowMaxItems = 32;  // CompactBatch handles at most a warp of items
 // Dynamic shared memory of the by-row kernels: 48 KB less their static arrays and a margin.
 constexpr int64_t kByRowSmemBudget = 46 * 1024;
+// Core gradient: items per piece. Narrow cores (width < 1024) take short pieces: more
+// blocks in flight on small batches, for a piece buffer of pieces x width that stays small.
+constexpr int64_t kPieceItems = 64;
+constexpr int64_t kNarrowPieceItems = 16;
+// Parent gradient: children per piece.
+constexpr int64_t kChildPieceItems = 16;
+
+int64_t CorePieceItems(const Geo& g, int k) {
+  return g.width[k] >= 1024 ? kPieceItems : kNarrowPieceItems;
+}
 
 // Items per batch of a by-row kernel: the most (<= kByRowMaxItems) whose shared memory,
 // b_bytes for the core row plus `inner` rows of (ib * M + 4) values for the batch, fits the

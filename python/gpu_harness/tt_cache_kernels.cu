@@ -33,11 +33,9 @@ namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kBlock = 256;
 // Blocks one slice (or one row launch) gets at most; larger problems are
 // walked by the grid-stride loops.
 constexpr int64_t kMaxRowBlocks = 2048;
-constexpr int64_t kMaxFlatBlocks = 4096;
 
 // ---------------------------------------------------------------------------
 // Element math. ToAcc / FromAcc (cuda/common.cuh) load to the compute type AccT<T> and
@@ -86,21 +84,13 @@ RowPlan PlanRows(int64_t n, int64_t width, bool aligned) {
 // ---------------------------------------------------------------------------
 // Sparse update.
 
+// A slice as the kernel walks it: the caller's (accum null for SGD), its row plan, and
+// its first block in the grid.
 template <typename T>
 struct UpdateSlice {
-  T* var;
-  T* accum;
-  const int64_t* rows;
-  const T* grad;
-  const int64_t* num_valid;
-  int64_t num_rows;
-  int64_t width;
-  int64_t n;
-  int64_t vecs;
+  SparseUpdateSlice<T> in;
+  RowPlan plan;
   int64_t block_begin;
-  int64_t blocks;
-  int group;
-  int vec;
 };
 
 template <typename T>
@@ -147,24 +137,25 @@ template <typename T, bool kAdagrad>
 __global__ void __launch_bounds__(kBlock) SparseUpdateKernel(const UpdateParams<T> p) {
   int k = 0;
   while (k + 1 < p.num && static_cast<int64_t>(blockIdx.x) >= p.s[k + 1].block_begin) ++k;
-  const UpdateSlice<T>& s = p.s[k];
+  const SparseUpdateSlice<T>& s = p.s[k].in;
+  const RowPlan& plan = p.s[k].plan;
   int64_t n = s.n;
   if (s.num_valid != nullptr) n = min(n, max(*s.num_valid, int64_t{0}));
-  const int group = s.group;
+  const int group = plan.group;
   const int64_t rows_per_block = kBlock / group;
   const int lane = threadIdx.x % group;
-  const int64_t stride = s.blocks * rows_per_block;
-  for (int64_t i = (blockIdx.x - s.block_begin) * rows_per_block + threadIdx.x / group; i < n;
+  const int64_t stride = plan.blocks * rows_per_block;
+  for (int64_t i = (blockIdx.x - p.s[k].block_begin) * rows_per_block + threadIdx.x / group; i < n;
        i += stride) {
     const int64_t r = s.rows[i];
     if (r < 0 || r >= s.num_rows) continue;
     T* var = s.var + r * s.width;
     T* accum = kAdagrad ? s.accum + r * s.width : nullptr;
     const T* grad = s.grad + i * s.width;
-    if (s.vec > 1) {
-      UpdateRow<T, VecOf<T>(), kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
+    if (plan.vec > 1) {
+      UpdateRow<T, VecOf<T>(), kAdagrad>(var, accum, grad, plan.vecs, lane, group, p.lr, p.eps);
     } else {
-      UpdateRow<T, 1, kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
+      UpdateRow<T, 1, kAdagrad>(var, accum, grad, plan.vecs, lane, group, p.lr, p.eps);
     }
   }
 }
@@ -315,8 +306,6 @@ __global__ void PopulateChooseKernel(const int64_t* ranked_ids, const int64_t* r
 // ---------------------------------------------------------------------------
 // Host helpers.
 
-int FlatBlocks(int64_t n) { return GridBlocks(n, kBlock, kMaxFlatBlocks); }
-
 struct LookupBuffers {
   uint64_t* flags;
   uint64_t* ranks;
@@ -431,19 +420,10 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer, const SparseUpdateSlic
         Aligned16(in.var) && Aligned16(in.grad) && (!adagrad || Aligned16(in.accum));
     const RowPlan plan = PlanRows<T>(in.n, in.width, aligned);
     UpdateSlice<T>& s = p.s[p.num++];
-    s.var = in.var;
-    s.accum = adagrad ? in.accum : nullptr;
-    s.rows = in.rows;
-    s.grad = in.grad;
-    s.num_valid = in.num_valid;
-    s.num_rows = in.num_rows;
-    s.width = in.width;
-    s.n = in.n;
-    s.vecs = plan.vecs;
-    s.group = plan.group;
-    s.vec = plan.vec;
+    s.in = in;
+    if (!adagrad) s.in.accum = nullptr;
+    s.plan = plan;
     s.block_begin = total_blocks;
-    s.blocks = plan.blocks;
     total_blocks += plan.blocks;
   }
   if (total_blocks == 0) return cudaSuccess;
