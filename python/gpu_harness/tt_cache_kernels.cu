@@ -325,8 +325,7 @@ LookupBuffers CarveLookup(Carver& carver, int64_t n) {
 }
 
 cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, int64_t cache_size,
-                      int64_t miss_pad_id, int64_t* position, int64_t* miss_rank, int64_t* miss_ids,
-                      int64_t* miss_at, int64_t* hit_at, int64_t* hit_pos, int64_t* num_hits,
+                      int64_t miss_pad_id, const CacheLookupResult& out, int64_t* num_hits,
                       int64_t* num_misses, const LookupBuffers& b, cudaStream_t stream) {
   if (n == 0) {
     if (num_hits != nullptr) TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_hits, 0, 8, stream));
@@ -335,15 +334,15 @@ cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, i
     return cudaSuccess;
   }
   const int blocks = FlatBlocks(n);
-  LookupFlagsKernel<<<blocks, kBlock, 0, stream>>>(ids, n, cache_ids, cache_size, position,
+  LookupFlagsKernel<<<blocks, kBlock, 0, stream>>>(ids, n, cache_ids, cache_size, out.position,
                                                    b.flags);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t cub_bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::ExclusiveSum(b.cub, cub_bytes, b.flags, b.ranks,
                                                            static_cast<int>(n), stream));
-  LookupScatterKernel<<<blocks, kBlock, 0, stream>>>(ids, n, position, b.flags, b.ranks,
-                                                     miss_pad_id, miss_rank, miss_ids, miss_at,
-                                                     hit_at, hit_pos, num_hits, num_misses);
+  LookupScatterKernel<<<blocks, kBlock, 0, stream>>>(
+      ids, n, out.position, b.flags, b.ranks, miss_pad_id, out.miss_rank, out.miss_ids, out.miss_at,
+      out.hit_at, out.hit_pos, num_hits, num_misses);
   return cudaGetLastError();
 }
 
@@ -385,6 +384,12 @@ PopulateBuffers CarvePopulate(Carver& carver, int64_t table_size, int64_t cache_
 }
 
 bool SizeOk(int64_t n) { return n >= 0 && n <= INT32_MAX; }
+
+// Whether `r` has every output a lookup needs (hit_at and hit_pos may be null).
+bool LookupOutputsOk(const CacheLookupResult& r) {
+  return r.position != nullptr && r.miss_rank != nullptr && r.miss_ids != nullptr &&
+         r.miss_at != nullptr;
+}
 
 }  // namespace
 
@@ -460,21 +465,18 @@ size_t CacheLookupScratchBytes(int64_t n) {
 }
 
 cudaError_t LaunchCacheLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids,
-                              int64_t cache_size, int64_t miss_pad_id, int64_t* position,
-                              int64_t* miss_rank, int64_t* miss_ids, int64_t* miss_at,
-                              int64_t* hit_at, int64_t* hit_pos, int64_t* counts, void* scratch,
-                              size_t scratch_bytes, cudaStream_t stream) {
+                              int64_t cache_size, int64_t miss_pad_id, const CacheLookupResult& out,
+                              int64_t* counts, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
   if (!SizeOk(n) || cache_size < 0 || counts == nullptr) return cudaErrorInvalidValue;
-  if (n > 0 &&
-      (ids == nullptr || position == nullptr || miss_rank == nullptr || miss_ids == nullptr ||
-       miss_at == nullptr || scratch == nullptr || (cache_size > 0 && cache_ids == nullptr))) {
+  if (n > 0 && (ids == nullptr || !LookupOutputsOk(out) || scratch == nullptr ||
+                (cache_size > 0 && cache_ids == nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (scratch_bytes < CacheLookupScratchBytes(n)) return cudaErrorInvalidValue;
   Carver carver(scratch);
   const LookupBuffers b = CarveLookup(carver, n);
-  return RunLookup(ids, n, cache_ids, cache_size, miss_pad_id, position, miss_rank, miss_ids,
-                   miss_at, hit_at, hit_pos, counts, counts + 1, b, stream);
+  return RunLookup(ids, n, cache_ids, cache_size, miss_pad_id, out, counts, counts + 1, b, stream);
 }
 
 size_t CachePopulateScratchBytes(int64_t table_size, int64_t cache_size) {
@@ -486,15 +488,14 @@ size_t CachePopulateScratchBytes(int64_t table_size, int64_t cache_size) {
 
 cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int64_t table_size,
                                 const int64_t* old_ids, int64_t cache_size, int64_t fresh_pad_id,
-                                int64_t* new_ids, int64_t* src, int64_t* fresh_rank,
-                                int64_t* fresh_ids, int64_t* fresh_at, int64_t* num_fresh,
-                                void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                                int64_t* new_ids, const CacheLookupResult& fresh,
+                                int64_t* num_fresh, void* scratch, size_t scratch_bytes,
+                                cudaStream_t stream) {
   if (!SizeOk(table_size) || !SizeOk(cache_size) || num_fresh == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (cache_size == 0) return cudaMemsetAsync(num_fresh, 0, 8, stream);
-  if (old_ids == nullptr || new_ids == nullptr || src == nullptr || fresh_rank == nullptr ||
-      fresh_ids == nullptr || fresh_at == nullptr || scratch == nullptr ||
+  if (old_ids == nullptr || new_ids == nullptr || !LookupOutputsOk(fresh) || scratch == nullptr ||
       (table_size > 0 && (keys == nullptr || counts == nullptr))) {
     return cudaErrorInvalidValue;
   }
@@ -523,8 +524,10 @@ cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int6
   size_t cub_bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortKeys(
       b.cub, cub_bytes, b.chosen, new_ids, static_cast<int>(cache_size), 0, 64, stream));
-  return RunLookup(new_ids, cache_size, old_ids, cache_size, fresh_pad_id, src, fresh_rank,
-                   fresh_ids, fresh_at, nullptr, nullptr, b.num_stay, num_fresh, b.lookup, stream);
+  const CacheLookupResult new_in_old{fresh.position, fresh.miss_rank, fresh.miss_ids,
+                                     fresh.miss_at};
+  return RunLookup(new_ids, cache_size, old_ids, cache_size, fresh_pad_id, new_in_old, b.num_stay,
+                   num_fresh, b.lookup, stream);
 }
 
 #define TTUPD_INSTANTIATE(T)                                                                    \

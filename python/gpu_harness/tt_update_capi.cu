@@ -90,9 +90,10 @@ int ttupd_cache_lookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, 
                        int64_t miss_pad_id, int64_t* position, int64_t* miss_rank,
                        int64_t* miss_ids, int64_t* miss_at, int64_t* hit_at, int64_t* hit_pos,
                        int64_t* counts, void* scratch, size_t scratch_bytes, void* stream) {
-  return static_cast<int>(g::LaunchCacheLookup(
-      ids, n, cache_ids, cache_size, miss_pad_id, position, miss_rank, miss_ids, miss_at, hit_at,
-      hit_pos, counts, scratch, scratch_bytes, static_cast<cudaStream_t>(stream)));
+  const g::CacheLookupResult out{position, miss_rank, miss_ids, miss_at, hit_at, hit_pos};
+  return static_cast<int>(g::LaunchCacheLookup(ids, n, cache_ids, cache_size, miss_pad_id, out,
+                                               counts, scratch, scratch_bytes,
+                                               static_cast<cudaStream_t>(stream)));
 }
 
 size_t ttupd_cache_populate_scratch_bytes(int64_t table_size, int64_t cache_size) {
@@ -104,9 +105,10 @@ int ttupd_cache_populate(const int64_t* keys, const int64_t* counts, int64_t tab
                          int64_t* new_ids, int64_t* src, int64_t* fresh_rank, int64_t* fresh_ids,
                          int64_t* fresh_at, int64_t* num_fresh, void* scratch, size_t scratch_bytes,
                          void* stream) {
-  return static_cast<int>(g::LaunchCachePopulate(
-      keys, counts, table_size, old_ids, cache_size, fresh_pad_id, new_ids, src, fresh_rank,
-      fresh_ids, fresh_at, num_fresh, scratch, scratch_bytes, static_cast<cudaStream_t>(stream)));
+  const g::CacheLookupResult fresh{src, fresh_rank, fresh_ids, fresh_at};
+  return static_cast<int>(g::LaunchCachePopulate(keys, counts, table_size, old_ids, cache_size,
+                                                 fresh_pad_id, new_ids, fresh, num_fresh, scratch,
+                                                 scratch_bytes, static_cast<cudaStream_t>(stream)));
 }
 
 const char* ttupd_error_string(int code) {
