@@ -136,6 +136,23 @@ class Carver {
   size_t offset_ = 0;
 };
 
+// The buffers of a CUB radix sort of n (Key, int32) pairs. Key is void where the key
+// width is chosen at run time (key_bytes).
+template <typename Key>
+struct SortPairsBuffers {
+  Key* keys_in = nullptr;       // [n]
+  Key* keys_out = nullptr;      // [n]
+  int32_t* vals_in = nullptr;   // [n]
+  int32_t* vals_out = nullptr;  // [n], or null for sorts that write the values elsewhere
+
+  void Carve(Carver& carver, int64_t n, int64_t key_bytes, bool with_vals_out = true) {
+    keys_in = static_cast<Key*>(carver.TakeBytes(static_cast<size_t>(n * key_bytes)));
+    keys_out = static_cast<Key*>(carver.TakeBytes(static_cast<size_t>(n * key_bytes)));
+    vals_in = carver.Take<int32_t>(n);
+    if (with_vals_out) vals_out = carver.Take<int32_t>(n);
+  }
+};
+
 }  // namespace gpu
 }  // namespace tf_ttemb
 

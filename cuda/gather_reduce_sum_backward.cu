@@ -210,16 +210,17 @@ cudaError_t SortAndSegmentImpl(const BagProblem& p, const GradPlan<T>& g, const 
                                const int64_t* splits, GradScratch<T>& s, DeviceReport* report,
                                cudaStream_t stream) {
   const int64_t n = p.nnz;
-  Key* keys_in = static_cast<Key*>(s.keys_in);
-  Key* keys_out = static_cast<Key*>(s.keys_out);
+  Key* keys_in = static_cast<Key*>(s.sort.keys_in);
+  Key* keys_out = static_cast<Key*>(s.sort.keys_out);
   const Key sentinel = static_cast<Key>(p.num_rows);
   BuildSortKeysKernel<Tindex, Key><<<GridFor(n), kBlock, 0, stream>>>(
-      ids, n, p.num_rows, p.has_padding_id, p.padding_id, splits, p.num_bags, keys_in, s.pos_in,
-      s.entry_bag, report);
+      ids, n, p.num_rows, p.has_padding_id, p.padding_id, splits, p.num_bags, keys_in,
+      s.sort.vals_in, s.entry_bag, report);
   TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   size_t bytes = s.cub_bytes;
-  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-      s.cub_temp, bytes, keys_in, keys_out, s.pos_in, s.pos_out, n, 0, g.end_bit, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(s.cub_temp, bytes, keys_in, keys_out,
+                                                             s.sort.vals_in, s.sort.vals_out, n, 0,
+                                                             g.end_bit, stream));
   SegmentHeadsKernel<Key><<<GridFor(n + 1), kBlock, 0, stream>>>(keys_out, n, sentinel, s.heads);
   TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   bytes = s.cub_bytes;
@@ -282,7 +283,7 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids, cons
         TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
       }
       SortedEntryInfoKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
-          s.pos_out, s.entry_bag, splits, p.has_weights ? weights : nullptr, s.scale, s.meta,
+          s.sort.vals_out, s.entry_bag, splits, p.has_weights ? weights : nullptr, s.scale, s.meta,
           p.num_bags, p.nnz, p.combiner == Combiner::kMax, s.sorted_bag, s.sorted_coef,
           s.sorted_inbag);
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());

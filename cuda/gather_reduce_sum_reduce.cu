@@ -1010,7 +1010,7 @@ cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* 
   }
   if (fused && p.nnz > 0 && p.num_bags > 0) {
     FusedWeightsGradKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
-        s.pos_out, s.sorted_bag, s.pdot, s.scale, s.dyout, fusion->weights, s.meta, p.nnz,
+        s.sort.vals_out, s.sorted_bag, s.pdot, s.scale, s.dyout, fusion->weights, s.meta, p.nnz,
         p.dim > 0 ? g.cols.chunks : 0, p.combiner, fusion->weights_grad);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   } else if (fused && p.nnz > 0) {

@@ -95,10 +95,8 @@ template <typename T>
 struct GradScratch {
   LevelBuffers levels;
   CoreSort core[kMaxTTCores];
-  CoreSort child[kMaxTTCores];  // parent-gradient pieces of levels 1 .. T-1
-  int64_t* keys_in = nullptr;
-  int64_t* keys_out = nullptr;
-  int32_t* vals_in = nullptr;
+  CoreSort child[kMaxTTCores];     // parent-gradient pieces of levels 1 .. T-1
+  SortPairsBuffers<int64_t> sort;  // no vals_out: the sorts write to a CoreSort's lists
   int32_t* piece_flags = nullptr;
   int32_t* piece_incl = nullptr;
   int32_t* seg_incl = nullptr;
@@ -146,9 +144,7 @@ void CarveGradIndex(const Geo& g, int64_t nmax, Carver* c, GradScratch<T>* s,
     cs.row_count = c->Take<int64_t>(1);
     values = std::max(values, cs.max_pieces * g.S[t - 1]);
   }
-  s->keys_in = c->Take<int64_t>(nmax);
-  s->keys_out = c->Take<int64_t>(nmax);
-  s->vals_in = c->Take<int32_t>(nmax);
+  s->sort.Carve(*c, nmax, sizeof(int64_t), /*with_vals_out=*/false);
   s->piece_flags = c->Take<int32_t>(nmax);
   s->piece_incl = c->Take<int32_t>(nmax);
   s->seg_incl = c->Take<int32_t>(nmax);
