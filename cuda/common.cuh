@@ -22,12 +22,21 @@
     if (err_ != cudaSuccess) return err_; \
   } while (0)
 
-// Expands M(T) for each value type the launchers take; each .cu file instantiates its own
-// launchers with it.
-#define TTEMB_FOR_EACH_VALUE_TYPE(M) M(__half) M(__nv_bfloat16) M(float) M(double)
+// Expands M(T, args...) for each value type T the launchers take; each .cu file
+// instantiates its own launchers with it (or with TTEMB_FOR_EACH_VALUE_TYPE, M(T)).
+#define TTEMB_FOR_EACH_VALUE_TYPE_WITH(M, ...) \
+  M(__half, __VA_ARGS__) M(__nv_bfloat16, __VA_ARGS__) M(float, __VA_ARGS__) M(double, __VA_ARGS__)
+#define TTEMB_VALUE_TYPE_ONLY(T, M) M(T)
+#define TTEMB_FOR_EACH_VALUE_TYPE(M) TTEMB_FOR_EACH_VALUE_TYPE_WITH(TTEMB_VALUE_TYPE_ONLY, M)
 
 namespace tf_ttemb {
 namespace gpu {
+
+// Threads per block of the package's kernels.
+constexpr int kBlock = 256;
+// Grid-stride kernels sized by upper bounds (counts that live on the device) launch at
+// most this many blocks: a capped grid keeps empty blocks cheap.
+constexpr int64_t kMaxGridBlocks = 4096;
 
 #if defined(__CUDACC__)
 __device__ __forceinline__ float ToAcc(float x) { return x; }
@@ -83,6 +92,12 @@ inline int GridBlocks(int64_t work, int threads, int64_t max_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(CeilDiv(work, threads), max_blocks)));
 }
 
+// FlatBlocks: GridBlocks for a grid-stride kernel of `threads` per block, capped at
+// kMaxGridBlocks.
+inline int FlatBlocks(int64_t work, int threads = kBlock) {
+  return GridBlocks(work, threads, kMaxGridBlocks);
+}
+
 // The smallest power of two >= x, at most `cap` (a power of two); 1 for x <= 1.
 inline int Pow2AtLeast(int64_t x, int cap) {
   int p = 1;
@@ -119,6 +134,23 @@ class Carver {
  private:
   char* base_;
   size_t offset_ = 0;
+};
+
+// The buffers of a CUB radix sort of n (Key, int32) pairs. Key is void where the key
+// width is chosen at run time (key_bytes).
+template <typename Key>
+struct SortPairsBuffers {
+  Key* keys_in = nullptr;       // [n]
+  Key* keys_out = nullptr;      // [n]
+  int32_t* vals_in = nullptr;   // [n]
+  int32_t* vals_out = nullptr;  // [n], or null for sorts that write the values elsewhere
+
+  void Carve(Carver& carver, int64_t n, int64_t key_bytes, bool with_vals_out = true) {
+    keys_in = static_cast<Key*>(carver.TakeBytes(static_cast<size_t>(n * key_bytes)));
+    keys_out = static_cast<Key*>(carver.TakeBytes(static_cast<size_t>(n * key_bytes)));
+    vals_in = carver.Take<int32_t>(n);
+    if (with_vals_out) vals_out = carver.Take<int32_t>(n);
+  }
 };
 
 }  // namespace gpu

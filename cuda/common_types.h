@@ -2,8 +2,8 @@
 // combiner and row-optimizer choices, a bag op's attributes, the type T accumulates in,
 // the device reports of the GPU ops and the TT cache's set hash. Plain C++, no
 // TensorFlow or CUDA headers, so that cc/ code built without CUDA includes it too.
-// cc/ sees these in tensorflow::tf_ttemb, cuda/ in tf_ttemb::gpu (the using-declarations
-// at the end).
+// cc/ sees these in tensorflow::tf_ttemb (the using-declarations at the end), cuda/ from
+// tf_ttemb::gpu.
 
 #ifndef TF_TTEMB_CUDA_COMMON_TYPES_H_
 #define TF_TTEMB_CUDA_COMMON_TYPES_H_
@@ -134,32 +134,22 @@ inline TTEMB_HOST_DEVICE uint64_t MixId(uint64_t x) {
 
 }  // namespace tf_ttemb
 
-// The names above, declared once where each side uses them: cc/ in tensorflow::tf_ttemb,
-// cuda/ in tf_ttemb::gpu.
-#define TTEMB_COMMON_TYPES_USING        \
-  using ::tf_ttemb::AccT;               \
-  using ::tf_ttemb::AccumulatorOf;      \
-  using ::tf_ttemb::BagOptions;         \
-  using ::tf_ttemb::Combiner;           \
-  using ::tf_ttemb::DeviceReport;       \
-  using ::tf_ttemb::GroupReport;        \
-  using ::tf_ttemb::kDeviceReportWords; \
-  using ::tf_ttemb::kGroupReportWords;  \
-  using ::tf_ttemb::kMaxTTCores;        \
-  using ::tf_ttemb::kTTReportWords;     \
-  using ::tf_ttemb::MixId;              \
-  using ::tf_ttemb::RowOptimizer;       \
-  using ::tf_ttemb::TTReport;
+// The names above that cc/ uses, seen in tensorflow::tf_ttemb. (cuda/'s namespace
+// tf_ttemb::gpu is nested in tf_ttemb: it sees them as they are.)
 namespace tensorflow {
 namespace tf_ttemb {
-TTEMB_COMMON_TYPES_USING
+using ::tf_ttemb::AccT;
+using ::tf_ttemb::Combiner;
+using ::tf_ttemb::DeviceReport;
+using ::tf_ttemb::GroupReport;
+using ::tf_ttemb::kDeviceReportWords;
+using ::tf_ttemb::kGroupReportWords;
+using ::tf_ttemb::kMaxTTCores;
+using ::tf_ttemb::kTTReportWords;
+using ::tf_ttemb::MixId;
+using ::tf_ttemb::RowOptimizer;
+using ::tf_ttemb::TTReport;
 }  // namespace tf_ttemb
 }  // namespace tensorflow
-namespace tf_ttemb {
-namespace gpu {
-TTEMB_COMMON_TYPES_USING
-}  // namespace gpu
-}  // namespace tf_ttemb
-#undef TTEMB_COMMON_TYPES_USING
 
 #endif  // TF_TTEMB_CUDA_COMMON_TYPES_H_

@@ -144,8 +144,9 @@ __global__ void SortedEntryInfoKernel(const int32_t* __restrict__ positions,  //
 // ---------------------------------------------------------------------------
 // Weights gradient on its own.
 
+// The problem (its sizes and bag options), the pointers and the column layout.
 template <typename T, typename Tindex>
-struct WeightsGradArgs {
+struct WeightsGradArgs : BagProblem {
   const T* grad;          // [B, D]
   const T* params;        // [N, D]
   const Tindex* ids;      // [nnz]
@@ -155,10 +156,8 @@ struct WeightsGradArgs {
   const AccT<T>* dyout;   // [B] or null (sum)
   T* weights_grad;        // [nnz]
   DeviceReport* report;
-  int64_t num_rows, dim, dim_vecs, num_bags, nnz, padding_id, num_items;
+  int64_t dim_vecs, num_items;
   int group;
-  Combiner combiner;
-  bool has_padding;
 };
 
 // Work item = kWeightsGradEntries consecutive entries; the group computes
@@ -177,7 +176,7 @@ __global__ void __launch_bounds__(kBlock) WeightsGradKernel(const WeightsGradArg
     for (int64_t j = j0; j < j1; ++j) {
       while (b + 1 < a.num_bags && a.splits[b + 1] <= j) ++b;
       const int64_t id = static_cast<int64_t>(a.ids[j]);
-      const bool pad = a.has_padding && id == a.padding_id;
+      const bool pad = a.has_padding_id && id == a.padding_id;
       const bool valid = !pad && id >= 0 && id < a.num_rows;
       if (!valid && !pad && walk.lane == 0) ReportMin(&a.report->first_bad_index, j);
       const A s = a.scale != nullptr ? a.scale[b] : A(1);
@@ -211,16 +210,17 @@ cudaError_t SortAndSegmentImpl(const BagProblem& p, const GradPlan<T>& g, const 
                                const int64_t* splits, GradScratch<T>& s, DeviceReport* report,
                                cudaStream_t stream) {
   const int64_t n = p.nnz;
-  Key* keys_in = static_cast<Key*>(s.keys_in);
-  Key* keys_out = static_cast<Key*>(s.keys_out);
+  Key* keys_in = static_cast<Key*>(s.sort.keys_in);
+  Key* keys_out = static_cast<Key*>(s.sort.keys_out);
   const Key sentinel = static_cast<Key>(p.num_rows);
   BuildSortKeysKernel<Tindex, Key><<<GridFor(n), kBlock, 0, stream>>>(
-      ids, n, p.num_rows, p.has_padding_id, p.padding_id, splits, p.num_bags, keys_in, s.pos_in,
-      s.entry_bag, report);
+      ids, n, p.num_rows, p.has_padding_id, p.padding_id, splits, p.num_bags, keys_in,
+      s.sort.vals_in, s.entry_bag, report);
   TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   size_t bytes = s.cub_bytes;
-  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-      s.cub_temp, bytes, keys_in, keys_out, s.pos_in, s.pos_out, n, 0, g.end_bit, stream));
+  TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(s.cub_temp, bytes, keys_in, keys_out,
+                                                             s.sort.vals_in, s.sort.vals_out, n, 0,
+                                                             g.end_bit, stream));
   SegmentHeadsKernel<Key><<<GridFor(n + 1), kBlock, 0, stream>>>(keys_out, n, sentinel, s.heads);
   TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   bytes = s.cub_bytes;
@@ -283,7 +283,7 @@ cudaError_t LaunchParamsGradPrepare(const BagProblem& p, const Tindex* ids, cons
         TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
       }
       SortedEntryInfoKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
-          s.pos_out, s.entry_bag, splits, p.has_weights ? weights : nullptr, s.scale, s.meta,
+          s.sort.vals_out, s.entry_bag, splits, p.has_weights ? weights : nullptr, s.scale, s.meta,
           p.num_bags, p.nnz, p.combiner == Combiner::kMax, s.sorted_bag, s.sorted_coef,
           s.sorted_inbag);
       TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
@@ -330,6 +330,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
     }
     const Columns cols = ColumnsFor<T>(p.dim);
     WeightsGradArgs<T, Tindex> a;
+    static_cast<BagProblem&>(a) = p;
     a.grad = grad;
     a.params = params;
     a.ids = ids;
@@ -339,16 +340,9 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
     a.dyout = scaled ? dyout : nullptr;
     a.weights_grad = weights_grad;
     a.report = report;
-    a.num_rows = p.num_rows;
-    a.dim = p.dim;
     a.dim_vecs = cols.dim_vecs;
-    a.num_bags = p.num_bags;
-    a.nnz = p.nnz;
-    a.padding_id = p.padding_id;
     a.num_items = CeilDiv(p.nnz, kWeightsGradEntries);
     a.group = cols.group;
-    a.combiner = p.combiner;
-    a.has_padding = p.has_padding_id;
     const int grid = GridFor(a.num_items * cols.group);
     if (p.dim % VecOf<T>() == 0 && Aligned16(grad) && Aligned16(params)) {
       WeightsGradKernel<T, Tindex, true><<<grid, kBlock, 0, stream>>>(a);
@@ -371,6 +365,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
 // ---------------------------------------------------------------------------
 // Instantiations.
 
+#define TTEMB_INSTANTIATE_T(T) template size_t WeightsGradScratchBytes<T>(const BagProblem&);
 #define TTEMB_INSTANTIATE(T, Tindex)                                                            \
   template size_t ParamsGradScratchBytes<T, Tindex>(const BagProblem&, bool, bool);             \
   template cudaError_t LaunchParamsGradPrepare<T, Tindex>(                                      \
@@ -380,12 +375,7 @@ cudaError_t LaunchWeightsGrad(const BagProblem& p, const T* grad, const T* param
       const BagProblem&, const T*, const T*, const Tindex*, const int64_t*, const T*, const T*, \
       T*, DeviceReport*, void*, size_t, cudaStream_t);
 
-#define TTEMB_INSTANTIATE_T(T)                                   \
-  template size_t WeightsGradScratchBytes<T>(const BagProblem&); \
-  TTEMB_INSTANTIATE(T, int32_t)                                  \
-  TTEMB_INSTANTIATE(T, int64_t)
-
-TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_T)
+TTEMB_INSTANTIATE_BAG_LAUNCHERS(TTEMB_INSTANTIATE_T, TTEMB_INSTANTIATE)
 
 #undef TTEMB_INSTANTIATE_T
 #undef TTEMB_INSTANTIATE

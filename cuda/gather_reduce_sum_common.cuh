@@ -29,11 +29,17 @@
 #include "cuda/common.cuh"
 #include "cuda/gather_reduce_sum_kernels.cuh"
 
+// Instantiates a .cu file's launchers of the family: PER_T(T) for each value type T,
+// PER_T_INDEX(T, Tindex) for each value type and index type (int32_t, int64_t).
+#define TTEMB_INSTANTIATE_BAG_LAUNCHERS(PER_T, PER_T_INDEX) \
+  TTEMB_FOR_EACH_VALUE_TYPE(PER_T)                          \
+  TTEMB_FOR_EACH_VALUE_TYPE_WITH(PER_T_INDEX, int32_t)      \
+  TTEMB_FOR_EACH_VALUE_TYPE_WITH(PER_T_INDEX, int64_t)
+
 namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kBlock = 256;
 // Row vectors each lane has in flight in the gather loops (forward and
 // params-gradient reduction): kUnroll / NV entries of NV vectors.
 constexpr int kUnroll = 8;

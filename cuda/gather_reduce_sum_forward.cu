@@ -439,16 +439,13 @@ cudaError_t LaunchForward(const BagProblem& p, const T* params, const Tindex* id
 // ---------------------------------------------------------------------------
 // Instantiations.
 
+#define TTEMB_INSTANTIATE_T(T) template size_t ForwardScratchBytes<T>(const BagProblem&);
 #define TTEMB_INSTANTIATE(T, Tindex)                                                        \
   template cudaError_t LaunchForward<T, Tindex>(const BagProblem&, const T*, const Tindex*, \
                                                 const int64_t*, const T*, T*, int32_t*,     \
                                                 DeviceReport*, void*, size_t, cudaStream_t);
-#define TTEMB_INSTANTIATE_T(T)                               \
-  template size_t ForwardScratchBytes<T>(const BagProblem&); \
-  TTEMB_INSTANTIATE(T, int32_t)                              \
-  TTEMB_INSTANTIATE(T, int64_t)
 
-TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_T)
+TTEMB_INSTANTIATE_BAG_LAUNCHERS(TTEMB_INSTANTIATE_T, TTEMB_INSTANTIATE)
 
 #undef TTEMB_INSTANTIATE_T
 #undef TTEMB_INSTANTIATE

@@ -103,10 +103,7 @@ GradPlan<T> PlanGrad(const BagProblem& p) {
 
 template <typename T>
 struct GradScratch {
-  void* keys_in = nullptr;
-  void* keys_out = nullptr;
-  int32_t* pos_in = nullptr;
-  int32_t* pos_out = nullptr;
+  SortPairsBuffers<void> sort;  // (id key, entry position), keys of g.wide_keys' width
   int32_t* heads = nullptr;
   int32_t* seg_index = nullptr;
   int32_t* seg_start = nullptr;
@@ -149,10 +146,7 @@ size_t CarveGrad(const BagProblem& p, const GradPlan<T>& g, bool dense, bool fus
   Carver carver(base);
   const int64_t n = p.nnz;
   const size_t key_size = g.wide_keys ? sizeof(uint64_t) : sizeof(uint32_t);
-  s->keys_in = carver.Take<char>(n * static_cast<int64_t>(key_size));
-  s->keys_out = carver.Take<char>(n * static_cast<int64_t>(key_size));
-  s->pos_in = carver.Take<int32_t>(n);
-  s->pos_out = carver.Take<int32_t>(n);
+  s->sort.Carve(carver, n, static_cast<int64_t>(key_size));
   s->heads = carver.Take<int32_t>(n + 1);
   s->seg_index = carver.Take<int32_t>(n + 1);
   s->seg_start = carver.Take<int32_t>(n + 1);

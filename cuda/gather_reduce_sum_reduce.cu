@@ -1010,7 +1010,7 @@ cudaError_t ReduceParamsGrad(const BagProblem& p, const T* grad, const int32_t* 
   }
   if (fused && p.nnz > 0 && p.num_bags > 0) {
     FusedWeightsGradKernel<T><<<GridFor(p.nnz), kBlock, 0, stream>>>(
-        s.pos_out, s.sorted_bag, s.pdot, s.scale, s.dyout, fusion->weights, s.meta, p.nnz,
+        s.sort.vals_out, s.sorted_bag, s.pdot, s.scale, s.dyout, fusion->weights, s.meta, p.nnz,
         p.dim > 0 ? g.cols.chunks : 0, p.combiner, fusion->weights_grad);
     TTEMB_RETURN_IF_CUDA_ERROR(LastLaunchError());
   } else if (fused && p.nnz > 0) {
@@ -1046,6 +1046,8 @@ cudaError_t LaunchParamsGradApply(const BagProblem& p, const T* grad, const int3
 // ---------------------------------------------------------------------------
 // Instantiations.
 
+#define TTEMB_INSTANTIATE_T(T) \
+  template bool ApplyFusesIntoReduce<T>(const BagProblem&, RowOptimizer);
 #define TTEMB_INSTANTIATE(T, Tindex)                                                             \
   template cudaError_t LaunchParamsGradReduce<T, Tindex>(                                        \
       const BagProblem&, const T*, const int32_t*, Tindex*, T*, T*, const WeightsGradFusion<T>*, \
@@ -1054,12 +1056,7 @@ cudaError_t LaunchParamsGradApply(const BagProblem& p, const T* grad, const int3
       const BagProblem&, const T*, const int32_t*, const RowUpdate<AccT<T>>&, T*, AccT<T>*,      \
       const WeightsGradFusion<T>*, void*, size_t, cudaStream_t);
 
-#define TTEMB_INSTANTIATE_T(T)                                            \
-  template bool ApplyFusesIntoReduce<T>(const BagProblem&, RowOptimizer); \
-  TTEMB_INSTANTIATE(T, int32_t)                                           \
-  TTEMB_INSTANTIATE(T, int64_t)
-
-TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_T)
+TTEMB_INSTANTIATE_BAG_LAUNCHERS(TTEMB_INSTANTIATE_T, TTEMB_INSTANTIATE)
 
 #undef TTEMB_INSTANTIATE_T
 #undef TTEMB_INSTANTIATE

@@ -17,7 +17,6 @@ namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kBlock = 256;
 constexpr int kWarpsPerBlock = kBlock / 32;
 constexpr int64_t kMaxBlocks = 65535;
 

@@ -19,7 +19,6 @@ namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kBlock = 256;
 constexpr int64_t kMaxBlocks = 65535;
 
 int Grid(int64_t work) { return GridBlocks(work, kBlock, kMaxBlocks); }

@@ -13,7 +13,7 @@ namespace {
 // Core-gradient pieces of core t >= 1: one block per piece, threads over the
 // width (k, c); piece_out[p] = sum over the piece's items of A_n^T @ dC_n.
 template <typename TA, typename TG, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     CorePieceKernel(Geo g, int t, const int64_t* __restrict__ ids,
                     const int64_t* __restrict__ piece_count,  // [1]
                     const int32_t* __restrict__ piece_pos,    // [pieces + 1]
@@ -153,7 +153,7 @@ constexpr int64_t kCoreTiledMinTiles = 64;
 constexpr int64_t kRegMinLanes = int64_t{1} << 18;
 
 template <typename TA, typename TG, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     CorePieceTiledKernel(Geo g, int t, const int64_t* __restrict__ ids,
                          const int64_t* __restrict__ piece_count,
                          const int32_t* __restrict__ piece_pos,
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Core-0 gradient pieces: piece_out[p] = sum over the piece's level-0 items of dP_0.
 template <typename C>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     Core0PieceKernel(int64_t W, const int64_t* __restrict__ piece_count,
                      const int32_t* __restrict__ piece_pos,
                      const int32_t* __restrict__ sorted_items,
@@ -268,7 +268,7 @@ __global__ void CombinePiecesKernel(int64_t W, const int64_t* __restrict__ row_c
 // One block per piece of children: piece_out[pc] = sum over the piece's children n
 // of dC_n @ B_n^T [M, K]; threads over (row m, k). For narrow B (Nc < 32).
 template <typename TG, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     ParentPieceKernel(Geo g, int t, const int64_t* __restrict__ ids,
                       const int64_t* __restrict__ piece_count,
                       const int32_t* __restrict__ piece_pos,
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kThreads)
 // output is still one fma chain over the children in order, then c in order:
 // bitwise equal to ParentPieceKernel. Needs M % 4 == 0 and K % 4 == 0.
 template <typename TG, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     ParentPieceTiledKernel(Geo g, int t, const int64_t* __restrict__ ids,
                            const int64_t* __restrict__ piece_count,
                            const int32_t* __restrict__ piece_pos, const int32_t* __restrict__ row_t,
@@ -372,7 +372,7 @@ __device__ __forceinline__ int64_t GroupIndex(int group) {
 }
 
 template <typename C>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     CorePieceRegKernel(Geo g, int t, int group, const int64_t* __restrict__ ids,
                        const int64_t* __restrict__ piece_count,
                        const int32_t* __restrict__ piece_pos,
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename C>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     ParentPieceRegKernel(Geo g, int t, int group, const int64_t* __restrict__ ids,
                          const int64_t* __restrict__ piece_count,
                          const int32_t* __restrict__ piece_pos, const int32_t* __restrict__ row_t,
@@ -464,7 +464,7 @@ int RegGroup(int64_t tiles) { return Pow2AtLeast(tiles, 32); }
 // dC and B), accumulate over the piece's children, and reduce across lanes by
 // a fixed shuffle tree at the end (deterministic).
 template <int MM, typename TG, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     ParentPieceWideKernel(Geo g, int t, const int64_t* __restrict__ ids,
                           const int64_t* __restrict__ piece_count,
                           const int32_t* __restrict__ piece_pos, const int32_t* __restrict__ row_t,
@@ -562,7 +562,7 @@ __device__ __forceinline__ void ByRowTiles(const C* x_s, int xs, const C* y_s, i
 }
 
 template <typename TG, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     ParentByRowKernel(Geo g, int t, int ib, int nsub, const int64_t* __restrict__ ids,
                       const int64_t* __restrict__ piece_count,
                       const int32_t* __restrict__ piece_pos,
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(kThreads)
 // loads. Each output is one fma chain over k in order, as in LevelForwardKernel: the
 // same bits. Needs M, Nc % 4 == 0.
 template <typename TA, typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     LevelForwardByRowKernel(Geo g, int t, int ib, int nsub, const int64_t* __restrict__ piece_count,
                             const int32_t* __restrict__ piece_pos,
                             const int32_t* __restrict__ sorted_items,
@@ -748,9 +748,9 @@ cudaError_t LaunchCorePieces(const Geo& g, int t, const int64_t* ids, const Core
     // output hides latency better (run 9: 120 vs 366 us at B=512).
     if (shapes4 && tiles < kCoreTiledMinTiles && cs.max_pieces * group >= kRegMinLanes &&
         Aligned16(prev) && Aligned16(dC)) {
-      const int64_t blocks = CeilDiv(cs.max_pieces, kThreads / group);
+      const int64_t blocks = CeilDiv(cs.max_pieces, kBlock / group);
       CorePieceRegKernel<C>
-          <<<static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGridBlocks))), kThreads, 0,
+          <<<static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGridBlocks))), kBlock, 0,
              stream>>>(g, t, group, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t],
                        b.row[0], prev, dC, piece_out, cs.piece_order);
       return cudaGetLastError();
@@ -758,13 +758,13 @@ cudaError_t LaunchCorePieces(const Geo& g, int t, const int64_t* ids, const Core
   }
   // Wide outputs: a block per piece, items staged in shared memory.
   if (shapes4 && smem <= 40 * 1024 && tiles >= kCoreTiledMinTiles) {
-    const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+    const int threads = static_cast<int>(std::min<int64_t>(kBlock, ((tiles + 31) / 32) * 32));
     CorePieceTiledKernel<TA, TG, T><<<grid, threads, static_cast<size_t>(smem), stream>>>(
         g, t, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[t], b.row[0], prev, dC,
         piece_out);
     return cudaGetLastError();
   }
-  const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((g.width[t] + 31) / 32) * 32));
+  const int threads = static_cast<int>(std::min<int64_t>(kBlock, ((g.width[t] + 31) / 32) * 32));
   CorePieceKernel<TA, TG, T><<<grid, threads, 0, stream>>>(g, t, ids, cs.piece_count, cs.piece_pos,
                                                            cs.sorted_items, b.par[t], b.row[0],
                                                            prev, dC, piece_out, cs.piece_order);
@@ -819,7 +819,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       const CoreSort& cs = s.core[t];
       const int nsub = static_cast<int>(CeilDiv(CorePieceItems(g, t), fib));
       const int64_t tiles = fib * (g.M[t] / 4) * (g.Nc[t] / 4);
-      const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+      const int threads = static_cast<int>(std::min<int64_t>(kBlock, ((tiles + 31) / 32) * 32));
       if (t == 1) {
         LevelForwardByRowKernel<T, T>
             <<<ByRowGrid(cs.max_pieces, nsub), threads, static_cast<size_t>(fwd_smem), stream>>>(
@@ -843,7 +843,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
   auto combine = [&](int k) -> cudaError_t {
     const CoreSort& cs = s.core[k];
     const int64_t W = g.width[k];
-    CombinePiecesKernel<T><<<GridFor(cs.max_rows * W), kThreads, 0, stream>>>(
+    CombinePiecesKernel<T><<<GridFor(cs.max_rows * W), kBlock, 0, stream>>>(
         W, cs.row_count, cs.seg_first_piece, cs.seg_row, s.pieces,
         dense ? nullptr : core_indices[k], dense ? nullptr : core_values[k],
         dense ? core_dense[k] : nullptr);
@@ -866,7 +866,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
         const int nsub = static_cast<int>(CeilDiv(CorePieceItems(g, t), ib));
         const int cgrid = ByRowGrid(cs.max_pieces, nsub);
         const int64_t tiles = ib * (g.M[t] / 4) * (g.K[t] / 4);
-        const int threads = static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+        const int threads = static_cast<int>(std::min<int64_t>(kBlock, ((tiles + 31) / 32) * 32));
         if (last) {
           ParentByRowKernel<T, T><<<cgrid, threads, static_cast<size_t>(by_row_smem), stream>>>(
               g, t, ib, nsub, ids, cs.piece_count, cs.piece_pos, cs.sorted_items, b.row[t], grad,
@@ -885,9 +885,9 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
         if (!launched && g.Nc[t] < 32 && g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && g.Nc[t] % 4 == 0 &&
             Aligned16(dC) && Aligned16(cores[t])) {
           const int group = RegGroup((g.M[t] / 4) * (g.K[t] / 4));
-          const int64_t blocks = CeilDiv(ch.max_pieces, kThreads / group);
+          const int64_t blocks = CeilDiv(ch.max_pieces, kBlock / group);
           ParentPieceRegKernel<C>
-              <<<static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGridBlocks))), kThreads,
+              <<<static_cast<int>(std::max<int64_t>(1, std::min(blocks, kMaxGridBlocks))), kBlock,
                  0, stream>>>(g, t, group, ids, ch.piece_count, ch.piece_pos, b.row[t], dC,
                               cores[t], s.pieces);
           launched = true;
@@ -908,7 +908,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
             if (!last) dC = s.dpartial[t];
           }
           const int64_t outputs = CeilDiv(g.M[t], MM) * g.K[t];
-          const int threads = static_cast<int>(std::min<int64_t>(kThreads, outputs * 32));
+          const int threads = static_cast<int>(std::min<int64_t>(kBlock, outputs * 32));
           ParentPieceWideKernel<MM, TG, T><<<grid, threads, 0, stream>>>(
               g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], dC, cores[t], s.pieces);
         };
@@ -931,8 +931,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
                              static_cast<int64_t>(sizeof(C));
         if (g.M[t] % 4 == 0 && g.K[t] % 4 == 0 && smem <= 40 * 1024) {
           const int64_t tiles = (g.M[t] / 4) * (g.K[t] / 4);
-          const int threads =
-              static_cast<int>(std::min<int64_t>(kThreads, ((tiles + 31) / 32) * 32));
+          const int threads = static_cast<int>(std::min<int64_t>(kBlock, ((tiles + 31) / 32) * 32));
           if (last) {
             ParentPieceTiledKernel<T, T><<<grid, threads, static_cast<size_t>(smem), stream>>>(
                 g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
@@ -943,7 +942,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
           }
         } else {
           const int threads =
-              static_cast<int>(std::min<int64_t>(kThreads, ((g.S[t - 1] + 31) / 32) * 32));
+              static_cast<int>(std::min<int64_t>(kBlock, ((g.S[t - 1] + 31) / 32) * 32));
           if (last) {
             ParentPieceKernel<T, T><<<grid, threads, 0, stream>>>(
                 g, t, ids, ch.piece_count, ch.piece_pos, b.row[t], grad, cores[t], s.pieces);
@@ -956,11 +955,11 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
       }
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       if (by_row) {
-        ChildCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
+        ChildCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kBlock, 0, stream>>>(
             g, t, ids, g.S[t - 1], &b.counts[t], ch.seg_first_piece, ch.piece_pos, s.pieces,
             s.dpartial[t - 1]);
       } else {
-        ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kThreads, 0, stream>>>(
+        ParentCombineKernel<C><<<GridFor(nmax * g.S[t - 1]), kBlock, 0, stream>>>(
             g.S[t - 1], &b.counts[t], ch.seg_first_piece, s.pieces, s.dpartial[t - 1]);
       }
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -985,8 +984,7 @@ cudaError_t LaunchRowsGradCompute(const TTProblem& p, const int64_t* ids, int64_
     const CoreSort& cs = s.core[0];
     const int grid =
         static_cast<int>(std::max<int64_t>(1, std::min(cs.max_pieces, kMaxGridBlocks)));
-    const int threads =
-        static_cast<int>(std::min<int64_t>(kThreads, ((g.width[0] + 31) / 32) * 32));
+    const int threads = static_cast<int>(std::min<int64_t>(kBlock, ((g.width[0] + 31) / 32) * 32));
     Core0PieceKernel<C><<<grid, threads, 0, stream>>>(g.width[0], cs.piece_count, cs.piece_pos,
                                                       cs.sorted_items, s.dpartial[0], s.pieces);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());

@@ -159,15 +159,15 @@ size_t RowsGradWorkBytes(const TTProblem& p, int64_t max_ids, const TTReport* pr
 
 namespace {
 
-// Cuts the sorted keys of level `level` (s.keys_out; `sentinel` past the items) into the
+// Cuts the sorted keys of level `level` (s.sort.keys_out; `sentinel` past the items) into the
 // pieces of cs: at most `piece_items` items each, never across two keys. The number of
 // distinct keys also goes to *key_count.
 template <typename T>
 cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b, const GradScratch<T>& s,
                             int64_t nmax, int64_t sentinel, int64_t piece_items, const CoreSort& cs,
                             int64_t* key_count, cudaStream_t stream) {
-  PieceFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(s.keys_out, nmax, sentinel, piece_items,
-                                                           s.piece_flags, b.flags);
+  PieceFlagsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(s.sort.keys_out, nmax, sentinel,
+                                                         piece_items, s.piece_flags, b.flags);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
@@ -175,8 +175,8 @@ cudaError_t LaunchPieceList(const Geo& g, int level, const LevelBuffers& b, cons
   bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(b.cub_temp, bytes, b.flags, s.seg_incl,
                                                            static_cast<int>(nmax), stream));
-  PieceListKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
-      s.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
+  PieceListKernel<<<GridFor(nmax), kBlock, 0, stream>>>(
+      s.sort.keys_out, nmax, s.piece_flags, b.flags, s.piece_incl, s.seg_incl, cs.piece_pos,
       cs.seg_first_piece, cs.seg_row, cs.piece_count, cs.row_count, key_count);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   PieceEndKernel<<<1, 1, 0, stream>>>(g, level, b.counts, cs.piece_count, cs.piece_pos);
@@ -206,37 +206,37 @@ cudaError_t LaunchRowsGradPrepare(const TTProblem& p, const int64_t* ids, int64_
   TTEMB_RETURN_IF_CUDA_ERROR(
       cudaMemsetAsync(report->core_rows, 0, sizeof(report->core_rows), stream));
   if (nmax > 0) {
-    CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, ids, b.counts, 0, report);
+    CheckIdsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, ids, b.counts, 0, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     TTEMB_RETURN_IF_CUDA_ERROR(BuildLevels(g, ids, nmax, &b, stream));
     for (int k = 0; k < g.T; ++k) {
       CoreSort& cs = s.core[k];
       const int64_t sentinel = g.tables * g.p[k];
-      RowKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, k, b.counts, nmax, b.row[k],
-                                                            sentinel, s.keys_in, s.vals_in);
+      RowKeysKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, k, b.counts, nmax, b.row[k], sentinel,
+                                                          s.sort.keys_in, s.sort.vals_in);
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       size_t bytes = b.cub_bytes;
       TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-          b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.sorted_items,
+          b.cub_temp, bytes, s.sort.keys_in, s.sort.keys_out, s.sort.vals_in, cs.sorted_items,
           static_cast<int>(nmax), 0, BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
       TTEMB_RETURN_IF_CUDA_ERROR(LaunchPieceList(g, k, b, s, nmax, sentinel, CorePieceItems(g, k),
                                                  cs, &report->core_rows[k], stream));
       if (cs.piece_order != nullptr) {
-        PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kThreads, 0, stream>>>(
-            cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax, s.keys_in,
-            s.vals_in);
+        PieceOrderKeysKernel<<<GridFor(cs.max_pieces), kBlock, 0, stream>>>(
+            cs.piece_count, cs.piece_pos, cs.sorted_items, b.par[k], cs.max_pieces, nmax,
+            s.sort.keys_in, s.sort.vals_in);
         TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
         bytes = b.cub_bytes;
         TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-            b.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, cs.piece_order,
+            b.cub_temp, bytes, s.sort.keys_in, s.sort.keys_out, s.sort.vals_in, cs.piece_order,
             static_cast<int>(cs.max_pieces), 0, BitsFor(static_cast<uint64_t>(nmax), 64), stream));
       }
     }
     for (int t = 1; t < g.T; ++t) {
       CoreSort& cs = s.child[t];
       const int64_t sentinel = nmax;
-      ParentKeysKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
-                                                               sentinel, s.keys_out);
+      ParentKeysKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, t, b.counts, nmax, b.par[t],
+                                                             sentinel, s.sort.keys_out);
       TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
       TTEMB_RETURN_IF_CUDA_ERROR(
           LaunchPieceList(g, t, b, s, nmax, sentinel, kChildPieceItems, cs, cs.row_count, stream));

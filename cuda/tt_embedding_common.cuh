@@ -63,17 +63,6 @@ namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kThreads = 256;
-// Grid-stride kernels launch at most this many blocks: most launches are sized
-// by upper bounds (the counts live on the device), so a capped grid keeps
-// empty blocks cheap.
-constexpr int64_t kMaxGridBlocks = 4096;
-// Core gradient: items per piece. Narrow cores (width < 1024) take short pieces: more
-// blocks in flight on small batches, for a piece buffer of pieces x width that stays small.
-constexpr int64_t kPieceItems = 64;
-constexpr int64_t kNarrowPieceItems = 16;
-// Parent gradient: children per piece.
-constexpr int64_t kChildPieceItems = 16;
 // TTRows processes the ids in chunks whose scratch fits this budget.
 constexpr size_t kRowsScratchBudget = size_t{512} << 20;
 constexpr int64_t kMinRowsChunk = 4096;
@@ -84,7 +73,7 @@ struct TypeTag {
   using type = U;
 };
 
-int GridFor(int64_t work, int threads = kThreads) {
+int GridFor(int64_t work, int threads = kBlock) {
   return GridBlocks(work, threads, kMaxGridBlocks);
 }
 
@@ -146,10 +135,6 @@ bool MakeGeo(const TTProblem& pr, Geo* g) {
 
 __host__ __device__ __forceinline__ int64_t CoreRow(const Geo& g, int64_t id, int k) {
   return (id / g.P) * g.p[k] + (id / g.L[k]) % g.p[k];
-}
-
-int64_t CorePieceItems(const Geo& g, int k) {
-  return g.width[k] >= 1024 ? kPieceItems : kNarrowPieceItems;
 }
 
 // ids[j], or 0 (a harmless row) for an id outside [0, total).
@@ -280,7 +265,7 @@ __device__ __forceinline__ const TA* AOf(const Geo& g, int t, const TA* prev, co
 
 // Forward of level t >= 1. Thread = (item i, rows m0 .. m0+MM-1 of A, column c).
 template <int MM, typename TA, typename T, typename TO>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     LevelForwardKernel(Geo g, int t, const int64_t* __restrict__ ids,
                        const int64_t* __restrict__ counts,
                        const int32_t* __restrict__ row_t,  // level t
@@ -339,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
 // load and store (H200, FBTT's shape, 1.24M ids: 117 -> 80 us per chunk of
 // ~155K ids; the same fmas, the same bits).
 template <int NC, typename TA, typename T, typename TO>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBlock)
     LevelForwardByParentKernel(Geo g, int t, const int64_t* __restrict__ ids,
                                const int64_t* __restrict__ counts,
                                const int32_t* __restrict__ row_t,
@@ -462,13 +447,12 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t 
   using C = AccT<T>;
   const int64_t M = g.M[t];
   const int64_t work_items = nmax;  // upper bound of the items
-  if (g.Nc[t] <= 8 && M <= kThreads && ByParentSmemBytes<C>(g, t) <= 32 * 1024) {
-    FirstChildKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, b.counts, b.par[t],
-                                                             b.first_child);
+  if (g.Nc[t] <= 8 && M <= kBlock && ByParentSmemBytes<C>(g, t) <= 32 * 1024) {
+    FirstChildKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, t, b.counts, b.par[t], b.first_child);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    // Blocks of a multiple of M threads, at least 64 and at most kThreads.
+    // Blocks of a multiple of M threads, at least 64 and at most kBlock.
     const int threads = static_cast<int>(
-        std::max<int64_t>(M, (std::min<int64_t>(kThreads, std::max<int64_t>(64, M * 4)) / M) * M));
+        std::max<int64_t>(M, (std::min<int64_t>(kBlock, std::max<int64_t>(64, M * 4)) / M) * M));
     const int smem = static_cast<int>(ByParentSmemBytes<C>(g, t));
     const bool vec4 =
         g.Nc[t] == 4 && g.width[t] % 4 == 0 && (reinterpret_cast<uintptr_t>(core) & 15) == 0;
@@ -493,7 +477,7 @@ cudaError_t LaunchLevelForward(const Geo& g, int t, const int64_t* ids, int64_t 
   auto go = [&](auto mm_tag) {
     constexpr int MM = decltype(mm_tag)::value;
     const int64_t work = work_items * CeilDiv(M, MM) * g.Nc[t];
-    LevelForwardKernel<MM, TA, T, TO><<<GridFor(work), kThreads, 0, stream>>>(
+    LevelForwardKernel<MM, TA, T, TO><<<GridFor(work), kBlock, 0, stream>>>(
         g, t, ids, b.counts, b.row[t], b.par[t], b.row[0], prev, core, out);
   };
   if (M >= 8) {
@@ -546,17 +530,17 @@ void CarveLevels(const Geo& g, int64_t nmax, size_t cub_bytes, Carver* c, LevelB
 cudaError_t BuildLevels(const Geo& g, const int64_t* ids, int64_t nmax, LevelBuffers* b,
                         cudaStream_t stream) {
   for (int t = 0; t + 1 < g.T; ++t) {
-    LevelFlagsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, t, ids, b->counts, nmax, b->flags);
+    LevelFlagsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, t, ids, b->counts, nmax, b->flags);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = b->cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(
         b->cub_temp, bytes, b->flags, b->incl[t], static_cast<int>(nmax), stream));
-    LevelHeadsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(t, b->counts, nmax, b->flags,
-                                                             b->incl[t], b->heads[t], b->counts);
+    LevelHeadsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(t, b->counts, nmax, b->flags, b->incl[t],
+                                                           b->heads[t], b->counts);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   for (int t = 0; t < g.T; ++t) {
-    LevelMetaKernel<<<GridFor(nmax), kThreads, 0, stream>>>(
+    LevelMetaKernel<<<GridFor(nmax), kBlock, 0, stream>>>(
         g, t, ids, b->counts, t + 1 < g.T ? b->heads[t] : nullptr, t > 0 ? b->incl[t - 1] : nullptr,
         b->row[t], b->par[t]);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());

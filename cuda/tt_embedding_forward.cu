@@ -72,10 +72,7 @@ __global__ void UniqueFinishKernel(const Tindex* ids, int64_t nnz, const int32_t
 }
 
 struct UniqueScratch {
-  int64_t* keys_in = nullptr;
-  int64_t* keys_out = nullptr;
-  int32_t* vals_in = nullptr;
-  int32_t* vals_out = nullptr;
+  SortPairsBuffers<int64_t> sort;  // (global id or sentinel, entry position)
   int32_t* flags = nullptr;
   int32_t* incl = nullptr;
   void* cub_temp = nullptr;
@@ -84,10 +81,7 @@ struct UniqueScratch {
 
 size_t CarveUnique(int64_t nnz, void* base, UniqueScratch* s) {
   Carver c(base);
-  s->keys_in = c.Take<int64_t>(nnz);
-  s->keys_out = c.Take<int64_t>(nnz);
-  s->vals_in = c.Take<int32_t>(nnz);
-  s->vals_out = c.Take<int32_t>(nnz);
+  s->sort.Carve(c, nnz, sizeof(int64_t));
   s->flags = c.Take<int32_t>(nnz);
   s->incl = c.Take<int32_t>(nnz);
   s->cub_bytes = std::max(ScanTempBytes(nnz), SortTempBytes(nnz));
@@ -127,21 +121,21 @@ cudaError_t LaunchUniqueIds(const UniqueIdsProblem& p, const Tindex* ids,
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   if (p.nnz > 0) {
     const int64_t sentinel = p.num_tables * p.stride;
-    UniqueKeysKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
-        p, ids, table_splits, sentinel, s.keys_in, s.vals_in, report);
+    UniqueKeysKernel<Tindex><<<GridFor(p.nnz), kBlock, 0, stream>>>(
+        p, ids, table_splits, sentinel, s.sort.keys_in, s.sort.vals_in, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     size_t bytes = s.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
-        s.cub_temp, bytes, s.keys_in, s.keys_out, s.vals_in, s.vals_out, static_cast<int>(p.nnz), 0,
-        BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
+        s.cub_temp, bytes, s.sort.keys_in, s.sort.keys_out, s.sort.vals_in, s.sort.vals_out,
+        static_cast<int>(p.nnz), 0, BitsFor(static_cast<uint64_t>(sentinel), 64), stream));
     UniqueFlagsKernel<Tindex>
-        <<<GridFor(p.nnz), kThreads, 0, stream>>>(p.nnz, s.keys_out, sentinel, s.flags);
+        <<<GridFor(p.nnz), kBlock, 0, stream>>>(p.nnz, s.sort.keys_out, sentinel, s.flags);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     bytes = s.cub_bytes;
     TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::InclusiveSum(s.cub_temp, bytes, s.flags, s.incl,
                                                              static_cast<int>(p.nnz), stream));
-    UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kThreads, 0, stream>>>(
-        p.nnz, s.keys_out, s.vals_out, s.flags, s.incl, sentinel, unique_ids, slots);
+    UniqueScatterKernel<Tindex><<<GridFor(p.nnz), kBlock, 0, stream>>>(
+        p.nnz, s.sort.keys_out, s.sort.vals_out, s.flags, s.incl, sentinel, unique_ids, slots);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   UniqueFinishKernel<Tindex><<<1, 1, 0, stream>>>(ids, p.nnz, s.incl, report);
@@ -180,7 +174,7 @@ cudaError_t LaunchRows(const TTProblem& p, const int64_t* ids, int64_t max_ids,
     const int64_t* cids = ids + begin;
     ChunkCountKernel<<<1, 1, 0, stream>>>(num_ids, max_ids, begin, chunk, b.counts);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-    CheckIdsKernel<<<GridFor(nmax), kThreads, 0, stream>>>(g, cids, b.counts, begin, report);
+    CheckIdsKernel<<<GridFor(nmax), kBlock, 0, stream>>>(g, cids, b.counts, begin, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     TTEMB_RETURN_IF_CUDA_ERROR(BuildLevels(g, cids, nmax, &b, stream));
     T* out = rows + begin * g.D;

@@ -17,6 +17,16 @@ namespace {
 constexpr int kByRowMaxItems = 32;  // CompactBatch handles at most a warp of items
 // Dynamic shared memory of the by-row kernels: 48 KB less their static arrays and a margin.
 constexpr int64_t kByRowSmemBudget = 46 * 1024;
+// Core gradient: items per piece. Narrow cores (width < 1024) take short pieces: more
+// blocks in flight on small batches, for a piece buffer of pieces x width that stays small.
+constexpr int64_t kPieceItems = 64;
+constexpr int64_t kNarrowPieceItems = 16;
+// Parent gradient: children per piece.
+constexpr int64_t kChildPieceItems = 16;
+
+int64_t CorePieceItems(const Geo& g, int k) {
+  return g.width[k] >= 1024 ? kPieceItems : kNarrowPieceItems;
+}
 
 // Items per batch of a by-row kernel: the most (<= kByRowMaxItems) whose shared memory,
 // b_bytes for the core row plus `inner` rows of (ib * M + 4) values for the batch, fits the
@@ -85,10 +95,8 @@ template <typename T>
 struct GradScratch {
   LevelBuffers levels;
   CoreSort core[kMaxTTCores];
-  CoreSort child[kMaxTTCores];  // parent-gradient pieces of levels 1 .. T-1
-  int64_t* keys_in = nullptr;
-  int64_t* keys_out = nullptr;
-  int32_t* vals_in = nullptr;
+  CoreSort child[kMaxTTCores];     // parent-gradient pieces of levels 1 .. T-1
+  SortPairsBuffers<int64_t> sort;  // no vals_out: the sorts write to a CoreSort's lists
   int32_t* piece_flags = nullptr;
   int32_t* piece_incl = nullptr;
   int32_t* seg_incl = nullptr;
@@ -136,9 +144,7 @@ void CarveGradIndex(const Geo& g, int64_t nmax, Carver* c, GradScratch<T>* s,
     cs.row_count = c->Take<int64_t>(1);
     values = std::max(values, cs.max_pieces * g.S[t - 1]);
   }
-  s->keys_in = c->Take<int64_t>(nmax);
-  s->keys_out = c->Take<int64_t>(nmax);
-  s->vals_in = c->Take<int32_t>(nmax);
+  s->sort.Carve(*c, nmax, sizeof(int64_t), /*with_vals_out=*/false);
   s->piece_flags = c->Take<int32_t>(nmax);
   s->piece_incl = c->Take<int32_t>(nmax);
   s->seg_incl = c->Take<int32_t>(nmax);

@@ -22,9 +22,6 @@ namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kBlock = 256;
-constexpr int64_t kMaxFlatBlocks = 4096;
-
 // ---------------------------------------------------------------------------
 // Frequency counting.
 
@@ -127,8 +124,6 @@ __global__ void __launch_bounds__(kBlock)
 
 // ---------------------------------------------------------------------------
 // Host helpers.
-
-int FlatBlocks(int64_t n) { return GridBlocks(n, kBlock, kMaxFlatBlocks); }
 
 int EndBit(uint64_t max_value) { return BitsFor(max_value, 32); }
 

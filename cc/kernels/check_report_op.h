@@ -2,7 +2,8 @@
 // CheckGroupReport, CheckTTRowsReport). A GPU op that must not wait for the device
 // (a forward, GroupBags, TTRows) writes what it found wrong in its inputs to a
 // `report` output; the check op beside it raises the CPU kernel's InvalidArgument from
-// that report. Each report's Traits, written once here for both devices, give
+// that report. Each report's Traits (ReportTraits), written once here for both
+// devices, give
 //   using Report = ...; using Attrs = ...;
 //   static Status GetAttrs(OpKernelConstruction*, Attrs*);
 //   static Status Validate(const Tensor& report, bool* empty);  // empty: a CPU op's
@@ -28,50 +29,31 @@
 namespace tensorflow {
 namespace tf_ttemb {
 
+// The Traits of a report type: its attrs' parser, its input check and the
+// status it turns a report into, each a function of the report's family.
+template <typename ReportT, typename AttrsT, auto kGetAttrs, auto kValidate, auto kCheck>
+struct ReportTraits {
+  using Report = ReportT;
+  using Attrs = AttrsT;
+  static Status GetAttrs(OpKernelConstruction* ctx, Attrs* attrs) { return kGetAttrs(ctx, attrs); }
+  static Status Validate(const Tensor& report, bool* empty) { return kValidate(report, empty); }
+  static Status Check(const Report& r, const Attrs& attrs) { return kCheck(r, attrs); }
+};
+
+// CheckGroupReport's attrs: the features' (no weights).
+inline Status GetGroupReportAttrs(OpKernelConstruction* ctx, GroupAttrs* attrs) {
+  return GetGroupAttrs(ctx, /*with_weights=*/false, attrs);
+}
+
 // A GatherReduceSum forward's report (DeviceReport), with its bag attrs.
-struct BagReportTraits {
-  using Report = DeviceReport;
-  using Attrs = BagAttrs;
-  static Status GetAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
-    return GetReportAttrs(ctx, attrs);
-  }
-  static Status Validate(const Tensor& report, bool* empty) {
-    return ValidateReportInput(report, empty);
-  }
-  static Status Check(const DeviceReport& r, const BagAttrs& attrs) {
-    return ReportStatus(r, attrs);
-  }
-};
-
+using BagReportTraits =
+    ReportTraits<DeviceReport, BagAttrs, &GetReportAttrs, &ValidateReportInput, &ReportStatus>;
 // A GroupBags report (GroupReport), with the features' attrs.
-struct GroupReportTraits {
-  using Report = GroupReport;
-  using Attrs = GroupAttrs;
-  static Status GetAttrs(OpKernelConstruction* ctx, GroupAttrs* attrs) {
-    return GetGroupAttrs(ctx, /*with_weights=*/false, attrs);
-  }
-  static Status Validate(const Tensor& report, bool* empty) {
-    return ValidateGroupReportInput(report, empty);
-  }
-  static Status Check(const GroupReport& r, const GroupAttrs& attrs) {
-    return GroupReportStatus(r, attrs);
-  }
-};
-
-// A TTRows report (TTReport), with the bound of the global ids.
-struct TTRowsReportTraits {
-  using Report = TTReport;
-  using Attrs = int64_t;  // valid global ids are [0, limit)
-  static Status GetAttrs(OpKernelConstruction* ctx, int64_t* limit) {
-    return GetTTRowsReportAttrs(ctx, limit);
-  }
-  static Status Validate(const Tensor& report, bool* empty) {
-    return ValidateTTReportInput(report, empty);
-  }
-  static Status Check(const TTReport& r, const int64_t& limit) {
-    return GlobalIdsReportStatus(r, limit);
-  }
-};
+using GroupReportTraits = ReportTraits<GroupReport, GroupAttrs, &GetGroupReportAttrs,
+                                       &ValidateGroupReportInput, &GroupReportStatus>;
+// A TTRows report (TTReport), with the bound of the global ids: valid ones are [0, limit).
+using TTRowsReportTraits = ReportTraits<TTReport, int64_t, &GetTTRowsReportAttrs,
+                                        &ValidateTTReportInput, &GlobalIdsReportStatus>;
 
 template <typename Traits>
 class CheckReportCpuOp : public OpKernel {

@@ -111,37 +111,6 @@ inline Status GetWeightsGradArgs(OpKernelContext* ctx, const Tensor& params, con
   return OkStatus();
 }
 
-template <typename Device, typename T, typename Tindex>
-struct WeightsGradLaunch;
-
-// ParamsFromResource: params arrive as a resource variable, read in place
-// under a shared lock held while the Launch runs (GPU: while it queues).
-template <typename Device, typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumWeightsGradOp
-    : public DeviceOpKernel<Device,
-                            GatherReduceSumWeightsGradOp<Device, T, Tindex, ParamsFromResource>> {
- public:
-  using Launch = WeightsGradLaunch<Device, T, Tindex>;
-
-  explicit GatherReduceSumWeightsGradOp(OpKernelConstruction* ctx)
-      : DeviceOpKernel<Device, GatherReduceSumWeightsGradOp>(ctx) {
-    OP_REQUIRES_OK(ctx, GetWeightedBagAttrs(ctx, "GatherReduceSumWeightsGrad", &attrs_));
-  }
-
-  template <typename Step>
-  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
-    return WithParamsStatus<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) -> Status {
-      WeightsGradArgs a;
-      TF_RETURN_IF_ERROR(GetWeightsGradArgs(ctx, params, attrs_, &a));
-      TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({a.shapes.nnz}), &a.weights_grad));
-      return Launch::Run(ctx, attrs_, a, step);
-    });
-  }
-
- private:
-  BagAttrs attrs_;
-};
-
 struct FusedGradArgs : WeightsGradArgs {
   bool dense = false;  // the dense_grad attr
   // Outputs 0 and 1: in the dense form unique_ids [0] and params_grad
@@ -152,35 +121,50 @@ struct FusedGradArgs : WeightsGradArgs {
 };
 
 template <typename Device, typename T, typename Tindex>
+struct WeightsGradLaunch;
+template <typename Device, typename T, typename Tindex>
 struct FusedGradLaunch;
 
-template <typename Device, typename T, typename Tindex, bool ParamsFromResource>
-class GatherReduceSumFusedGradOp
-    : public DeviceOpKernel<Device,
-                            GatherReduceSumFusedGradOp<Device, T, Tindex, ParamsFromResource>> {
+// The weights gradient alone (Fused = false: output 0 weights_grad [nnz]) or fused
+// with the params gradient (Fused: outputs unique_indices, params_grad and
+// weights_grad, GatherReduceSumFusedGradOp below). ParamsFromResource: params
+// arrive as a resource variable, read in place under a shared lock held while the
+// Launch runs (GPU: while it queues).
+template <typename Device, typename T, typename Tindex, bool ParamsFromResource, bool Fused>
+class GatherReduceSumWeightedGradOp
+    : public DeviceOpKernel<
+          Device, GatherReduceSumWeightedGradOp<Device, T, Tindex, ParamsFromResource, Fused>> {
  public:
-  using Launch = FusedGradLaunch<Device, T, Tindex>;
+  using Launch = std::conditional_t<Fused, FusedGradLaunch<Device, T, Tindex>,
+                                    WeightsGradLaunch<Device, T, Tindex>>;
+  using Args = std::conditional_t<Fused, FusedGradArgs, WeightsGradArgs>;
 
-  explicit GatherReduceSumFusedGradOp(OpKernelConstruction* ctx)
-      : DeviceOpKernel<Device, GatherReduceSumFusedGradOp>(ctx) {
-    OP_REQUIRES_OK(ctx, GetWeightedBagAttrs(ctx, "GatherReduceSumFusedGrad", &attrs_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
+  explicit GatherReduceSumWeightedGradOp(OpKernelConstruction* ctx)
+      : DeviceOpKernel<Device, GatherReduceSumWeightedGradOp>(ctx) {
+    OP_REQUIRES_OK(
+        ctx, GetWeightedBagAttrs(
+                 ctx, Fused ? "GatherReduceSumFusedGrad" : "GatherReduceSumWeightsGrad", &attrs_));
+    if (Fused) OP_REQUIRES_OK(ctx, ctx->GetAttr("dense_grad", &dense_grad_));
   }
 
   template <typename Step>
   Status ComputeWith(OpKernelContext* ctx, const Step& step) {
     return WithParamsStatus<T, ParamsFromResource>(ctx, 1, [&](const Tensor& params) -> Status {
-      FusedGradArgs a;
+      Args a;
       TF_RETURN_IF_ERROR(GetWeightsGradArgs(ctx, params, attrs_, &a));
-      if constexpr (std::is_same_v<Device, GpuDevice>) {
-        TF_RETURN_IF_ERROR(GpuParamsGradSizeLimits(a.shapes));
-      }
-      a.dense = dense_grad_;
-      TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({a.shapes.nnz}), &a.weights_grad));
-      if (dense_grad_) {
-        TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({0}), &a.unique_ids));
-        TF_RETURN_IF_ERROR(
-            ctx->allocate_output(1, TensorShape({a.num_rows, a.dim}), &a.params_grad));
+      if constexpr (!Fused) {
+        TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({a.shapes.nnz}), &a.weights_grad));
+      } else {
+        if constexpr (std::is_same_v<Device, GpuDevice>) {
+          TF_RETURN_IF_ERROR(GpuParamsGradSizeLimits(a.shapes));
+        }
+        a.dense = dense_grad_;
+        TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({a.shapes.nnz}), &a.weights_grad));
+        if (dense_grad_) {
+          TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({0}), &a.unique_ids));
+          TF_RETURN_IF_ERROR(
+              ctx->allocate_output(1, TensorShape({a.num_rows, a.dim}), &a.params_grad));
+        }
       }
       return Launch::Run(ctx, attrs_, a, step);
     });
@@ -188,8 +172,15 @@ class GatherReduceSumFusedGradOp
 
  private:
   BagAttrs attrs_;
-  bool dense_grad_ = false;
+  bool dense_grad_ = false;  // Fused only
 };
+
+template <typename Device, typename T, typename Tindex, bool ParamsFromResource>
+using GatherReduceSumWeightsGradOp =
+    GatherReduceSumWeightedGradOp<Device, T, Tindex, ParamsFromResource, /*Fused=*/false>;
+template <typename Device, typename T, typename Tindex, bool ParamsFromResource>
+using GatherReduceSumFusedGradOp =
+    GatherReduceSumWeightedGradOp<Device, T, Tindex, ParamsFromResource, /*Fused=*/true>;
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow

@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "cc/kernels/shape_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -23,34 +24,32 @@ namespace tf_ttemb {
 // ---------------------------------------------------------------------------
 // Attributes and validation (shared with the GPU glue).
 
-Status ParseCombiner(const std::string& name, Combiner* combiner) {
-  if (name == "sum") {
-    *combiner = Combiner::kSum;
-  } else if (name == "mean") {
-    *combiner = Combiner::kMean;
-  } else if (name == "sqrtn") {
-    *combiner = Combiner::kSqrtn;
-  } else if (name == "max") {
-    *combiner = Combiner::kMax;
-  } else {
-    return errors::InvalidArgument("combiner must be one of 'sum', 'mean', ",
-                                   "'sqrtn', 'max', got '", name, "'");
+namespace {
+
+// The attrs' spellings of the enums' values, in value order (0, 1, ...).
+constexpr const char* kCombinerNames[] = {"sum", "mean", "sqrtn", "max"};
+constexpr const char* kRowOptimizerNames[] = {"sgd", "rowwise_adagrad", "adagrad"};
+
+// Parses the `attr` attr's value `name` as one of `names` (the spellings of Enum's
+// values); an error quoting every choice otherwise.
+template <typename Enum, size_t N>
+Status ParseChoice(const char* attr, const std::string& name, const char* const (&names)[N],
+                   Enum* value) {
+  for (size_t i = 0; i < N; ++i) {
+    if (name == names[i]) {
+      *value = static_cast<Enum>(i);
+      return OkStatus();
+    }
   }
-  return OkStatus();
+  std::string choices;
+  for (size_t i = 0; i < N; ++i) absl::StrAppend(&choices, i > 0 ? ", '" : "'", names[i], "'");
+  return errors::InvalidArgument(attr, " must be one of ", choices, ", got '", name, "'");
 }
 
-const char* CombinerName(Combiner combiner) {
-  switch (combiner) {
-    case Combiner::kSum:
-      return "sum";
-    case Combiner::kMean:
-      return "mean";
-    case Combiner::kSqrtn:
-      return "sqrtn";
-    case Combiner::kMax:
-      return "max";
-  }
-  return "unknown";
+}  // namespace
+
+Status ParseCombiner(const std::string& name, Combiner* combiner) {
+  return ParseChoice("combiner", name, kCombinerNames, combiner);
 }
 
 Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
@@ -75,29 +74,15 @@ Status GetWeightedBagAttrs(OpKernelConstruction* ctx, const char* op, BagAttrs* 
 }
 
 Status ValidateParamsShape(const Tensor& params) {
-  if (params.dims() != 2) {
-    return errors::InvalidArgument("params must be a matrix [N, D], got shape ",
-                                   params.shape().DebugString());
-  }
-  return OkStatus();
+  return CheckRank(params, 2, "params must be a matrix [N, D]");
 }
 
 Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits, const Tensor& weights,
                          const BagAttrs& attrs, BagShapes* shapes) {
-  if (indices.dims() != 1) {
-    return errors::InvalidArgument("indices must be a vector [nnz], got shape ",
-                                   indices.shape().DebugString());
-  }
-  if (row_splits.dims() != 1 || row_splits.NumElements() < 1) {
-    return errors::InvalidArgument(
-        "row_splits must be a vector [B + 1] with at least 1 element, got "
-        "shape ",
-        row_splits.shape().DebugString());
-  }
-  if (weights.dims() != 1) {
-    return errors::InvalidArgument("weights must be a vector, got shape ",
-                                   weights.shape().DebugString());
-  }
+  TF_RETURN_IF_ERROR(CheckRank(indices, 1, "indices must be a vector [nnz]"));
+  TF_RETURN_IF_ERROR(CheckSplitsShape(
+      row_splits, 1, "row_splits must be a vector [B + 1] with at least 1 element"));
+  TF_RETURN_IF_ERROR(CheckRank(weights, 1, "weights must be a vector"));
   shapes->nnz = indices.NumElements();
   shapes->num_bags = row_splits.NumElements() - 1;
   if (attrs.has_weights && weights.NumElements() != shapes->nnz) {
@@ -176,10 +161,7 @@ Status ValidateParamsGradInputs(OpKernelContext* ctx, const BagAttrs& attrs,
   const Tensor& grad = ctx->input(0);
   const Tensor& argmax = ctx->input(4);
   const Tensor& num_rows = ctx->input(5);
-  if (grad.dims() != 2) {
-    return errors::InvalidArgument("grad must be a matrix [B, D], got shape ",
-                                   grad.shape().DebugString());
-  }
+  TF_RETURN_IF_ERROR(CheckRank(grad, 2, "grad must be a matrix [B, D]"));
   if (!TensorShapeUtils::IsScalar(num_rows.shape())) {
     return errors::InvalidArgument("num_rows must be a scalar, got shape ",
                                    num_rows.shape().DebugString());
@@ -230,11 +212,7 @@ Status BadIndexError(int64_t position, int64_t value, int64_t num_rows, const Ba
 }
 
 Status ReportStatus(const DeviceReport& r, const BagAttrs& attrs) {
-  if (r.first_split != 0) return RowSplitsStartError(r.first_split);
-  if (r.first_bad_split >= 0) {
-    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value, r.bad_split_prev);
-  }
-  if (r.last_split != r.nnz) return RowSplitsEndError(r.num_bags, r.last_split, r.nnz);
+  TF_RETURN_IF_ERROR(RowSplitsReportStatus(r));
   if (r.first_bad_index >= 0) {
     return BadIndexError(r.first_bad_index, r.bad_index_value, r.num_rows, attrs);
   }
@@ -256,15 +234,7 @@ Status ValidateReportInput(const Tensor& report, bool* empty) {
 }
 
 const char* RowOptimizerName(RowOptimizer optimizer) {
-  switch (optimizer) {
-    case RowOptimizer::kRowwiseAdagrad:
-      return "rowwise_adagrad";
-    case RowOptimizer::kAdagrad:
-      return "adagrad";
-    case RowOptimizer::kSgd:
-      break;
-  }
-  return "sgd";
+  return kRowOptimizerNames[static_cast<int>(optimizer)];
 }
 
 Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type, DataType acc_type,
@@ -272,16 +242,7 @@ Status GetSparseApplyAttrs(OpKernelConstruction* ctx, DataType params_type, Data
   TF_RETURN_IF_ERROR(GetBagAttrs(ctx, &attrs->bag));
   std::string name;
   TF_RETURN_IF_ERROR(ctx->GetAttr("optimizer", &name));
-  if (name == "sgd") {
-    attrs->optimizer = RowOptimizer::kSgd;
-  } else if (name == "rowwise_adagrad") {
-    attrs->optimizer = RowOptimizer::kRowwiseAdagrad;
-  } else if (name == "adagrad") {
-    attrs->optimizer = RowOptimizer::kAdagrad;
-  } else {
-    return errors::InvalidArgument(
-        "optimizer must be one of 'sgd', 'rowwise_adagrad', 'adagrad', got '", name, "'");
-  }
+  TF_RETURN_IF_ERROR(ParseChoice("optimizer", name, kRowOptimizerNames, &attrs->optimizer));
   int num_accumulators = 0;
   TF_RETURN_IF_ERROR(ctx->GetAttr("num_accumulators", &num_accumulators));
   const int expected = attrs->optimizer == RowOptimizer::kSgd ? 0 : 1;

@@ -31,7 +31,6 @@ using BagAttrs = ::tf_ttemb::BagOptions;
 
 Status ParseCombiner(const std::string& name, Combiner* combiner);
 Status GetBagAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
-const char* CombinerName(Combiner combiner);
 // GetBagAttrs for the ops that need weights (the weights gradients): an error
 // naming `op` when has_weights is false.
 Status GetWeightedBagAttrs(OpKernelConstruction* ctx, const char* op, BagAttrs* attrs);
@@ -60,6 +59,19 @@ Status ValidateRowSplits(const int64_t* row_splits, int64_t num_bags, int64_t nn
 Status RowSplitsStartError(int64_t first_split);
 Status RowSplitsOrderError(int64_t bag, int64_t next_split, int64_t split);
 Status RowSplitsEndError(int64_t num_bags, int64_t last_split, int64_t nnz);
+
+// What a device report (DeviceReport or GroupReport, cuda/common_types.h, which name
+// their row_splits words alike) found wrong in row_splits, as the errors above, in the
+// order the CPU kernels check: the first split, the order, the last split.
+template <typename Report>
+Status RowSplitsReportStatus(const Report& r) {
+  if (r.first_split != 0) return RowSplitsStartError(r.first_split);
+  if (r.first_bad_split >= 0) {
+    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value, r.bad_split_prev);
+  }
+  if (r.last_split != r.nnz) return RowSplitsEndError(r.num_bags, r.last_split, r.nnz);
+  return OkStatus();
+}
 
 // The message for an id outside [0, num_rows) that is not the padding id.
 Status BadIndexError(int64_t position, int64_t value, int64_t num_rows, const BagAttrs& attrs);

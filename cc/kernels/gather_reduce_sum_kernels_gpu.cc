@@ -83,28 +83,19 @@ launchers::BagProblem MakeProblem(const BagAttrs& attrs, const BagShapes& shapes
   return p;
 }
 
-// The op's CUDA stream, the launchers' report in device memory and its pinned
-// host copy, for one Compute call.
-class GpuCall {
+// The op's CUDA stream, the launchers' DeviceReport in device memory and its pinned
+// host copy, and the call's scratch, for one Compute call (ReportCall).
+class GpuCall : public ReportCall<DeviceReport> {
  public:
-  Status Init(OpKernelContext* ctx) {
-    ctx_ = ctx;
-    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream_));
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DT_INT64, TensorShape({kDeviceReportWords}), &device_report_));
-    return AllocatePinnedWords(ctx, kDeviceReportWords, &host_report_);
+  // Init, and the scratch every launch of the call takes: `scratch_bytes` bytes,
+  // a launcher's *ScratchBytes query.
+  Status Start(OpKernelContext* ctx, size_t scratch_bytes) {
+    TF_RETURN_IF_ERROR(Init(ctx));
+    scratch_bytes_ = scratch_bytes;
+    return AllocateScratch(scratch_bytes, &scratch_ptr_);
   }
-
-  cudaStream_t stream() const { return stream_; }
-
-  launchers::DeviceReport* device_report() {
-    return reinterpret_cast<launchers::DeviceReport*>(device_report_.flat<int64_t>().data());
-  }
-
-  // Device scratch of at least `bytes` bytes (the launchers align it).
-  Status AllocateScratch(size_t bytes, void** scratch) {
-    return AllocateDeviceScratch(ctx_, bytes, &scratch_, scratch);
-  }
+  void* scratch() const { return scratch_ptr_; }
+  size_t scratch_bytes() const { return scratch_bytes_; }
 
   // A small device buffer standing in for outputs without elements (see
   // NonEmptyOr); never written.
@@ -114,33 +105,15 @@ class GpuCall {
     return OkStatus();
   }
 
-  // Copies the report to the host without waiting (tf_ttemb::ThenCheckReport):
-  // the op's status is `check`'s and `done` is called once the stream has run
-  // what is queued; the call (its report, scratch and placeholder) lives until
-  // then.
-  using ReportCheck = std::function<Status(const launchers::DeviceReport&)>;
-  static void ThenCheckReport(std::shared_ptr<GpuCall> call, ReportCheck check,
-                              AsyncOpKernel::DoneCallback done) {
-    OpKernelContext* ctx = call->ctx_;
-    const cudaStream_t stream = call->stream_;
-    const Tensor host = call->host_report_;
-    const launchers::DeviceReport* report = call->device_report();
-    ::tensorflow::tf_ttemb::ThenCheckReport<launchers::DeviceReport>(
-        ctx, stream, host, report, std::move(call), std::move(check), std::move(done));
-  }
-
  private:
-  OpKernelContext* ctx_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  Tensor device_report_;
-  Tensor host_report_;
-  Tensor scratch_;
+  void* scratch_ptr_ = nullptr;
+  size_t scratch_bytes_ = 0;
   Tensor placeholder_;
 };
 
 // The launchers' U (distinct non-padding ids) as read back in the report,
 // checked against what it can be.
-Status NumUnique(const launchers::DeviceReport& report, const BagShapes& shapes, int64_t num_rows,
+Status NumUnique(const DeviceReport& report, const BagShapes& shapes, int64_t num_rows,
                  int64_t* num_unique) {
   *num_unique = report.num_unique;
   if (*num_unique < 0 || *num_unique > std::min(shapes.nnz, num_rows)) {
@@ -250,19 +223,16 @@ struct ParamsGradLaunch<GpuDevice, T, Tindex> {
     GpuCall* call = step.call;
     const ParamsGradPointers<T, Tindex> in(attrs, a);
     const bool dense = a.params_grad != nullptr;
-    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p =
         MakeProblem(attrs, a.shapes.bags, a.shapes.num_rows, a.shapes.dim);
-    const size_t scratch_bytes =
-        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/false);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(call->Start(
+        ctx, launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/false)));
     // Prepare always runs: it checks the ids and row_splits.
-    TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, in.ids, in.splits, in.weights, call->device_report(), dense,
-                       /*fuse_weights_grad=*/false, scratch, scratch_bytes, call->stream()),
-                   "gather_reduce_sum params grad prepare"));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchParamsGradPrepare<CT, Tindex>(
+            p, in.ids, in.splits, in.weights, call->device_report(), dense,
+            /*fuse_weights_grad=*/false, call->scratch(), call->scratch_bytes(), call->stream()),
+        "gather_reduce_sum params grad prepare"));
     if (dense) {
       if (a.params_grad->NumElements() > 0) {
         void* placeholder = nullptr;
@@ -272,17 +242,14 @@ struct ParamsGradLaunch<GpuDevice, T, Tindex> {
             CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
                            p, in.grad, in.ArgmaxOr(placeholder), /*unique_ids=*/nullptr,
                            /*values=*/nullptr, DevicePtr<T>(a.params_grad), /*fusion=*/nullptr,
-                           scratch, scratch_bytes, call->stream()),
+                           call->scratch(), call->scratch_bytes(), call->stream()),
                        "gather_reduce_sum params grad reduce"));
       }
-      *step.check = [attrs](const launchers::DeviceReport& report) {
-        return ReportStatus(report, attrs);
-      };
+      *step.check = [attrs](const DeviceReport& report) { return ReportStatus(report, attrs); };
       return OkStatus();
     }
     const ParamsGradShapes shapes = a.shapes;
-    *step.check = [attrs, ctx, call, in, p, shapes, scratch,
-                   scratch_bytes](const launchers::DeviceReport& report) -> Status {
+    *step.check = [attrs, ctx, call, in, p, shapes](const DeviceReport& report) -> Status {
       TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes.bags, shapes.num_rows, &num_unique));
@@ -293,12 +260,12 @@ struct ParamsGradLaunch<GpuDevice, T, Tindex> {
       if (num_unique == 0) return OkStatus();
       void* placeholder = nullptr;
       TF_RETURN_IF_ERROR(call->AllocatePlaceholder(&placeholder));
-      return CudaStatus(
-          launchers::LaunchParamsGradReduce<CT, Tindex>(
-              p, in.grad, in.ArgmaxOr(placeholder), unique_ids->flat<Tindex>().data(),
-              NonEmptyOr(DevicePtr<T>(values), values->NumElements(), placeholder),
-              /*dense=*/nullptr, /*fusion=*/nullptr, scratch, scratch_bytes, call->stream()),
-          "gather_reduce_sum params grad reduce");
+      return CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                            p, in.grad, in.ArgmaxOr(placeholder), unique_ids->flat<Tindex>().data(),
+                            NonEmptyOr(DevicePtr<T>(values), values->NumElements(), placeholder),
+                            /*dense=*/nullptr, /*fusion=*/nullptr, call->scratch(),
+                            call->scratch_bytes(), call->stream()),
+                        "gather_reduce_sum params grad reduce");
     };
     return OkStatus();
   }
@@ -316,21 +283,16 @@ struct WeightsGradLaunch<GpuDevice, T, Tindex> {
                     const GpuStep<GpuCall>& step) {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall* call = step.call;
-    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
-    const size_t scratch_bytes = launchers::WeightsGradScratchBytes<CT>(p);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
+    TF_RETURN_IF_ERROR(call->Start(ctx, launchers::WeightsGradScratchBytes<CT>(p)));
     TF_RETURN_IF_ERROR(CudaStatus(
         launchers::LaunchWeightsGrad<CT, Tindex>(
             p, DevicePtr<T>(*a.grad), DevicePtr<T>(*a.params), a.indices->flat<Tindex>().data(),
             a.row_splits->flat<int64_t>().data(), DevicePtr<T>(*a.weights), DevicePtr<T>(*a.output),
-            DevicePtr<T>(a.weights_grad), call->device_report(), scratch, scratch_bytes,
-            call->stream()),
+            DevicePtr<T>(a.weights_grad), call->device_report(), call->scratch(),
+            call->scratch_bytes(), call->stream()),
         "gather_reduce_sum weights grad launch"));
-    *step.check = [attrs](const launchers::DeviceReport& report) {
-      return ReportStatus(report, attrs);
-    };
+    *step.check = [attrs](const DeviceReport& report) { return ReportStatus(report, attrs); };
     return OkStatus();
   }
 };
@@ -358,22 +320,18 @@ struct FusedGradLaunch<GpuDevice, T, Tindex> {
     using CT = typename CudaTypeOf<T>::type;
     GpuCall* call = step.call;
     const bool dense = a.dense;
-    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p = MakeProblem(attrs, a.shapes, a.num_rows, a.dim);
-    const size_t scratch_bytes =
-        launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/true);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
-    TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
-                       DevicePtr<T>(*a.weights), call->device_report(), dense,
-                       /*fuse_weights_grad=*/true, scratch, scratch_bytes, call->stream()),
-                   "gather_reduce_sum fused grad prepare"));
+    TF_RETURN_IF_ERROR(call->Start(
+        ctx, launchers::ParamsGradScratchBytes<CT, Tindex>(p, dense, /*fuse_weights_grad=*/true)));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchParamsGradPrepare<CT, Tindex>(
+            p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+            DevicePtr<T>(*a.weights), call->device_report(), dense,
+            /*fuse_weights_grad=*/true, call->scratch(), call->scratch_bytes(), call->stream()),
+        "gather_reduce_sum fused grad prepare"));
     // Queues the reduction into outputs 0 (unique ids; [0] when dense) and 1.
-    auto reduce = [call, p, dense, scratch, scratch_bytes, grad = DevicePtr<T>(*a.grad),
-                   output = DevicePtr<T>(*a.output), weights = DevicePtr<T>(*a.weights),
-                   weights_grad = DevicePtr<T>(a.weights_grad),
+    auto reduce = [call, p, dense, grad = DevicePtr<T>(*a.grad), output = DevicePtr<T>(*a.output),
+                   weights = DevicePtr<T>(*a.weights), weights_grad = DevicePtr<T>(a.weights_grad),
                    table = *a.params](Tensor* unique_ids, Tensor* params_grad) -> Status {
       const launchers::WeightsGradFusion<CT> fusion{DevicePtr<T>(table), output, weights,
                                                     weights_grad};
@@ -384,21 +342,19 @@ struct FusedGradLaunch<GpuDevice, T, Tindex> {
                               : NonEmptyOr(unique_ids->flat<Tindex>().data(),
                                            unique_ids->NumElements(), placeholder);
       // Safe whatever the ids hold: the launchers never read out of bounds.
-      return CudaStatus(
-          launchers::LaunchParamsGradReduce<CT, Tindex>(
-              p, grad, /*argmax=*/nullptr, ids_out, dense ? nullptr : grad_out,
-              dense ? grad_out : nullptr, &fusion, scratch, scratch_bytes, call->stream()),
-          "gather_reduce_sum fused grad reduce");
+      return CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                            p, grad, /*argmax=*/nullptr, ids_out, dense ? nullptr : grad_out,
+                            dense ? grad_out : nullptr, &fusion, call->scratch(),
+                            call->scratch_bytes(), call->stream()),
+                        "gather_reduce_sum fused grad reduce");
     };
     if (dense) {
       TF_RETURN_IF_ERROR(reduce(a.unique_ids, a.params_grad));
-      *step.check = [attrs](const launchers::DeviceReport& report) {
-        return ReportStatus(report, attrs);
-      };
+      *step.check = [attrs](const DeviceReport& report) { return ReportStatus(report, attrs); };
       return OkStatus();
     }
     *step.check = [attrs, ctx, shapes = a.shapes, num_rows = a.num_rows, dim = a.dim,
-                   reduce = std::move(reduce)](const launchers::DeviceReport& report) -> Status {
+                   reduce = std::move(reduce)](const DeviceReport& report) -> Status {
       TF_RETURN_IF_ERROR(ReportStatus(report, attrs));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, num_rows, &num_unique));
@@ -497,21 +453,16 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
     GpuCall* call = step.call;
     const BagAttrs& bag = attrs.bag;
     const bool fuse = bag.has_weights;  // max takes no weights
-    TF_RETURN_IF_ERROR(call->Init(ctx));
     const launchers::BagProblem p = MakeProblem(bag, a.shapes, a.num_rows, a.dim);
-    const size_t scratch_bytes =
-        launchers::ParamsGradScratchBytes<CT, Tindex>(p, /*dense=*/false, fuse);
-    void* scratch = nullptr;
-    TF_RETURN_IF_ERROR(call->AllocateScratch(scratch_bytes, &scratch));
     TF_RETURN_IF_ERROR(
-        CudaStatus(launchers::LaunchParamsGradPrepare<CT, Tindex>(
-                       p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
-                       fuse ? DevicePtr<T>(*a.weights) : nullptr, call->device_report(),
-                       /*dense=*/false, fuse, scratch, scratch_bytes, call->stream()),
-                   "gather_reduce_sum sparse apply prepare"));
-    *step.check = [bag](const launchers::DeviceReport& report) {
-      return ReportStatus(report, bag);
-    };
+        call->Start(ctx, launchers::ParamsGradScratchBytes<CT, Tindex>(p, /*dense=*/false, fuse)));
+    TF_RETURN_IF_ERROR(CudaStatus(
+        launchers::LaunchParamsGradPrepare<CT, Tindex>(
+            p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+            fuse ? DevicePtr<T>(*a.weights) : nullptr, call->device_report(),
+            /*dense=*/false, fuse, call->scratch(), call->scratch_bytes(), call->stream()),
+        "gather_reduce_sum sparse apply prepare"));
+    *step.check = [bag](const DeviceReport& report) { return ReportStatus(report, bag); };
     if (a.shapes.nnz == 0) return OkStatus();
     if (a.dim == 0) {
       if (!fuse) return OkStatus();
@@ -526,11 +477,11 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
       return CudaStatus(
           launchers::LaunchParamsGradApply<CT, Tindex>(
               p, DevicePtr<T>(*a.grad), target.argmax, target.update, target.table, target.state,
-              target.Fusion(attrs), scratch, scratch_bytes, call->stream()),
+              target.Fusion(attrs), call->scratch(), call->scratch_bytes(), call->stream()),
           "gather_reduce_sum sparse apply");
     }
-    *step.check = [ctx, attrs, call, p, scratch, scratch_bytes, shapes = a.shapes,
-                   weights_grad = a.weights_grad](const launchers::DeviceReport& report) -> Status {
+    *step.check = [ctx, attrs, call, p, shapes = a.shapes,
+                   weights_grad = a.weights_grad](const DeviceReport& report) -> Status {
       TF_RETURN_IF_ERROR(ReportStatus(report, attrs.bag));
       int64_t num_unique = 0;
       TF_RETURN_IF_ERROR(NumUnique(report, shapes, p.num_rows, &num_unique));
@@ -544,7 +495,7 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
                   now.num_rows, ", ", now.dim, "] while GatherReduceSumSparseApply ran on the GPU");
             }
             now.weights_grad = weights_grad;
-            return ReduceThenApply(ctx, attrs, now, p, call, scratch, scratch_bytes, num_unique);
+            return ReduceThenApply(ctx, attrs, now, p, call, num_unique);
           });
     };
     return OkStatus();
@@ -556,8 +507,7 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
   // LaunchApplyRows.
   static Status ReduceThenApply(OpKernelContext* ctx, const SparseApplyAttrs& attrs,
                                 const SparseApplyArgs& a, const launchers::BagProblem& p,
-                                GpuCall* call, void* scratch, size_t scratch_bytes,
-                                int64_t num_unique) {
+                                GpuCall* call, int64_t num_unique) {
     SparseUpdateTarget<T> target;
     TF_RETURN_IF_ERROR(target.Init(ctx, attrs, a, call));
     // Freed on return: TensorFlow's allocator orders their reuse after the queued work.
@@ -568,11 +518,11 @@ struct SparseApplyLaunch<GpuDevice, T, Tindex> {
         ctx->allocate_temp(DataTypeToEnum<T>::value, TensorShape({num_unique, a.dim}), &values));
     Tindex* ids_out = NonEmptyOr(unique_ids.flat<Tindex>().data(), num_unique, target.placeholder);
     CT* values_out = NonEmptyOr(DevicePtr<T>(&values), values.NumElements(), target.placeholder);
-    TF_RETURN_IF_ERROR(CudaStatus(
-        launchers::LaunchParamsGradReduce<CT, Tindex>(
-            p, DevicePtr<T>(*a.grad), target.argmax, ids_out, values_out,
-            /*dense=*/nullptr, target.Fusion(attrs), scratch, scratch_bytes, call->stream()),
-        "gather_reduce_sum sparse apply reduce"));
+    TF_RETURN_IF_ERROR(CudaStatus(launchers::LaunchParamsGradReduce<CT, Tindex>(
+                                      p, DevicePtr<T>(*a.grad), target.argmax, ids_out, values_out,
+                                      /*dense=*/nullptr, target.Fusion(attrs), call->scratch(),
+                                      call->scratch_bytes(), call->stream()),
+                                  "gather_reduce_sum sparse apply reduce"));
     return CudaStatus(
         launchers::LaunchApplyRows<CT, Acc, Tindex>(target.update, ids_out, values_out, num_unique,
                                                     target.table, target.state, call->stream()),
@@ -586,60 +536,36 @@ namespace {
 // Registration: the dtypes of the CPU kernels. num_rows is read on the host;
 // a resource handle always lives in host memory.
 
-#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                              \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSum")                             \
-                              .Device(DEVICE_GPU)                                     \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumOp<GpuDevice, T, Tindex, false>);            \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSum")                     \
-                              .Device(DEVICE_GPU)                                     \
-                              .HostMemory("params")                                   \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumOp<GpuDevice, T, Tindex, true>);             \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumGrad")                         \
-                              .Device(DEVICE_GPU)                                     \
-                              .HostMemory("num_rows")                                 \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumGradOp<GpuDevice, T, Tindex, false>);        \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumDenseGrad")                    \
-                              .Device(DEVICE_GPU)                                     \
-                              .HostMemory("num_rows")                                 \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumGradOp<GpuDevice, T, Tindex, true>);         \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumWeightsGrad")                  \
-                              .Device(DEVICE_GPU)                                     \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumWeightsGradOp<GpuDevice, T, Tindex, false>); \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumWeightsGrad")          \
-                              .Device(DEVICE_GPU)                                     \
-                              .HostMemory("params")                                   \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumWeightsGradOp<GpuDevice, T, Tindex, true>);  \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumFusedGrad")                    \
-                              .Device(DEVICE_GPU)                                     \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumFusedGradOp<GpuDevice, T, Tindex, false>);   \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGatherReduceSumFusedGrad")            \
-                              .Device(DEVICE_GPU)                                     \
-                              .HostMemory("params")                                   \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
-                          GatherReduceSumFusedGradOp<GpuDevice, T, Tindex, true>);    \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>GatherReduceSumSparseApply")                  \
-                              .Device(DEVICE_GPU)                                     \
-                              .HostMemory("params")                                   \
-                              .HostMemory("learning_rate")                            \
-                              .HostMemory("epsilon")                                  \
-                              .HostMemory("accumulators")                             \
-                              .TypeConstraint<T>("T")                                 \
-                              .TypeConstraint<Tindex>("Tindices"),                    \
+// The GPU kernel builder of `op` for values T and indices Tindex.
+#define TF_TTEMB_GPU_BAG_KERNEL(op, T, Tindex) \
+  Name(op).Device(DEVICE_GPU).TypeConstraint<T>("T").TypeConstraint<Tindex>("Tindices")
+
+// Registers TfTtemb>`name` (params a tensor) and TfTtemb>Resource`name` (params a
+// variable) as Kernel<GpuDevice, T, Tindex, ParamsFromResource>.
+#define TF_TTEMB_REGISTER_GPU_WITH_RESOURCE(name, Kernel, T, Tindex)                    \
+  REGISTER_KERNEL_BUILDER(TF_TTEMB_GPU_BAG_KERNEL("TfTtemb>" name, T, Tindex),          \
+                          Kernel<GpuDevice, T, Tindex, false>);                         \
+  REGISTER_KERNEL_BUILDER(                                                              \
+      TF_TTEMB_GPU_BAG_KERNEL("TfTtemb>Resource" name, T, Tindex).HostMemory("params"), \
+      Kernel<GpuDevice, T, Tindex, true>);
+
+#define TF_TTEMB_REGISTER_GPU(T, Tindex)                                                           \
+  TF_TTEMB_REGISTER_GPU_WITH_RESOURCE("GatherReduceSum", GatherReduceSumOp, T, Tindex)             \
+  TF_TTEMB_REGISTER_GPU_WITH_RESOURCE("GatherReduceSumWeightsGrad", GatherReduceSumWeightsGradOp,  \
+                                      T, Tindex)                                                   \
+  TF_TTEMB_REGISTER_GPU_WITH_RESOURCE("GatherReduceSumFusedGrad", GatherReduceSumFusedGradOp, T,   \
+                                      Tindex)                                                      \
+  REGISTER_KERNEL_BUILDER(                                                                         \
+      TF_TTEMB_GPU_BAG_KERNEL("TfTtemb>GatherReduceSumGrad", T, Tindex).HostMemory("num_rows"),    \
+      GatherReduceSumGradOp<GpuDevice, T, Tindex, /*Dense=*/false>);                               \
+  REGISTER_KERNEL_BUILDER(TF_TTEMB_GPU_BAG_KERNEL("TfTtemb>GatherReduceSumDenseGrad", T, Tindex)   \
+                              .HostMemory("num_rows"),                                             \
+                          GatherReduceSumGradOp<GpuDevice, T, Tindex, /*Dense=*/true>);            \
+  REGISTER_KERNEL_BUILDER(TF_TTEMB_GPU_BAG_KERNEL("TfTtemb>GatherReduceSumSparseApply", T, Tindex) \
+                              .HostMemory("params")                                                \
+                              .HostMemory("learning_rate")                                         \
+                              .HostMemory("epsilon")                                               \
+                              .HostMemory("accumulators"),                                         \
                           GatherReduceSumSparseApplyOp<GpuDevice, T, Tindex>);
 
 #define TF_TTEMB_REGISTER_GPU_ALL_INDICES(T) \
@@ -653,6 +579,8 @@ TF_TTEMB_REGISTER_GPU_ALL_INDICES(double)
 
 #undef TF_TTEMB_REGISTER_GPU_ALL_INDICES
 #undef TF_TTEMB_REGISTER_GPU
+#undef TF_TTEMB_REGISTER_GPU_WITH_RESOURCE
+#undef TF_TTEMB_GPU_BAG_KERNEL
 
 }  // namespace
 }  // namespace tf_ttemb

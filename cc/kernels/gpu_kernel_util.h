@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -152,6 +153,63 @@ void ThenCheckReport(OpKernelContext* ctx, cudaStream_t stream, Tensor host,
   }
   info->event_mgr->ThenExecute(se_stream, std::move(finish));
 }
+
+// One GPU op call's CUDA stream, its launchers' Report in device memory with its
+// pinned host copy, and its device scratch. A family's Call (GpuCall, TTGpuCall)
+// derives from it; the call lives until the op finishes from the stream
+// (ThenCheckReport), when everything queued that reads its memory has run.
+template <typename Report>
+class ReportCall {
+ public:
+  using ReportCheck = std::function<Status(const Report&)>;
+
+  // The op's stream, and with `with_report` the report's device and host words.
+  Status Init(OpKernelContext* ctx, bool with_report = true) {
+    ctx_ = ctx;
+    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream_));
+    if (!with_report) return OkStatus();
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({kWords}), &device_report_));
+    return AllocatePinnedWords(ctx, kWords, &host_report_);
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  Report* device_report() {
+    return reinterpret_cast<Report*>(device_report_.flat<int64_t>().data());
+  }
+
+  // Device scratch of at least `bytes` bytes, and at least one (the launchers align it
+  // and take a non-null pointer).
+  Status AllocateScratch(size_t bytes, void** scratch) {
+    return AllocateDeviceScratch(ctx_, std::max<size_t>(1, bytes), &scratch_, scratch);
+  }
+
+  // Copies the report to the host without waiting (tf_ttemb::ThenCheckReport): the
+  // op's status is `check`'s and `done` is called once the stream has run what is
+  // queued; the call (its report and temporaries) lives until then.
+  static void ThenCheckReport(std::shared_ptr<ReportCall> call, ReportCheck check,
+                              AsyncOpKernel::DoneCallback done) {
+    OpKernelContext* ctx = call->ctx_;
+    const cudaStream_t stream = call->stream_;
+    const Tensor host = call->host_report_;
+    const Report* report = call->device_report();
+    ::tensorflow::tf_ttemb::ThenCheckReport<Report>(ctx, stream, host, report, std::move(call),
+                                                    std::move(check), std::move(done));
+  }
+
+ protected:
+  static_assert(sizeof(Report) % sizeof(int64_t) == 0,
+                "a report must be a whole number of int64 words");
+  static constexpr int64_t kWords = sizeof(Report) / sizeof(int64_t);
+
+  OpKernelContext* ctx_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+
+ private:
+  Tensor device_report_;
+  Tensor host_report_;
+  Tensor scratch_;
+};
 
 // The GPU kernel of a TfTtemb>Check*Report op: copies the report input (written
 // on the device by the op that produced it) to pinned host memory and finishes

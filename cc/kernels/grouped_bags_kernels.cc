@@ -80,11 +80,7 @@ Status GroupBadIndexError(const GroupAttrs& attrs, int64_t feature, int64_t posi
 }
 
 Status GroupReportStatus(const GroupReport& r, const GroupAttrs& attrs) {
-  if (r.first_split != 0) return RowSplitsStartError(r.first_split);
-  if (r.first_bad_split >= 0) {
-    return RowSplitsOrderError(r.first_bad_split, r.bad_split_value, r.bad_split_prev);
-  }
-  if (r.last_split != r.nnz) return RowSplitsEndError(r.num_bags, r.last_split, r.nnz);
+  TF_RETURN_IF_ERROR(RowSplitsReportStatus(r));
   if (r.first_bad_entry >= 0) {
     if (r.bad_feature < 0 || r.bad_feature >= attrs.num_features()) {
       return errors::InvalidArgument("report names feature ", r.bad_feature, " of ",

@@ -121,11 +121,7 @@ Status ValidateCore(const Tensor& core, int k, const TTShape& shape) {
 }
 
 Status ValidateGlobalIdsShape(const Tensor& ids) {
-  if (ids.dims() != 1) {
-    return errors::InvalidArgument("ids must be a vector [U], got shape ",
-                                   ids.shape().DebugString());
-  }
-  return OkStatus();
+  return CheckRank(ids, 1, "ids must be a vector [U]");
 }
 
 Status GlobalIdError(int64_t position, int64_t value, int64_t limit) {
@@ -229,16 +225,9 @@ Status GetUniqueIdsAttrs(OpKernelConstruction* ctx, UniqueIdsAttrs* attrs) {
 
 Status ValidateUniqueIdsInputs(const Tensor& ids, const Tensor& table_splits,
                                const UniqueIdsAttrs& attrs) {
-  if (ids.dims() != 1) {
-    return errors::InvalidArgument("ids must be a vector [nnz], got shape ",
-                                   ids.shape().DebugString());
-  }
-  if (table_splits.dims() != 1 || table_splits.NumElements() < 2) {
-    return errors::InvalidArgument(
-        "table_splits must be a vector [num_tables + 1] with at least 2 "
-        "elements, got shape ",
-        table_splits.shape().DebugString());
-  }
+  TF_RETURN_IF_ERROR(CheckRank(ids, 1, "ids must be a vector [nnz]"));
+  TF_RETURN_IF_ERROR(CheckSplitsShape(
+      table_splits, 2, "table_splits must be a vector [num_tables + 1] with at least 2 elements"));
   const auto splits = table_splits.flat<int64_t>();
   const int64_t nnz = ids.NumElements();
   const int64_t num_tables = splits.size() - 1;
@@ -265,10 +254,7 @@ Status ValidateGpuUniqueIdsSizes(int64_t nnz, int64_t num_tables, const UniqueId
 }
 
 Status ValidateCacheCountIds(const Tensor& ids) {
-  if (ids.dims() != 1) {
-    return errors::InvalidArgument("ids must be a vector, got shape ", ids.shape().DebugString());
-  }
-  return OkStatus();
+  return CheckRank(ids, 1, "ids must be a vector");
 }
 
 namespace {

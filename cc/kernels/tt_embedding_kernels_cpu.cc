@@ -178,6 +178,18 @@ struct PrefixTree {
 // run as register-blocked loops; everything else goes to Eigen's GEMM.
 constexpr int64_t kSkinny = 8;
 
+// The kernels for n = N <= kSkinny columns, defined only with AVX2 and FMA, where
+// RunSkinny (below) runs them.
+template <int N>
+void SkinnyProduct(const float* __restrict a, const float* __restrict b, float* __restrict c,
+                   int64_t m, int64_t k);
+template <int N>
+void SkinnyTransposedProduct(const float* __restrict a, const float* __restrict d,
+                             float* __restrict g, int64_t m, int64_t k);
+template <int N>
+void SkinnyProductTransposed(const float* __restrict d, const float* __restrict b,
+                             float* __restrict c, int64_t m, int64_t k);
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define TF_TTEMB_TT_AVX2 1
 
@@ -257,73 +269,49 @@ void SkinnyProductTransposed(const float* __restrict d, const float* __restrict 
   }
 }
 
-// Calls fn(std::integral_constant<int, N>()) for n in [1, kSkinny].
-template <typename Fn>
+// Calls fn(std::integral_constant<int, N>()) for N = n when n < kSkinny, else for
+// N = kSkinny.
+template <int N = 1, typename Fn>
 void WithSkinnyWidth(int64_t n, Fn fn) {
-  switch (n) {
-    case 1:
-      fn(std::integral_constant<int, 1>());
-      break;
-    case 2:
-      fn(std::integral_constant<int, 2>());
-      break;
-    case 3:
-      fn(std::integral_constant<int, 3>());
-      break;
-    case 4:
-      fn(std::integral_constant<int, 4>());
-      break;
-    case 5:
-      fn(std::integral_constant<int, 5>());
-      break;
-    case 6:
-      fn(std::integral_constant<int, 6>());
-      break;
-    case 7:
-      fn(std::integral_constant<int, 7>());
-      break;
-    default:
-      fn(std::integral_constant<int, 8>());
-      break;
+  if constexpr (N < kSkinny) {
+    if (n != N) return WithSkinnyWidth<N + 1>(n, fn);
   }
+  fn(std::integral_constant<int, N>());
 }
+
 #endif  // __AVX2__ && __FMA__
 
-template <typename Acc>
-bool UseSkinny(int64_t k, int64_t n) {
+// Whether the AVX2 kernels above take a product of inner size k and n columns (float,
+// n <= kSkinny, k % 8 == 0); if so, runs kernel(std::integral_constant<int, n>()).
+template <typename Acc, typename Kernel>
+bool RunSkinny(int64_t k, int64_t n, Kernel kernel) {
 #ifdef TF_TTEMB_TT_AVX2
-  return std::is_same<Acc, float>::value && n <= kSkinny && k % 8 == 0;
-#else
-  return false;
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (n <= kSkinny && k % 8 == 0) {
+      WithSkinnyWidth(n, kernel);
+      return true;
+    }
+  }
 #endif
+  return false;
 }
 
 // c [m, n] = a [m, k] * b [k, n].
 template <typename Acc>
 void Product(const Acc* a, const Acc* b, Acc* c, int64_t m, int64_t k, int64_t n) {
-#ifdef TF_TTEMB_TT_AVX2
-  if constexpr (std::is_same<Acc, float>::value) {
-    if (UseSkinny<Acc>(k, n)) {
-      WithSkinnyWidth(n, [&](auto width) { SkinnyProduct<decltype(width)::value>(a, b, c, m, k); });
-      return;
-    }
+  if (RunSkinny<Acc>(k, n, [&](auto w) { SkinnyProduct<decltype(w)::value>(a, b, c, m, k); })) {
+    return;
   }
-#endif
   MatrixMap<Acc>(c, m, n).noalias() = ConstMatrixMap<Acc>(a, m, k) * ConstMatrixMap<Acc>(b, k, n);
 }
 
 // g [k, n] += a [m, k]^T * d [m, n].
 template <typename Acc>
 void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m, int64_t k, int64_t n) {
-#ifdef TF_TTEMB_TT_AVX2
-  if constexpr (std::is_same<Acc, float>::value) {
-    if (UseSkinny<Acc>(k, n)) {
-      WithSkinnyWidth(
-          n, [&](auto width) { SkinnyTransposedProduct<decltype(width)::value>(a, d, g, m, k); });
-      return;
-    }
+  if (RunSkinny<Acc>(k, n,
+                     [&](auto w) { SkinnyTransposedProduct<decltype(w)::value>(a, d, g, m, k); })) {
+    return;
   }
-#endif
   MatrixMap<Acc>(g, k, n).noalias() +=
       ConstMatrixMap<Acc>(a, m, k).transpose() * ConstMatrixMap<Acc>(d, m, n);
 }
@@ -331,15 +319,10 @@ void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m, int64_t
 // c [m, k] = d [m, n] * b [k, n]^T.
 template <typename Acc>
 void ProductTransposed(const Acc* d, const Acc* b, Acc* c, int64_t m, int64_t k, int64_t n) {
-#ifdef TF_TTEMB_TT_AVX2
-  if constexpr (std::is_same<Acc, float>::value) {
-    if (UseSkinny<Acc>(k, n)) {
-      WithSkinnyWidth(
-          n, [&](auto width) { SkinnyProductTransposed<decltype(width)::value>(d, b, c, m, k); });
-      return;
-    }
+  if (RunSkinny<Acc>(k, n,
+                     [&](auto w) { SkinnyProductTransposed<decltype(w)::value>(d, b, c, m, k); })) {
+    return;
   }
-#endif
   MatrixMap<Acc>(c, m, k).noalias() =
       ConstMatrixMap<Acc>(d, m, n) * ConstMatrixMap<Acc>(b, k, n).transpose();
 }
@@ -897,16 +880,7 @@ REGISTER_TT_UNIQUE_IDS(int32_t)
 REGISTER_TT_UNIQUE_IDS(int64_t)
 #undef REGISTER_TT_UNIQUE_IDS
 
-#define REGISTER_TT_ROWS(T)                                                                     \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
-                          TTRowsOp<CpuDevice, T>);                                              \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          TTRowsGradOp<CpuDevice, T>);
-REGISTER_TT_ROWS(Eigen::half)
-REGISTER_TT_ROWS(Eigen::bfloat16)
-REGISTER_TT_ROWS(float)
-REGISTER_TT_ROWS(double)
-#undef REGISTER_TT_ROWS
+TF_TTEMB_REGISTER_TT_ROWS(DEVICE_CPU, CpuDevice)
 
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp<CpuDevice>);
 

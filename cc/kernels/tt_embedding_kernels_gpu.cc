@@ -101,7 +101,7 @@ launchers::TTProblem MakeTTProblem(const TTShape& s) {
 // host copy, and the call's scratch, for one op call. The call lives until the
 // op finishes from the stream (ThenCheckReport), when everything queued that
 // reads its host memory has run.
-class TTGpuCall {
+class TTGpuCall : public ReportCall<TTReport> {
  public:
   TTGpuCall() = default;
   TTGpuCall(const TTGpuCall&) = delete;
@@ -114,28 +114,11 @@ class TTGpuCall {
     if (copy_pending_) cudaStreamSynchronize(stream_);
   }
 
-  Status Init(OpKernelContext* ctx, bool with_report) {
-    ctx_ = ctx;
-    TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream_));
-    if (!with_report) return OkStatus();
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({kReportWords}), &device_report_));
-    return AllocatePinnedWords(ctx, kReportWords, &host_report_);
-  }
-
-  cudaStream_t stream() const { return stream_; }
-
-  launchers::TTReport* device_report() {
-    return reinterpret_cast<launchers::TTReport*>(device_report_.flat<int64_t>().data());
-  }
-
-  // Device scratch of at least `bytes` bytes (the launchers align it).
-  Status AllocateScratch(size_t bytes, void** scratch) {
-    return Allocate(bytes, &scratch_, scratch);
-  }
-
   // A second device scratch (TTRowsGrad's work part), alive as long as this
   // call, like the first.
-  Status AllocateWork(size_t bytes, void** work) { return Allocate(bytes, &work_, work); }
+  Status AllocateWork(size_t bytes, void** work) {
+    return AllocateDeviceScratch(ctx_, std::max<size_t>(1, bytes), &work_, work);
+  }
 
   // Copies a host int64 tensor to a new device temporary, through pinned
   // memory (the copy is asynchronous; the staging buffer lives as long as
@@ -153,20 +136,13 @@ class TTGpuCall {
         "copy to the device");
   }
 
-  // Reads the report back without waiting (tf_ttemb::ThenCheckReport): the
-  // op's status is `check`'s and `done` is called once the stream has run what is queued;
-  // the call (report, scratch, staging) lives until then.
-  using ReportCheck = std::function<Status(const launchers::TTReport&)>;
+  // ReportCall::ThenCheckReport, noting that the stream has run the copies.
   static void ThenCheckReport(std::shared_ptr<TTGpuCall> call, ReportCheck check,
                               AsyncOpKernel::DoneCallback done) {
-    OpKernelContext* ctx = call->ctx_;
-    const cudaStream_t stream = call->stream_;
-    const Tensor host = call->host_report_;
-    const launchers::TTReport* report = call->device_report();
     TTGpuCall* raw = call.get();
-    ::tensorflow::tf_ttemb::ThenCheckReport<launchers::TTReport>(
-        ctx, stream, host, report, std::move(call),
-        [raw, check = std::move(check)](const launchers::TTReport& r) {
+    ReportCall::ThenCheckReport(
+        std::move(call),
+        [raw, check = std::move(check)](const TTReport& r) {
           raw->copy_pending_ = false;  // the stream has run the copies
           return check(r);
         },
@@ -174,20 +150,6 @@ class TTGpuCall {
   }
 
  private:
-  // At least one byte: the launchers take a non-null scratch pointer.
-  Status Allocate(size_t bytes, Tensor* tensor, void** ptr) {
-    return AllocateDeviceScratch(ctx_, std::max<size_t>(1, bytes), tensor, ptr);
-  }
-
-  static_assert(sizeof(launchers::TTReport) % sizeof(int64_t) == 0,
-                "TTReport must be a whole number of int64 words");
-  static constexpr int64_t kReportWords = sizeof(launchers::TTReport) / sizeof(int64_t);
-
-  OpKernelContext* ctx_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  Tensor device_report_;
-  Tensor host_report_;
-  Tensor scratch_;
   Tensor work_;
   Tensor staging_;
   bool copy_pending_ = false;
@@ -220,7 +182,7 @@ Status EnsureExclusiveOnGpu(OpKernelContext* ctx, cudaStream_t stream, Var* var)
 template <typename T>
 Status RowsGradCompute(OpKernelContext* ctx, const TTShape& shape, const TTRowsGradArgs& a,
                        TTGpuCall* call, void* scratch, size_t scratch_bytes,
-                       const launchers::TTReport& report) {
+                       const TTReport& report) {
   using CT = typename CudaTypeOf<T>::type;
   const int num_cores = shape.num_cores;
   const int64_t num_ids = a.num_ids;
@@ -231,9 +193,9 @@ Status RowsGradCompute(OpKernelContext* ctx, const TTShape& shape, const TTRowsG
   OpOutputList indices_out, values_out;
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
-  const CT* core_ptrs[launchers::kMaxTTCores] = {};
-  int64_t* index_ptrs[launchers::kMaxTTCores] = {};
-  CT* value_ptrs[launchers::kMaxTTCores] = {};
+  const CT* core_ptrs[kMaxTTCores] = {};
+  int64_t* index_ptrs[kMaxTTCores] = {};
+  CT* value_ptrs[kMaxTTCores] = {};
   for (int k = 0; k < num_cores; ++k) {
     const int64_t count = report.core_rows[k];
     const int64_t core_rows = shape.num_tables * shape.p[k];
@@ -307,7 +269,7 @@ struct UniqueIdsLaunch<GpuDevice, Tindex> {
                        call->device_report(), scratch, scratch_bytes, call->stream()),
                    "TTUniqueIds launch"));
     *step.check = [ctx, nnz, unique_buffer, num_embeddings = attrs.num_embeddings,
-                   bag = attrs.bag](const launchers::TTReport& report) -> Status {
+                   bag = attrs.bag](const TTReport& report) -> Status {
       if (report.first_bad_index >= 0) {
         return BadIndexError(report.first_bad_index, report.bad_index_value, num_embeddings, bag);
       }
@@ -347,7 +309,7 @@ struct TTRowsLaunch<GpuDevice, T> {
     cudaStream_t stream = nullptr;
     TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream));
     const launchers::TTProblem problem = MakeTTProblem(shape);
-    const CT* core_ptrs[launchers::kMaxTTCores] = {};
+    const CT* core_ptrs[kMaxTTCores] = {};
     for (int k = 0; k < shape.num_cores; ++k) {
       core_ptrs[k] = DevicePtr<T>(a.cores[k]);
     }
@@ -416,8 +378,7 @@ struct TTRowsGradLaunch<GpuDevice, T> {
                                              /*num_ids=*/nullptr, call->device_report(), scratch,
                                              scratch_bytes, call->stream()),
         "TTRowsGrad prepare"));
-    *step.check = [ctx, shape = &shape, a, call, scratch,
-                   scratch_bytes](const launchers::TTReport& report) {
+    *step.check = [ctx, shape = &shape, a, call, scratch, scratch_bytes](const TTReport& report) {
       return RowsGradCompute<T>(ctx, *shape, a, call, scratch, scratch_bytes, report);
     };
     return OkStatus();
@@ -469,16 +430,7 @@ TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int32_t)
 TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU(int64_t)
 #undef TF_TTEMB_REGISTER_TT_UNIQUE_IDS_GPU
 
-#define TF_TTEMB_REGISTER_TT_ROWS_GPU(T)                                                        \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(DEVICE_GPU).TypeConstraint<T>("T"),     \
-                          TTRowsOp<GpuDevice, T>);                                              \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(DEVICE_GPU).TypeConstraint<T>("T"), \
-                          TTRowsGradOp<GpuDevice, T>);
-TF_TTEMB_REGISTER_TT_ROWS_GPU(Eigen::half)
-TF_TTEMB_REGISTER_TT_ROWS_GPU(bfloat16)
-TF_TTEMB_REGISTER_TT_ROWS_GPU(float)
-TF_TTEMB_REGISTER_TT_ROWS_GPU(double)
-#undef TF_TTEMB_REGISTER_TT_ROWS_GPU
+TF_TTEMB_REGISTER_TT_ROWS(DEVICE_GPU, GpuDevice)
 
 REGISTER_KERNEL_BUILDER(
     Name("TfTtemb>TTCacheCount").Device(DEVICE_GPU).HostMemory("keys").HostMemory("counts"),

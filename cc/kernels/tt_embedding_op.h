@@ -183,6 +183,19 @@ class TTRowsGradOp : public DeviceOpKernel<Device, TTRowsGradOp<Device, T>> {
   TTShape shape_;
 };
 
+// Registers TTRows and TTRowsGrad on `device` (DEVICE_CPU or DEVICE_GPU, with
+// `D` its tag) for every value type; the device's source file uses it once.
+#define TF_TTEMB_REGISTER_TT_ROWS_OF(device, D, T)                                          \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRows").Device(device).TypeConstraint<T>("T"),     \
+                          TTRowsOp<D, T>);                                                  \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsGrad").Device(device).TypeConstraint<T>("T"), \
+                          TTRowsGradOp<D, T>);
+#define TF_TTEMB_REGISTER_TT_ROWS(device, D)               \
+  TF_TTEMB_REGISTER_TT_ROWS_OF(device, D, Eigen::half)     \
+  TF_TTEMB_REGISTER_TT_ROWS_OF(device, D, Eigen::bfloat16) \
+  TF_TTEMB_REGISTER_TT_ROWS_OF(device, D, float)           \
+  TF_TTEMB_REGISTER_TT_ROWS_OF(device, D, double)
+
 // ---------------------------------------------------------------------------
 // TTCacheCount
 

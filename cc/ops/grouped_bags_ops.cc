@@ -12,15 +12,12 @@
 // feature t), so that the lookup's [B * T, D] output is the [B, T * D]
 // concatenation of the features' embeddings without a transpose.
 
+#include "cc/ops/shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace tensorflow {
 namespace tf_ttemb {
-
-using shape_inference::DimensionHandle;
-using shape_inference::InferenceContext;
-using shape_inference::ShapeHandle;
 
 #define TF_TTEMB_GROUP_ATTRS                                       \
   Attr("num_rows: list(int) >= 1")    /* N_t, per feature */       \
@@ -54,13 +51,10 @@ REGISTER_OP("TfTtemb>GroupBags")
     .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
     .Attr("Tindices: {int32, int64}")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle indices, row_splits, weights;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &indices));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &row_splits));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &weights));
+      ShapeHandle indices, row_splits;
+      TF_RETURN_IF_ERROR(BagVectorShapes(c, 0, &indices, &row_splits));
       bool has_weights;
       TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
-      if (has_weights) TF_RETURN_IF_ERROR(c->Merge(indices, weights, &indices));
       c->set_output(0, indices);
       c->set_output(1, row_splits);
       c->set_output(2, has_weights ? indices : c->Vector(0));
@@ -76,10 +70,7 @@ REGISTER_OP("TfTtemb>GroupBags")
 REGISTER_OP("TfTtemb>CheckGroupReport")
     .Input("report: int64")
     .TF_TTEMB_GROUP_ATTRS.SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle report;
-      return c->WithRank(c->input(0), 1, &report);
-    })
+    .SetShapeFn(ReportInputShape)
     .Doc("Raises the InvalidArgument a GroupBags report holds.");
 
 #undef TF_TTEMB_GROUP_ATTRS

@@ -13,16 +13,13 @@
 //   TTRowsGrad   ids [U], grad [U, D] -> per core, IndexedSlices of its gradient
 //   TTCacheCount counts ids in a bounded set-associative frequency table
 
+#include "cc/ops/shape_fns.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace tensorflow {
 namespace tf_ttemb {
-
-using shape_inference::DimensionHandle;
-using shape_inference::InferenceContext;
-using shape_inference::ShapeHandle;
 
 namespace {
 
@@ -146,10 +143,7 @@ REGISTER_OP("TfTtemb>CheckTTRowsReport")
     .Input("report: int64")   // [0] or a TTReport
     .Attr("limit: int >= 1")  // valid global ids are [0, limit): num_tables * prod(p_shapes)
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle report;
-      return c->WithRank(c->input(0), 1, &report);
-    })
+    .SetShapeFn(ReportInputShape)
     .Doc("Raises the InvalidArgument a TTRows report describes.");
 
 REGISTER_OP("TfTtemb>TTRowsGrad")

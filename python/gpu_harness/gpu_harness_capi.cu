@@ -16,48 +16,9 @@
 #include <cstdint>
 
 #include "cuda/gather_reduce_sum_kernels.cuh"
+#include "python/gpu_harness/capi_util.cuh"
 
-namespace {
-
-using tf_ttemb::gpu::BagProblem;
-using tf_ttemb::gpu::Combiner;
-using tf_ttemb::gpu::DeviceReport;
-using tf_ttemb::gpu::WeightsGradFusion;
-
-template <typename T>
-struct Tag {
-  using type = T;
-};
-
-// Calls f(Tag<T>, Tag<Tindex>) for the codes; false for unknown codes.
-template <typename F>
-bool Dispatch(int dtype, int index_dtype, F&& f) {
-  auto with_index = [&](auto value_tag) {
-    if (index_dtype == 0) {
-      f(value_tag, Tag<int32_t>{});
-      return true;
-    }
-    if (index_dtype == 1) {
-      f(value_tag, Tag<int64_t>{});
-      return true;
-    }
-    return false;
-  };
-  switch (dtype) {
-    case 0:
-      return with_index(Tag<__half>{});
-    case 1:
-      return with_index(Tag<__nv_bfloat16>{});
-    case 2:
-      return with_index(Tag<float>{});
-    case 3:
-      return with_index(Tag<double>{});
-    default:
-      return false;
-  }
-}
-
-}  // namespace
+namespace g = tf_ttemb::gpu;
 
 extern "C" {
 
@@ -74,14 +35,14 @@ struct TtembProblem {
   int32_t reserved;
 };
 
-static BagProblem ToProblem(const TtembProblem* c) {
-  BagProblem p;
+static g::BagProblem ToProblem(const TtembProblem* c) {
+  g::BagProblem p;
   p.num_rows = c->num_rows;
   p.dim = c->dim;
   p.num_bags = c->num_bags;
   p.nnz = c->nnz;
   p.padding_id = c->padding_id;
-  p.combiner = static_cast<Combiner>(c->combiner);
+  p.combiner = static_cast<tf_ttemb::Combiner>(c->combiner);
   p.has_weights = c->has_weights != 0;
   p.has_padding_id = c->has_padding_id != 0;
   return p;
@@ -94,25 +55,34 @@ namespace {
 // What `bytes_for(Tag<T>, Tag<Tindex>, problem)` returns for the codes (0 for unknown codes).
 template <typename F>
 size_t ScratchBytesFor(int dtype, int index_dtype, const TtembProblem* problem, F&& bytes_for) {
-  size_t bytes = 0;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto i) { bytes = bytes_for(t, i, p); });
-  return bytes;
+  const g::BagProblem p = ToProblem(problem);
+  return tf_ttemb::capi::WithTypes(dtype, index_dtype, size_t{0},
+                                   [&](auto t, auto i) -> size_t { return bytes_for(t, i, p); });
+}
+
+// The error `launch(Tag<T>, Tag<Tindex>, problem)` returns for the codes, as an int
+// (cudaErrorInvalidValue for unknown codes).
+template <typename F>
+int LaunchFor(int dtype, int index_dtype, const TtembProblem* problem, F&& launch) {
+  const g::BagProblem p = ToProblem(problem);
+  return static_cast<int>(
+      tf_ttemb::capi::WithTypes(dtype, index_dtype, cudaErrorInvalidValue,
+                                [&](auto t, auto i) -> cudaError_t { return launch(t, i, p); }));
 }
 
 }  // namespace
 
 extern "C" {
 
-int ttemb_report_bytes(void) { return static_cast<int>(sizeof(DeviceReport)); }
+int ttemb_report_bytes(void) { return static_cast<int>(sizeof(tf_ttemb::DeviceReport)); }
 
 const char* ttemb_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
 size_t ttemb_forward_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem) {
-  return ScratchBytesFor(dtype, index_dtype, problem, [](auto t, auto, const BagProblem& p) {
-    return tf_ttemb::gpu::ForwardScratchBytes<typename decltype(t)::type>(p);
+  return ScratchBytesFor(dtype, index_dtype, problem, [](auto t, auto, const g::BagProblem& p) {
+    return g::ForwardScratchBytes<typename decltype(t)::type>(p);
   });
 }
 
@@ -120,26 +90,21 @@ int ttemb_forward(int dtype, int index_dtype, const TtembProblem* problem, const
                   const void* ids, const int64_t* splits, const void* weights, void* out,
                   int32_t* argmax, void* report, void* scratch, size_t scratch_bytes,
                   void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+  return LaunchFor(dtype, index_dtype, problem, [&](auto t, auto i, const g::BagProblem& p) {
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
-    err = tf_ttemb::gpu::LaunchForward<T, I>(p, static_cast<const T*>(params),
-                                             static_cast<const I*>(ids), splits,
-                                             static_cast<const T*>(weights), static_cast<T*>(out),
-                                             argmax, static_cast<DeviceReport*>(report), scratch,
-                                             scratch_bytes, static_cast<cudaStream_t>(stream));
+    return g::LaunchForward<T, I>(p, static_cast<const T*>(params), static_cast<const I*>(ids),
+                                  splits, static_cast<const T*>(weights), static_cast<T*>(out),
+                                  argmax, static_cast<tf_ttemb::DeviceReport*>(report), scratch,
+                                  scratch_bytes, static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 size_t ttemb_params_grad_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem,
                                        int dense, int fused) {
-  return ScratchBytesFor(dtype, index_dtype, problem, [&](auto t, auto i, const BagProblem& p) {
-    return tf_ttemb::gpu::ParamsGradScratchBytes<typename decltype(t)::type,
-                                                 typename decltype(i)::type>(p, dense != 0,
-                                                                             fused != 0);
+  return ScratchBytesFor(dtype, index_dtype, problem, [&](auto t, auto i, const g::BagProblem& p) {
+    return g::ParamsGradScratchBytes<typename decltype(t)::type, typename decltype(i)::type>(
+        p, dense != 0, fused != 0);
   });
 }
 
@@ -147,17 +112,14 @@ int ttemb_params_grad_prepare(int dtype, int index_dtype, const TtembProblem* pr
                               const void* ids, const int64_t* splits, const void* weights,
                               void* report, int dense, int fused, void* scratch,
                               size_t scratch_bytes, void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+  return LaunchFor(dtype, index_dtype, problem, [&](auto t, auto i, const g::BagProblem& p) {
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
-    err = tf_ttemb::gpu::LaunchParamsGradPrepare<T, I>(
+    return g::LaunchParamsGradPrepare<T, I>(
         p, static_cast<const I*>(ids), splits, static_cast<const T*>(weights),
-        static_cast<DeviceReport*>(report), dense != 0, fused != 0, scratch, scratch_bytes,
-        static_cast<cudaStream_t>(stream));
+        static_cast<tf_ttemb::DeviceReport*>(report), dense != 0, fused != 0, scratch,
+        scratch_bytes, static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 // Fusion of the weights gradient when weights_grad is not null.
@@ -167,26 +129,23 @@ int ttemb_params_grad_reduce(int dtype, int index_dtype, const TtembProblem* pro
                              const void* fused_output, const void* fused_weights,
                              void* weights_grad, void* scratch, size_t scratch_bytes,
                              void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+  return LaunchFor(dtype, index_dtype, problem, [&](auto t, auto i, const g::BagProblem& p) {
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
-    WeightsGradFusion<T> fusion{
+    const g::WeightsGradFusion<T> fusion{
         static_cast<const T*>(fused_params), static_cast<const T*>(fused_output),
         static_cast<const T*>(fused_weights), static_cast<T*>(weights_grad)};
-    err = tf_ttemb::gpu::LaunchParamsGradReduce<T, I>(
-        p, static_cast<const T*>(grad), argmax, static_cast<I*>(unique_ids),
-        static_cast<T*>(values), static_cast<T*>(dense),
-        weights_grad != nullptr ? &fusion : nullptr, scratch, scratch_bytes,
-        static_cast<cudaStream_t>(stream));
+    return g::LaunchParamsGradReduce<T, I>(p, static_cast<const T*>(grad), argmax,
+                                           static_cast<I*>(unique_ids), static_cast<T*>(values),
+                                           static_cast<T*>(dense),
+                                           weights_grad != nullptr ? &fusion : nullptr, scratch,
+                                           scratch_bytes, static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 size_t ttemb_weights_grad_scratch_bytes(int dtype, int index_dtype, const TtembProblem* problem) {
-  return ScratchBytesFor(dtype, index_dtype, problem, [](auto t, auto, const BagProblem& p) {
-    return tf_ttemb::gpu::WeightsGradScratchBytes<typename decltype(t)::type>(p);
+  return ScratchBytesFor(dtype, index_dtype, problem, [](auto t, auto, const g::BagProblem& p) {
+    return g::WeightsGradScratchBytes<typename decltype(t)::type>(p);
   });
 }
 
@@ -194,18 +153,15 @@ int ttemb_weights_grad(int dtype, int index_dtype, const TtembProblem* problem, 
                        const void* params, const void* ids, const int64_t* splits,
                        const void* weights, const void* output, void* weights_grad, void* report,
                        void* scratch, size_t scratch_bytes, void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  const BagProblem p = ToProblem(problem);
-  Dispatch(dtype, index_dtype, [&](auto t, auto i) {
+  return LaunchFor(dtype, index_dtype, problem, [&](auto t, auto i, const g::BagProblem& p) {
     using T = typename decltype(t)::type;
     using I = typename decltype(i)::type;
-    err = tf_ttemb::gpu::LaunchWeightsGrad<T, I>(
+    return g::LaunchWeightsGrad<T, I>(
         p, static_cast<const T*>(grad), static_cast<const T*>(params), static_cast<const I*>(ids),
         splits, static_cast<const T*>(weights), static_cast<const T*>(output),
-        static_cast<T*>(weights_grad), static_cast<DeviceReport*>(report), scratch, scratch_bytes,
-        static_cast<cudaStream_t>(stream));
+        static_cast<T*>(weights_grad), static_cast<tf_ttemb::DeviceReport*>(report), scratch,
+        scratch_bytes, static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 }  // extern "C"

@@ -33,11 +33,9 @@ namespace tf_ttemb {
 namespace gpu {
 namespace {
 
-constexpr int kBlock = 256;
 // Blocks one slice (or one row launch) gets at most; larger problems are
 // walked by the grid-stride loops.
 constexpr int64_t kMaxRowBlocks = 2048;
-constexpr int64_t kMaxFlatBlocks = 4096;
 
 // ---------------------------------------------------------------------------
 // Element math. ToAcc / FromAcc (cuda/common.cuh) load to the compute type AccT<T> and
@@ -86,21 +84,13 @@ RowPlan PlanRows(int64_t n, int64_t width, bool aligned) {
 // ---------------------------------------------------------------------------
 // Sparse update.
 
+// A slice as the kernel walks it: the caller's (accum null for SGD), its row plan, and
+// its first block in the grid.
 template <typename T>
 struct UpdateSlice {
-  T* var;
-  T* accum;
-  const int64_t* rows;
-  const T* grad;
-  const int64_t* num_valid;
-  int64_t num_rows;
-  int64_t width;
-  int64_t n;
-  int64_t vecs;
+  SparseUpdateSlice<T> in;
+  RowPlan plan;
   int64_t block_begin;
-  int64_t blocks;
-  int group;
-  int vec;
 };
 
 template <typename T>
@@ -147,24 +137,25 @@ template <typename T, bool kAdagrad>
 __global__ void __launch_bounds__(kBlock) SparseUpdateKernel(const UpdateParams<T> p) {
   int k = 0;
   while (k + 1 < p.num && static_cast<int64_t>(blockIdx.x) >= p.s[k + 1].block_begin) ++k;
-  const UpdateSlice<T>& s = p.s[k];
+  const SparseUpdateSlice<T>& s = p.s[k].in;
+  const RowPlan& plan = p.s[k].plan;
   int64_t n = s.n;
   if (s.num_valid != nullptr) n = min(n, max(*s.num_valid, int64_t{0}));
-  const int group = s.group;
+  const int group = plan.group;
   const int64_t rows_per_block = kBlock / group;
   const int lane = threadIdx.x % group;
-  const int64_t stride = s.blocks * rows_per_block;
-  for (int64_t i = (blockIdx.x - s.block_begin) * rows_per_block + threadIdx.x / group; i < n;
+  const int64_t stride = plan.blocks * rows_per_block;
+  for (int64_t i = (blockIdx.x - p.s[k].block_begin) * rows_per_block + threadIdx.x / group; i < n;
        i += stride) {
     const int64_t r = s.rows[i];
     if (r < 0 || r >= s.num_rows) continue;
     T* var = s.var + r * s.width;
     T* accum = kAdagrad ? s.accum + r * s.width : nullptr;
     const T* grad = s.grad + i * s.width;
-    if (s.vec > 1) {
-      UpdateRow<T, VecOf<T>(), kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
+    if (plan.vec > 1) {
+      UpdateRow<T, VecOf<T>(), kAdagrad>(var, accum, grad, plan.vecs, lane, group, p.lr, p.eps);
     } else {
-      UpdateRow<T, 1, kAdagrad>(var, accum, grad, s.vecs, lane, group, p.lr, p.eps);
+      UpdateRow<T, 1, kAdagrad>(var, accum, grad, plan.vecs, lane, group, p.lr, p.eps);
     }
   }
 }
@@ -315,8 +306,6 @@ __global__ void PopulateChooseKernel(const int64_t* ranked_ids, const int64_t* r
 // ---------------------------------------------------------------------------
 // Host helpers.
 
-int FlatBlocks(int64_t n) { return GridBlocks(n, kBlock, kMaxFlatBlocks); }
-
 struct LookupBuffers {
   uint64_t* flags;
   uint64_t* ranks;
@@ -336,8 +325,7 @@ LookupBuffers CarveLookup(Carver& carver, int64_t n) {
 }
 
 cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, int64_t cache_size,
-                      int64_t miss_pad_id, int64_t* position, int64_t* miss_rank, int64_t* miss_ids,
-                      int64_t* miss_at, int64_t* hit_at, int64_t* hit_pos, int64_t* num_hits,
+                      int64_t miss_pad_id, const CacheLookupResult& out, int64_t* num_hits,
                       int64_t* num_misses, const LookupBuffers& b, cudaStream_t stream) {
   if (n == 0) {
     if (num_hits != nullptr) TTEMB_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_hits, 0, 8, stream));
@@ -346,15 +334,15 @@ cudaError_t RunLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids, i
     return cudaSuccess;
   }
   const int blocks = FlatBlocks(n);
-  LookupFlagsKernel<<<blocks, kBlock, 0, stream>>>(ids, n, cache_ids, cache_size, position,
+  LookupFlagsKernel<<<blocks, kBlock, 0, stream>>>(ids, n, cache_ids, cache_size, out.position,
                                                    b.flags);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   size_t cub_bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceScan::ExclusiveSum(b.cub, cub_bytes, b.flags, b.ranks,
                                                            static_cast<int>(n), stream));
-  LookupScatterKernel<<<blocks, kBlock, 0, stream>>>(ids, n, position, b.flags, b.ranks,
-                                                     miss_pad_id, miss_rank, miss_ids, miss_at,
-                                                     hit_at, hit_pos, num_hits, num_misses);
+  LookupScatterKernel<<<blocks, kBlock, 0, stream>>>(
+      ids, n, out.position, b.flags, b.ranks, miss_pad_id, out.miss_rank, out.miss_ids, out.miss_at,
+      out.hit_at, out.hit_pos, num_hits, num_misses);
   return cudaGetLastError();
 }
 
@@ -397,6 +385,12 @@ PopulateBuffers CarvePopulate(Carver& carver, int64_t table_size, int64_t cache_
 
 bool SizeOk(int64_t n) { return n >= 0 && n <= INT32_MAX; }
 
+// Whether `r` has every output a lookup needs (hit_at and hit_pos may be null).
+bool LookupOutputsOk(const CacheLookupResult& r) {
+  return r.position != nullptr && r.miss_rank != nullptr && r.miss_ids != nullptr &&
+         r.miss_at != nullptr;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -431,19 +425,10 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer, const SparseUpdateSlic
         Aligned16(in.var) && Aligned16(in.grad) && (!adagrad || Aligned16(in.accum));
     const RowPlan plan = PlanRows<T>(in.n, in.width, aligned);
     UpdateSlice<T>& s = p.s[p.num++];
-    s.var = in.var;
-    s.accum = adagrad ? in.accum : nullptr;
-    s.rows = in.rows;
-    s.grad = in.grad;
-    s.num_valid = in.num_valid;
-    s.num_rows = in.num_rows;
-    s.width = in.width;
-    s.n = in.n;
-    s.vecs = plan.vecs;
-    s.group = plan.group;
-    s.vec = plan.vec;
+    s.in = in;
+    if (!adagrad) s.in.accum = nullptr;
+    s.plan = plan;
     s.block_begin = total_blocks;
-    s.blocks = plan.blocks;
     total_blocks += plan.blocks;
   }
   if (total_blocks == 0) return cudaSuccess;
@@ -480,21 +465,18 @@ size_t CacheLookupScratchBytes(int64_t n) {
 }
 
 cudaError_t LaunchCacheLookup(const int64_t* ids, int64_t n, const int64_t* cache_ids,
-                              int64_t cache_size, int64_t miss_pad_id, int64_t* position,
-                              int64_t* miss_rank, int64_t* miss_ids, int64_t* miss_at,
-                              int64_t* hit_at, int64_t* hit_pos, int64_t* counts, void* scratch,
-                              size_t scratch_bytes, cudaStream_t stream) {
+                              int64_t cache_size, int64_t miss_pad_id, const CacheLookupResult& out,
+                              int64_t* counts, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
   if (!SizeOk(n) || cache_size < 0 || counts == nullptr) return cudaErrorInvalidValue;
-  if (n > 0 &&
-      (ids == nullptr || position == nullptr || miss_rank == nullptr || miss_ids == nullptr ||
-       miss_at == nullptr || scratch == nullptr || (cache_size > 0 && cache_ids == nullptr))) {
+  if (n > 0 && (ids == nullptr || !LookupOutputsOk(out) || scratch == nullptr ||
+                (cache_size > 0 && cache_ids == nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (scratch_bytes < CacheLookupScratchBytes(n)) return cudaErrorInvalidValue;
   Carver carver(scratch);
   const LookupBuffers b = CarveLookup(carver, n);
-  return RunLookup(ids, n, cache_ids, cache_size, miss_pad_id, position, miss_rank, miss_ids,
-                   miss_at, hit_at, hit_pos, counts, counts + 1, b, stream);
+  return RunLookup(ids, n, cache_ids, cache_size, miss_pad_id, out, counts, counts + 1, b, stream);
 }
 
 size_t CachePopulateScratchBytes(int64_t table_size, int64_t cache_size) {
@@ -506,15 +488,14 @@ size_t CachePopulateScratchBytes(int64_t table_size, int64_t cache_size) {
 
 cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int64_t table_size,
                                 const int64_t* old_ids, int64_t cache_size, int64_t fresh_pad_id,
-                                int64_t* new_ids, int64_t* src, int64_t* fresh_rank,
-                                int64_t* fresh_ids, int64_t* fresh_at, int64_t* num_fresh,
-                                void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                                int64_t* new_ids, const CacheLookupResult& fresh,
+                                int64_t* num_fresh, void* scratch, size_t scratch_bytes,
+                                cudaStream_t stream) {
   if (!SizeOk(table_size) || !SizeOk(cache_size) || num_fresh == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (cache_size == 0) return cudaMemsetAsync(num_fresh, 0, 8, stream);
-  if (old_ids == nullptr || new_ids == nullptr || src == nullptr || fresh_rank == nullptr ||
-      fresh_ids == nullptr || fresh_at == nullptr || scratch == nullptr ||
+  if (old_ids == nullptr || new_ids == nullptr || !LookupOutputsOk(fresh) || scratch == nullptr ||
       (table_size > 0 && (keys == nullptr || counts == nullptr))) {
     return cudaErrorInvalidValue;
   }
@@ -543,8 +524,10 @@ cudaError_t LaunchCachePopulate(const int64_t* keys, const int64_t* counts, int6
   size_t cub_bytes = b.cub_bytes;
   TTEMB_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortKeys(
       b.cub, cub_bytes, b.chosen, new_ids, static_cast<int>(cache_size), 0, 64, stream));
-  return RunLookup(new_ids, cache_size, old_ids, cache_size, fresh_pad_id, src, fresh_rank,
-                   fresh_ids, fresh_at, nullptr, nullptr, b.num_stay, num_fresh, b.lookup, stream);
+  const CacheLookupResult new_in_old{fresh.position, fresh.miss_rank, fresh.miss_ids,
+                                     fresh.miss_at};
+  return RunLookup(new_ids, cache_size, old_ids, cache_size, fresh_pad_id, new_in_old, b.num_stay,
+                   num_fresh, b.lookup, stream);
 }
 
 #define TTUPD_INSTANTIATE(T)                                                                    \

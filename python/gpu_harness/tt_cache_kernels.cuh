@@ -91,31 +91,28 @@ cudaError_t LaunchSparseUpdate(SparseOptimizer optimizer,
 // `searchsorted` + equality test. Ids outside [0, kEmptyCacheId) are neither
 // hits nor misses (position -1, miss_rank -1).
 //
-// Outputs (all [n], int64, device):
-//   position[j]   cache slot of ids[j] or -1
-//   miss_rank[j]  rank of ids[j] among the misses, -1 for hits and skipped ids
-//   miss_ids      the missed ids, ascending, then `miss_pad_id` up to n
-//   miss_at       their positions j, then -1
-//   hit_at        positions j of the hits, ascending, then -1 (may be null)
-//   hit_pos       their cache slots (ascending), then -1 (may be null)
-//   counts[2]     {number of hits, number of misses}
+// Outputs: `out` (below) and counts[2] = {number of hits, number of misses}.
 // `miss_pad_id` lets a caller run a fixed-size [n] row computation over
 // miss_ids (e.g. 0, a valid row) without reading the count back.
 constexpr int64_t kEmptyCacheId = INT64_MAX;
+
+// What a lookup of n ids writes (all [n], int64, device):
+struct CacheLookupResult {
+  int64_t* position;           // cache slot of ids[j] or -1
+  int64_t* miss_rank;          // rank of ids[j] among the misses, -1 for hits and skipped ids
+  int64_t* miss_ids;           // the missed ids, ascending, then the pad id up to n
+  int64_t* miss_at;            // their positions j, then -1
+  int64_t* hit_at = nullptr;   // positions j of the hits, ascending, then -1 (may be null)
+  int64_t* hit_pos = nullptr;  // their cache slots (ascending), then -1 (may be null)
+};
 
 size_t CacheLookupScratchBytes(int64_t n);
 
 cudaError_t LaunchCacheLookup(const int64_t* ids,  // [n]
                               int64_t n,
                               const int64_t* cache_ids,  // [cache_size]
-                              int64_t cache_size, int64_t miss_pad_id,
-                              int64_t* position,   // [n]
-                              int64_t* miss_rank,  // [n]
-                              int64_t* miss_ids,   // [n]
-                              int64_t* miss_at,    // [n]
-                              int64_t* hit_at,     // [n] or null
-                              int64_t* hit_pos,    // [n] or null
-                              int64_t* counts,     // [2]
+                              int64_t cache_size, int64_t miss_pad_id, const CacheLookupResult& out,
+                              int64_t* counts,  // [2]
                               void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------
@@ -147,12 +144,13 @@ cudaError_t LaunchSelectRows(int64_t n, int64_t width, const T* a,
 // Cache populate (the layer's cache_populate): ranks the live entries of the
 // frequency table (key >= 0 and count > 0) by count descending, then id
 // ascending, takes the first cache_size, and sorts them into new_ids
-// (kEmptyCacheId fills the remaining slots). Then, against old_ids (the
-// current sorted cache ids):
-//   src[s]         slot of new_ids[s] in old_ids when the row stays, else -1
-//   fresh_rank[s]  rank of slot s among the newly cached ids, else -1
-//   fresh_ids      the newly cached ids (ascending), then `fresh_pad_id`
-//   fresh_at       their slots, then -1
+// (kEmptyCacheId fills the remaining slots). Then `fresh` is the lookup of
+// new_ids in old_ids (the current sorted cache ids; [cache_size] each, no hit
+// lists):
+//   src[s]         (position) slot of new_ids[s] in old_ids when the row stays, else -1
+//   fresh_rank[s]  (miss_rank) rank of slot s among the newly cached ids, else -1
+//   fresh_ids      (miss_ids) the newly cached ids (ascending), then `fresh_pad_id`
+//   fresh_at       (miss_at) their slots, then -1
 //   num_fresh[1]   how many (device)
 // The caller computes TT rows of fresh_ids (all cache_size of them, or
 // num_fresh after a read-back) and assembles the new rows and Adagrad state
@@ -165,12 +163,9 @@ cudaError_t LaunchCachePopulate(const int64_t* keys,    // [table_size]
                                 int64_t table_size,
                                 const int64_t* old_ids,  // [cache_size]
                                 int64_t cache_size, int64_t fresh_pad_id,
-                                int64_t* new_ids,     // [cache_size]
-                                int64_t* src,         // [cache_size]
-                                int64_t* fresh_rank,  // [cache_size]
-                                int64_t* fresh_ids,   // [cache_size]
-                                int64_t* fresh_at,    // [cache_size]
-                                int64_t* num_fresh,   // [1]
+                                int64_t* new_ids,  // [cache_size]
+                                const CacheLookupResult& fresh,
+                                int64_t* num_fresh,  // [1]
                                 void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace gpu

@@ -17,53 +17,9 @@
 #include <cstdint>
 
 #include "cuda/tt_embedding_kernels.cuh"
+#include "python/gpu_harness/capi_util.cuh"
 
-namespace {
-
-using tf_ttemb::gpu::kMaxTTCores;
-using tf_ttemb::gpu::TTProblem;
-using tf_ttemb::gpu::TTReport;
-using tf_ttemb::gpu::UniqueIdsProblem;
-
-template <typename T>
-struct Tag {
-  using type = T;
-};
-
-template <typename F>
-bool DispatchValue(int dtype, F&& f) {
-  switch (dtype) {
-    case 0:
-      f(Tag<__half>{});
-      return true;
-    case 1:
-      f(Tag<__nv_bfloat16>{});
-      return true;
-    case 2:
-      f(Tag<float>{});
-      return true;
-    case 3:
-      f(Tag<double>{});
-      return true;
-    default:
-      return false;
-  }
-}
-
-template <typename F>
-bool DispatchIndex(int index_dtype, F&& f) {
-  if (index_dtype == 0) {
-    f(Tag<int32_t>{});
-    return true;
-  }
-  if (index_dtype == 1) {
-    f(Tag<int64_t>{});
-    return true;
-  }
-  return false;
-}
-
-}  // namespace
+namespace g = tf_ttemb::gpu;
 
 extern "C" {
 
@@ -76,22 +32,22 @@ struct TtembTTProblem {
   int64_t r[9];
 };
 
-static bool ToTTProblem(const TtembTTProblem* c, TTProblem* p) {
-  if (c->num_cores < 2 || c->num_cores > kMaxTTCores) return false;
+static bool ToTTProblem(const TtembTTProblem* c, g::TTProblem* p) {
+  if (c->num_cores < 2 || c->num_cores > tf_ttemb::kMaxTTCores) return false;
   p->num_cores = static_cast<int>(c->num_cores);
   p->num_tables = c->num_tables;
-  for (int k = 0; k < kMaxTTCores; ++k) {
+  for (int k = 0; k < tf_ttemb::kMaxTTCores; ++k) {
     p->p[k] = c->p[k];
     p->q[k] = c->q[k];
   }
-  for (int k = 0; k <= kMaxTTCores; ++k) p->r[k] = c->r[k];
+  for (int k = 0; k <= tf_ttemb::kMaxTTCores; ++k) p->r[k] = c->r[k];
   return true;
 }
 
-static UniqueIdsProblem ToUniqueProblem(int64_t nnz, int64_t num_tables, int64_t num_embeddings,
-                                        int64_t stride, int32_t has_padding_id,
-                                        int64_t padding_id) {
-  UniqueIdsProblem p;
+static g::UniqueIdsProblem ToUniqueProblem(int64_t nnz, int64_t num_tables, int64_t num_embeddings,
+                                           int64_t stride, int32_t has_padding_id,
+                                           int64_t padding_id) {
+  g::UniqueIdsProblem p;
   p.nnz = nnz;
   p.num_tables = num_tables;
   p.num_embeddings = num_embeddings;
@@ -101,106 +57,104 @@ static UniqueIdsProblem ToUniqueProblem(int64_t nnz, int64_t num_tables, int64_t
   return p;
 }
 
+extern "C++" {  // a template cannot have C linkage
 // size(Tag<T>, problem) for the value dtype code; 0 for an unknown dtype or a TT problem
 // the kernels refuse (the scratch-size functions below).
-extern "C++" {  // a template cannot have C linkage
 template <typename F>
 static size_t TTBytes(int dtype, const TtembTTProblem* problem, F&& size) {
-  size_t bytes = 0;
-  TTProblem p;
+  g::TTProblem p;
   if (!ToTTProblem(problem, &p)) return 0;
-  DispatchValue(dtype, [&](auto t) { bytes = size(t, p); });
-  return bytes;
+  return tf_ttemb::capi::WithValueType(dtype, size_t{0},
+                                       [&](auto t) -> size_t { return size(t, p); });
+}
+
+// The error launch(Tag<T>, problem) returns for the value dtype code, as an int;
+// cudaErrorInvalidValue for an unknown dtype or a TT problem the kernels refuse.
+template <typename F>
+static int TTLaunch(int dtype, const TtembTTProblem* problem, F&& launch) {
+  g::TTProblem p;
+  if (!ToTTProblem(problem, &p)) return static_cast<int>(cudaErrorInvalidValue);
+  return static_cast<int>(tf_ttemb::capi::WithValueType(
+      dtype, cudaErrorInvalidValue, [&](auto t) -> cudaError_t { return launch(t, p); }));
 }
 }
 
-int ttemb_tt_report_bytes(void) { return static_cast<int>(sizeof(TTReport)); }
+int ttemb_tt_report_bytes(void) { return static_cast<int>(sizeof(tf_ttemb::TTReport)); }
 
 size_t ttemb_tt_unique_scratch_bytes(int index_dtype, int64_t nnz, int64_t num_tables,
                                      int64_t num_embeddings, int64_t stride, int32_t has_padding_id,
                                      int64_t padding_id) {
-  size_t bytes = 0;
-  const UniqueIdsProblem p =
+  const g::UniqueIdsProblem p =
       ToUniqueProblem(nnz, num_tables, num_embeddings, stride, has_padding_id, padding_id);
-  DispatchIndex(index_dtype, [&](auto i) {
-    bytes = tf_ttemb::gpu::UniqueIdsScratchBytes<typename decltype(i)::type>(p);
+  return tf_ttemb::capi::WithIndexType(index_dtype, size_t{0}, [&](auto i) -> size_t {
+    return g::UniqueIdsScratchBytes<typename decltype(i)::type>(p);
   });
-  return bytes;
 }
 
 int ttemb_tt_unique(int index_dtype, int64_t nnz, int64_t num_tables, int64_t num_embeddings,
                     int64_t stride, int32_t has_padding_id, int64_t padding_id, const void* ids,
                     const int64_t* table_splits, int64_t* unique_ids, void* slots, void* report,
                     void* scratch, size_t scratch_bytes, void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  const UniqueIdsProblem p =
+  const g::UniqueIdsProblem p =
       ToUniqueProblem(nnz, num_tables, num_embeddings, stride, has_padding_id, padding_id);
-  DispatchIndex(index_dtype, [&](auto i) {
-    using I = typename decltype(i)::type;
-    err = tf_ttemb::gpu::LaunchUniqueIds<I>(
-        p, static_cast<const I*>(ids), table_splits, unique_ids, static_cast<I*>(slots),
-        static_cast<TTReport*>(report), scratch, scratch_bytes, static_cast<cudaStream_t>(stream));
-  });
-  return static_cast<int>(err);
+  return static_cast<int>(
+      tf_ttemb::capi::WithIndexType(index_dtype, cudaErrorInvalidValue, [&](auto i) {
+        using I = typename decltype(i)::type;
+        return g::LaunchUniqueIds<I>(p, static_cast<const I*>(ids), table_splits, unique_ids,
+                                     static_cast<I*>(slots),
+                                     static_cast<tf_ttemb::TTReport*>(report), scratch,
+                                     scratch_bytes, static_cast<cudaStream_t>(stream));
+      }));
 }
 
 size_t ttemb_tt_rows_scratch_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids) {
-  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
-    return tf_ttemb::gpu::RowsScratchBytes<typename decltype(t)::type>(p, max_ids);
+  return TTBytes(dtype, problem, [&](auto t, const g::TTProblem& p) {
+    return g::RowsScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
 }
 
 int ttemb_tt_rows(int dtype, const TtembTTProblem* problem, const int64_t* ids, int64_t max_ids,
                   const int64_t* num_ids, const void* const* cores, void* rows, void* report,
                   void* scratch, size_t scratch_bytes, void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return static_cast<int>(err);
-  DispatchValue(dtype, [&](auto t) {
+  return TTLaunch(dtype, problem, [&](auto t, const g::TTProblem& p) {
     using T = typename decltype(t)::type;
-    err = tf_ttemb::gpu::LaunchRows<T>(
-        p, ids, max_ids, num_ids, reinterpret_cast<const T* const*>(cores), static_cast<T*>(rows),
-        static_cast<TTReport*>(report), scratch, scratch_bytes, static_cast<cudaStream_t>(stream));
+    return g::LaunchRows<T>(p, ids, max_ids, num_ids, reinterpret_cast<const T* const*>(cores),
+                            static_cast<T*>(rows), static_cast<tf_ttemb::TTReport*>(report),
+                            scratch, scratch_bytes, static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 size_t ttemb_tt_rows_grad_scratch_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids) {
-  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
-    return tf_ttemb::gpu::RowsGradScratchBytes<typename decltype(t)::type>(p, max_ids);
+  return TTBytes(dtype, problem, [&](auto t, const g::TTProblem& p) {
+    return g::RowsGradScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
 }
 
 // The index part alone (Prepare's scratch when Compute gets its own work buffer).
 size_t ttemb_tt_rows_grad_prepare_scratch_bytes(int dtype, const TtembTTProblem* problem,
                                                 int64_t max_ids) {
-  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
-    return tf_ttemb::gpu::RowsGradPrepareScratchBytes<typename decltype(t)::type>(p, max_ids);
+  return TTBytes(dtype, problem, [&](auto t, const g::TTProblem& p) {
+    return g::RowsGradPrepareScratchBytes<typename decltype(t)::type>(p, max_ids);
   });
 }
 
 // Compute's work buffer for a host copy of Prepare's report (null: the upper bound).
 size_t ttemb_tt_rows_grad_work_bytes(int dtype, const TtembTTProblem* problem, int64_t max_ids,
                                      const void* prepared) {
-  return TTBytes(dtype, problem, [&](auto t, const TTProblem& p) {
-    return tf_ttemb::gpu::RowsGradWorkBytes<typename decltype(t)::type>(
-        p, max_ids, static_cast<const TTReport*>(prepared));
+  return TTBytes(dtype, problem, [&](auto t, const g::TTProblem& p) {
+    return g::RowsGradWorkBytes<typename decltype(t)::type>(
+        p, max_ids, static_cast<const tf_ttemb::TTReport*>(prepared));
   });
 }
 
 int ttemb_tt_rows_grad_prepare(int dtype, const TtembTTProblem* problem, const int64_t* ids,
                                int64_t max_ids, const int64_t* num_ids, void* report, void* scratch,
                                size_t scratch_bytes, void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return static_cast<int>(err);
-  DispatchValue(dtype, [&](auto t) {
-    using T = typename decltype(t)::type;
-    err = tf_ttemb::gpu::LaunchRowsGradPrepare<T>(p, ids, max_ids, num_ids,
-                                                  static_cast<TTReport*>(report), scratch,
-                                                  scratch_bytes, static_cast<cudaStream_t>(stream));
+  return TTLaunch(dtype, problem, [&](auto t, const g::TTProblem& p) {
+    return g::LaunchRowsGradPrepare<typename decltype(t)::type>(
+        p, ids, max_ids, num_ids, static_cast<tf_ttemb::TTReport*>(report), scratch, scratch_bytes,
+        static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 // Either indices and values (compact form) or dense is non-null. work null: the work
@@ -211,19 +165,15 @@ int ttemb_tt_rows_grad_compute(int dtype, const TtembTTProblem* problem, const i
                                const void* grad, int64_t* const* indices, void* const* values,
                                void* const* dense, void* scratch, size_t scratch_bytes,
                                const void* prepared, void* work, size_t work_bytes, void* stream) {
-  cudaError_t err = cudaErrorInvalidValue;
-  TTProblem p;
-  if (!ToTTProblem(problem, &p)) return static_cast<int>(err);
-  DispatchValue(dtype, [&](auto t) {
+  return TTLaunch(dtype, problem, [&](auto t, const g::TTProblem& p) {
     using T = typename decltype(t)::type;
-    err = tf_ttemb::gpu::LaunchRowsGradCompute<T>(
+    return g::LaunchRowsGradCompute<T>(
         p, ids, max_ids, num_ids, reinterpret_cast<const T* const*>(cores),
         static_cast<const T*>(grad), indices, reinterpret_cast<T* const*>(values),
         reinterpret_cast<T* const*>(dense), scratch, scratch_bytes,
-        static_cast<const TTReport*>(prepared), work, work_bytes,
+        static_cast<const tf_ttemb::TTReport*>(prepared), work, work_bytes,
         static_cast<cudaStream_t>(stream));
   });
-  return static_cast<int>(err);
 }
 
 }  // extern "C"
