@@ -47,6 +47,26 @@ struct AccumulatorOf<double> {
 template <typename T>
 using AccT = typename AccumulatorOf<T>::type;
 
+// The gradient w.r.t. the weight w of one entry e of a bag b of scale `scale`
+// (1 for sum, 1 / sum_j w_j for mean, 1 / sqrt(sum_j w_j^2) for sqrtn), with
+// dot = <dy_b, e> and dy_dot_out = <dy_b, out_b>:
+//   sum:   dot
+//   mean:  (dot - dy_dot_out) * scale
+//   sqrtn: dot * scale - w * dy_dot_out * scale^2
+// The CPU and GPU backward ops both use it; they leave 0 for padding entries
+// and for bags of scale 0.
+template <typename A>
+inline TTEMB_HOST_DEVICE A WeightGradFromDot(Combiner combiner, A dot, A dy_dot_out, A scale, A w) {
+  switch (combiner) {
+    case Combiner::kMean:
+      return (dot - dy_dot_out) * scale;
+    case Combiner::kSqrtn:
+      return dot * scale - w * dy_dot_out * scale * scale;
+    default:
+      return dot;
+  }
+}
+
 // What a GPU bag op found wrong in its ids and row_splits, written on the device by the
 // launchers (cuda/) and turned into the CPU kernel's InvalidArgument on the host (cc/),
 // either by the op itself or, for the forward, by TfTtemb>CheckBagReport, which reads it
@@ -149,6 +169,7 @@ using ::tf_ttemb::kTTReportWords;
 using ::tf_ttemb::MixId;
 using ::tf_ttemb::RowOptimizer;
 using ::tf_ttemb::TTReport;
+using ::tf_ttemb::WeightGradFromDot;
 }  // namespace tf_ttemb
 }  // namespace tensorflow
 

@@ -58,18 +58,6 @@ __global__ void BagScalesKernel(const Tindex* __restrict__ ids,      // [nnz] or
   }
 }
 
-template <typename A>
-__device__ __forceinline__ A WeightGradFromDot(Combiner combiner, A dot, A dyout, A scale, A w) {
-  switch (combiner) {
-    case Combiner::kMean:
-      return (dot - dyout) * scale;
-    case Combiner::kSqrtn:
-      return dot * scale - w * dyout * scale * scale;
-    default:
-      return dot;
-  }
-}
-
 // Vectors per lane in the params-gradient reduction of wide rows (one column
 // chunk = 32 * NV vectors): 2 for every type since run 4 (with kRunVectors =
 // 8, 4 entries per step in ReduceRunsKernel; 1 KB of dy per entry and chunk

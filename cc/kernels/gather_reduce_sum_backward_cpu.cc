@@ -85,10 +85,10 @@ Status PrepareParamsGrad(const BagAttrs& attrs, const ParamsGradArgs& a, thread:
   const int64_t nnz = call->shapes.nnz;
   const bool is_max = attrs.combiner == Combiner::kMax;
   call->splits = a.row_splits->flat<int64_t>().data();
-  TF_RETURN_IF_ERROR(ValidateRowSplits(call->splits, num_bags, nnz));
   call->ids = a.indices->flat<Tindex>().data();
   call->pool = pool;
-  TF_RETURN_IF_ERROR(ValidateIndices(call->pool, call->ids, nnz, call->num_rows, attrs));
+  TF_RETURN_IF_ERROR(
+      ValidateBags(pool, call->splits, call->ids, num_bags, nnz, call->num_rows, attrs));
   call->grad = a.grad->flat<T>().data();
   call->weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
   call->argmax = is_max ? a.argmax->flat<int32>().data() : nullptr;
@@ -164,10 +164,10 @@ struct WeightsGradLaunch<CpuDevice, T, Tindex> {
     const BagShapes& shapes = a.shapes;
     const int64_t dim = a.dim;
     const int64_t* splits = a.row_splits->flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(ValidateRowSplits(splits, shapes.num_bags, shapes.nnz));
     const Tindex* ids = a.indices->flat<Tindex>().data();
     thread::ThreadPool* pool = step.pool;
-    TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, shapes.nnz, a.num_rows, attrs));
+    TF_RETURN_IF_ERROR(
+        ValidateBags(pool, splits, ids, shapes.num_bags, shapes.nnz, a.num_rows, attrs));
 
     CollapseToHugePages(*a.params);
     const T* dy_data = a.grad->flat<T>().data();
@@ -193,7 +193,7 @@ struct WeightsGradLaunch<CpuDevice, T, Tindex> {
           const T* row = params_data + static_cast<int64_t>(ids[j]) * dim;
           const Acc dot = Dot<Acc>(dy, row, dim);
           dw[j] = static_cast<T>(
-              WeightGrad(attrs.combiner, dot, dy_dot_out, scale, static_cast<Acc>(w[j])));
+              WeightGradFromDot(attrs.combiner, dot, dy_dot_out, scale, static_cast<Acc>(w[j])));
         }
       }
     });
@@ -221,10 +221,10 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
     call.dim = a.dim;
     const int64_t dim = call.dim;
     call.splits = a.row_splits->flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(ValidateRowSplits(call.splits, num_bags, nnz));
     call.ids = a.indices->flat<Tindex>().data();
     call.pool = step.pool;
-    TF_RETURN_IF_ERROR(ValidateIndices(call.pool, call.ids, nnz, call.num_rows, attrs));
+    TF_RETURN_IF_ERROR(
+        ValidateBags(call.pool, call.splits, call.ids, num_bags, nnz, call.num_rows, attrs));
     call.grad = a.grad->flat<T>().data();
     call.weights = a.weights->flat<T>().data();
     SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows, attrs,
@@ -233,17 +233,10 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
     const SortedEntries& s = call.sorted;
     const int64_t num_unique = s.num_unique();
 
-    // <dy_b, out_b> per bag, for mean and sqrtn.
-    std::vector<Acc> dy_dot_out(num_bags, Acc(0));
+    std::vector<Acc> dy_dot_out;
     const T* dy_data = call.grad;
-    const T* out_data = a.output->flat<T>().data();
-    if (attrs.combiner != Combiner::kSum) {
-      ForBalancedBlocks(call.pool, call.splits, num_bags, dim, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          dy_dot_out[b] = Dot<Acc>(dy_data + b * dim, out_data + b * dim, dim);
-        }
-      });
-    }
+    BagDyDotOut(call.pool, attrs.combiner, call.splits, num_bags, dim, dy_data,
+                a.output->flat<T>().data(), &dy_dot_out);
 
     Tensor* params_grad = a.params_grad;
     if (!a.dense) {
@@ -264,24 +257,12 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
     const T* params_data = a.params->flat<T>().data();
     std::vector<Acc>& w_sorted = *ThreadScratch::Get().weights(static_cast<Acc*>(nullptr));
     SortedCoefficients(call.pool, s, call.weights, call.scales.data(), &call.coef, &w_sorted);
-    const Acc* coef = call.coef.data();
-    const Acc* ws = w_sorted.data();
-    const Acc* scales = call.scales.data();
-    const Acc* dots = dy_dot_out.data();
-    const int64_t* positions = s.positions.data();
-    const int64_t* bags = s.bags.data();
     const int64_t* seg_starts = s.seg_starts.data();
     const uint64_t* keys = s.keys.data();
-    const Combiner combiner = attrs.combiner;
-    const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
     const bool dense = a.dense;
     // Each segment's table row is prefetched `rows_ahead` segments ahead (the
-    // rows are read in id order, scattered over the table; about 4 KiB in
-    // flight, 4 to 16 rows), and the upstream gradient rows kPrefetchDistance
-    // entries ahead.
-    const int64_t rows_ahead = std::max<int64_t>(
-        4,
-        std::min<int64_t>(16, 4096 / std::max<int64_t>(1, dim * static_cast<int64_t>(sizeof(T)))));
+    // rows are read in id order, scattered over the table).
+    const int64_t rows_ahead = RowsInFlight(dim * static_cast<int64_t>(sizeof(T)));
     ForBalancedBlocks(call.pool, seg_starts, num_unique, dim, [&](int64_t begin, int64_t end) {
       std::vector<Acc> acc(dim);
       for (int64_t u = begin; u < end; ++u) {
@@ -290,22 +271,10 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
                       dim);
         }
         const int64_t id = static_cast<int64_t>(keys[seg_starts[u]]);
-        const T* row = params_data + id * dim;
-        std::fill(acc.begin(), acc.end(), Acc(0));
-        for (int64_t k = seg_starts[u]; k < seg_starts[u + 1]; ++k) {
-          const int64_t b = bags[k];
-          if (k + kPrefetchDistance < num_sorted) {
-            PrefetchRow(dy_data + bags[k + kPrefetchDistance] * dim, dim);
-          }
-          const T* dy = dy_data + b * dim;
-          const Acc scale = scales[b];
-          Axpy(acc.data(), coef[k], dy, dim);
-          if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
-          const Acc dot = Dot<Acc>(dy, row, dim);
-          dw[positions[k]] = static_cast<T>(WeightGrad(combiner, dot, dots[b], scale, ws[k]));
-        }
-        T* out_row = values + (dense ? id : u) * dim;
-        StoreRow(out_row, acc.data(), dim);
+        ReduceWeightedSegment(s, u, dy_data, params_data + id * dim, call.coef.data(),
+                              w_sorted.data(), call.scales.data(), dy_dot_out.data(),
+                              attrs.combiner, dim, acc.data(), dw);
+        StoreRow(values + (dense ? id : u) * dim, acc.data(), dim);
       }
     });
     return OkStatus();
@@ -314,21 +283,15 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
 
 namespace {
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                                          \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumGrad", T, Tindex,                  \
-                                   GatherReduceSumGradOp<CpuDevice, T, Tindex, false>)        \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumDenseGrad", T, Tindex,             \
-                                   GatherReduceSumGradOp<CpuDevice, T, Tindex, true>)         \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumWeightsGrad", T, Tindex,           \
-                                   GatherReduceSumWeightsGradOp<CpuDevice, T, Tindex, false>) \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumWeightsGrad", T, Tindex,   \
-                                   GatherReduceSumWeightsGradOp<CpuDevice, T, Tindex, true>)  \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumFusedGrad", T, Tindex,             \
-                                   GatherReduceSumFusedGradOp<CpuDevice, T, Tindex, false>)   \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSumFusedGrad", T, Tindex,     \
-                                   GatherReduceSumFusedGradOp<CpuDevice, T, Tindex, true>)
-TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
-#undef TF_TTEMB_REGISTER
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSumGrad", GatherReduceSumGradOp, false)
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSumDenseGrad", GatherReduceSumGradOp, true)
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSumWeightsGrad", GatherReduceSumWeightsGradOp,
+                             false)
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad",
+                             GatherReduceSumWeightsGradOp, true)
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSumFusedGrad", GatherReduceSumFusedGradOp, false)
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>ResourceGatherReduceSumFusedGrad", GatherReduceSumFusedGradOp,
+                             true)
 
 }  // namespace
 }  // namespace tf_ttemb

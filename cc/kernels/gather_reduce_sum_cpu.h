@@ -127,6 +127,16 @@ Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz,
   return OkStatus();
 }
 
+// The one check of a CPU launch's bags: row_splits well formed for num_bags
+// bags over nnz entries (ValidateRowSplits), then every id in [0, num_rows) or
+// the padding id (ValidateIndices).
+template <typename Tindex>
+Status ValidateBags(thread::ThreadPool* pool, const int64_t* splits, const Tindex* ids,
+                    int64_t num_bags, int64_t nnz, int64_t num_rows, const BagAttrs& attrs) {
+  TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, nnz));
+  return ValidateIndices(pool, ids, nnz, num_rows, attrs);
+}
+
 template <typename Acc>
 inline void Axpy(Acc* __restrict acc, Acc w, const float* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += w * row[d];
@@ -176,6 +186,12 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
   for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
     PrefetchLine(reinterpret_cast<const void*>(line));
   }
+}
+
+// How many rows of `bytes` bytes a random-row loop keeps prefetched ahead:
+// about 4 KiB in flight, 4 to 16 rows.
+inline int64_t RowsInFlight(int64_t bytes) {
+  return std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, bytes)));
 }
 
 // Prefetches a row that will be read soon, so the random-access gather runs at
@@ -419,24 +435,6 @@ inline Acc BagScale(Combiner combiner, Acc weight_sum, Acc weight_sq_sum) {
       return weight_sq_sum != Acc(0) ? Acc(1) / std::sqrt(weight_sq_sum) : Acc(0);
     default:
       return Acc(1);
-  }
-}
-
-// The gradient w.r.t. the weight w of one entry e of a bag b whose scale
-// (BagScale) is `scale`: with dot = <dy_b, e> and dy_dot_out = <dy_b, out_b>,
-//   sum:   dot
-//   mean:  (dot - dy_dot_out) * scale
-//   sqrtn: dot * scale - w * dy_dot_out * scale^2
-// Callers leave 0 for padding entries and for bags of scale 0.
-template <typename Acc>
-inline Acc WeightGrad(Combiner combiner, Acc dot, Acc dy_dot_out, Acc scale, Acc w) {
-  switch (combiner) {
-    case Combiner::kMean:
-      return (dot - dy_dot_out) * scale;
-    case Combiner::kSqrtn:
-      return dot * scale - w * dy_dot_out * scale * scale;
-    default:
-      return dot;
   }
 }
 
@@ -844,13 +842,6 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
   }
 }
 
-// Registers `...` (the kernel class with its template arguments) as the CPU kernel
-// of `op` for values T and indices Tindex.
-#define TF_TTEMB_REGISTER_CPU_BAG_KERNEL(op, T, Tindex, ...)                                 \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name(op).Device(DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<Tindex>("Tindices"), \
-      __VA_ARGS__);
-
 // A switch on `left` (a bag's remaining column chunks) whose cases are CASE(1)
 // ... CASE(n) for the n of CASES (TF_TTEMB_CHUNKS_4, _8 or _16), each ending in
 // `break`; other values do nothing.
@@ -864,16 +855,75 @@ inline void ReduceSegment(const SortedEntries& s, int64_t u,
       break;                                      \
   }
 
-// Expands M(T, Tindex) for every value and index type of the family's CPU kernels.
-#define TF_TTEMB_FOR_CPU_BAG_TYPES(M) \
-  M(Eigen::half, int32)               \
-  M(Eigen::half, int64_t)             \
-  M(bfloat16, int32)                  \
-  M(bfloat16, int64_t)                \
-  M(float, int32)                     \
-  M(float, int64_t)                   \
-  M(double, int32)                    \
-  M(double, int64_t)
+// <dy_b, out_b> per bag, for the weights gradient of mean and sqrtn; zeros
+// for sum, which does not read them.
+template <typename T>
+void BagDyDotOut(thread::ThreadPool* pool, Combiner combiner, const int64_t* splits,
+                 int64_t num_bags, int64_t dim,
+                 const T* grad,    // [B, D]
+                 const T* output,  // [B, D]
+                 std::vector<AccT<T>>* dy_dot_out) {
+  using Acc = AccT<T>;
+  dy_dot_out->assign(num_bags, Acc(0));
+  if (combiner == Combiner::kSum) return;
+  Acc* out = dy_dot_out->data();
+  ForBalancedBlocks(pool, splits, num_bags, dim, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) out[b] = Dot<Acc>(grad + b * dim, output + b * dim, dim);
+  });
+}
+
+// Segment u of a weighted backward (the fused gradient and the sparse apply of
+// weighted sum, mean and sqrtn): acc[0, dim) = the sum over the segment's
+// sorted entries k of coef[k] * dy_{bag k}, in ReduceSegment's order, and,
+// with the segment's table row read once, the weights gradient of each entry
+// (WeightGradFromDot) written to dw[its position]; an entry of a bag of scale
+// 0 keeps its 0, as in the forward.
+template <typename T>
+inline void ReduceWeightedSegment(const SortedEntries& s, int64_t u,
+                                  const T* grad,              // [B, D]
+                                  const T* row,               // [D] the segment's table row
+                                  const AccT<T>* coef,        // [M] SortedCoefficients
+                                  const AccT<T>* ws,          // [M] their weights
+                                  const AccT<T>* scales,      // [B] BagScale
+                                  const AccT<T>* dy_dot_out,  // [B] BagDyDotOut
+                                  Combiner combiner, int64_t dim,
+                                  AccT<T>* acc,  // [D]
+                                  T* dw) {       // [nnz]
+  using Acc = AccT<T>;
+  std::fill(acc, acc + dim, Acc(0));
+  const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
+  const int64_t* bags = s.bags.data();
+  for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
+    const int64_t b = bags[k];
+    if (k + kPrefetchDistance < num_sorted) {
+      PrefetchRow(grad + bags[k + kPrefetchDistance] * dim, dim);
+    }
+    const T* dy = grad + b * dim;
+    const Acc scale = scales[b];
+    Axpy(acc, coef[k], dy, dim);
+    if (scale == Acc(0)) continue;
+    const Acc dot = Dot<Acc>(dy, row, dim);
+    dw[s.positions[k]] =
+        static_cast<T>(WeightGradFromDot(combiner, dot, dy_dot_out[b], scale, ws[k]));
+  }
+}
+
+// Registers Kernel<CpuDevice, T, Tindex, extra...> as the CPU kernel of `op`
+// for every value type T and index type Tindex of the family's CPU kernels:
+//   TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSum", GatherReduceSumOp, false)
+#define TF_TTEMB_REGISTER_CPU_BAG_OP(op, Kernel, ...)                         \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, Eigen::half, int32, Kernel, ##__VA_ARGS__)   \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, Eigen::half, int64_t, Kernel, ##__VA_ARGS__) \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, bfloat16, int32, Kernel, ##__VA_ARGS__)      \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, bfloat16, int64_t, Kernel, ##__VA_ARGS__)    \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, float, int32, Kernel, ##__VA_ARGS__)         \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, float, int64_t, Kernel, ##__VA_ARGS__)       \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, double, int32, Kernel, ##__VA_ARGS__)        \
+  TF_TTEMB_CPU_BAG_KERNEL_OF(op, double, int64_t, Kernel, ##__VA_ARGS__)
+#define TF_TTEMB_CPU_BAG_KERNEL_OF(op, T, Tindex, Kernel, ...)                               \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name(op).Device(DEVICE_CPU).TypeConstraint<T>("T").TypeConstraint<Tindex>("Tindices"), \
+      Kernel<CpuDevice, T, Tindex, ##__VA_ARGS__>);
 
 }  // namespace tf_ttemb
 }  // namespace tensorflow

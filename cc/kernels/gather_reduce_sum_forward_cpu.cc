@@ -49,13 +49,6 @@ namespace {
 
 #ifdef TF_TTEMB_CPU_AVX2
 
-// How many entries ahead the forward prefetches rows of `bytes` bytes: about
-// 4 KiB of rows in flight, 16 entries ahead for rows of up to 256 bytes, at
-// least 4 for long rows.
-inline int64_t PrefetchDistance(int64_t bytes) {
-  return std::max<int64_t>(4, std::min<int64_t>(16, 4096 / std::max<int64_t>(1, bytes)));
-}
-
 // Prefetches the first `bytes` bytes of the row of entry `ahead` (every cache
 // line they touch), unless `bytes` is 0, ahead >= prefetch_end or the entry is
 // padding.
@@ -184,7 +177,7 @@ inline void BagChunkSum(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = VA::Zero();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = PrefetchDistance(prefetch_bytes);
+  const int64_t distance = RowsInFlight(prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
     PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
@@ -278,7 +271,7 @@ inline void BagChunkMax(const T* params,    // [N, D]
   }
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = PrefetchDistance(prefetch_bytes);
+  const int64_t distance = RowsInFlight(prefetch_bytes);
   auto load = [&](const T* row, int v) {
     return (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
                                      : VA::Load(row + v * kLanes);
@@ -416,7 +409,7 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = PrefetchDistance(prefetch_bytes);
+  const int64_t distance = RowsInFlight(prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
     PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
@@ -505,7 +498,7 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
   }
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = PrefetchDistance(prefetch_bytes);
+  const int64_t distance = RowsInFlight(prefetch_bytes);
   int64_t j = begin;
   for (; j < end; ++j) {  // up to the first non-padding entry
     PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
@@ -740,10 +733,9 @@ struct ForwardLaunch<CpuDevice, T, Tindex> {
   static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ForwardArgs& a) {
     const int64_t num_bags = a.shapes.num_bags;
     const int64_t* splits = a.row_splits->flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, a.shapes.nnz));
     const Tindex* ids = a.indices->flat<Tindex>().data();
     thread::ThreadPool* pool = CpuPool(ctx);
-    TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, a.shapes.nnz, a.num_rows, attrs));
+    TF_RETURN_IF_ERROR(ValidateBags(pool, splits, ids, num_bags, a.shapes.nnz, a.num_rows, attrs));
     const bool is_max = attrs.combiner == Combiner::kMax;
     if (is_max) {  // argmax holds int32 positions inside a bag
       for (int64_t b = 0; b < num_bags; ++b) {
@@ -774,13 +766,8 @@ namespace {
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckBagReport").Device(DEVICE_CPU),
                         CheckReportCpuOp<BagReportTraits>);
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                               \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSum", T, Tindex,           \
-                                   GatherReduceSumOp<CpuDevice, T, Tindex, false>) \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>ResourceGatherReduceSum", T, Tindex,   \
-                                   GatherReduceSumOp<CpuDevice, T, Tindex, true>)
-TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
-#undef TF_TTEMB_REGISTER
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSum", GatherReduceSumOp, false)
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>ResourceGatherReduceSum", GatherReduceSumOp, true)
 
 }  // namespace
 }  // namespace tf_ttemb

@@ -84,10 +84,9 @@ struct SparseApplyLaunch<CpuDevice, T, Tindex> {
     const int64_t dim = a.dim;
     const bool is_max = attrs.combiner == Combiner::kMax;
     const int64_t* splits = a.row_splits->flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, nnz));
     const Tindex* ids = a.indices->flat<Tindex>().data();
     thread::ThreadPool* pool = step.pool;
-    TF_RETURN_IF_ERROR(ValidateIndices(pool, ids, nnz, num_rows, attrs));
+    TF_RETURN_IF_ERROR(ValidateBags(pool, splits, ids, num_bags, nnz, num_rows, attrs));
 
     T* dw = a.weights_grad->flat<T>().data();
     if (attrs.has_weights) std::fill(dw, dw + nnz, T(0));
@@ -105,58 +104,39 @@ struct SparseApplyLaunch<CpuDevice, T, Tindex> {
     SortedEntries s;
     SortEntries(pool, ids, splits, num_bags, nnz, num_rows, attrs, &s);
     const T* w = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
-    std::vector<Acc> scales;
+    const T* dy_data = a.grad->flat<T>().data();
+    // The terms of the backward: as the fused gradient's (weighted lookups)
+    // and the params gradient's (the others).
+    std::vector<Acc> scales, coef, w_sorted, dy_dot_out;
     if (!is_max) {
       ComputeBagScales(pool, ids, w, splits, num_bags, attrs, &scales);
+      SortedCoefficients(pool, s, w, scales.data(), &coef, w != nullptr ? &w_sorted : nullptr);
     }
-    const T* dy_data = a.grad->flat<T>().data();
-    // <dy_b, out_b> per bag, for the weights gradient of mean and sqrtn.
-    std::vector<Acc> dy_dot_out;
-    if (attrs.has_weights && attrs.combiner != Combiner::kSum) {
-      dy_dot_out.assign(num_bags, Acc(0));
-      const T* out_data = a.output->flat<T>().data();
-      ForBalancedBlocks(pool, splits, num_bags, dim, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          dy_dot_out[b] = Dot<Acc>(dy_data + b * dim, out_data + b * dim, dim);
-        }
-      });
+    if (w != nullptr) {
+      BagDyDotOut(pool, attrs.combiner, splits, num_bags, dim, dy_data, a.output->flat<T>().data(),
+                  &dy_dot_out);
     }
     const int32* argmax_data = is_max ? a.argmax->flat<int32>().data() : nullptr;
     const int64_t num_unique = s.num_unique();
-    const int64_t num_sorted = static_cast<int64_t>(s.bags.size());
     const RowOptimizer optimizer = sparse_attrs.optimizer;
     const Acc lr = static_cast<Acc>(a.lr);
     const Acc eps = static_cast<Acc>(a.eps);
+    const int64_t rows_ahead = RowsInFlight(dim * static_cast<int64_t>(sizeof(T)));
     ForBalancedBlocks(pool, s.seg_starts.data(), num_unique, dim, [&](int64_t begin, int64_t end) {
       std::vector<Acc> g(dim);  // the row's gradient: this thread's scratch
       for (int64_t u = begin; u < end; ++u) {
+        if (u + rows_ahead < end) {
+          PrefetchRow(table + static_cast<int64_t>(s.keys[s.seg_starts[u + rows_ahead]]) * dim,
+                      dim);
+        }
         const int64_t id = static_cast<int64_t>(s.keys[s.seg_starts[u]]);
         T* row = table + id * dim;
-        std::fill(g.begin(), g.end(), Acc(0));
-        for (int64_t k = s.seg_starts[u]; k < s.seg_starts[u + 1]; ++k) {
-          const int64_t j = s.positions[k];
-          const int64_t b = s.bags[k];
-          if (k + kPrefetchDistance < num_sorted) {
-            PrefetchRow(dy_data + s.bags[k + kPrefetchDistance] * dim, dim);
-          }
-          const T* dy = dy_data + b * dim;
-          if (argmax_data != nullptr) {
-            const int32* pos = argmax_data + b * dim;
-            const int32 p = static_cast<int32>(j - splits[b]);
-            for (int64_t d = 0; d < dim; ++d) {
-              g[d] += pos[d] == p ? static_cast<Acc>(dy[d]) : Acc(0);
-            }
-            continue;
-          }
-          const Acc scale = scales[b];
-          const Acc wj = w != nullptr ? static_cast<Acc>(w[j]) : Acc(1);
-          Axpy(g.data(), scale * wj, dy, dim);
-          if (w == nullptr) continue;
-          if (scale == Acc(0)) continue;  // dw stays 0, as in the forward
-          const Acc dot = Dot<Acc>(dy, row, dim);
-          // dy_dot_out is empty for sum, which does not read it.
-          const Acc dot_out = attrs.combiner == Combiner::kSum ? Acc(0) : dy_dot_out[b];
-          dw[j] = static_cast<T>(WeightGrad(attrs.combiner, dot, dot_out, scale, wj));
+        if (w != nullptr) {  // the weights gradient reads the row before its update
+          ReduceWeightedSegment(s, u, dy_data, row, coef.data(), w_sorted.data(), scales.data(),
+                                dy_dot_out.data(), attrs.combiner, dim, g.data(), dw);
+        } else {
+          ReduceSegment(s, u, dy_data, is_max ? nullptr : coef.data(), argmax_data, splits, dim,
+                        g.data());
         }
         ApplyRow(optimizer, lr, eps, g.data(), dim, row,
                  state == nullptr                             ? nullptr
@@ -170,11 +150,7 @@ struct SparseApplyLaunch<CpuDevice, T, Tindex> {
 
 namespace {
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                                \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GatherReduceSumSparseApply", T, Tindex, \
-                                   GatherReduceSumSparseApplyOp<CpuDevice, T, Tindex>)
-TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
-#undef TF_TTEMB_REGISTER
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GatherReduceSumSparseApply", GatherReduceSumSparseApplyOp)
 
 }  // namespace
 }  // namespace tf_ttemb

@@ -171,11 +171,7 @@ namespace {
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>CheckGroupReport").Device(DEVICE_CPU),
                         CheckReportCpuOp<GroupReportTraits>);
 
-#define TF_TTEMB_REGISTER(T, Tindex)                               \
-  TF_TTEMB_REGISTER_CPU_BAG_KERNEL("TfTtemb>GroupBags", T, Tindex, \
-                                   GroupBagsOp<CpuDevice, T, Tindex>)
-TF_TTEMB_FOR_CPU_BAG_TYPES(TF_TTEMB_REGISTER)
-#undef TF_TTEMB_REGISTER
+TF_TTEMB_REGISTER_CPU_BAG_OP("TfTtemb>GroupBags", GroupBagsOp)
 
 }  // namespace
 }  // namespace tf_ttemb

@@ -14,7 +14,7 @@ fix=0
 [ "${1:-}" = "--fix" ] && fix=1
 python_dirs=(tf_ttemb tests python)
 mapfile -t cpp_files < <(git ls-files 'cc/*.cc' 'cc/*.h' 'cuda/*.cu' 'cuda/*.cuh' 'cuda/*.h' \
-  'python/gpu_harness/*.cu' 'python/gpu_harness/*.h' 2>/dev/null)
+  'python/gpu_harness/*.cu' 'python/gpu_harness/*.cuh' 'python/gpu_harness/*.h' 2>/dev/null)
 for tool in ruff clang-format; do
   if [ ! -x "$bin/$tool" ]; then
     echo "check_style: $bin/$tool not found; bash configure.sh installs the pinned tools" >&2
