@@ -76,12 +76,15 @@ FIRST_STEP_TOLERANCE = 1e-4  # relative, float32 Adam steps computed two ways
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    num_rows: int = 10_000_000
-    dim: int = 64
-    bags: int = 8_192
-    bag_size: int = 20
-    batches: int = 4
-    seed: int = 0
+    """The table and the batches of one run; its sizes come from the command line (see
+    `parse_args` for the defaults, the issue's case)."""
+
+    num_rows: int
+    dim: int
+    bags: int
+    bag_size: int
+    batches: int
+    seed: int
 
     def describe(self) -> str:
         table_gb = self.num_rows * self.dim * 4 / 1e9
