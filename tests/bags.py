@@ -236,6 +236,16 @@ def make_upstream(rng, bags: Bags, dim, dtype):
     return t, g64.reshape(bags.num_bags, dim)
 
 
+def make_inputs(rng, bags: Bags, num_rows, dim, dtype, combiner, weighted):
+    """The other inputs of one op call on `bags`, each a (tf tensor, float64 values) pair,
+    drawn from `rng` in this order: params [num_rows, dim] (with distinct columns for
+    max, see make_params), positive weights when `weighted` (else (None, None)) and an
+    upstream gradient."""
+    params = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
+    weights = make_weights(rng, bags, dtype) if weighted else (None, None)
+    return params, weights, make_upstream(rng, bags, dim, dtype)
+
+
 def dense_value(x) -> np.ndarray:
     """float64 numpy value of a tensor or IndexedSlices (duplicates summed)."""
     if isinstance(x, tf.IndexedSlices):

@@ -26,6 +26,7 @@ from bags import (
     dense_bags,
     dense_value,
     make_bags,
+    make_inputs,
     make_params,
     make_upstream,
     make_weights,
@@ -72,9 +73,9 @@ def check_case(
     rng, bags, dtype, combiner, weighted, padding_id, num_rows, dim, mode="eager", **kwargs
 ):
     """Runs the op on `bags`; compares forward, params grad and weights grad with the reference."""
-    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
-    w, w64 = make_weights(rng, bags, dtype) if weighted else (None, None)
-    up, up64 = make_upstream(rng, bags, dim, dtype)
+    (params, params64), (w, w64), (up, up64) = make_inputs(
+        rng, bags, num_rows, dim, dtype, combiner, weighted
+    )
     out, dp, dw = run_op(
         params, bags, w, up, mode, combiner=combiner, padding_id=padding_id, **kwargs
     )
@@ -326,9 +327,9 @@ def test_params_grad_is_deduplicated_sorted_indexed_slices(
 ):
     num_rows, dim = 9, 4
     bags = make_bags(rng, form, num_rows, ID_DTYPES[ids_dtype], padding_id, max_len=8)
-    params, params64 = make_params(rng, num_rows, dim, tf.float32, distinct=combiner == "max")
-    w, w64 = make_weights(rng, bags, tf.float32) if weighted else (None, None)
-    up, up64 = make_upstream(rng, bags, dim, tf.float32)
+    (params, params64), (w, w64), (up, up64) = make_inputs(
+        rng, bags, num_rows, dim, tf.float32, combiner, weighted
+    )
     _, dp, _ = run_op(
         params,
         bags,
@@ -453,9 +454,9 @@ def _both_implementations(rng, form, ids_dtype, dtype, combiner, weighted, modes
     padding -1, D = 5); compares each with the reference and with the first."""
     padding_id, num_rows, dim = -1, 11, 5
     bags = make_bags(rng, form, num_rows, ids_dtype, padding_id=padding_id)
-    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
-    w, w64 = make_weights(rng, bags, dtype) if weighted else (None, None)
-    up, up64 = make_upstream(rng, bags, dim, dtype)
+    (params, params64), (w, w64), (up, up64) = make_inputs(
+        rng, bags, num_rows, dim, dtype, combiner, weighted
+    )
     (ref_out, s_out), (ref_dp, s_dp), ref_dw = reference_all(
         params64, bags, w64, up64, combiner, padding_id
     )

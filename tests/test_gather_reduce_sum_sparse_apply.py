@@ -22,9 +22,8 @@ from bags import (
     assert_close,
     combiner_id,
     make_bags,
+    make_inputs,
     make_params,
-    make_upstream,
-    make_weights,
     quantize,
     ragged_bags,
     weights_like,
@@ -101,12 +100,10 @@ def run_step(variable, bags, weights, upstream, use_function=False, **update):
 def check_against_reference(
     rng, bags, num_rows, dim, dtype, optimizer, combiner, weighted, padding_id, use_function=False
 ):
-    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
+    (params, params64), (weights, weights64), (upstream, upstream64) = make_inputs(
+        rng, bags, num_rows, dim, dtype, combiner, weighted
+    )
     variable = tf.Variable(params)
-    weights = weights64 = None
-    if weighted:
-        weights, weights64 = make_weights(rng, bags, dtype)
-    upstream, upstream64 = make_upstream(rng, bags, dim, dtype)
     accumulator, acc64 = make_accumulator(rng, optimizer, num_rows, dim, dtype)
     lr = float(rng.uniform(0.05, 0.5))
     eps = float(rng.uniform(1e-3, 1e-1))
@@ -231,14 +228,15 @@ def test_deterministic_across_runs(rng):
     num_rows, dim = 300, 33
     lengths = rng.integers(0, 60, size=90)
     bags = ragged_bags(rng, lengths, num_rows, tf.int64)
-    params, _ = make_params(rng, num_rows, dim, tf.float32)
-    weights, _ = make_weights(rng, bags, tf.float32)
-    upstream, _ = make_upstream(rng, bags, dim, tf.float32)
+    combiner = "sqrtn"
+    (params, _), (weights, _), (upstream, _) = make_inputs(
+        rng, bags, num_rows, dim, tf.float32, combiner, weighted=True
+    )
     results = []
     for _ in range(3):
         variable = tf.Variable(params)
         accumulator = tf.Variable(tf.fill([num_rows, dim], 0.5))
-        update = dict(optimizer="adagrad", learning_rate=0.1, epsilon=1e-3, combiner="sqrtn")
+        update = dict(optimizer="adagrad", learning_rate=0.1, epsilon=1e-3, combiner=combiner)
         _, dw, _ = run_step(variable, bags, weights, upstream, accumulator=accumulator, **update)
         results.append((variable.numpy(), accumulator.numpy(), dw.numpy()))
     for other in results[1:]:

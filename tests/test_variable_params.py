@@ -19,9 +19,7 @@ from bags import (
     assert_close,
     dense_value,
     make_bags,
-    make_params,
-    make_upstream,
-    make_weights,
+    make_inputs,
     quantize,
     weights_like,
 )
@@ -65,12 +63,10 @@ def _run(variable, bags, values, upstream, combiner, dense_grad, padding_id, use
 def test_variable_matches_reference(rng, dtype, combiner, dense_grad, use_function):
     num_rows, dim, padding_id = 23, 5, 4
     bags = make_bags(rng, "ragged", num_rows, tf.int64, padding_id=padding_id)
-    params, params64 = make_params(rng, num_rows, dim, dtype, distinct=combiner == "max")
+    (params, params64), (weights, weights64), (upstream, upstream64) = make_inputs(
+        rng, bags, num_rows, dim, dtype, combiner, weighted=combiner != "max"
+    )
     variable = tf.Variable(params)
-    weights, weights64 = (None, None)
-    if combiner != "max":
-        weights, weights64 = make_weights(rng, bags, dtype)
-    upstream, upstream64 = make_upstream(rng, bags, dim, dtype)
 
     out, grads = _run(
         variable, bags, weights, upstream, combiner, dense_grad, padding_id, use_function
@@ -191,9 +187,9 @@ def test_fused_and_two_op_backward_agree(rng, monkeypatch, combiner, dense_grad,
 
     num_rows, dim = 31, 6
     bags = make_bags(rng, "ragged", num_rows, tf.int32, padding_id=2)
-    params, _ = make_params(rng, num_rows, dim, tf.float32)
-    values, _ = make_weights(rng, bags, tf.float32)
-    upstream, _ = make_upstream(rng, bags, dim, tf.float32)
+    (params, _), (values, _), (upstream, _) = make_inputs(
+        rng, bags, num_rows, dim, tf.float32, combiner, weighted=True
+    )
 
     def gradients():
         table = tf.Variable(params) if use_variable else params
