@@ -121,6 +121,23 @@ def run_fresh_python(
     return result.stdout.strip().splitlines()[-1]
 
 
+def run_cli(*args: str, cwd=None, pythonpath: str = "") -> subprocess.CompletedProcess:
+    """`python -m tf_ttemb ARGS` in a fresh interpreter, in the checkout (or `cwd`), that
+    imports this checkout's tf_ttemb (after what `pythonpath` holds); its output captured,
+    whatever its exit status, within 10 minutes."""
+    path = os.pathsep.join(p for p in (pythonpath, str(REPO_ROOT)) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
+    return subprocess.run(
+        [sys.executable, "-m", "tf_ttemb", *args],
+        cwd=cwd or REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
 SERVE_EXPORT = """
     import json, sys
     import numpy as np

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from processes import run_cli
 
 import tf_ttemb
 from tf_ttemb import _bench_cases, _bench_torch, bench
@@ -29,17 +30,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def _run(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
-    path = os.pathsep.join(p for p in (pythonpath, str(CHECKOUT)) if p)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
-    return subprocess.run(
-        [sys.executable, "-m", "tf_ttemb", "bench", *args],
-        cwd=CHECKOUT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
+    return run_cli("bench", *args, pythonpath=pythonpath)
 
 
 def _parse(*argv: str):

@@ -8,32 +8,17 @@ tests/test_bench.py.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
+from processes import run_cli
 
 import tf_ttemb
 
 CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
 BUILD_INFO = json.loads((pathlib.Path(tf_ttemb.__file__).parent / "_build_info.json").read_text())
-
-
-def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(CHECKOUT))
-    return subprocess.run(
-        [sys.executable, "-m", "tf_ttemb", *args],
-        cwd=cwd or CHECKOUT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
 
 
 def _registered_op_names() -> list:
@@ -48,7 +33,7 @@ def _registered_op_names() -> list:
 
 
 def test_top_level_help_lists_commands():
-    proc = _run("--help")
+    proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
     for command in ("demo", "bench", "info"):
         assert re.search(rf"^\s+{command}\s+\S", proc.stdout, re.M), proc.stdout
@@ -97,7 +82,7 @@ def test_top_level_help_lists_commands():
     ],
 )
 def test_command_help(command, options):
-    proc = _run(command, "--help")
+    proc = run_cli(command, "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: python -m tf_ttemb {command}")
     for option in options:
@@ -105,14 +90,14 @@ def test_command_help(command, options):
 
 
 def test_bench_rejects_bad_options():
-    proc = _run("bench", "--dtypes", "float32,float8")
+    proc = run_cli("bench", "--dtypes", "float32,float8")
     assert proc.returncode == 2
     message = "unknown choice(s) 'float8'; choose from float16, bfloat16, float32, float64"
     assert message in proc.stderr
-    proc = _run("bench", "--rows", "0")
+    proc = run_cli("bench", "--rows", "0")
     assert proc.returncode == 2
     assert "expected an integer >= 1, got 0" in proc.stderr
-    proc = _run("bench", "--device", "TPU:7")
+    proc = run_cli("bench", "--device", "TPU:7")
     assert proc.returncode == 2
     assert "--device TPU:7 is not one of TensorFlow's devices here: /device:CPU:0" in proc.stderr
 
@@ -123,7 +108,7 @@ def test_bench_rejects_bad_options():
 
 @pytest.fixture(scope="module")
 def info_json():
-    proc = _run("info", "--json", "-")
+    proc = run_cli("info", "--json", "-")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -161,7 +146,7 @@ def test_info_lists_every_op_and_its_kernels(info_json):
 
 def test_info_text_and_json_file(tmp_path):
     path = tmp_path / "info.json"
-    proc = _run("info", "--json", str(path))
+    proc = run_cli("info", "--json", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(rf"^TensorFlow \(running\)\s+{re.escape(tf.__version__)} ", out, re.M), out
