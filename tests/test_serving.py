@@ -210,6 +210,29 @@ def _all_four_model(rng):
     return model, bags, dense
 
 
+def _one_bag_case(
+    name: str,
+    ids,
+    bag: EmbeddingBag,
+    *,
+    dtype: tf.DType = tf.float32,
+    forms: tuple = serving.FORMS,
+) -> Case:
+    """A model of one EmbeddingBag `bag` on the bag input `ids`, its table exported dense;
+    the bad-id calls send it id `input_dim`."""
+    return Case(
+        name,
+        keras.Model(ids, bag(ids)),
+        {ids.name: Bag(bag.input_dim, bag.padding_id)},
+        {},
+        {},
+        {bag.name: "dense"},
+        dtype=dtype,
+        forms=forms,
+        bad=(ids.name, bag.input_dim),
+    )
+
+
 def _cases(rng) -> list:
     cases = []
     model, bags = _embedding_bag_model(rng)
@@ -241,33 +264,20 @@ def _cases(rng) -> list:
         )
     )
 
-    ids = keras.Input(shape=(None,), dtype="int64", sparse=True, name="ids")
-    bag = EmbeddingBag(25, 4, combiner="sum", padding_id=-1, name="bag")
     cases.append(
-        Case(
+        _one_bag_case(
             "sparse_input",
-            keras.Model(ids, bag(ids)),
-            {"ids": Bag(25, -1)},
-            {},
-            {},
-            {"bag": "dense"},
-            bad=("ids", 25),
+            keras.Input(shape=(None,), dtype="int64", sparse=True, name="ids"),
+            EmbeddingBag(25, 4, combiner="sum", padding_id=-1, name="bag"),
         )
     )
-
-    ids = _ragged_input("ids")
-    bag64 = EmbeddingBag(30, 5, combiner="max", padding_id=-1, dtype="float64", name="bag64")
     cases.append(
-        Case(
+        _one_bag_case(
             "embedding_bag_float64",
-            keras.Model(ids, bag64(ids)),
-            {"ids": Bag(30, -1)},
-            {},
-            {},
-            {"bag64": "dense"},
+            _ragged_input("ids"),
+            EmbeddingBag(30, 5, combiner="max", padding_id=-1, dtype="float64", name="bag64"),
             dtype=tf.float64,
             forms=("ragged", "dense"),
-            bad=("ids", 30),
         )
     )
 
