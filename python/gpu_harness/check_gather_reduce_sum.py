@@ -14,41 +14,19 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import check_common as common  # noqa: E402
 import harness as gh  # noqa: E402
-from check_common import (  # noqa: E402
-    COMBINERS,
-    CONFIGS,
-    DEVICE,
-    DTYPES,
-    INDEX_DTYPES,
-    SHORT,
-    SMALL_CONFIGS,
-    bits,
-    case_fields,
-    check_close,
-    close,
-    copy_bandwidth,
-    expect_error,
-    fmt,
-    log,
-    log_worst,
-    make_ids,
-    random_weights,
-    run_cases,
-    run_poisoned,
-    timed,
-)
 
 
 def make_case(config, dtype, itype, combiner, weighted, seed, device=None):
-    device = device or DEVICE
+    device = device or common.DEVICE
     name, n_rows, dim, (lo, hi), bags, dist, pad = config
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (bags,), generator=gen)
     offsets = torch.zeros(bags + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     nnz = int(offsets[-1])
-    ids = make_ids(nnz, n_rows, dist, itype, gen, "cpu")
+    ids = common.make_ids(nnz, n_rows, dist, itype, gen, "cpu")
     if pad is not None and nnz:
         mask = torch.rand(nnz, generator=gen) < 0.15
         ids[mask] = pad
@@ -56,7 +34,7 @@ def make_case(config, dtype, itype, combiner, weighted, seed, device=None):
     if combiner == "max" and n_rows > 4:
         # Ties: some rows repeat others exactly, so the first-entry rule is exercised.
         params[1::4] = params[0::4][: params[1::4].shape[0]]
-    weights = random_weights(nnz, combiner, gen) if weighted else None
+    weights = common.random_weights(nnz, combiner, gen) if weighted else None
     if weighted and name == "zero-den" and nnz >= 4:
         weights[0], weights[1] = 0.5, -0.5  # bag 0: sum of weights is 0
         weights[2], weights[3] = 0.0, 0.0  # bag 1: all weights 0
@@ -157,14 +135,14 @@ def reference(case, out_kernel=None):
 
 def check_case(config, dtype, itype, combiner, weighted, seed):
     case = make_case(config, dtype, itype, combiner, weighted, seed)
-    res = dict(case_fields(config, dtype, itype, combiner, weighted), failures=[], worst={})
+    res = dict(common.case_fields(config, dtype, itype, combiner, weighted), failures=[], worst={})
     fail = res["failures"]
     p, ids, off, w, dy, pad = (
         case[k] for k in ("params", "ids", "offsets", "weights", "grad", "padding_id")
     )
     out, argmax = gh.gather_reduce_sum_with_argmax(p, ids, off, w, combiner, pad)
     ref = reference(case, out_kernel=out)
-    ok, ratio = close(out, ref["out"], ref["out_abs"], dtype)
+    ok, ratio = common.close(out, ref["out"], ref["out_abs"], dtype)
     res["worst"]["forward"] = ratio
     if combiner == "max":
         exact = torch.equal(out.cpu().double(), ref["out"])
@@ -179,7 +157,7 @@ def check_case(config, dtype, itype, combiner, weighted, seed):
         pg, dw = gh.gather_reduce_sum_backward(p, ids, off, w, dy, combiner, pad, dense=dense)
         tag = "dense" if dense else "dedup"
         if dense:
-            ok, ratio = close(pg, ref["dense"], ref["dense_abs"], dtype)
+            ok, ratio = common.close(pg, ref["dense"], ref["dense_abs"], dtype)
         else:
             uid, vals = pg
             if not torch.equal(uid.cpu().long(), ref["unique"]) or uid.dtype != ids.dtype:
@@ -187,12 +165,12 @@ def check_case(config, dtype, itype, combiner, weighted, seed):
                 ok, ratio = False, float("inf")
             else:
                 u = ref["unique"]
-                ok, ratio = close(vals, ref["dense"][u], ref["dense_abs"][u], dtype)
+                ok, ratio = common.close(vals, ref["dense"][u], ref["dense_abs"][u], dtype)
         res["worst"][f"params_grad_{tag}"] = ratio
         if not ok:
             fail.append(f"params grad {tag} ({ratio:.3g})")
         if w is not None:
-            check_close(
+            common.check_close(
                 res,
                 f"weights_grad_fused_{tag}",
                 f"fused weights grad {tag}",
@@ -203,19 +181,19 @@ def check_case(config, dtype, itype, combiner, weighted, seed):
             )
     if w is not None:
         dw = gh.weights_grad(p, ids, off, w, dy, out, combiner, pad)
-        check_close(res, "weights_grad", "weights grad", dw, ref["dw"], ref["dw_abs"], dtype)
+        common.check_close(res, "weights_grad", "weights grad", dw, ref["dw"], ref["dw_abs"], dtype)
     return res
 
 
 def sweep_cases(small):
-    configs = [c for c in CONFIGS if not small or c[0] in SMALL_CONFIGS]
-    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else DTYPES
+    configs = [c for c in common.CONFIGS if not small or c[0] in common.SMALL_CONFIGS]
+    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else common.DTYPES
     cases = []
     for config in configs:
         for dtype in dtypes:
-            for combiner in COMBINERS:
+            for combiner in common.COMBINERS:
                 for weighted in (False, True) if combiner != "max" else (False,):
-                    for itype in INDEX_DTYPES:
+                    for itype in common.INDEX_DTYPES:
                         cases.append((config, dtype, itype, combiner, weighted))
     if small:  # one id dtype per case, alternating
         cases = [c for i, c in enumerate(cases) if (i + i // 2) % 2 == 0]
@@ -223,8 +201,8 @@ def sweep_cases(small):
 
 
 def run_sweep(small, max_cases=None):
-    return run_cases(
-        sweep_cases(small), check_case, 1, lambda c: case_fields(*c), "FAIL", max_cases
+    return common.run_cases(
+        sweep_cases(small), check_case, 1, lambda c: common.case_fields(*c), "FAIL", max_cases
     )
 
 
@@ -246,20 +224,28 @@ def check_determinism(small):
                 )
                 dws = gh.weights_grad(p, ids, off, w, dy, fwd, "sqrtn")
                 runs.append(
-                    [bits(fwd), bits(dense), bits(dw), uid, bits(vals), bits(dw2), bits(dws)]
+                    [
+                        common.bits(fwd),
+                        common.bits(dense),
+                        common.bits(dw),
+                        uid,
+                        common.bits(vals),
+                        common.bits(dw2),
+                        common.bits(dws),
+                    ]
                 )
             same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
             hot = int(torch.bincount(ids.long()).max())
             out.append(
                 {
-                    "dtype": SHORT[dtype],
+                    "dtype": common.SHORT[dtype],
                     "shape": [n_rows, dim, bags, length],
                     "hottest_row_entries": hot,
                     "bitwise_identical": same,
                 }
             )
-            log(
-                f"determinism {SHORT[dtype]} N={n_rows} D={dim} B={bags}x{length} "
+            common.log(
+                f"determinism {common.SHORT[dtype]} N={n_rows} D={dim} B={bags}x{length} "
                 f"hottest row {hot} entries: {'identical' if same else 'DIFFERENT'}"
             )
     return out
@@ -273,7 +259,7 @@ def check_errors():
     off = torch.tensor([0, 4, 10], device=dev)
     w = torch.rand(10, device=dev)
     dy = torch.randn(2, 8, device=dev)
-    for itype in INDEX_DTYPES:
+    for itype in common.INDEX_DTYPES:
         big = 2**40 if itype == torch.int64 else 2**30
         ids = torch.tensor([1, 2, 3, 4, 5, 10, 6, -3, 7, big], dtype=itype, device=dev)
         ids_pad = torch.tensor([1, -1, 3, -3, 5, 9, 6, 10, 7, 1], dtype=itype, device=dev)
@@ -350,10 +336,14 @@ def check_errors():
             ),
         ]
         for name, fn, msg in cases:
-            ok, got = expect_error(fn, msg)
-            results.append({"itype": SHORT[itype], "case": name, "ok": ok, "got": got, "want": msg})
+            ok, got = common.expect_error(fn, msg)
+            results.append(
+                {"itype": common.SHORT[itype], "case": name, "ok": ok, "got": got, "want": msg}
+            )
             if not ok:
-                log(f"FAIL error check {name} {SHORT[itype]}: got {got!r}, want {msg!r}")
+                common.log(
+                    f"FAIL error check {name} {common.SHORT[itype]}: got {got!r}, want {msg!r}"
+                )
     torch.cuda.synchronize()
     return results
 
@@ -381,7 +371,7 @@ def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backwar
         "D": dim,
         "bags": bags,
         "bag_len": length,
-        "dtype": SHORT[dtype],
+        "dtype": common.SHORT[dtype],
         "weighted": weighted,
         "gathered_bytes": gathered,
     }
@@ -426,14 +416,14 @@ def bench_shape(name, n_rows, dim, bags, length, dtype, weighted, iters, backwar
         inputs = [p_leaf] + ([leaves[i % 3]] if weighted else [])
         torch.autograd.grad(out, inputs, dy)
 
-    timed(r, "ours_fwd", ours_fwd, iters)
-    timed(r, "ours_fwd_checked", ours_fwd_checked, iters, graph=False)
-    timed(r, "torch_fwd", torch_fwd, iters)
+    common.timed(r, "ours_fwd", ours_fwd, iters)
+    common.timed(r, "ours_fwd_checked", ours_fwd_checked, iters, graph=False)
+    common.timed(r, "torch_fwd", torch_fwd, iters)
     # The deduplicated form reads U back to size its output: eager only.
-    timed(r, "ours_bwd", ours_bwd, iters, graph=dense)
-    timed(r, "ours_fwd_bwd", ours_fwd_bwd, iters, graph=dense)
-    timed(r, "ours_fwd_bwd_checked", ours_fwd_bwd_checked, iters, graph=False)
-    timed(r, "torch_fwd_bwd", torch_fwd_bwd, iters)
+    common.timed(r, "ours_bwd", ours_bwd, iters, graph=dense)
+    common.timed(r, "ours_fwd_bwd", ours_fwd_bwd, iters, graph=dense)
+    common.timed(r, "ours_fwd_bwd_checked", ours_fwd_bwd_checked, iters, graph=False)
+    common.timed(r, "torch_fwd_bwd", torch_fwd_bwd, iters)
     if r.get("torch_fwd_bwd_ms") and r.get("torch_fwd_ms"):
         # torch's backward alone: its fwd+bwd less its forward, from the same timing mode.
         mode = (
@@ -470,12 +460,12 @@ def run_benchmarks():
         except Exception as exc:  # noqa: BLE001
             r = {
                 "shape": spec[0],
-                "dtype": SHORT[spec[5]],
+                "dtype": common.SHORT[spec[5]],
                 "error": repr(exc)[:300],
                 "trace": traceback.format_exc(),
             }
         rows.append(r)
-        log(json.dumps(r))
+        common.log(json.dumps(r))
     return rows
 
 
@@ -497,7 +487,7 @@ def profile_run():
 def grs_main(args, report):
     """Section "grs": the sweep, error messages, determinism, then (unless --small or
     --no-bench) the benchmarks; logs the summary. Returns whether every check passed."""
-    sweep, n_fail = run_poisoned(
+    sweep, n_fail = common.run_poisoned(
         report,
         "",
         lambda: run_sweep(args.small, args.max_cases),
@@ -507,37 +497,41 @@ def grs_main(args, report):
     n_err_fail = sum(not r["ok"] for r in report["errors"])
     n_det_fail = sum(not r["bitwise_identical"] for r in report["determinism"])
     if not args.small and not args.no_bench:
-        report["copy_TBps"] = copy_bandwidth()
+        report["copy_TBps"] = common.copy_bandwidth()
         report["bench"] = run_benchmarks()
     passed = n_fail == 0 and n_err_fail == 0 and n_det_fail == 0
 
-    log("")
-    log(
+    common.log("")
+    common.log(
         f"sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed ({report['sweep_s']:.1f} s); "
         f"error messages: {len(report['errors']) - n_err_fail}/{len(report['errors'])}; "
         f"determinism: {len(report['determinism']) - n_det_fail}/{len(report['determinism'])}"
     )
-    log_worst(sweep, "", 28)
+    common.log_worst(sweep, "", 28)
     if "bench" in report:
-        log(f"device-to-device copy: {report['copy_TBps']:.2f} TB/s (read + write)")
-        log(
+        common.log(f"device-to-device copy: {report['copy_TBps']:.2f} TB/s (read + write)")
+        common.log(
             f"{'shape':6s} {'dtype':5s} {'ours fwd':>9s} {'TB/s':>5s} {'torch fwd':>9s} "
             f"{'x':>5s} {'ours bwd':>9s} {'torch bwd':>9s} {'x':>5s} {'ours f+b':>9s} "
             f"{'torch f+b':>9s} {'x':>5s}  backward form"
         )
         for r in report["bench"]:
             if "error" in r:
-                log(f"{r['shape']:6s} {r['dtype']:5s} error {r['error']}")
+                common.log(f"{r['shape']:6s} {r['dtype']:5s} error {r['error']}")
                 continue
-            log(
-                f"{r['shape']:6s} {r['dtype']:5s} {fmt(r.get('ours_fwd_ms')):>9s} "
-                f"{fmt(r.get('ours_fwd_TBps'), '.2f'):>5s} {fmt(r.get('torch_fwd_ms')):>9s} "
-                f"{fmt(r.get('speedup_fwd'), '.2f'):>5s} {fmt(r.get('ours_bwd_ms')):>9s} "
-                f"{fmt(r.get('torch_bwd_ms')):>9s} {fmt(r.get('speedup_bwd'), '.2f'):>5s} "
-                f"{fmt(r.get('ours_fwd_bwd_ms')):>9s} {fmt(r.get('torch_fwd_bwd_ms')):>9s} "
-                f"{fmt(r.get('speedup_fwd_bwd'), '.2f'):>5s}  {r['ours_bwd_form']}"
+            common.log(
+                f"{r['shape']:6s} {r['dtype']:5s} {common.fmt(r.get('ours_fwd_ms')):>9s} "
+                f"{common.fmt(r.get('ours_fwd_TBps'), '.2f'):>5s} "
+                f"{common.fmt(r.get('torch_fwd_ms')):>9s} "
+                f"{common.fmt(r.get('speedup_fwd'), '.2f'):>5s} "
+                f"{common.fmt(r.get('ours_bwd_ms')):>9s} "
+                f"{common.fmt(r.get('torch_bwd_ms')):>9s} "
+                f"{common.fmt(r.get('speedup_bwd'), '.2f'):>5s} "
+                f"{common.fmt(r.get('ours_fwd_bwd_ms')):>9s} "
+                f"{common.fmt(r.get('torch_fwd_bwd_ms')):>9s} "
+                f"{common.fmt(r.get('speedup_fwd_bwd'), '.2f'):>5s}  {r['ours_bwd_form']}"
             )
-        log(
+        common.log(
             "(graph-replay medians where capturable, else eager; *_checked in the JSON add "
             "the read-back of the device report)"
         )

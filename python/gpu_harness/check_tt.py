@@ -13,25 +13,8 @@ import traceback
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import check_common as common  # noqa: E402
 import harness as gh  # noqa: E402
-from check_common import (  # noqa: E402
-    DEVICE,
-    DTYPES,
-    INDEX_DTYPES,
-    SHORT,
-    bits,
-    case_fields,
-    check_close,
-    close,
-    expect_error,
-    log,
-    log_worst,
-    make_ids,
-    random_weights,
-    run_cases,
-    run_poisoned,
-    timed,
-)
 from check_gather_reduce_sum import reference  # noqa: E402
 
 # ---------------------------------------------------------------------------
@@ -119,7 +102,7 @@ def tt_make_case(config, dtype, itype, combiner, weighted, seed):
     offsets = torch.zeros(bags + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     nnz = int(offsets[-1])
-    ids = make_ids(nnz, n_emb, dist, torch.int64, gen, "cpu")
+    ids = common.make_ids(nnz, n_emb, dist, torch.int64, gen, "cpu")
     # Entries split into tables by position (uneven, some tables may be empty).
     cuts = sorted(torch.randint(0, nnz + 1, (tables - 1,), generator=gen).tolist())
     splits = torch.tensor([0] + cuts + [nnz], dtype=torch.int64)
@@ -129,9 +112,9 @@ def tt_make_case(config, dtype, itype, combiner, weighted, seed):
         ids[mask] = pad
     is_pad = ids == pad if pad is not None else torch.zeros(nnz, dtype=torch.bool)
     gids = torch.where(is_pad, torch.full_like(ids, -1), table_of * P + ids)
-    weights = random_weights(nnz, combiner, gen) if weighted else None
+    weights = common.random_weights(nnz, combiner, gen) if weighted else None
     dy = torch.randn(bags, math.prod(q), generator=gen, dtype=torch.float64)
-    cores = [c.to(dtype).to(DEVICE) for c in cores64]
+    cores = [c.to(dtype).to(common.DEVICE) for c in cores64]
     return dict(
         p=p,
         q=q,
@@ -141,12 +124,12 @@ def tt_make_case(config, dtype, itype, combiner, weighted, seed):
         n_emb=n_emb,
         pad=pad,
         cores=cores,
-        ids=ids.to(itype).to(DEVICE),
+        ids=ids.to(itype).to(common.DEVICE),
         gids=gids,
-        offsets=offsets.to(DEVICE),
-        splits=splits.to(DEVICE),
-        weights=None if weights is None else weights.to(dtype).to(DEVICE),
-        grad=dy.to(dtype).to(DEVICE),
+        offsets=offsets.to(common.DEVICE),
+        splits=splits.to(common.DEVICE),
+        weights=None if weights is None else weights.to(dtype).to(common.DEVICE),
+        grad=dy.to(dtype).to(common.DEVICE),
         combiner=combiner,
     )
 
@@ -200,12 +183,14 @@ def tt_call_kwargs(c):
 
 def tt_check_case(config, dtype, itype, combiner, weighted, seed):
     c = tt_make_case(config, dtype, itype, combiner, weighted, seed)
-    res = dict(case_fields(config, dtype, itype, combiner, weighted, "tt"), failures=[], worst={})
+    res = dict(
+        common.case_fields(config, dtype, itype, combiner, weighted, "tt"), failures=[], worst={}
+    )
     fail = res["failures"]
     args = (c["cores"], c["p"], c["q"], c["ranks"], c["ids"], c["offsets"])
     out, state = gh.tt_embedding_bag_forward(*args, **tt_call_kwargs(c))
     ref = tt_reference(c, out_kernel=out)
-    check_close(res, "forward", "forward", out, ref["out"], ref["out_abs"], dtype)
+    common.check_close(res, "forward", "forward", out, ref["out"], ref["out_abs"], dtype)
     # Unique ids and slots.
     u = int(state.num_unique.item())
     uniq = state.unique[:u].cpu()
@@ -229,13 +214,13 @@ def tt_check_case(config, dtype, itype, combiner, weighted, seed):
             # The compact path's work buffer is sized by Prepare's report, the dense path's
             # is the upper bound: same arithmetic, so the same bits.
             for k, (idx, vals) in enumerate(grads):
-                if not torch.equal(bits(vals), bits(dense_grads[k][idx])):
+                if not torch.equal(common.bits(vals), common.bits(dense_grads[k][idx])):
                     fail.append(f"core {k} grad compact != dense bitwise")
         worst = 0.0
         for k in range(len(c["p"])):
             want, want_abs = ref["core_grads"][k], ref["core_grads_abs"][k]
             if dense:
-                ok, ratio = close(grads[k], want, want_abs, dtype)
+                ok, ratio = common.close(grads[k], want, want_abs, dtype)
             else:
                 idx, vals = grads[k]
                 if not torch.equal(idx.cpu(), ref["touched"][k]):
@@ -243,13 +228,13 @@ def tt_check_case(config, dtype, itype, combiner, weighted, seed):
                     ok, ratio = False, float("inf")
                 else:
                     t = ref["touched"][k]
-                    ok, ratio = close(vals, want[t], want_abs[t], dtype)
+                    ok, ratio = common.close(vals, want[t], want_abs[t], dtype)
             worst = max(worst, ratio)
             if not ok:
                 fail.append(f"core {k} grad {tag} ({ratio:.3g})")
         res["worst"][f"core_grad_{tag}"] = worst
         if c["weights"] is not None and combiner != "max":
-            check_close(
+            common.check_close(
                 res,
                 f"weights_grad_{tag}",
                 f"weights grad {tag}",
@@ -263,7 +248,7 @@ def tt_check_case(config, dtype, itype, combiner, weighted, seed):
 
 def tt_sweep_cases(small):
     configs = [x for x in TT_CONFIGS if not small or x[0] in TT_SMALL]
-    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else DTYPES
+    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else common.DTYPES
     cases = []
     i = 0
     for config in configs:
@@ -274,17 +259,17 @@ def tt_sweep_cases(small):
             if small:
                 combos = combos[:2]
             for combiner, weighted in combos:
-                cases.append((config, dtype, INDEX_DTYPES[i % 2], combiner, weighted))
+                cases.append((config, dtype, common.INDEX_DTYPES[i % 2], combiner, weighted))
                 i += 1
     return cases
 
 
 def tt_run_sweep(small, max_cases=None):
-    return run_cases(
+    return common.run_cases(
         tt_sweep_cases(small),
         tt_check_case,
         1000,
-        lambda c: case_fields(*c, "tt"),
+        lambda c: common.case_fields(*c, "tt"),
         "FAIL tt",
         max_cases,
     )
@@ -306,24 +291,24 @@ def tt_check_determinism(small):
             dense, dw = gh.tt_embedding_bag_backward_from(state, c["grad"], dense=True)
             compact, _ = gh.tt_embedding_bag_backward_from(state, c["grad"], dense=False)
             runs.append(
-                [bits(out), bits(dw)]
-                + [bits(x) for x in dense]
-                + [x for pair in compact for x in (pair[0], bits(pair[1]))]
+                [common.bits(out), common.bits(dw)]
+                + [common.bits(x) for x in dense]
+                + [x for pair in compact for x in (pair[0], common.bits(pair[1]))]
             )
         same = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
         hot = int(torch.bincount(c["ids"].long()).max())
         results.append(
             {
                 "section": "tt",
-                "dtype": SHORT[dtype],
+                "dtype": common.SHORT[dtype],
                 "shape": [p, q, ranks, bags, length],
                 "hottest_row_entries": hot,
                 "bitwise_identical": same,
             }
         )
-        log(
-            f"tt determinism {SHORT[dtype]} p={p} B={bags}x{length} hottest id {hot} entries: "
-            f"{'identical' if same else 'DIFFERENT'}"
+        common.log(
+            f"tt determinism {common.SHORT[dtype]} p={p} B={bags}x{length} hottest id {hot} "
+            f"entries: {'identical' if same else 'DIFFERENT'}"
         )
     return results
 
@@ -339,7 +324,7 @@ def tt_check_errors():
     ]
     off = torch.tensor([0, 4, 10], device=dev)
     shape = gh.TTShape(p, q, ranks)
-    for itype in INDEX_DTYPES:
+    for itype in common.INDEX_DTYPES:
         ids = torch.tensor([1, 2, 3, 4, 5, 20, 6, -3, 7, 19], dtype=itype, device=dev)
         ids_pad = torch.tensor([1, -1, 3, -3, 5, 9, 6, 10, 7, 1], dtype=itype, device=dev)
         cases = [
@@ -367,11 +352,11 @@ def tt_check_errors():
             ),
         ]
         for name, fn, msg in cases:
-            ok, got = expect_error(fn, msg)
+            ok, got = common.expect_error(fn, msg)
             results.append(
                 {
                     "section": "tt",
-                    "itype": SHORT[itype],
+                    "itype": common.SHORT[itype],
                     "case": name,
                     "ok": ok,
                     "got": got,
@@ -379,7 +364,9 @@ def tt_check_errors():
                 }
             )
             if not ok:
-                log(f"FAIL tt error check {name} {SHORT[itype]}: got {got!r}, want {msg!r}")
+                common.log(
+                    f"FAIL tt error check {name} {common.SHORT[itype]}: got {got!r}, want {msg!r}"
+                )
 
     def rows_bad():
         gids = torch.tensor([0, 3, 19, 20, 7, -1], device=dev)
@@ -395,12 +382,12 @@ def tt_check_errors():
         ("rows", rows_bad, "ids[3] = 20 is not in [0, 20)"),
         ("rows grad", rows_grad_bad, "ids[2] = 25 is not in [0, 20)"),
     ]:
-        ok, got = expect_error(fn, msg)
+        ok, got = common.expect_error(fn, msg)
         results.append(
             {"section": "tt", "itype": "i64", "case": name, "ok": ok, "got": got, "want": msg}
         )
         if not ok:
-            log(f"FAIL tt error check {name}: got {got!r}, want {msg!r}")
+            common.log(f"FAIL tt error check {name}: got {got!r}, want {msg!r}")
     torch.cuda.synchronize()
     return results
 
@@ -466,7 +453,7 @@ def tt_bench_inputs(bags, length, dist, p, q, ranks, num_sets=3):
     sets = []
     cgen = torch.Generator().manual_seed(12)
     for _ in range(num_sets):
-        ids = make_ids(nnz, n_rows, dist, torch.int64, cgen, dev)
+        ids = common.make_ids(nnz, n_rows, dist, torch.int64, cgen, dev)
         dy = torch.randn(bags, math.prod(q), device=dev, generator=gen)
         sets.append((ids, dy))
     off = torch.arange(0, nnz + 1, length, device=dev)
@@ -521,9 +508,9 @@ def tt_bench_shape(
         )
         gh.tt_embedding_bag_backward_from(st, dy, dense=True, check=True)
 
-    timed(res, "ours_fwd", fwd, iters)
-    timed(res, "ours_fwd_bwd", fwd_bwd, iters)
-    timed(res, "ours_fwd_bwd_checked", fwd_bwd_checked, iters, graph=False)
+    common.timed(res, "ours_fwd", fwd, iters)
+    common.timed(res, "ours_fwd_bwd", fwd_bwd, iters)
+    common.timed(res, "ours_fwd_bwd_checked", fwd_bwd_checked, iters, graph=False)
     fwd(0)
     torch.cuda.synchronize()
     executed, u = tt_executed_flops(states[0])
@@ -555,8 +542,8 @@ def tt_bench_shape(
 
         # Graphs of the plain torch TT hold their [nnz, width] gathers per captured input
         # set: eager only at the large batch.
-        timed(res, "torch_fwd", torch_fwd, iters, graph=bags <= 4096)
-        timed(res, "torch_fwd_bwd", torch_fwd_bwd, iters, graph=bags <= 4096)
+        common.timed(res, "torch_fwd", torch_fwd, iters, graph=bags <= 4096)
+        common.timed(res, "torch_fwd_bwd", torch_fwd_bwd, iters, graph=bags <= 4096)
         for k in ("fwd", "fwd_bwd"):
             t, o = res.get(f"torch_{k}_ms"), res.get(f"ours_{k}_ms")
             res[f"torch_{k}_us_per_lookup"] = t * 1e3 / nnz if t else None
@@ -591,7 +578,7 @@ def tt_run_benchmarks():
             r["fwd_fraction_of_peak_tt_math"] = r["fwd_TFLOPs_tt_math"] / peak
             r["fwd_fraction_of_peak_executed"] = r["fwd_TFLOPs_executed"] / peak
         rows.append(r)
-        log(json.dumps(r))
+        common.log(json.dumps(r))
     by = {r["shape"]: r for r in rows}
     targets = {}
     a = by.get("FBTT B=512", {})
@@ -609,7 +596,7 @@ def tt_run_benchmarks():
             if u.get(f"ours_{k}_ms") and z.get(f"ours_{k}_ms"):
                 targets[f"{small} zipf speedup {k} (>=2)"] = u[f"ours_{k}_ms"] / z[f"ours_{k}_ms"]
     rows.append({"section": "tt", "targets": targets})
-    log(json.dumps({"tt_targets": targets}))
+    common.log(json.dumps({"tt_targets": targets}))
     return rows
 
 
@@ -659,16 +646,16 @@ def tt_check_rows_grad_work(small):
                 tt_rows_torch(leaves_abs, p, q, r, tables, ids), leaves_abs, grad64.abs()
             )
             shape = gh.TTShape(p, q, ranks, tables)
-            cores = [x.to(dtype).to(DEVICE) for x in cores64]
-            ids_d = ids.to(DEVICE)
-            grad = grad64.to(dtype).to(DEVICE)
+            cores = [x.to(dtype).to(common.DEVICE) for x in cores64]
+            ids_d = ids.to(common.DEVICE)
+            grad = grad64.to(dtype).to(common.DEVICE)
             dense, _ = gh.tt_rows_grad(shape, cores, ids_d, grad, dense=True)
             compact, rep = gh.tt_rows_grad(shape, cores, ids_d, grad, dense=False)
             fail = []
             worst = 0.0
             strides = [math.prod(p[k + 1 :]) for k in range(len(p))]
             for k in range(len(p)):
-                ok, ratio = close(dense[k], want[k], want_abs[k], dtype)
+                ok, ratio = common.close(dense[k], want[k], want_abs[k], dtype)
                 worst = max(worst, ratio)
                 if not ok:
                     fail.append(f"core {k} grad ({ratio:.3g})")
@@ -676,15 +663,17 @@ def tt_check_rows_grad_work(small):
                 idx, vals = compact[k]
                 if not torch.equal(idx.cpu(), touched):
                     fail.append(f"core {k} compact indices")
-                elif not torch.equal(bits(vals), bits(dense[k][idx])):
+                elif not torch.equal(common.bits(vals), common.bits(dense[k][idx])):
                     fail.append(f"core {k} compact != dense bitwise")
             sizes = gh.tt_rows_grad_bytes(shape, dtype, n, rep.cpu())
-            uq = torch.unique(ids).to(DEVICE)
+            uq = torch.unique(ids).to(common.DEVICE)
             _, rep_u = gh.tt_rows_grad(
                 shape,
                 cores,
                 uq,
-                torch.randn(uq.numel(), D, dtype=torch.float64, generator=gen).to(dtype).to(DEVICE),
+                torch.randn(uq.numel(), D, dtype=torch.float64, generator=gen)
+                .to(dtype)
+                .to(common.DEVICE),
                 dense=False,
             )
             sizes_u = gh.tt_rows_grad_bytes(shape, dtype, uq.numel(), rep_u.cpu())
@@ -693,7 +682,7 @@ def tt_check_rows_grad_work(small):
                 "section": "tt",
                 "check": "rows_grad_work",
                 "shape": name,
-                "dtype": SHORT[dtype],
+                "dtype": common.SHORT[dtype],
                 "ids": n,
                 "distinct": uq.numel(),
                 "worst": worst,
@@ -703,8 +692,8 @@ def tt_check_rows_grad_work(small):
                 "bytes_sorted_distinct": sizes_u,
             }
             results.append(res)
-            log(
-                f"tt rows_grad work {name} {SHORT[dtype]}: {'ok' if not fail else fail} "
+            common.log(
+                f"tt rows_grad work {name} {common.SHORT[dtype]}: {'ok' if not fail else fail} "
                 f"worst {worst:.3g}; work bytes: upper bound {upper['work']}, these ids "
                 f"{sizes['work']}, their {uq.numel()} sorted distinct ids {sizes_u['work']}"
             )
@@ -725,7 +714,7 @@ def tt_rows_grad_memory():
         _, st = gh.tt_embedding_bag_forward(cores, p, q, ranks, ids, off, table_splits=splits)
         u = int(st.num_unique.item())
         uq = st.unique[:u].contiguous()
-        drows = torch.randn(u, math.prod(q), device=DEVICE)
+        drows = torch.randn(u, math.prod(q), device=common.DEVICE)
         del st
         res = {"section": "tt", "check": "rows_grad_memory", "dist": dist, "unique_ids": u}
         for dense in (True, False):
@@ -745,13 +734,13 @@ def tt_rows_grad_memory():
                 res["one_buffer_MB"] = sizes["one_buffer"] / 2**20
             del grads, rep
         rows.append(res)
-        log(json.dumps(res))
+        common.log(json.dumps(res))
     torch.cuda.empty_cache()
     return rows
 
 
 def tt_main(args, report):
-    sweep, n_fail = run_poisoned(
+    sweep, n_fail = common.run_poisoned(
         report,
         "tt_",
         lambda: tt_run_sweep(args.small, args.max_cases),
@@ -762,7 +751,7 @@ def tt_main(args, report):
     n_work = sum(bool(r["failures"]) for r in report["tt_rows_grad_work"])
     n_err = sum(not r["ok"] for r in report["tt_errors"])
     n_det = sum(not r["bitwise_identical"] for r in report["tt_determinism"])
-    log(
+    common.log(
         f"tt sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
         f"({report['tt_sweep_s']:.1f} s); error messages: "
         f"{len(report['tt_errors']) - n_err}/{len(report['tt_errors'])}; determinism: "
@@ -770,7 +759,7 @@ def tt_main(args, report):
         f"rows-grad work layouts: {len(report['tt_rows_grad_work']) - n_work}/"
         f"{len(report['tt_rows_grad_work'])}"
     )
-    log_worst(sweep, "tt ", 28)
+    common.log_worst(sweep, "tt ", 28)
     if not args.small and not args.no_bench:
         report["tt_bench"] = tt_run_benchmarks()
         report["tt_rows_grad_memory"] = tt_rows_grad_memory()

@@ -13,24 +13,9 @@ import traceback
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import check_common as common  # noqa: E402
 import harness as gh  # noqa: E402
 import harness_cache as ghc  # noqa: E402
-from check_common import (  # noqa: E402
-    DEVICE,
-    DTYPES,
-    INDEX_DTYPES,
-    SHORT,
-    bits,
-    check_close,
-    close,
-    fmt,
-    log,
-    log_worst,
-    make_ids,
-    run_cases,
-    run_poisoned,
-    timed,
-)
 from check_tt import (  # noqa: E402
     TT_CONFIGS,
     tt_bench_fields,
@@ -64,15 +49,15 @@ def tt_cache_populate_case(c, frac, seed):
     distinct = int(torch.unique(gids[gids >= 0]).numel())
     size = max(1, int(round(frac * distinct)))
     table = max(2 * size, 8)
-    keys = torch.full((table,), -1, dtype=torch.int64, device=DEVICE)
-    counts = torch.zeros(table, dtype=torch.int64, device=DEVICE)
+    keys = torch.full((table,), -1, dtype=torch.int64, device=common.DEVICE)
+    counts = torch.zeros(table, dtype=torch.int64, device=common.DEVICE)
     gen = torch.Generator().manual_seed(seed + 77)
     n_extra = max(8, gids.numel() // 2)
     extra = torch.randint(0, c["tables"], (n_extra,), generator=gen) * P + torch.randint(
         0, c["n_emb"], (n_extra,), generator=gen
     )
-    ghc.tt_cache_count(gids.to(DEVICE), keys, counts, M)
-    ghc.tt_cache_count(extra.to(DEVICE), keys, counts, M)
+    ghc.tt_cache_count(gids.to(common.DEVICE), keys, counts, M)
+    ghc.tt_cache_count(extra.to(common.DEVICE), keys, counts, M)
     shape = gh.TTShape(c["p"], c["q"], c["ranks"], c["tables"])
     cache_ids, cache_rows, _ = ghc.tt_cache_fill(shape, c["cores"], keys, counts, size)
     return cache_ids, cache_rows
@@ -83,8 +68,8 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
     res = {
         "section": "tt_cache",
         "config": config[0],
-        "dtype": SHORT[dtype],
-        "itype": SHORT[itype],
+        "dtype": common.SHORT[dtype],
+        "itype": common.SHORT[itype],
         "combiner": combiner,
         "weighted": weighted,
         "frac": frac,
@@ -98,8 +83,10 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
     out_c, st = ghc.tt_embedding_bag_forward_cached(*args, cache_ids, cache_rows, **kw)
     out_u, st_u = gh.tt_embedding_bag_forward(*args, **kw)
     ref = tt_reference(c, out_kernel=out_c)
-    check_close(res, "forward_vs_f64", "forward vs f64", out_c, ref["out"], ref["out_abs"], dtype)
-    check_close(
+    common.check_close(
+        res, "forward_vs_f64", "forward vs f64", out_c, ref["out"], ref["out_abs"], dtype
+    )
+    common.check_close(
         res,
         "forward_vs_uncached",
         "forward vs uncached",
@@ -108,7 +95,7 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
         ref["out_abs"],
         dtype,
     )
-    res["bitwise_vs_uncached"] = bool(torch.equal(bits(out_c), bits(out_u)))
+    res["bitwise_vs_uncached"] = bool(torch.equal(common.bits(out_c), common.bits(out_u)))
     # The cache: its rows are the TT rows of its ids (float64 from the cores), empty slots 0.
     cids = cache_ids.cpu()
     held = cids != ghc.EMPTY_CACHE_ID
@@ -119,7 +106,7 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
     want_abs = tt_rows_torch(
         [x.abs() for x in cores64], c["p"], c["q"], c["r"], c["tables"], cids[held]
     )
-    check_close(
+    common.check_close(
         res,
         "cache_rows_vs_f64",
         "cache rows",
@@ -154,15 +141,19 @@ def tt_cache_check_case(config, dtype, itype, combiner, weighted, seed, frac):
         rows_abs = tt_rows_torch(
             [x.abs() for x in cores64], c["p"], c["q"], c["r"], c["tables"], uniq
         )
-        check_close(res, "rows_vs_f64", "stitched rows", st.rows[:u], rows_ref, rows_abs, dtype)
-        res["rows_bitwise_vs_uncached"] = bool(torch.equal(bits(st.rows[:u]), bits(st_u.rows[:u])))
+        common.check_close(
+            res, "rows_vs_f64", "stitched rows", st.rows[:u], rows_ref, rows_abs, dtype
+        )
+        res["rows_bitwise_vs_uncached"] = bool(
+            torch.equal(common.bits(st.rows[:u]), common.bits(st_u.rows[:u]))
+        )
     return res
 
 
 def tt_cache_sweep(small, max_cases=None):
     names = TT_CACHE_SMALL if small else TT_CACHE_CONFIGS
     configs = [x for x in TT_CONFIGS if x[0] in names]
-    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else DTYPES
+    dtypes = [torch.bfloat16, torch.float32, torch.float64] if small else common.DTYPES
     combos = [("sum", False), ("mean", True)] + ([] if small else [("sqrtn", False)])
     cases = []
     i = 0
@@ -170,7 +161,9 @@ def tt_cache_sweep(small, max_cases=None):
         for dtype in dtypes:
             for combiner, weighted in combos:
                 frac = (0.5, 1.5, 0.1)[i % 3]
-                cases.append((config, dtype, INDEX_DTYPES[(i // 2) % 2], combiner, weighted, frac))
+                cases.append(
+                    (config, dtype, common.INDEX_DTYPES[(i // 2) % 2], combiner, weighted, frac)
+                )
                 i += 1
 
     def check(config, dtype, itype, combiner, weighted, frac, seed):
@@ -181,12 +174,12 @@ def tt_cache_sweep(small, max_cases=None):
         return {
             "section": "tt_cache",
             "config": config[0],
-            "dtype": SHORT[dtype],
+            "dtype": common.SHORT[dtype],
             "combiner": combiner,
             "frac": frac,
         }
 
-    return run_cases(cases, check, 3000, describe, "FAIL tt_cache", max_cases)
+    return common.run_cases(cases, check, 3000, describe, "FAIL tt_cache", max_cases)
 
 
 def _tt_ref_bags64(cores, p, q, r, ids, bags, length, chunk=65536):
@@ -250,7 +243,10 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
     counts = torch.zeros(H, dtype=torch.int64, device=dev)
     for _ in range(counted_batches):
         ghc.tt_cache_count(
-            make_ids(65536 * length, N, "zipf", torch.int64, cgen, dev, perm), keys, counts, N
+            common.make_ids(65536 * length, N, "zipf", torch.int64, cgen, dev, perm),
+            keys,
+            counts,
+            N,
         )
     cache_ids, cache_rows, pop = ghc.tt_cache_fill(shape, cores, keys, counts, C)
     torch.cuda.synchronize()
@@ -261,20 +257,21 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
     # Time of filling the cache (populate + TT rows of all fresh ids + select), from empty.
     empty_ids = torch.full((C,), ghc.EMPTY_CACHE_ID, dtype=torch.int64, device=dev)
     empty_rows = torch.zeros(C, D, device=dev)
-    timed(
+    common.timed(
         res,
         "populate_from_empty",
         lambda i: ghc.tt_cache_fill(shape, cores, keys, counts, C, empty_ids, empty_rows),
         10,
     )
-    log(
+    common.log(
         f"tt_cache: cache of {res['cached_rows']} rows ({res['cached_in_true_top1pct']} of them "
         f"in the true hottest 1%), populated from {counted_batches} counted batches "
-        f"({res['setup_s']:.1f} s); populate from empty {fmt(res.get('populate_from_empty_ms'))} ms"
+        f"({res['setup_s']:.1f} s); populate from empty "
+        f"{common.fmt(res.get('populate_from_empty_ms'))} ms"
     )
     for B, it in zip(B_list, iters):
         nnz = B * length
-        sets = [make_ids(nnz, N, "zipf", torch.int64, cgen, dev, perm) for _ in range(3)]
+        sets = [common.make_ids(nnz, N, "zipf", torch.int64, cgen, dev, perm) for _ in range(3)]
         off = torch.arange(0, nnz + 1, length, device=dev)
         splits = torch.tensor([0, nnz], dtype=torch.int64, device=dev)
         row = {"B": B, "lookups": nnz}
@@ -286,8 +283,8 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             cores, p, q, ranks, sets[0], off, table_splits=splits, check=True
         )
         ref, ref_abs = _tt_ref_bags64(cores, p, q, r, sets[0], B, length)
-        ok1, ratio1 = close(out_c, ref, ref_abs, torch.float32)
-        ok2, ratio2 = close(out_c, out_u.detach().cpu().double(), ref_abs, torch.float32)
+        ok1, ratio1 = common.close(out_c, ref, ref_abs, torch.float32)
+        ok2, ratio2 = common.close(out_c, out_u.detach().cpu().double(), ref_abs, torch.float32)
         u = int(st.num_unique.item())
         hits, misses = st.lookup["counts"].cpu().tolist()
         pos = st.lookup["position"]
@@ -296,7 +293,7 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             check_ok=ok1 and ok2 and hits + misses == u,
             worst_vs_f64=ratio1,
             worst_vs_uncached=ratio2,
-            bitwise_vs_uncached=bool(torch.equal(bits(out_c), bits(out_u))),
+            bitwise_vs_uncached=bool(torch.equal(common.bits(out_c), common.bits(out_u))),
             unique=u,
             unique_hits=hits,
             unique_misses=misses,
@@ -321,8 +318,8 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             table_splits=splits,
             check=False,
         )
-        timed(row, "fwd_nocache", fwd_u, it)
-        timed(row, "fwd_cache", fwd_c, it)
+        common.timed(row, "fwd_nocache", fwd_u, it)
+        common.timed(row, "fwd_cache", fwd_c, it)
         # Pieces of the cached forward, each alone on the intermediates of its input set.
         states = [
             ghc.tt_embedding_bag_forward_cached(
@@ -337,7 +334,7 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             for s in sets
         ]
         n_emb = N
-        timed(
+        common.timed(
             row,
             "part_unique_ids",
             lambda i: gh.tt_unique_ids_async(
@@ -345,10 +342,10 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             ),
             it,
         )
-        timed(
+        common.timed(
             row, "part_lookup", lambda i: ghc.tt_cache_lookup(states[i % 3].unique, cache_ids), it
         )
-        timed(
+        common.timed(
             row,
             "part_rows_misses",
             lambda i: gh.tt_rows_async(
@@ -356,13 +353,13 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             ),
             it,
         )
-        timed(
+        common.timed(
             row,
             "part_rows_all_unique",
             lambda i: gh.tt_rows_async(shape, cores, sts_u[i % 3].unique, sts_u[i % 3].num_unique),
             it,
         )
-        timed(
+        common.timed(
             row,
             "part_stitch",
             lambda i: ghc.tt_select_rows(
@@ -373,7 +370,7 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             ),
             it,
         )
-        timed(
+        common.timed(
             row,
             "part_bag_reduce",
             lambda i: gh.forward_async(
@@ -410,9 +407,9 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             rows = ghc.tt_select_rows(cache_rows, lk["position"], mr, lk["miss_rank"])
             gh.forward_async(rows, sl, off, None, "sum", padding_id=-1)
 
-        timed(row, "fwd_nocache_exact", fwd_u_exact, it)
-        timed(row, "fwd_cache_exact", fwd_c_exact, it)
-        timed(
+        common.timed(row, "fwd_nocache_exact", fwd_u_exact, it)
+        common.timed(row, "fwd_cache_exact", fwd_c_exact, it)
+        common.timed(
             row,
             "part_stitch_exact",
             lambda i: ghc.tt_select_rows(
@@ -427,52 +424,55 @@ def tt_cache_bench(counted_batches=4, B_list=(65536, 512), length=20, iters=(20,
             row["speedup_cache_exact"] = row["fwd_nocache_exact_ms"] / row["fwd_cache_exact_ms"]
         # Counting one batch (training's job, not the forward's), on copies of the table.
         k2, c2 = keys.clone(), counts.clone()
-        timed(row, "count_per_batch", lambda i: ghc.tt_cache_count(sets[i % 3], k2, c2, N), it)
+        common.timed(
+            row, "count_per_batch", lambda i: ghc.tt_cache_count(sets[i % 3], k2, c2, N), it
+        )
         states = sts_u = k2 = c2 = None
         if row.get("fwd_nocache_ms") and row.get("fwd_cache_ms"):
             row["speedup_cache"] = row["fwd_nocache_ms"] / row["fwd_cache_ms"]
             row["target_3x_met"] = row["speedup_cache"] >= 3.0
         res["cases"].append(row)
-        log(json.dumps(row))
+        common.log(json.dumps(row))
         sets = None
         torch.cuda.empty_cache()
     return res
 
 
 def tt_cache_main(args, report):
-    sweep, n_fail = run_poisoned(
+    sweep, n_fail = common.run_poisoned(
         report, "tt_cache_", lambda: tt_cache_sweep(args.small, args.max_cases)
     )
     n_bits = sum(bool(r.get("bitwise_vs_uncached")) for r in sweep)
-    log(
+    common.log(
         f"tt_cache sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
         f"({report['tt_cache_sweep_s']:.1f} s); output bitwise equal to the uncached forward "
         f"in {n_bits}/{len(sweep)}; hits/unique "
         + ", ".join(f"{r.get('hits')}/{r.get('unique')}" for r in sweep[:12])
     )
-    log_worst(sweep, "tt_cache ", 22)
+    common.log_worst(sweep, "tt_cache ", 22)
     passed = n_fail == 0
     if not args.small and not args.no_bench:
         try:
             bench = tt_cache_bench()
         except Exception as exc:  # noqa: BLE001
             bench = {"error": repr(exc)[:500], "trace": traceback.format_exc()}
-            log(bench["trace"])
+            common.log(bench["trace"])
         report["tt_cache_bench"] = bench
         cases = bench.get("cases", [])
         passed = passed and "error" not in bench and all(c["check_ok"] for c in cases)
         for c in cases:
-            log(
+            common.log(
                 f"tt_cache B={c['B']}: unique {c['unique']}, unique hit rate "
                 f"{c['unique_hit_rate']:.3f}, lookup hit rate {c['lookup_hit_rate']:.3f} "
                 f"(oracle {c['oracle_lookup_hit_rate']:.3f}); fwd no cache "
-                f"{fmt(c.get('fwd_nocache_ms'), '.4f')} ms, with cache "
-                f"{fmt(c.get('fwd_cache_ms'), '.4f')} ms: {fmt(c.get('speedup_cache'), '.2f')}x "
-                f"(target 3x); exact sizes {fmt(c.get('fwd_nocache_exact_ms'), '.4f')} / "
-                f"{fmt(c.get('fwd_cache_exact_ms'), '.4f')} ms: "
-                f"{fmt(c.get('speedup_cache_exact'), '.2f')}x; level-1 prefixes "
+                f"{common.fmt(c.get('fwd_nocache_ms'), '.4f')} ms, with cache "
+                f"{common.fmt(c.get('fwd_cache_ms'), '.4f')} ms: "
+                f"{common.fmt(c.get('speedup_cache'), '.2f')}x "
+                f"(target 3x); exact sizes {common.fmt(c.get('fwd_nocache_exact_ms'), '.4f')} / "
+                f"{common.fmt(c.get('fwd_cache_exact_ms'), '.4f')} ms: "
+                f"{common.fmt(c.get('speedup_cache_exact'), '.2f')}x; level-1 prefixes "
                 f"{c.get('level1_prefixes_unique')} / misses {c.get('level1_prefixes_misses')}; "
-                f"count/batch {fmt(c.get('count_per_batch_ms'), '.4f')} ms; parts "
+                f"count/batch {common.fmt(c.get('count_per_batch_ms'), '.4f')} ms; parts "
                 + ", ".join(
                     f"{k[5:-3]} {c[k]:.4f}"
                     for k in sorted(c)
@@ -634,21 +634,21 @@ def tt_zipf_case(bags, length, dist, iters, p=(200, 220, 250), q=(4, 4, 4), rank
         ok = False
         res["check_error"] = repr(exc)[:300]
         res["check_trace"] = traceback.format_exc()
-        log(res["check_trace"])
+        common.log(res["check_trace"])
     res["checks"] = checks
     res["check_ok"] = ok
     res["unique_ids"] = sizes[0][0] if sizes else None
     res["core_rows"] = sizes[0][1] if sizes else None
     torch.cuda.empty_cache()
 
-    timed(res, "dev_fwd", dev_fwd, iters)
-    timed(res, "dev_fwd_bwd", dev_fwd_bwd, iters)
-    timed(res, "host_fwd", host_fwd, iters, graph=False)
-    timed(res, "host_fwd_bwd", host_fwd_bwd, iters, graph=False)
-    timed(res, "tfsync_fwd", lambda i: host_fwd(i, syncs=True), iters, graph=False)
-    timed(res, "tfsync_fwd_bwd", lambda i: host_fwd_bwd(i, syncs=True), iters, graph=False)
-    timed(res, "exact_fwd", lambda i: host_fwd(i, U=sizes[i % 3][0]), iters)
-    timed(
+    common.timed(res, "dev_fwd", dev_fwd, iters)
+    common.timed(res, "dev_fwd_bwd", dev_fwd_bwd, iters)
+    common.timed(res, "host_fwd", host_fwd, iters, graph=False)
+    common.timed(res, "host_fwd_bwd", host_fwd_bwd, iters, graph=False)
+    common.timed(res, "tfsync_fwd", lambda i: host_fwd(i, syncs=True), iters, graph=False)
+    common.timed(res, "tfsync_fwd_bwd", lambda i: host_fwd_bwd(i, syncs=True), iters, graph=False)
+    common.timed(res, "exact_fwd", lambda i: host_fwd(i, U=sizes[i % 3][0]), iters)
+    common.timed(
         res,
         "exact_fwd_bwd",
         lambda i: host_fwd_bwd(i, U=sizes[i % 3][0], counts=sizes[i % 3][1]),
@@ -678,18 +678,18 @@ def tt_zipf_main(args, report):
                     "error": repr(exc)[:300],
                     "trace": traceback.format_exc(),
                 }
-                log(r["trace"])
+                common.log(r["trace"])
             r["case_s"] = time.time() - t0
-            log(json.dumps(r))
+            common.log(json.dumps(r))
             cases.append(r)
     report["tt_zipf"] = cases
     by = {(c["bags"], c["dist"]): c for c in cases}
     targets = {}
-    log(
+    common.log(
         "tt_zipf (FBTT shape, f32, bag 20, sum; ms; dev/exact: graph replay medians, "
         "host/tfsync: eager CUDA-event medians with the host read-backs inside)"
     )
-    log(
+    common.log(
         f"{'B':>6s} {'path':7s} {'uni fwd':>8s} {'zipf fwd':>8s} {'x':>5s} "
         f"{'uni f+b':>8s} {'zipf f+b':>8s} {'x':>5s}  (eager uni/zipf fwd, f+b)"
     )
@@ -701,26 +701,26 @@ def tt_zipf_main(args, report):
                 a, b = u.get(f"{path}_{k}_ms"), z.get(f"{path}_{k}_ms")
                 x = a / b if a and b else None
                 targets[f"B={bags} {path} {k} zipf speedup (>=2)"] = x
-                cells += [fmt(a, ".4f"), fmt(b, ".4f"), fmt(x, ".2f")]
+                cells += [common.fmt(a, ".4f"), common.fmt(b, ".4f"), common.fmt(x, ".2f")]
             eager = " ".join(
-                fmt(c.get(f"{path}_{k}_eager_ms"), ".4f")
+                common.fmt(c.get(f"{path}_{k}_eager_ms"), ".4f")
                 for k in ("fwd", "fwd_bwd")
                 for c in (u, z)
             )
-            log(
+            common.log(
                 f"{bags:6d} {path:7s} {cells[0]:>8s} {cells[1]:>8s} {cells[2]:>5s} "
                 f"{cells[3]:>8s} {cells[4]:>8s} {cells[5]:>5s}  ({eager})"
             )
-        log(
+        common.log(
             f"       unique ids: uniform {u.get('unique_ids')}, zipf {z.get('unique_ids')}; "
             f"core rows n_k: {u.get('core_rows')} / {z.get('core_rows')}; checks "
             f"{u.get('check_ok')} / {z.get('check_ok')}"
         )
     report["tt_zipf_targets"] = targets
-    log(json.dumps({"tt_zipf_targets": targets}))
+    common.log(json.dumps({"tt_zipf_targets": targets}))
     for c in cases:
         for ch in c.get("checks", []):
-            log(
+            common.log(
                 f"  check B={c['bags']} {c['dist']} set {ch['set']}: U {ch['unique']} "
                 f"(device {ch['unique_dev']}), out bitwise {ch['out_bitwise']} "
                 f"(rel {ch['out_max_rel']:.2g}), grads bitwise {ch['grad_bitwise']} (rel "
