@@ -63,8 +63,16 @@ LAYOUTS = {
 def test_matches_each_features_own_lookup(
     rng, implementation, layout, combiner, weighted, dtype_name, ids_dtype
 ):
+    _check_lookup(rng, implementation, LAYOUTS[layout], combiner, weighted, dtype_name, ids_dtype)
+
+
+def _check_lookup(
+    rng, implementation, layout, combiner, weighted, dtype_name, ids_dtype, variable=False
+):
+    """The lookup's output, params gradient and weights gradients against the float64
+    reference of each feature's own lookup; with `variable`, of a tf.Variable table."""
     dtype = DTYPES[dtype_name]
-    forms, num_rows, row_offsets = LAYOUTS[layout]
+    forms, num_rows, row_offsets = layout
     offsets = row_offsets or tuple(int(x) for x in np.cumsum((0,) + num_rows[:-1]))
     total = max(o + n for o, n in zip(offsets, num_rows))
     dim = int(rng.choice([1, 3, 8, 17]))
@@ -83,8 +91,11 @@ def test_matches_each_features_own_lookup(
     upstream, upstream64 = quantize(rng.normal(size=(BATCH, len(forms) * dim)), dtype)
 
     watched = [w for w in weights if w is not None]
+    if variable:
+        params = tf.Variable(params)
     with tf.GradientTape() as tape:
-        tape.watch(params)
+        if not variable:
+            tape.watch(params)
         tape.watch(watched)
         out = tf_ttemb.grouped_gather_reduce_sum(
             params,
@@ -128,12 +139,116 @@ def test_matches_each_features_own_lookup(
     if implementation == "custom_op" and isinstance(params_grad, tf.IndexedSlices):
         rows = params_grad.indices.numpy()
         assert np.all(np.diff(rows) > 0), "the IndexedSlices rows are sorted and unique"
+    if variable:
+        assert isinstance(params_grad, tf.IndexedSlices)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+# The CPU's one-op sum lookup on a variable (ResourceGroupedGatherSum): the layouts above
+# and tables that overlap without being one table.
+SUM_LAYOUTS = {**LAYOUTS, "overlapping": (("dense", "ragged", "sparse"), (6, 6, 3), (0, 4, 9))}
+
+
+@pytest.mark.parametrize("layout", list(SUM_LAYOUTS))
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("ids_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
+def test_cpu_sum_op_on_a_variable_matches_each_features_own_lookup(
+    rng, layout, weighted, dtype_name, ids_dtype
+):
+    """Sum bags on a variable on the CPU take ResourceGroupedGatherSum (one op, the bags
+    table after table): output, deduplicated params gradient and weights gradients equal
+    the float64 reference of each feature's own lookup, with padding, empty bags, shared
+    and overlapping tables."""
+    with tf.device("/CPU:0"):
+        _check_lookup(
+            rng, "custom_op", SUM_LAYOUTS[layout], "sum", weighted, dtype_name, ids_dtype, True
+        )
+
+
+def test_cpu_sum_op_is_the_one_lookup_op():
+    """On a CPU variable, sum bags run ResourceGroupedGatherSum and its gradient op, no
+    GroupBags; other combiners, tensors and dense gradients keep GroupBags."""
+    with tf.device("/CPU:0"):
+        table = tf.Variable(tf.ones([9, 2]))
+    ids = [tf.constant([[0, 1], [1, 0]]), tf.ragged.constant([[2], [0, 6, 1]], tf.int64)]
+
+    def ops(params, **kwargs):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(params)
+                out = tf_ttemb.grouped_gather_reduce_sum(params, ids, num_rows=[2, 7], **kwargs)
+            return tape.gradient(out, params)
+
+        return {op.type for op in step.get_concrete_function().graph.get_operations()}
+
+    fused = ops(table)
+    assert "TfTtemb>ResourceGroupedGatherSum" in fused
+    assert "TfTtemb>ResourceGroupedGatherSumGrad" in fused
+    assert "TfTtemb>GroupBags" not in fused
+    for params, kwargs in (
+        (table, dict(combiner="mean")),
+        (table, dict(dense_grad=True)),
+        (tf.ones([9, 2]), {}),
+    ):
+        used = ops(params, **kwargs)
+        assert "TfTtemb>GroupBags" in used and "TfTtemb>ResourceGroupedGatherSum" not in used
+
+
+def test_cpu_sum_op_errors():
+    """ResourceGroupedGatherSum and its gradient op called directly with bad inputs."""
+    lib = _loader.load_op_library()
+    with tf.device("/CPU:0"):
+        table = tf.Variable(tf.ones([5, 2]))
+    attrs = dict(
+        num_rows=[2, 3],
+        row_offsets=[0, 2],
+        padding_ids=[-1, -1],
+        has_padding_ids=[False, False],
+        labels=["a", "b"],
+        has_weights=False,
+    )
+    ids, splits, empty = (
+        tf.constant([0, 1, 2]),
+        tf.constant([0, 1, 2, 3, 3], tf.int64),
+        tf.zeros([0]),
+    )
+    out = lib.tf_ttemb_resource_grouped_gather_sum(table.handle, ids, splits, empty, **attrs)
+    np.testing.assert_array_equal(out.numpy(), [[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"feature b: indices\[0\] = 3 is not"):
+        lib.tf_ttemb_resource_grouped_gather_sum(
+            table.handle, tf.constant([0, 1, 3]), splits, empty, **attrs
+        )
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="not one more than a multiple of the 2"
+    ):
+        lib.tf_ttemb_resource_grouped_gather_sum(
+            table.handle, ids, tf.constant([0, 1, 3, 3], tf.int64), empty, **attrs
+        )
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_splits must be non-decreasing"):
+        lib.tf_ttemb_resource_grouped_gather_sum(
+            table.handle, ids, tf.constant([0, 2, 1, 3, 3], tf.int64), empty, **attrs
+        )
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match=r"params has 5 rows but feature b's table needs 6"
+    ):
+        lib.tf_ttemb_resource_grouped_gather_sum(
+            table.handle, ids, splits, empty, **dict(attrs, row_offsets=[0, 3])
+        )
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grad must have shape \[2, 4\]"):
+        lib.tf_ttemb_resource_grouped_gather_sum_grad(
+            tf.ones([2, 3]), table.handle, ids, splits, empty, **attrs
+        )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS + ("cpu_sum_op",))
 @pytest.mark.parametrize("use_function", [False, True], ids=["eager", "function"])
 def test_bad_id_names_the_feature_position_and_range(implementation, use_function):
     table = tf.zeros([9, 2])
+    if implementation == "cpu_sum_op":  # a CPU variable: ResourceGroupedGatherSum
+        with tf.device("/CPU:0"):
+            table = tf.Variable(table)
+        implementation = "custom_op"
     ids = [tf.constant([[0, 1], [1, 0]]), tf.ragged.constant([[2], [0, 7, 1]], tf.int64)]
     lookup = tf_ttemb.grouped_gather_reduce_sum
     if use_function:

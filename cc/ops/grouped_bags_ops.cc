@@ -12,6 +12,9 @@
 // feature t), so that the lookup's [B * T, D] output is the [B, T * D]
 // concatenation of the features' embeddings without a transpose.
 
+#include <cstdint>
+#include <vector>
+
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
@@ -21,6 +24,48 @@ namespace tf_ttemb {
 using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
+
+namespace {
+
+// The number of features (the length of num_rows).
+Status FeatureCount(InferenceContext* c, int64_t* features) {
+  std::vector<int64_t> num_rows;
+  TF_RETURN_IF_ERROR(c->GetAttr("num_rows", &num_rows));
+  *features = static_cast<int64_t>(num_rows.size());
+  return OkStatus();
+}
+
+// The inputs of ResourceGroupedGatherSum(Grad) from `params` (a resource whose
+// handle data, when known, gives D) and `indices` (then row_splits, weights):
+// checks their ranks, merges nnz with the weights' (has_weights), and returns
+// B (from row_splits and the feature count, when known) and D.
+Status GroupedSumInputShapes(InferenceContext* c, int params, int indices, DimensionHandle* batch,
+                             DimensionHandle* dim) {
+  ShapeHandle ids, row_splits, weights;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(indices), 1, &ids));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(indices + 1), 1, &row_splits));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(indices + 2), 1, &weights));
+  bool has_weights;
+  TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
+  if (has_weights) TF_RETURN_IF_ERROR(c->Merge(ids, weights, &ids));
+  int64_t features;
+  TF_RETURN_IF_ERROR(FeatureCount(c, &features));
+  *batch = c->UnknownDim();
+  const DimensionHandle splits = c->Dim(row_splits, 0);
+  if (c->ValueKnown(splits) && features > 0 && (c->Value(splits) - 1) % features == 0) {
+    *batch = c->MakeDim((c->Value(splits) - 1) / features);
+  }
+  *dim = c->UnknownDim();
+  const auto* handle_data = c->input_handle_shapes_and_types(params);
+  if (handle_data != nullptr && handle_data->size() == 1) {
+    ShapeHandle table;
+    TF_RETURN_IF_ERROR(c->WithRank((*handle_data)[0].shape, 2, &table));
+    *dim = c->Dim(table, 1);
+  }
+  return OkStatus();
+}
+
+}  // namespace
 
 #define TF_TTEMB_GROUP_ATTRS                                       \
   Attr("num_rows: list(int) >= 1")    /* N_t, per feature */       \
@@ -81,6 +126,66 @@ REGISTER_OP("TfTtemb>CheckGroupReport")
       return c->WithRank(c->input(0), 1, &report);
     })
     .Doc("Raises the InvalidArgument a GroupBags report holds.");
+
+// Combiner 'sum' of every feature's bags on the stacked table (a resource variable
+// [N, D] of dtype T), in one op, from the input as GroupBags takes it (feature
+// after feature): output[b, t * D : (t + 1) * D] is the weighted sum of the rows
+// row_offsets[t] + id of feature t's bag b (a feature's padding id is skipped).
+// CPU only: the CPU kernel keeps the input's order, table after table, where
+// GroupBags + GatherReduceSum alternates between the tables at every bag
+// (cc/kernels/grouped_sum_cpu.cc). Bad ids raise GroupBags' InvalidArgument.
+REGISTER_OP("TfTtemb>ResourceGroupedGatherSum")
+    .Input("params: resource")   // the stacked table
+    .Input("indices: Tindices")  // [nnz]
+    .Input("row_splits: int64")  // [T * B + 1]
+    .Input("weights: T")         // [nnz] or [0]
+    .Output("output: T")         // [B, T * D]
+    .Attr("has_weights: bool")
+    .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tindices: {int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle batch, dim;
+      TF_RETURN_IF_ERROR(GroupedSumInputShapes(c, 0, 1, &batch, &dim));
+      int64_t features;
+      TF_RETURN_IF_ERROR(FeatureCount(c, &features));
+      DimensionHandle width;
+      TF_RETURN_IF_ERROR(c->Multiply(dim, features, &width));
+      c->set_output(0, c->Matrix(batch, width));
+      return OkStatus();
+    })
+    .Doc("Every feature's sum bags on its own table of a stacked table, in one op.");
+
+// The gradients of ResourceGroupedGatherSum from its upstream gradient `grad`
+// [B, T * D]: the stacked table's, deduplicated (unique_rows ascending, values
+// [U, D] the summed gradient of each row; deterministic), and the weights' (<grad
+// slice, row> per entry, 0 for padding; [0] without weights).
+REGISTER_OP("TfTtemb>ResourceGroupedGatherSumGrad")
+    .Input("grad: T")              // [B, T * D]
+    .Input("params: resource")     // the stacked table
+    .Input("indices: Tindices")    // [nnz]
+    .Input("row_splits: int64")    // [T * B + 1]
+    .Input("weights: T")           // [nnz] or [0]
+    .Output("unique_rows: int64")  // [U]
+    .Output("values: T")           // [U, D]
+    .Output("weights_grad: T")     // [nnz] or [0]
+    .Attr("has_weights: bool")
+    .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
+    .Attr("Tindices: {int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle batch, dim;
+      TF_RETURN_IF_ERROR(GroupedSumInputShapes(c, 1, 2, &batch, &dim));
+      ShapeHandle grad;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), batch, &batch));
+      DimensionHandle unique = c->UnknownDim();
+      c->set_output(0, c->Vector(unique));
+      c->set_output(1, c->Matrix(unique, dim));
+      bool has_weights;
+      TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
+      c->set_output(2, has_weights ? c->input(2) : c->Vector(0));
+      return OkStatus();
+    })
+    .Doc("Gradients of ResourceGroupedGatherSum: the stacked table's deduplicated, weights'.");
 
 #undef TF_TTEMB_GROUP_ATTRS
 

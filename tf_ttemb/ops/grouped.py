@@ -4,7 +4,11 @@ own table, in one lookup of one flat table (tables stacked by rows).
 The custom-op path runs `GroupBags` (each id checked against its own feature's table and
 offset to the flat table's row; the bags reordered example by example) and then one
 `gather_reduce_sum` forward, whose [B * T, D] output is the [B, T * D] concatenation
-without a transpose. The composite path (XLA, TPU) offsets the ids in TensorFlow ops and
+without a transpose. On the CPU, sum bags on a variable take one op instead,
+`ResourceGroupedGatherSum` (and its gradient op): it sums the bags table after table in
+the input's order and writes each bag's slice of the [B, T * D] result in place, which
+keeps each table's rows in cache where the example-by-example order alternates between
+the tables. The composite path (XLA, TPU) offsets the ids in TensorFlow ops and
 transposes the output.
 """
 
@@ -131,7 +135,9 @@ def grouped_gather_reduce_sum(
         joined = _bags.concat_bags(g.indices, g.weights, tf.as_dtype(params.dtype), xla, "feature")
         if implementation == "auto":
             implementation = "composite" if xla else "custom_op"
-        if implementation == "custom_op":
+        if implementation == "custom_op" and _sum_on_cpu(variable, combiner, dense_grad):
+            output = _grouped_sum(variable, joined.bags, g.attrs)
+        elif implementation == "custom_op":
             bags = _grouped_bags(joined.bags, g.attrs, tf.as_dtype(params.dtype))
             if variable is not None:
                 output = _custom_op.custom_op_on_variable(variable, bags, combiner, -1, dense_grad)
@@ -311,6 +317,54 @@ def _concatenated(output, joined: _bags.JoinedBags, count: int, shape) -> tf.Ten
     output = tf.reshape(output, tf.stack([joined.counts[0], count * shape[1]]))
     output.set_shape([joined.static_batch, None if shape[1] is None else count * shape[1]])
     return output
+
+
+def _sum_on_cpu(variable, combiner: str, dense_grad: bool) -> bool:
+    """Whether the lookup takes `ResourceGroupedGatherSum`: sum bags on a variable on
+    the CPU, with the deduplicated gradient (the op has a CPU kernel only)."""
+    if variable is None or combiner != "sum" or dense_grad:
+        return False
+    return "DEVICE:CPU:" in (getattr(variable, "device", "") or "").upper()
+
+
+def _grouped_sum(variable, bags: _bags.Bags, attrs: dict) -> tf.Tensor:
+    """[B, T * D]: `ResourceGroupedGatherSum` on the joined bags (feature after feature)."""
+    lib = _loader.load_op_library()
+    has_weights = bags.weights is not None
+    weights = bags.weights if has_weights else _common.empty(variable.dtype, variable.device)
+    # A read of no rows tells every active GradientTape that the variable was used (the
+    # op reads it through its handle, which tapes do not see as a variable access).
+    variable.sparse_read(_common.empty(tf.int32, variable.device))
+    return lib.tf_ttemb_resource_grouped_gather_sum(
+        variable.handle, bags.ids, bags.row_splits, weights, has_weights=has_weights, **attrs
+    )
+
+
+@tf.RegisterGradient("TfTtemb>ResourceGroupedGatherSum")
+def _grouped_sum_grad(op, grad):
+    """Gradients of ResourceGroupedGatherSum: the stacked table's as IndexedSlices over its
+    unique rows, the weights' when the op has weights."""
+    handle, ids, row_splits, weights = op.inputs
+    attrs = {
+        key: op.get_attr(key)
+        for key in ("num_rows", "row_offsets", "padding_ids", "has_padding_ids", "labels")
+    }
+    has_weights = op.get_attr("has_weights")
+    rows, values, weights_grad = (
+        _loader.load_op_library().tf_ttemb_resource_grouped_gather_sum_grad(
+            grad, handle, ids, row_splits, weights, has_weights=has_weights, **attrs
+        )
+    )
+    shape = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)
+    return (
+        tf.IndexedSlices(values, rows, shape),
+        None,
+        None,
+        weights_grad if has_weights else None,
+    )
+
+
+tf.no_gradient("TfTtemb>ResourceGroupedGatherSumGrad")
 
 
 def _grouped_bags(bags: _bags.Bags, attrs: dict, dtype: tf.DType) -> _bags.Bags:
