@@ -54,7 +54,8 @@ def run_script(script: str, *args: str, timeout: int = 300) -> list[dict]:
 # where two are visible; one GPU split into two logical GPUs where only one is.
 # --------------------------------------------------------------------------------------
 
-MIRRORED = """
+# The two replicas' devices (`devices`) and cross-device ops (`cross`) of argv[2]'s kind.
+TWO_REPLICAS = """
     import json, sys
     import numpy as np
     import tensorflow as tf
@@ -74,6 +75,11 @@ MIRRORED = """
             gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=4096)] * 2)
         devices = ["/gpu:0", "/gpu:1"]
         cross = tf.distribute.ReductionToOneDevice("/gpu:0")
+"""
+
+MIRRORED = (
+    TWO_REPLICAS
+    + """
     import keras
     import tf_ttemb
     from tf_ttemb.layers import (EmbeddingBag, GroupedEmbeddingBag, ProductKeyMemory,
@@ -211,6 +217,7 @@ MIRRORED = """
             "grads": sorted(t for t in traced if t.startswith("grad:")),
         }), flush=True)
 """
+)
 
 
 PKM_MOVING_STATS = """
@@ -322,25 +329,9 @@ def test_mirrored_strategy_matches_one_device(rng, kind):
 
 # GroupedEmbeddingBag(sparse=True) under MirroredStrategy: the fused update of every
 # replica's bags applied once to each replica's copy.
-MIRRORED_GROUPED_FUSED = """
-    import json, sys
-    import numpy as np
-    import tensorflow as tf
-
-    kind = sys.argv[2]
-    if kind == "cpu":
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        devices, cross = ["/cpu:0", "/cpu:1"], None
-    elif kind == "two_gpus":
-        devices, cross = ["/gpu:0", "/gpu:1"], tf.distribute.NcclAllReduce()
-    else:
-        gpu = tf.config.list_physical_devices("GPU")[0]
-        tf.config.set_logical_device_configuration(
-            gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=4096)] * 2)
-        devices = ["/gpu:0", "/gpu:1"]
-        cross = tf.distribute.ReductionToOneDevice("/gpu:0")
+MIRRORED_GROUPED_FUSED = (
+    TWO_REPLICAS
+    + """
     import keras
     from tf_ttemb.layers import GroupedEmbeddingBag
 
@@ -486,6 +477,7 @@ MIRRORED_GROUPED_FUSED = """
                           "error": max(errors), "copies_differ": copies_differ,
                           "moved": stacks_moved, "unread_same": unread_same}), flush=True)
 """
+)
 
 
 @pytest.mark.parametrize("kind", _replica_kinds())

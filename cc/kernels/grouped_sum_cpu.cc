@@ -126,8 +126,8 @@ struct GroupedSumArgs {
 
 template <typename Tindex>
 Status CheckGroupedSumInputs(thread::ThreadPool* pool, const GroupAttrs& attrs,
-                             const Tensor& indices, const Tensor& row_splits,
-                             const Tensor& weights, const Tensor& params, GroupedSumArgs* a) {
+                             const Tensor& indices, const Tensor& row_splits, const Tensor& weights,
+                             const Tensor& params, GroupedSumArgs* a) {
   GroupArgs group;
   TF_RETURN_IF_ERROR(ValidateGroupInputs(attrs, indices, row_splits, weights, &group));
   TF_RETURN_IF_ERROR(ValidateParamsShape(params));
@@ -138,10 +138,9 @@ Status CheckGroupedSumInputs(thread::ThreadPool* pool, const GroupAttrs& attrs,
   a->dim = params.dim_size(1);
   for (int64_t t = 0; t < a->features; ++t) {
     if (attrs.row_offsets[t] + attrs.num_rows[t] > a->num_rows) {
-      return errors::InvalidArgument("params has ", a->num_rows, " rows but feature ",
-                                     attrs.labels[t], "'s table needs ",
-                                     attrs.row_offsets[t] + attrs.num_rows[t],
-                                     " (row_offsets + num_rows)");
+      return errors::InvalidArgument(
+          "params has ", a->num_rows, " rows but feature ", attrs.labels[t], "'s table needs ",
+          attrs.row_offsets[t] + attrs.num_rows[t], " (row_offsets + num_rows)");
     }
   }
   a->splits = row_splits.flat<int64_t>().data();
@@ -173,31 +172,45 @@ Status CheckGroupedSumInputs(thread::ThreadPool* pool, const GroupAttrs& attrs,
   return GroupBadIndexError(attrs, t, j - splits[t * batch], static_cast<int64_t>(ids[j]));
 }
 
-// ---------------------------------------------------------------------------
-// Forward.
-
-template <typename T, typename Tindex>
-class GroupedSumOp : public OpKernel {
+// The OpKernel of both ops: the group attrs, parsed once; the stacked table
+// (resource input kParams, read under its variable's shared lock) and the bags
+// (inputs kParams + 1 to 3) checked, then Op::Run(ctx, pool, params, args).
+template <typename Op, typename T, typename Tindex, int kParams>
+class GroupedSumKernel : public OpKernel {
  public:
-  explicit GroupedSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit GroupedSumKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, GetGroupAttrs(ctx, /*with_weights=*/true, &attrs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OP_REQUIRES_OK(ctx, WithParamsStatus<T, true>(ctx, 0, [&](const Tensor& params) {
-                     return Run(ctx, params);
+    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    OP_REQUIRES_OK(ctx, WithParamsStatus<T, true>(ctx, kParams, [&](const Tensor& params) {
+                     GroupedSumArgs a;
+                     TF_RETURN_IF_ERROR(CheckGroupedSumInputs<Tindex>(
+                         pool, attrs_, ctx->input(kParams + 1), ctx->input(kParams + 2),
+                         ctx->input(kParams + 3), params, &a));
+                     return static_cast<Op*>(this)->Run(ctx, pool, params, a);
                    }));
   }
 
- private:
-  Status Run(OpKernelContext* ctx, const Tensor& params) {
+ protected:
+  GroupAttrs attrs_;
+};
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+template <typename T, typename Tindex>
+class GroupedSumOp : public GroupedSumKernel<GroupedSumOp<T, Tindex>, T, Tindex, 0> {
+ public:
+  using GroupedSumKernel<GroupedSumOp, T, Tindex, 0>::GroupedSumKernel;
+
+  Status Run(OpKernelContext* ctx, thread::ThreadPool* pool, const Tensor& params,
+             const GroupedSumArgs& a) {
+    const GroupAttrs& attrs = this->attrs_;
     using Acc = AccT<T>;
-    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const Tensor& indices = ctx->input(1);
     const Tensor& weights_in = ctx->input(3);
-    GroupedSumArgs a;
-    TF_RETURN_IF_ERROR(CheckGroupedSumInputs<Tindex>(pool, attrs_, indices, ctx->input(2),
-                                                     weights_in, params, &a));
     TensorShape shape;
     TF_RETURN_IF_ERROR(MatrixShape("output [B, T * D]", a.batch, a.features * a.dim, &shape));
     Tensor* output = nullptr;
@@ -206,7 +219,7 @@ class GroupedSumOp : public OpKernel {
     if (output->NumElements() == 0) return OkStatus();
     const T* table = params.flat<T>().data();
     const Tindex* ids = indices.flat<Tindex>().data();
-    const T* weights = attrs_.has_weights ? weights_in.flat<T>().data() : nullptr;
+    const T* weights = attrs.has_weights ? weights_in.flat<T>().data() : nullptr;
     const int64_t* splits = a.splits;
     T* out = output->flat<T>().data();
     // Bag k = t * B + b of the input: feature t's bag of example b.
@@ -214,8 +227,8 @@ class GroupedSumOp : public OpKernel {
       std::vector<Acc> acc(dim);
       for (int64_t k = begin; k < end; ++k) {
         const int64_t t = k / batch, b = k - t * batch;
-        const T* base = table + attrs_.row_offsets[t] * dim;
-        const int64_t rows = attrs_.num_rows[t];
+        const T* base = table + attrs.row_offsets[t] * dim;
+        const int64_t rows = attrs.num_rows[t];
         const int64_t feature_end = splits[(t + 1) * batch];
         std::fill(acc.begin(), acc.end(), Acc(0));
         for (int64_t j = splits[k]; j < splits[k + 1]; ++j) {
@@ -225,7 +238,7 @@ class GroupedSumOp : public OpKernel {
             if (next >= 0 && next < rows) PrefetchRange(base + next * dim, dim);
           }
           const int64_t id = static_cast<int64_t>(ids[j]);
-          if (attrs_.IsPadding(t, id)) continue;
+          if (attrs.IsPadding(t, id)) continue;
           const Acc w = weights != nullptr ? static_cast<Acc>(weights[j]) : Acc(1);
           AddScaled(acc.data(), w, base + id * dim, dim);
         }
@@ -234,8 +247,6 @@ class GroupedSumOp : public OpKernel {
     });
     return OkStatus();
   }
-
-  GroupAttrs attrs_;
 };
 
 // ---------------------------------------------------------------------------
@@ -311,11 +322,11 @@ void RadixSort(uint64_t* words, uint64_t* tmp, int64_t n, int shift, int key_bit
 // Scratch of one CPU thread, reused by every call on it (grown, never shrunk): a
 // fresh multi-MiB vector per call costs a page fault per 4 KiB.
 struct GroupedSumScratch {
-  std::vector<uint64_t> words, tmp;   // [M] (row - low) << pos_bits | entry
-  std::vector<int64_t> seg_starts;    // [U + 1] into words
-  std::vector<int64_t> entry_rows;    // [nnz] the bag (t * B + b) of each entry
-  std::vector<int64_t> grad_rows;     // [M] the same, of each sorted entry
-  std::vector<char> grad;             // [T * B, D] of T: the upstream gradient by bag
+  std::vector<uint64_t> words, tmp;  // [M] (row - low) << pos_bits | entry
+  std::vector<int64_t> seg_starts;   // [U + 1] into words
+  std::vector<int64_t> entry_rows;   // [nnz] the bag (t * B + b) of each entry
+  std::vector<int64_t> grad_rows;    // [M] the same, of each sorted entry
+  std::vector<char> grad;            // [T * B, D] of T: the upstream gradient by bag
   static GroupedSumScratch& Get() {
     static thread_local GroupedSumScratch scratch;
     return scratch;
@@ -323,28 +334,17 @@ struct GroupedSumScratch {
 };
 
 template <typename T, typename Tindex>
-class GroupedSumGradOp : public OpKernel {
+class GroupedSumGradOp : public GroupedSumKernel<GroupedSumGradOp<T, Tindex>, T, Tindex, 1> {
  public:
-  explicit GroupedSumGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, GetGroupAttrs(ctx, /*with_weights=*/true, &attrs_));
-  }
+  using GroupedSumKernel<GroupedSumGradOp, T, Tindex, 1>::GroupedSumKernel;
 
-  void Compute(OpKernelContext* ctx) override {
-    OP_REQUIRES_OK(ctx, WithParamsStatus<T, true>(ctx, 1, [&](const Tensor& params) {
-                     return Run(ctx, params);
-                   }));
-  }
-
- private:
-  Status Run(OpKernelContext* ctx, const Tensor& params) {
+  Status Run(OpKernelContext* ctx, thread::ThreadPool* pool, const Tensor& params,
+             const GroupedSumArgs& a) {
+    const GroupAttrs& attrs = this->attrs_;
     using Acc = AccT<T>;
-    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const Tensor& grad_in = ctx->input(0);
     const Tensor& indices = ctx->input(2);
     const Tensor& weights_in = ctx->input(4);
-    GroupedSumArgs a;
-    TF_RETURN_IF_ERROR(CheckGroupedSumInputs<Tindex>(pool, attrs_, indices, ctx->input(3),
-                                                     weights_in, params, &a));
     const int64_t batch = a.batch, features = a.features, dim = a.dim, nnz = a.nnz;
     if (grad_in.dims() != 2 || grad_in.dim_size(0) != batch ||
         grad_in.dim_size(1) != features * dim) {
@@ -353,21 +353,21 @@ class GroupedSumGradOp : public OpKernel {
     }
     const Tindex* ids = indices.flat<Tindex>().data();
     const int64_t* splits = a.splits;
-    const T* weights = attrs_.has_weights ? weights_in.flat<T>().data() : nullptr;
+    const T* weights = attrs.has_weights ? weights_in.flat<T>().data() : nullptr;
     Tensor* weights_grad = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(
-        2, TensorShape({attrs_.has_weights ? nnz : int64_t{0}}), &weights_grad));
-    T* dw = attrs_.has_weights ? weights_grad->flat<T>().data() : nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({attrs.has_weights ? nnz : int64_t{0}}),
+                                            &weights_grad));
+    T* dw = attrs.has_weights ? weights_grad->flat<T>().data() : nullptr;
     if (dw != nullptr) std::fill(dw, dw + nnz, T(0));  // padding entries keep 0
 
     // The entries of each range, counted, then packed and sorted range by range.
-    std::vector<RowRange> ranges = RowRanges(attrs_);
+    std::vector<RowRange> ranges = RowRanges(attrs);
     const int64_t num_ranges = static_cast<int64_t>(ranges.size());
     int64_t total = 0;
     for (RowRange& r : ranges) {
       for (const int64_t t : r.features) {
         for (int64_t j = splits[t * batch]; j < splits[(t + 1) * batch]; ++j) {
-          r.entries += attrs_.IsPadding(t, static_cast<int64_t>(ids[j])) ? 0 : 1;
+          r.entries += attrs.IsPadding(t, static_cast<int64_t>(ids[j])) ? 0 : 1;
         }
       }
       r.first_entry = total;
@@ -388,7 +388,8 @@ class GroupedSumGradOp : public OpKernel {
     uint64_t* words = scratch.words.data();
     uint64_t* tmp = scratch.tmp.data();
     std::vector<int64_t> range_work(num_ranges + 1);
-    for (int64_t g = 0; g < num_ranges; ++g) range_work[g + 1] = ranges[g].first_entry + ranges[g].entries;
+    for (int64_t g = 0; g < num_ranges; ++g)
+      range_work[g + 1] = ranges[g].first_entry + ranges[g].entries;
     std::vector<int64_t> range_unique(num_ranges);
     ForWorkBlocks(pool, range_work.data(), num_ranges, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) {
@@ -400,11 +401,11 @@ class GroupedSumGradOp : public OpKernel {
         std::vector<int64_t> by_position = r.features;
         std::sort(by_position.begin(), by_position.end());
         for (const int64_t t : by_position) {
-          const uint64_t base = static_cast<uint64_t>(attrs_.row_offsets[t] - r.low);
+          const uint64_t base = static_cast<uint64_t>(attrs.row_offsets[t] - r.low);
           for (int64_t b = 0; b < batch; ++b) {
             for (int64_t j = splits[t * batch + b]; j < splits[t * batch + b + 1]; ++j) {
               const int64_t id = static_cast<int64_t>(ids[j]);
-              if (attrs_.IsPadding(t, id)) continue;
+              if (attrs.IsPadding(t, id)) continue;
               w[m++] = ((base + static_cast<uint64_t>(id)) << pos_bits) | static_cast<uint64_t>(j);
               entry_rows[j] = t * batch + b;
             }
@@ -498,20 +499,18 @@ class GroupedSumGradOp : public OpKernel {
     });
     return OkStatus();
   }
-
-  GroupAttrs attrs_;
 };
 
-#define TF_TTEMB_REGISTER(T, Tindex)                                                 \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGroupedGatherSum")                   \
-                              .Device(DEVICE_CPU)                                    \
-                              .TypeConstraint<T>("T")                                \
-                              .TypeConstraint<Tindex>("Tindices"),                   \
-                          GroupedSumOp<T, Tindex>);                                  \
-  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGroupedGatherSumGrad")               \
-                              .Device(DEVICE_CPU)                                    \
-                              .TypeConstraint<T>("T")                                \
-                              .TypeConstraint<Tindex>("Tindices"),                   \
+#define TF_TTEMB_REGISTER(T, Tindex)                                   \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGroupedGatherSum")     \
+                              .Device(DEVICE_CPU)                      \
+                              .TypeConstraint<T>("T")                  \
+                              .TypeConstraint<Tindex>("Tindices"),     \
+                          GroupedSumOp<T, Tindex>);                    \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>ResourceGroupedGatherSumGrad") \
+                              .Device(DEVICE_CPU)                      \
+                              .TypeConstraint<T>("T")                  \
+                              .TypeConstraint<Tindex>("Tindices"),     \
                           GroupedSumGradOp<T, Tindex>);
 #define TF_TTEMB_REGISTER_TYPES(T) TF_TTEMB_REGISTER(T, int32) TF_TTEMB_REGISTER(T, int64_t)
 TF_TTEMB_REGISTER_TYPES(Eigen::half)

@@ -127,6 +127,11 @@ REGISTER_OP("TfTtemb>CheckGroupReport")
     })
     .Doc("Raises the InvalidArgument a GroupBags report holds.");
 
+#define TF_TTEMB_GROUPED_SUM_ATTRS                                     \
+  Attr("has_weights: bool")                                            \
+      .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}") \
+      .Attr("Tindices: {int32, int64}")
+
 // Combiner 'sum' of every feature's bags on the stacked table (a resource variable
 // [N, D] of dtype T), in one op, from the input as GroupBags takes it (feature
 // after feature): output[b, t * D : (t + 1) * D] is the weighted sum of the rows
@@ -140,9 +145,7 @@ REGISTER_OP("TfTtemb>ResourceGroupedGatherSum")
     .Input("row_splits: int64")  // [T * B + 1]
     .Input("weights: T")         // [nnz] or [0]
     .Output("output: T")         // [B, T * D]
-    .Attr("has_weights: bool")
-    .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
-    .Attr("Tindices: {int32, int64}")
+    .TF_TTEMB_GROUPED_SUM_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       DimensionHandle batch, dim;
       TF_RETURN_IF_ERROR(GroupedSumInputShapes(c, 0, 1, &batch, &dim));
@@ -168,9 +171,7 @@ REGISTER_OP("TfTtemb>ResourceGroupedGatherSumGrad")
     .Output("unique_rows: int64")  // [U]
     .Output("values: T")           // [U, D]
     .Output("weights_grad: T")     // [nnz] or [0]
-    .Attr("has_weights: bool")
-    .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
-    .Attr("Tindices: {int32, int64}")
+    .TF_TTEMB_GROUPED_SUM_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       DimensionHandle batch, dim;
       TF_RETURN_IF_ERROR(GroupedSumInputShapes(c, 1, 2, &batch, &dim));
@@ -187,6 +188,7 @@ REGISTER_OP("TfTtemb>ResourceGroupedGatherSumGrad")
     })
     .Doc("Gradients of ResourceGroupedGatherSum: the stacked table's deduplicated, weights'.");
 
+#undef TF_TTEMB_GROUPED_SUM_ATTRS
 #undef TF_TTEMB_GROUP_ATTRS
 
 }  // namespace tf_ttemb
