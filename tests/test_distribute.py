@@ -54,7 +54,8 @@ def run_script(script: str, *args: str, timeout: int = 300) -> list[dict]:
 # where two are visible; one GPU split into two logical GPUs where only one is.
 # --------------------------------------------------------------------------------------
 
-MIRRORED = """
+# The two replicas' devices (`devices`) and cross-device ops (`cross`) of argv[2]'s kind.
+TWO_REPLICAS = """
     import json, sys
     import numpy as np
     import tensorflow as tf
@@ -74,6 +75,11 @@ MIRRORED = """
             gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=4096)] * 2)
         devices = ["/gpu:0", "/gpu:1"]
         cross = tf.distribute.ReductionToOneDevice("/gpu:0")
+"""
+
+MIRRORED = (
+    TWO_REPLICAS
+    + """
     import keras
     import tf_ttemb
     from tf_ttemb.layers import (EmbeddingBag, GroupedEmbeddingBag, ProductKeyMemory,
@@ -211,6 +217,7 @@ MIRRORED = """
             "grads": sorted(t for t in traced if t.startswith("grad:")),
         }), flush=True)
 """
+)
 
 
 PKM_MOVING_STATS = """
@@ -318,6 +325,211 @@ def test_mirrored_strategy_matches_one_device(rng, kind):
             assert report["unused_rows_same"], report
             assert report["custom_op"] and not report["composite"], report
             assert report["grads"] == ["grad:IndexedSlices"], report
+
+
+# GroupedEmbeddingBag(sparse=True) under MirroredStrategy: the fused update of every
+# replica's bags applied once to each replica's copy.
+MIRRORED_GROUPED_FUSED = (
+    TWO_REPLICAS
+    + """
+    import keras
+    from tf_ttemb.layers import GroupedEmbeddingBag
+
+    mirrored = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross)
+    single = tf.distribute.OneDeviceStrategy(devices[0])
+    B, STEPS = 8, 3  # global batch (4 examples per replica), steps
+    FEATURES = [
+        {"name": "user", "input_dim": 20, "output_dim": 4},
+        {"name": "item", "input_dim": 15, "output_dim": 4, "combiner": "mean",
+         "padding_id": 0},
+        {"name": "history", "input_dim": 15, "output_dim": 4, "combiner": "mean",
+         "padding_id": 0, "table": "item"},
+        {"name": "tags", "input_dim": 11, "output_dim": 4, "combiner": "max"},
+        {"name": "country", "input_dim": 7, "output_dim": 3, "combiner": "sqrtn"},
+    ]
+    DENSE = {"user": 1, "item": 3, "tags": 2, "country": 2}  # history is ragged
+    CASES = json.loads(sys.argv[3])  # [how, dtype, optimizer]
+    rng = np.random.default_rng(int(sys.argv[1]))
+    data = {n: rng.integers(0, f["input_dim"], size=(B * STEPS, DENSE[n]))
+            for n, f in ((f["name"], f) for f in FEATURES) if n in DENSE}
+    data["item"][rng.random(data["item"].shape) < 0.25] = 0
+    data["item"][1] = 0  # an empty bag (all padding)
+    lengths = rng.integers(0, 5, size=B * STEPS)
+    lengths[2] = 0
+    history = rng.integers(0, 15, size=lengths.sum())
+    history_splits = np.concatenate([[0], np.cumsum(lengths)])
+    item_weights = rng.uniform(0.5, 2.0, size=data["item"].shape)
+    country_weights = rng.uniform(0.5, 2.0, size=data["country"].shape)
+    target = rng.normal(size=(B * STEPS, 1))
+    dy = rng.normal(size=(B * STEPS, 19))
+
+    def copies(variable, strategy):
+        return [np.asarray(c) for c in strategy.experimental_local_results(variable.value)]
+
+    def spread(variable, strategy):
+        got = copies(variable, strategy)
+        return max(float(np.max(np.abs(c - got[0]), initial=0.0)) for c in got)
+
+    def build(strategy, dtype, optimizer):
+        with strategy.scope():
+            keras.utils.set_random_seed(5)
+            inputs = {n: keras.Input((DENSE[n],), dtype="int64", name=n) for n in DENSE}
+            w_item = keras.Input((3,), dtype=dtype, name="w_item")
+            w_country = keras.Input((2,), dtype=dtype, name="w_country")
+            layer = GroupedEmbeddingBag(
+                [f for f in FEATURES if f["name"] in DENSE], sparse=True, optimizer=optimizer,
+                learning_rate=0.3, eps=0.1, dtype=dtype, name="grp")
+            out = layer(inputs, {"item": w_item, "country": w_country})
+            head = keras.layers.Dense(1, dtype=dtype, name="head")(out)
+            model = keras.Model({**inputs, "w_item": w_item, "w_country": w_country}, head)
+            model.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+        return model
+
+    def fit(strategy, dtype, optimizer, initial):
+        # Model.fit over dense ids: every weight after the steps (first copy) and how far
+        # the replicas' copies are apart.
+        model = build(strategy, dtype, optimizer)
+        model.set_weights(initial)
+        x = {n: data[n] for n in DENSE}
+        x.update(w_item=item_weights.astype(dtype), w_country=country_weights.astype(dtype))
+        model.fit(x, target.astype(dtype), batch_size=B, epochs=1, shuffle=False, verbose=0)
+        return ([copies(w, strategy)[0] for w in model.weights],
+                max(spread(w, strategy) for w in model.weights))
+
+    def loop(strategy, dtype, optimizer, start):
+        # strategy.run over every feature (ragged history, weights), loss sum(out * dy),
+        # the trigger's gradient applied by a Keras optimizer: the stacks after the steps.
+        with strategy.scope():
+            layer = GroupedEmbeddingBag(FEATURES, sparse=True, optimizer=optimizer,
+                                        learning_rate=0.3, eps=0.1, dtype=dtype)
+            layer.build()
+            for w, v in layer.stacked.items():
+                v.assign(start[w].astype(dtype))
+            opt = keras.optimizers.SGD(1.0)
+            opt.build(layer.trainable_variables)
+        share = B // strategy.num_replicas_in_sync
+
+        def replica_step(ids, splits, flat, w_item, w_country, dy):
+            inputs = dict(ids, history=tf.RaggedTensor.from_row_splits(flat, splits))
+            with tf.GradientTape() as tape:
+                out = layer(inputs, {"item": w_item, "country": w_country}, training=True)
+                loss = tf.reduce_sum(out * dy)
+            grads = tape.gradient(loss, layer.trainable_variables)
+            opt.apply(grads, layer.trainable_variables)
+
+        @tf.function(reduce_retracing=True)  # the ragged feature's length varies
+        def step(*args):
+            strategy.run(replica_step, args)
+
+        def local(array, s, offset=0):
+            def part(ctx):
+                lo = s * B + ctx.replica_id_in_sync_group * share
+                return tf.constant(array[lo : lo + share])
+            return strategy.experimental_distribute_values_from_function(part)
+
+        def local_history(s):
+            def part(ctx, what):
+                lo = s * B + ctx.replica_id_in_sync_group * share
+                first, last = history_splits[lo], history_splits[lo + share]
+                if what == "splits":
+                    return tf.constant(history_splits[lo : lo + share + 1] - first)
+                return tf.constant(history[first:last])
+            return [strategy.experimental_distribute_values_from_function(
+                lambda ctx, what=what: part(ctx, what)) for what in ("splits", "flat")]
+
+        for s in range(STEPS):
+            ids = {n: local(data[n], s) for n in DENSE}
+            step(ids, *local_history(s), local(item_weights.astype(dtype), s),
+                 local(country_weights.astype(dtype), s), local(dy.astype(dtype), s))
+        state = list(layer.stacked.values()) + list(layer.accumulators.values())
+        return ([copies(v, strategy)[0] for v in state],
+                max(spread(v, strategy) for v in state))
+
+    for how, dtype, optimizer in CASES:
+        if how == "loop":
+            continue
+        # Tables and head from a wider range than their initializers give (accumulators 0).
+        initial = [rng.uniform(-1, 1, size=w.shape).astype(dtype)
+                   if "embeddings" in w.path or "kernel" in w.path else w.numpy()
+                   for w in build(single, dtype, optimizer).weights]
+        one, _ = fit(single, dtype, optimizer, initial)
+        two, copies_differ = fit(mirrored, dtype, optimizer, initial)
+        errors = [float(np.max(np.abs(a - b), initial=0.0)) / max(1.0, float(np.max(np.abs(b))))
+                  for a, b in zip(two, one) if b.size]
+        moved = [float(np.max(np.abs(b - a))) for a, b in zip(initial, one) if b.size]
+        print(json.dumps({"case": f"fit/{dtype}/{optimizer}", "dtype": dtype, "error": max(errors),
+                          "copies_differ": copies_differ, "moved": min(moved)}), flush=True)
+    for how, dtype, optimizer in CASES:
+        if how == "fit":
+            continue
+        start = {4: rng.uniform(-1, 1, size=(46, 4)), 3: rng.uniform(-1, 1, size=(7, 3))}
+        one, _ = loop(single, dtype, optimizer, start)
+        two, copies_differ = loop(mirrored, dtype, optimizer, start)
+        errors = [float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
+                  for a, b in zip(two, one)]
+        stacks_moved = min(float(np.max(np.abs(one[i] - start[w])))
+                           for i, w in enumerate(start))
+        # Rows of `user` (stack 4, rows 0-19) that no step read stay as they were.
+        read = np.zeros(20, bool)
+        read[data["user"].reshape(-1)] = True
+        unread_same = bool(np.array_equal(two[0][:20][~read], start[4][:20][~read].astype(dtype)))
+        print(json.dumps({"case": f"loop/{dtype}/{optimizer}", "dtype": dtype,
+                          "error": max(errors), "copies_differ": copies_differ,
+                          "moved": stacks_moved, "unread_same": unread_same}), flush=True)
+"""
+)
+
+
+@pytest.mark.parametrize("kind", _replica_kinds())
+def test_mirrored_grouped_fused_update_matches_one_device(rng, kind):
+    """GroupedEmbeddingBag(sparse=True) on two replicas: Model.fit (SGD, row-wise Adagrad,
+    Adagrad; dense ids, weights, padding, an empty bag, max) and a custom strategy.run loop
+    (every feature, a ragged one with an empty bag, a shared table) reach the stacks,
+    accumulators and head weights of one device over the whole batch, every replica's copy
+    of a stack is the same, and rows no step read stay unchanged."""
+    # Every optimizer, Model.fit and a custom loop (the runs are slow on two cores).
+    runs = [
+        ("fit", "float64", "adagrad"),
+        ("fit", "float32", "rowwise_adagrad"),
+        ("loop", "float64", "sgd"),
+        ("loop", "float64", "rowwise_adagrad"),
+    ]
+    reports = run_script(
+        MIRRORED_GROUPED_FUSED,
+        str(int(rng.integers(1 << 30))),
+        kind,
+        json.dumps(runs),
+        timeout=600,
+    )
+    cases = {report["case"]: report for report in reports}
+    assert sorted(cases) == sorted("/".join(run) for run in runs), sorted(cases)
+    for name, report in cases.items():
+        tolerance = TOLERANCE[report["dtype"]]
+        assert report["error"] <= tolerance, report
+        # Every replica applies the same update, from the same gathered inputs: bitwise.
+        assert report["copies_differ"] == 0.0, report
+        assert report["moved"] > 1e-3, report
+        if name.startswith("loop/"):
+            assert report["unread_same"], report
+
+
+def test_fused_grouped_refuses_other_strategies():
+    """GroupedEmbeddingBag(sparse=True) names the strategy it cannot run under."""
+    from tf_ttemb.layers import GroupedEmbeddingBag
+
+    features = [{"name": "a", "input_dim": 4, "output_dim": 2}]
+    strategy = tf.distribute.experimental.CentralStorageStrategy()
+    with strategy.scope():
+        with pytest.raises(
+            ValueError,
+            match=r"sparse=True\) supports the strategies MirroredStrategy and "
+            r"OneDeviceStrategy only, got CentralStorageStrategy: every replica reads the one "
+            r"copy of the table",
+        ):
+            GroupedEmbeddingBag(features, sparse=True)
+        GroupedEmbeddingBag(features)  # sparse=False is fine
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        GroupedEmbeddingBag(features, sparse=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -871,20 +1083,37 @@ PS_GROUPED = (
     features = json.loads(str(data["features"]))
     steps, lr = int(data["steps"]), float(data["lr"])
     partitioner = (tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
-                   if placement == "rows" else None)
+                   if placement.endswith("rows") else None)
     servers, strategy, coordinator = connect(
         [("worker", 0), ("worker", 1), ("ps", 0), ("ps", 1)], partitioner)
+    per_table = placement.startswith("table")
     with strategy.scope():
-        layer = tf_ttemb.layers.GroupedEmbeddingBag(features, dtype=dtype)
+        layer = tf_ttemb.layers.GroupedEmbeddingBag(
+            features, dtype=dtype, placement="table" if per_table else "stacked")
         layer.build(None)
+        # Each width's tables, in the stack's row order.
+        owned = {w: [n for n, v in layer.table_variables.items() if v.shape[1] == w]
+                 for w in (4, 3)}
         for width in layer.stacked:
             layer.stacked[width].assign(data[f"stack_{width}"].astype(dtype))
-        # Differentiate w.r.t. the shards of a sharded stack (Keras 3 cannot take a
-        # gradient w.r.t. a Keras variable holding a ShardedVariable), else the stack.
-        variables = [s for w in sorted(layer.stacked)
-                     for s in (distribute.shards_of(layer.stacked[w]) or [layer.stacked[w]])]
+        for width, names in owned.items():
+            start = 0
+            for name in names:
+                variable = layer.table_variables[name]
+                rows = variable.shape[0]
+                variable.assign(data[f"stack_{width}"][start : start + rows].astype(dtype))
+                start += rows
+        # Differentiate w.r.t. the shards of a sharded stack or table (Keras 3 cannot take
+        # a gradient w.r.t. a Keras variable holding a ShardedVariable), else the variable.
+        variables = [s for v in layer.trainable_variables
+                     for s in (distribute.shards_of(v) or [v])]
         optimizer = keras.optimizers.SGD(lr)
         optimizer.build(variables)
+        try:
+            tf_ttemb.layers.GroupedEmbeddingBag(features, sparse=True)
+            refusal = None
+        except ValueError as e:
+            refusal = str(e)
     names = [f["name"] for f in features]
     ragged = [n for n in names if f"0_{n}_splits" in data.files]
     graphs, grad_types = [], set()
@@ -917,16 +1146,24 @@ PS_GROUPED = (
         coordinator.join()
     users, lookups = graph_report(graphs[0], variables)
     result = {}
-    for width, stack in layer.stacked.items():
-        shards = distribute.shards_of(stack) or [stack]
-        result[f"stack_{width}"] = np.concatenate([np.asarray(s.numpy()) for s in shards])
-        result[f"rows_{width}"] = np.asarray([s.shape[0] for s in shards])
-        result[f"devices_{width}"] = np.asarray(
-            [(s.value if isinstance(s, keras.Variable) else s).device for s in shards])
+    units = {str(w): [v] for w, v in layer.stacked.items()}  # report key -> variables
+    units.update({n: [v] for n, v in layer.table_variables.items()})
+    for width, names in owned.items():
+        if names:
+            units[str(width)] = [layer.table_variables[n] for n in names]
+    for key, unit in units.items():
+        shards = [s for v in unit for s in (distribute.shards_of(v) or [v])]
+        values = np.concatenate([np.asarray(s.numpy()) for s in shards])
+        if len(unit) > 1 or key in ("4", "3"):
+            result[f"stack_{key}"] = values
+        if len(unit) == 1:
+            result[f"rows_{key}"] = np.asarray([s.shape[0] for s in shards])
+            result[f"devices_{key}"] = np.asarray(
+                [(s.value if isinstance(s, keras.Variable) else s).device for s in shards])
     result["table_item"] = layer.table("item").numpy()
     np.savez(sys.argv[2], **result)
     print(json.dumps({"handle_users": users, "lookup_devices": lookups, "losses": losses,
-                      "grads": sorted(grad_types)}), flush=True)
+                      "grads": sorted(grad_types), "sparse_refusal": refusal}), flush=True)
 """
 )
 
@@ -1033,17 +1270,29 @@ def _grouped_single_process(stacks: dict, data: list, lr: float, dtype: str) -> 
     return {w: layer.stacked[w].numpy() for w in layer.stacked}
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("placement", ["whole", "rows"])
+@pytest.mark.parametrize(
+    "placement,dtype",
+    [
+        ("whole", "float64"),
+        ("whole", "float32"),
+        ("rows", "float64"),
+        ("rows", "float32"),
+        ("table", "float64"),
+        ("table_rows", "float64"),
+    ],
+)
 def test_parameter_server_grouped_embedding_bag(rng, tmp_path, placement, dtype):
     """GroupedEmbeddingBag on a cluster of 2 workers and 2 parameter servers, trained by
     ClusterCoordinator-scheduled SGD steps (sum, mean over a shared table with weights and
     padding, max, ragged bags with an empty one; two widths). "whole": each width's stack
     lives whole on one parameter server. "rows": FixedShardsPartitioner(2) shards each
     stack by rows, the boundary inside a table, and each shard is looked up where it
-    lives. After the steps the stacks equal the same steps in one process and a float64
-    numpy reference of them, untouched rows are unchanged, and the gradients are
-    IndexedSlices (no op reads a stack or shard whole)."""
+    lives. "table": placement="table", each table a variable placed whole on a parameter
+    server (both servers hold tables). "table_rows": those tables each sharded by rows
+    over both servers. After the steps the stacks (or the tables in stack order) equal the
+    same steps in one process and a float64 numpy reference of them, untouched rows are
+    unchanged, and the gradients are IndexedSlices (no op reads a stack, table or shard
+    whole). sparse=True is refused under the strategy, naming it."""
     steps, batch, lr = 3, 6, 0.0625  # exact in float32 (Keras keeps it so)
     data = _grouped_steps(rng, steps, batch)
     stacks = {4: rng.uniform(-0.5, 0.5, size=(61, 4)), 3: rng.uniform(-0.5, 0.5, size=(6, 3))}
@@ -1082,6 +1331,8 @@ def test_parameter_server_grouped_embedding_bag(rng, tmp_path, placement, dtype)
                     touched[offset + ids[ids != f.get("padding_id", -1)]] = True
         assert np.max(np.abs(stack - stacks[width])[touched]) > 1e-2, width
         np.testing.assert_array_equal(stack[~touched], stacks[width][~touched].astype(dtype))
+        if placement.startswith("table"):
+            continue
         devices = [str(d) for d in got[f"devices_{width}"]]
         if placement == "rows":
             assert list(got[f"rows_{width}"]) == [(rows + 1) // 2, rows // 2]
@@ -1091,8 +1342,27 @@ def test_parameter_server_grouped_embedding_bag(rng, tmp_path, placement, dtype)
             assert devices[0] in ps_devices, devices
     if placement == "whole":  # round robin: one stack on each parameter server
         assert {str(got["devices_4"][0]), str(got["devices_3"][0])} == set(ps_devices)
-    else:
+    elif placement == "rows":
         assert report["lookup_devices"] == ps_devices, report
+    else:
+        tables = {f.get("table", f["name"]): f["input_dim"] for f in GROUPED_FEATURES}
+        placed = set()
+        for name, rows in tables.items():
+            devices = [str(d) for d in got[f"devices_{name}"]]
+            placed.update(devices)
+            if placement == "table_rows":
+                assert list(got[f"rows_{name}"]) == [(rows + 1) // 2, rows // 2], name
+                assert devices == ps_devices, (name, devices)
+            else:
+                assert list(got[f"rows_{name}"]) == [rows], name
+                assert len(devices) == 1 and devices[0] in ps_devices, (name, devices)
+        assert placed == set(ps_devices)  # the tables are spread over both servers
+        assert set(ps_devices) <= set(report["lookup_devices"]), report
+    assert report["sparse_refusal"].startswith(
+        "GroupedEmbeddingBag(sparse=True) supports the strategies MirroredStrategy and "
+        "OneDeviceStrategy only, got ParameterServerStrategy: the tables live on parameter "
+        "servers"
+    ), report
     np.testing.assert_allclose(got["table_item"], got["stack_4"][23:40], rtol=0, atol=0)
     assert report["grads"] == ["IndexedSlices"], report
     assert "ReadVariableOp" not in report["handle_users"], report

@@ -443,3 +443,153 @@ def test_fused_adagrad_state_survives_save_and_load(rng, tmp_path):
         np.testing.assert_allclose(
             layers[1].stacked[w].numpy(), layers[0].stacked[w].numpy(), rtol=1e-6, atol=1e-7
         )
+
+
+# ----------------------------------------------------------------------------------------
+# The small DLRM of issue 17 (python/bench/bench_dlrm_fit.py), grouped against per-table.
+
+
+def _bench_dlrm_fit():
+    """python/bench/bench_dlrm_fit.py as a module (its model and its --parity run)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "python/bench/bench_dlrm_fit.py"
+    spec = importlib.util.spec_from_file_location("bench_dlrm_fit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "policy,tolerance",
+    [("float32", 1e-5), ("mixed_float16", 1e-2), ("mixed_bfloat16", 1e-2)],
+)
+def test_dlrm_fit_matches_the_per_table_model(policy, tolerance):
+    """bench_dlrm_fit.py's DLRM (dense features, bottom MLP, a weighted bag per table,
+    pairwise dot interaction, top MLP, logistic loss, SGD) trained by Model.fit with one
+    GroupedEmbeddingBag and with one EmbeddingBag per table, from the same weights on the
+    same batches: every step's loss and every table's change agree within the dtype's
+    tolerance, and training moved the tables."""
+    bench = _bench_dlrm_fit()
+    args = bench.parse_args(
+        [
+            "--parity",
+            "--arch=dlrm",
+            f"--policy={policy}",
+            "--tables=4",
+            "--rows=50",
+            "--dim=8",
+            "--batch=64",
+            "--bag=5",
+            "--steps=6",
+            "--distinct-batches=3",
+            "--lr=0.5",
+        ]
+    )
+    result = bench.parity(args, bench.make_dataset(args), hidden=(16, 8))
+    losses = result["losses"]
+    assert len(losses["grouped"]) == len(losses["tf_ttemb"]) == 6
+    np.testing.assert_allclose(losses["grouped"], losses["tf_ttemb"], rtol=tolerance)
+    assert result["loss_difference"] <= tolerance
+    assert result["table_difference"] <= tolerance
+    for start, got, want in zip(
+        result["start"], result["tables"]["grouped"], result["tables"]["tf_ttemb"]
+    ):
+        moved = want - start
+        assert np.max(np.abs(moved)) > 1e-4
+        np.testing.assert_allclose(
+            got - start, moved, rtol=tolerance, atol=tolerance * np.max(np.abs(moved))
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# placement="table": one variable per table.
+
+
+def test_table_placement_matches_the_stacked_layer(rng):
+    """One variable per table (`embeddings_<table>`), looked up as the pieces of each
+    width's stack: outputs and gradients equal the stacked layer holding the same tables
+    (weights, padding, a shared table, ragged bags, every combiner)."""
+    stacked = GroupedEmbeddingBag(FEATURES, dtype="float64")
+    layer = GroupedEmbeddingBag(FEATURES, placement="table", dtype="float64")
+    layer.build()
+    stacked.build()
+    assert sorted(v.name for v in layer.trainable_variables) == [
+        "embeddings_country",
+        "embeddings_item",
+        "embeddings_tags",
+        "embeddings_user",
+    ]
+    for name, variable in layer.table_variables.items():
+        variable.assign(stacked.table(name))
+        np.testing.assert_array_equal(layer.table(name).numpy(), stacked.table(name).numpy())
+    inputs = _inputs(rng)
+    weights = {"item": rng.uniform(0.5, 1.5, size=(BATCH, 3))}
+    dy = rng.normal(size=(BATCH, 37))
+    results = []
+    for one, variables in (
+        (stacked, [stacked.stacked[8], stacked.stacked[5]]),
+        (layer, [layer.table_variables[t] for t in ("user", "item", "tags", "country")]),
+    ):
+        with tf.GradientTape() as tape:
+            out = one(inputs, weights)
+            loss = tf.reduce_sum(out * dy)
+        grads = tape.gradient(loss, variables)
+        dense = [tf.convert_to_tensor(g).numpy() for g in grads]
+        if one is layer:
+            assert all(isinstance(g, tf.IndexedSlices) for g in grads)
+            dense = [np.concatenate(dense[:3]), dense[3]]  # the stacks' row order
+        results.append((out.numpy(), dense))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    for got, want in zip(results[1][1], results[0][1]):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    config = layer.get_config()
+    assert config["placement"] == "table"
+    assert GroupedEmbeddingBag.from_config(config).get_config() == config
+
+
+def test_table_placement_trains_and_saves(rng, tmp_path):
+    """Model.fit with placement="table" equals the stacked layer's training; a .keras
+    round trip keeps the per-table variables."""
+    features = [FEATURES[0], FEATURES[1], FEATURES[3]]
+    data = {k: v for k, v in _inputs(rng, 64).items() if k in ("user", "item", "country")}
+    labels = rng.normal(size=(64, 1)).astype(np.float32)
+    stacked = GroupedEmbeddingBag(features)
+    layer = GroupedEmbeddingBag(features, placement="table")
+    models = [_model(stacked), _model(layer)]
+    for name, variable in layer.table_variables.items():
+        variable.assign(stacked.table(name))
+    models[1].layers[-1].set_weights(models[0].layers[-1].get_weights())
+    for m in models:
+        m.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        m.fit(data, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for f in features:
+        np.testing.assert_allclose(
+            layer.table(f["name"]).numpy(), stacked.table(f["name"]).numpy(), rtol=1e-5, atol=1e-6
+        )
+    path = str(tmp_path / "table.keras")
+    models[1].save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded(data).numpy(), models[1](data).numpy(), rtol=1e-6)
+    assert loaded.layers[3].placement == "table"
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(placement="tables"), "placement must be one of 'stacked', 'table'"),
+        (dict(placement="table", sparse=True), "placement='table' does not take sparse=True"),
+        (
+            dict(
+                placement="table",
+                features=[{"name": "a", "input_dim": 3, "output_dim": 2, "table": "x/y"}],
+            ),
+            r"table names cannot hold '/', got \['x/y'\]",
+        ),
+    ],
+)
+def test_placement_errors(kwargs, message):
+    kwargs = {"features": FUSED_FEATURES, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        GroupedEmbeddingBag(**kwargs)

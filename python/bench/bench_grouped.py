@@ -13,7 +13,10 @@ forward and the gradients of a random upstream gradient (IndexedSlices for the t
   one_lookup  one `gather_reduce_sum` of all the ids at once on the stacked table, bags of
               the same sizes (what a single fused lookup of these rows costs)
 Times: per call (one call, ending in a 1-element fetch) and in graph (`--steps` steps with
-their own ids inside one call, divided), medians of `--repeats`. Ratios: separate /
+their own ids inside one call, divided), medians of `--repeats`; and the process's CPU
+time per call (all its threads), the figure to compare on a shared machine, whose load
+(printed) moves the wall-clock times of a one-op step and of 26 ops run side by side
+differently. Ratios: separate /
 grouped (target >= 5x on the GPU, >= 2x on the CPU) and grouped / one_lookup (target
 <= 1.5x on the GPU), from the in-graph times.
 """
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_util
@@ -144,18 +149,30 @@ def main(argv=None) -> int:
             once = tf.function(lambda step=step: step(data[0]))
             many = tf.function(lambda step=step: tf.add_n([step(ids) for ids in data]))
         per_call = _bench_util.time_calls(lambda: once().numpy(), 3, args.repeats).median_ms
+        cpu = []
+        for _ in range(args.repeats):
+            start = time.process_time()
+            once().numpy()
+            cpu.append((time.process_time() - start) * 1e3)
         in_graph = (
             _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 2)).median_ms
             / args.steps
         )
-        results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph}
-        _bench_util.log(f"{name}: fwd+bwd {per_call:.3f} ms per call, {in_graph:.3f} ms in graph")
+        cpu_ms = statistics.median(cpu)
+        results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph, "cpu_ms": cpu_ms}
+        _bench_util.log(
+            f"{name}: fwd+bwd {per_call:.3f} ms per call, {in_graph:.3f} ms in graph, "
+            f"{cpu_ms:.3f} ms of CPU time per call"
+        )
     g, s, o = (results[k]["in_graph_ms"] for k in ("grouped", "separate", "one_lookup"))
     gp, sp = results["grouped"]["per_call_ms"], results["separate"]["per_call_ms"]
     print(
         f"grouped fwd+bwd: {gp:.3f} ms per call, {g:.3f} ms in graph; separate layers "
         f"{sp:.3f} / {s:.3f} ms: {sp / gp:.2f}x per call, {s / g:.2f}x in graph; one lookup of "
-        f"the same rows {o:.3f} ms in graph: grouped / one lookup = {g / o:.2f}x"
+        f"the same rows {o:.3f} ms in graph: grouped / one lookup = {g / o:.2f}x; CPU time per "
+        f"call {results['grouped']['cpu_ms']:.3f} / {results['separate']['cpu_ms']:.3f} ms: "
+        f"{results['separate']['cpu_ms'] / results['grouped']['cpu_ms']:.2f}x; load average "
+        f"{os.getloadavg()[0]:.2f}"
     )
     if args.json:
         results.update(device=args.device, scale=scale, rows=rows, batch=args.batch)

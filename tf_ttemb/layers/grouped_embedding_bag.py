@@ -14,9 +14,11 @@ from tf_ttemb import _args
 from tf_ttemb import distribute as _distribute
 from tf_ttemb.ops import _common
 from tf_ttemb.ops import grouped as _grouped
+from tf_ttemb.ops import sparse_apply as _sparse_apply
 
 _KEYS = ("name", "input_dim", "output_dim", "combiner", "initializer", "padding_id", "table")
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad")
+PLACEMENTS = ("stacked", "table")
 
 
 def _non_negative(name: str, value: Any, positive: bool) -> float:
@@ -85,12 +87,21 @@ class GroupedEmbeddingBag(keras.layers.Layer):
       * `table`: the name of its table (default: the feature's name). Features with
         the same table share it and must agree on input_dim, output_dim and initializer.
 
-    Under `tf.distribute.ParameterServerStrategy` each stack is one variable placed
-    whole on a parameter server, or, with a `variable_partitioner`, a `ShardedVariable`
-    split by rows (anywhere, inside a table too): the layer then looks it up with
-    `tf_ttemb.distribute.sharded_grouped_gather_reduce_sum`, each shard's part on the
-    parameter server that holds it, and each shard gets its own `tf.IndexedSlices`
-    gradient (differentiate w.r.t. `tf_ttemb.distribute.shards_of(layer.stacked[w])`).
+    With `placement="table"` each table is a variable of its own instead
+    (`embeddings_<table>`, in `layer.table_variables`), looked up together with the
+    other tables of its width as the pieces of one stack (row for row the stacked
+    layout): for `ParameterServerStrategy`, which then places tables, not stacks, on the
+    parameter servers. On one device "stacked" (the default) is faster: one lookup per
+    width rather than one per table.
+
+    Under `tf.distribute.ParameterServerStrategy` each variable (a stack, or a table with
+    `placement="table"`) is placed whole on a parameter server, or, with a
+    `variable_partitioner`, is a `ShardedVariable` split by rows (anywhere, inside a
+    table too): the layer then looks it up with
+    `tf_ttemb.distribute.sharded_grouped_gather_reduce_sum`, each shard's or table's part
+    on the parameter server that holds it, and each shard gets its own
+    `tf.IndexedSlices` gradient (differentiate w.r.t. the shards,
+    `tf_ttemb.distribute.shards_of(v) or [v]` for each of `layer.trainable_variables`).
     See `docs/distribute.md`.
 
     Fused update (`sparse=True`): the stacks are non-trainable and the backward pass
@@ -104,8 +115,13 @@ class GroupedEmbeddingBag(keras.layers.Layer):
     `fused_update_trigger` is the handle through which tapes (and `Model.fit`) reach the
     update; calls with `training=False` never update. Each row gets one update per step
     (features sharing a table must then share a combiner). The fused update runs the
-    custom op only: not under XLA, not under `tf.distribute` strategies, and not with a
-    `mixed_float16` policy (it cannot undo the loss scaling).
+    custom op only: not under XLA, and not with a `mixed_float16` policy (it cannot undo
+    the loss scaling). Under `tf.distribute.MirroredStrategy` (`Model.fit` or
+    `strategy.run`) every replica applies the update of all replicas' bags to its copy
+    of the stacks, so the copies stay equal and a step equals one device's step on the
+    whole batch (the replicas' gradients summed, as Keras sums them); outside replica
+    context the stacks are only read. Other multi-replica strategies raise a ValueError
+    naming them (see `docs/distribute.md`).
 
     Under mixed precision the tables stay in the variable dtype and the result is cast
     to the compute dtype. With `implementation="auto"` or `"custom_op"` the layer
@@ -120,6 +136,8 @@ class GroupedEmbeddingBag(keras.layers.Layer):
       implementation: "auto", "custom_op" or "composite"; see
         `tf_ttemb.gather_reduce_sum`.
       sparse: Fuse the optimizer step into the backward pass (see above).
+      placement: "stacked" (default): one variable per embedding width; "table": one
+        variable per table (see above; not with `sparse=True`).
       optimizer: With `sparse=True`: "sgd" (default), "rowwise_adagrad" or "adagrad".
       learning_rate: Of the fused update, a positive number (default 0.1).
       eps: The Adagrads' epsilon, >= 0 (default 1e-10).
@@ -160,6 +178,7 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         optimizer: str = "sgd",
         learning_rate: float = 0.1,
         eps: float = 1e-10,
+        placement: str = "stacked",
         **kwargs: Any,
     ) -> None:
         features = [_feature(f, t) for t, f in enumerate(list(features))]
@@ -181,11 +200,25 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         _args.check_choice("output_mode", output_mode, ("concat", "list"))
         _args.check_choice("implementation", implementation, _common.IMPLEMENTATIONS)
         _args.check_choice("optimizer", optimizer, OPTIMIZERS)
+        _args.check_choice("placement", placement, PLACEMENTS)
+        if placement == "table":
+            if sparse:
+                raise ValueError(
+                    "placement='table' does not take sparse=True (the fused update runs on "
+                    "one variable per width); use placement='stacked'"
+                )
+            slashed = sorted({f["table"] for f in features if "/" in f["table"]})
+            if slashed:
+                raise ValueError(
+                    f"with placement='table' the tables name variables, so table names "
+                    f"cannot hold '/', got {slashed}"
+                )
         learning_rate = _non_negative("learning_rate", learning_rate, positive=True)
         eps = _non_negative("eps", eps, positive=False)
         sparse = bool(sparse)
         if sparse:
             _check_fused(features, dense_grad, implementation)
+            _sparse_apply.check_strategy("GroupedEmbeddingBag(sparse=True)")
         if keras.backend.backend() != "tensorflow":
             raise ValueError(
                 "GroupedEmbeddingBag needs the TensorFlow backend of Keras, got "
@@ -200,13 +233,15 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         self.optimizer = optimizer
         self.learning_rate = learning_rate
         self.eps = eps
+        self.placement = placement
         if sparse and self.dtype_policy.name == "mixed_float16":
             raise ValueError(
                 "sparse=True (the update fused into the backward pass) cannot undo the loss "
                 "scaling of the mixed_float16 policy; give this layer dtype='float32' or "
                 "'mixed_bfloat16', or use sparse=False"
             )
-        self.supports_jit = implementation == "composite" and not sparse
+        # Pieces of a stack are looked up with masks of dynamic shape: no XLA.
+        self.supports_jit = implementation == "composite" and not sparse and placement == "stacked"
         # Tables per width, in first-use order, each with its first row in the stack.
         self._tables: dict = {}  # table name -> (width, row offset, rows, initializer)
         rows_of_width: dict = {}
@@ -224,9 +259,22 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             self._groups.setdefault((f["output_dim"], f["combiner"]), []).append(t)
 
     def build(self, input_shape: Any = None) -> None:
-        """Creates one stacked table per embedding width (input shape unused)."""
+        """Creates one stacked table per embedding width, or one variable per table with
+        `placement="table"` (input shape unused)."""
         self.stacked = {}
+        self.table_variables = {}
+        for name, (width, _, rows, init) in self._tables.items():
+            if self.placement != "table":
+                break
+            self.table_variables[name] = self.add_weight(
+                name=f"embeddings_{name}",
+                shape=(rows, width),
+                initializer=keras.initializers.deserialize(init),
+                autocast=False,
+            )
         for width, rows in self._rows_of_width.items():
+            if self.placement == "table":
+                break
             parts = [
                 (offset, count, keras.initializers.deserialize(init))
                 for (w, offset, count, init) in self._tables.values()
@@ -264,7 +312,21 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         if name not in self._tables:
             raise ValueError(f"no table {name!r}; the tables are {list(self._tables)}")
         width, offset, rows, _ = self._tables[name]
+        if self.placement == "table":
+            return tf.convert_to_tensor(self.table_variables[name])
         return self.stacked[width][offset : offset + rows]
+
+    def _pieces(self, width: int) -> Any:
+        """The table of `width` to look up: its stack, or with placement="table" its
+        tables' variables (or their shards) in row order, as the pieces of one stack."""
+        if self.placement != "table":
+            return self.stacked[width]
+        pieces = []
+        for name, (w, _, _, _) in self._tables.items():
+            if w == width:
+                variable = self.table_variables[name]
+                pieces += _distribute.shards_of(variable) or [variable.value]
+        return pieces if len(pieces) > 1 else pieces[0]
 
     def _by_feature(self, values: Any, what: str, required: bool) -> list:
         names = [f["name"] for f in self.features]
@@ -303,7 +365,12 @@ class GroupedEmbeddingBag(keras.layers.Layer):
                 padding_ids=[self.features[t]["padding_id"] for t in members],
                 labels=[self.features[t]["name"] for t in members],
             )
-            if self.sparse and training is not False:
+            # Outside replica context a mirrored stack has no one copy to update (Keras
+            # calls the layer there to build a model under a strategy's scope): it is read.
+            fused = self.sparse and training is not False
+            if fused and tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+                fused = False
+            if fused:
                 out = _grouped.grouped_gather_reduce_sum_sparse_apply(
                     self.stacked[width],
                     [ids[t] for t in members],
@@ -320,7 +387,7 @@ class GroupedEmbeddingBag(keras.layers.Layer):
                 # looked up shard by shard where each shard lives; an unsharded one in one
                 # call.
                 out = _distribute.sharded_grouped_gather_reduce_sum(
-                    self.stacked[width],
+                    self._pieces(width),
                     [ids[t] for t in members],
                     group_weights,
                     dense_grad=self.dense_grad,
@@ -353,6 +420,7 @@ class GroupedEmbeddingBag(keras.layers.Layer):
             optimizer=self.optimizer,
             learning_rate=self.learning_rate,
             eps=self.eps,
+            placement=self.placement,
         )
         return config
 

@@ -176,6 +176,13 @@ def grouped_gather_reduce_sum_sparse_apply(
     table in one call. See `gather_reduce_sum_sparse_apply` for `trigger` and the update
     rules, and `grouped_gather_reduce_sum` for the other arguments.
 
+    Unlike `gather_reduce_sum_sparse_apply`, it runs under `tf.distribute.MirroredStrategy`
+    (inside `strategy.run`, with `params` a mirrored variable): the backward pass gathers
+    every replica's bags and upstream gradients (`ReplicaContext.all_gather`), and each
+    replica applies the update of all of them to its own copy of the table. The copies
+    take the same update, from the sum of the replicas' gradients (what a Keras optimizer
+    applies), once per step. Other multi-replica strategies raise a ValueError naming them.
+
     Returns:
       [B, T * D], as `grouped_gather_reduce_sum`.
 
@@ -204,7 +211,7 @@ def grouped_gather_reduce_sum_sparse_apply(
             f"place, got {type(params).__name__}"
         )
     state, epsilon = sparse_apply.check_optimizer(
-        optimizer, accumulator, epsilon, "grouped_gather_reduce_sum_sparse_apply"
+        optimizer, accumulator, epsilon, "grouped_gather_reduce_sum_sparse_apply", strategies=True
     )
     with tf.name_scope(name or "grouped_gather_reduce_sum_sparse_apply"):
         shape = _checked_table(variable, g)

@@ -120,10 +120,56 @@ def gather_reduce_sum_sparse_apply(
         return _bags.shaped_output(output, bags, shape[1:])
 
 
-def check_optimizer(optimizer: str, accumulator, epsilon: float, what: str):
+# Why a fused update cannot run under the strategies `check_strategy` refuses: (public
+# name, reason), by the strategy's public class.
+_REFUSED_STRATEGIES = (
+    (
+        "ParameterServerStrategy",
+        "the tables live on parameter servers and workers' steps update them "
+        "asynchronously; the fused update is not implemented there (train with sparse=False "
+        "and an optimizer on the tables or their shards)",
+    ),
+    (
+        "experimental.CentralStorageStrategy",
+        "every replica reads the one copy of the table, so each replica would apply the "
+        "replicas' summed update to it again",
+    ),
+    ("MultiWorkerMirroredStrategy", "it is not tested across workers (use MirroredStrategy)"),
+    ("TPUStrategy", "the fused update is a custom op, which does not run on TPUs"),
+)
+FUSED_STRATEGIES = ("MirroredStrategy", "OneDeviceStrategy")
+
+
+def check_strategy(what: str) -> None:
+    """Raises ValueError naming the strategy unless there is none, or it is one under which
+    a fused update gathers the replicas' bags (`FUSED_STRATEGIES`: each replica's copy of
+    the table then takes the same update, from every replica's gradient, once)."""
+    if not tf.distribute.has_strategy():
+        return
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy)):
+        return
+    name, reason = type(strategy).__name__, "it is not one of them"
+    for public, why in _REFUSED_STRATEGIES:
+        cls = tf.distribute
+        for part in public.split("."):
+            cls = getattr(cls, part, None)
+        if isinstance(cls, type) and isinstance(strategy, cls):
+            name, reason = public.split(".")[-1], why
+            break
+    raise ValueError(
+        f"{what} supports the strategies {' and '.join(FUSED_STRATEGIES)} only, got {name}: "
+        f"{reason}"
+    )
+
+
+def check_optimizer(
+    optimizer: str, accumulator, epsilon: float, what: str, strategies: bool = False
+):
     """The optimizer arguments of a fused update, checked: (state variable or None,
-    epsilon as a float). Raises ValueError naming the argument, and under a
-    `tf.distribute` strategy or XLA (`what` names the caller)."""
+    epsilon as a float). Raises ValueError naming the argument, under XLA, and under a
+    `tf.distribute` strategy, or with `strategies` under one `check_strategy` refuses
+    (`what` names the caller)."""
     _args.check_choice("optimizer", optimizer, ("sgd", "rowwise_adagrad", "adagrad"))
     state = None
     if optimizer == "sgd":
@@ -139,7 +185,9 @@ def check_optimizer(optimizer: str, accumulator, epsilon: float, what: str):
     epsilon = float(epsilon)
     if not epsilon >= 0.0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    if tf.distribute.has_strategy():
+    if strategies:
+        check_strategy(what)
+    elif tf.distribute.has_strategy():
         # A replica would update its own copy of a mirrored table with its own gradient.
         raise ValueError(
             f"{what} does not support tf.distribute strategies "
@@ -186,20 +234,29 @@ def apply_on_bags(
         )
 
         def grad(dy, variables=None):
-            weights_grad = lib.tf_ttemb_gather_reduce_sum_sparse_apply(
+            step = dict(
                 grad=tf.cast(dy, dtype),
-                params=variable.handle,
                 indices=ids,
                 row_splits=row_splits,
                 weights=flat_weights,
                 output=output,
                 argmax=argmax,
+            )
+            replica = tf.distribute.get_replica_context()
+            own = None
+            if replica is not None and replica.num_replicas_in_sync > 1:
+                step, own = _all_replicas(replica, step, has_weights, combiner == "max")
+            weights_grad = lib.tf_ttemb_gather_reduce_sum_sparse_apply(
+                params=variable.handle,
                 learning_rate=rate,
                 epsilon=eps,
                 accumulators=[] if state is None else [state.handle],
                 optimizer=optimizer,
+                **step,
                 **attrs,
             )
+            if own is not None:  # this replica's entries among all replicas'
+                weights_grad = weights_grad[own[0] : own[1]]
             # The trigger's zero gradient is read from the updated variable: a data
             # dependency, so the update runs wherever that gradient is used (Grappler
             # may drop an update reached through control dependencies only).
@@ -212,3 +269,33 @@ def apply_on_bags(
         return output, grad
 
     return lookup(*inputs)
+
+
+def _all_replicas(replica, step: dict, has_weights: bool, is_max: bool) -> tuple:
+    """The inputs of a fused update (`step`: grad, indices, row_splits, weights, output,
+    argmax of this replica's bags) for the bags of every replica in sync, replica after
+    replica, and where this replica's entries are among them: (inputs, (begin, end)).
+
+    Every replica runs the update on its own copy of the table with these same inputs, so
+    each copy takes the same update, from the sum of the replicas' gradients (as an
+    optimizer applies the replicas' summed gradients), once per step.
+    """
+    splits = step["row_splits"]
+    nnz = splits[-1:]
+    parts = dict(
+        grad=step["grad"],
+        indices=step["indices"],
+        output=step["output"],
+        lengths=splits[1:] - splits[:-1],
+        nnz=nnz,
+    )
+    if has_weights:
+        parts["weights"] = step["weights"]
+    if is_max:  # positions within each bag ([0, D] for the other combiners)
+        parts["argmax"] = step["argmax"]
+    gathered = replica.all_gather(parts, axis=0)
+    counts = gathered.pop("nnz")  # [replicas]
+    lengths = gathered.pop("lengths")
+    row_splits = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(lengths)], 0)
+    begin = tf.reduce_sum(counts[: replica.replica_id_in_sync_group])
+    return {**step, **gathered, "row_splits": row_splits}, (begin, begin + nnz[0])
