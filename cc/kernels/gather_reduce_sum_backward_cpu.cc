@@ -73,32 +73,45 @@ struct ParamsGradCall {
   }
 };
 
-// The CPU checks of the ids and row_splits of a params gradient, then the
-// entries sorted by id and their coefficients.
+// What a params gradient (and the fused gradient) reads: the bags' tensors.
+struct BackwardInputs {
+  BagShapes shapes;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  const Tensor* row_splits = nullptr;  // [B + 1]
+  const Tensor* indices = nullptr;     // [nnz]
+  const Tensor* grad = nullptr;        // [B, D]
+  const Tensor* weights = nullptr;     // [nnz], or null without weights
+  const Tensor* argmax = nullptr;      // [B, D] for max, else null
+};
+
+// The CPU checks of the ids and row_splits of a backward, then the entries
+// sorted by id, the bags' scales and the sorted entries' coefficients (and,
+// where `w_sorted` is given, their weights).
 template <typename T, typename Tindex>
-Status PrepareParamsGrad(const BagAttrs& attrs, const ParamsGradArgs& a, thread::ThreadPool* pool,
-                         ParamsGradCall<T, Tindex>* call) {
-  call->shapes = a.shapes.bags;
-  call->num_rows = a.shapes.num_rows;
-  call->dim = a.shapes.dim;
+Status PrepareParamsGrad(const BagAttrs& attrs, const BackwardInputs& in, thread::ThreadPool* pool,
+                         ParamsGradCall<T, Tindex>* call,
+                         std::vector<AccT<T>>* w_sorted = nullptr) {
+  call->shapes = in.shapes;
+  call->num_rows = in.num_rows;
+  call->dim = in.dim;
   const int64_t num_bags = call->shapes.num_bags;
   const int64_t nnz = call->shapes.nnz;
-  const bool is_max = attrs.combiner == Combiner::kMax;
-  call->splits = a.row_splits->flat<int64_t>().data();
-  call->ids = a.indices->flat<Tindex>().data();
+  call->splits = in.row_splits->flat<int64_t>().data();
+  call->ids = in.indices->flat<Tindex>().data();
   call->pool = pool;
   TF_RETURN_IF_ERROR(
       ValidateBags(pool, call->splits, call->ids, num_bags, nnz, call->num_rows, attrs));
-  call->grad = a.grad->flat<T>().data();
-  call->weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
-  call->argmax = is_max ? a.argmax->flat<int32>().data() : nullptr;
+  call->grad = in.grad->flat<T>().data();
+  call->weights = in.weights != nullptr ? in.weights->flat<T>().data() : nullptr;
+  call->argmax = in.argmax != nullptr ? in.argmax->flat<int32>().data() : nullptr;
   SortEntries(call->pool, call->ids, call->splits, num_bags, nnz, call->num_rows, attrs,
               &call->sorted);
-  if (!is_max) {
+  if (call->argmax == nullptr) {
     ComputeBagScales(call->pool, call->ids, call->weights, call->splits, num_bags, attrs,
                      &call->scales);
     SortedCoefficients(call->pool, call->sorted, call->weights, call->scales.data(), &call->coef,
-                       static_cast<std::vector<AccT<T>>*>(nullptr));
+                       w_sorted);
   }
   return OkStatus();
 }
@@ -119,7 +132,11 @@ struct ParamsGradLaunch<CpuDevice, T, Tindex> {
   static Status Run(OpKernelContext* ctx, const BagAttrs& attrs, const ParamsGradArgs& a,
                     const CpuStep& step) {
     ParamsGradCall<T, Tindex> call;
-    TF_RETURN_IF_ERROR(PrepareParamsGrad(attrs, a, step.pool, &call));
+    BackwardInputs in{a.shapes.bags, a.shapes.num_rows, a.shapes.dim,
+                      a.row_splits,  a.indices,         a.grad};
+    if (attrs.has_weights) in.weights = a.weights;
+    if (attrs.combiner == Combiner::kMax) in.argmax = a.argmax;
+    TF_RETURN_IF_ERROR(PrepareParamsGrad(attrs, in, step.pool, &call));
     const SortedEntries& s = call.sorted;
     const int64_t dim = call.dim;
     if (a.params_grad != nullptr) {  // dense
@@ -214,22 +231,14 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
                     const CpuStep& step) {
     using Acc = AccT<T>;
     ParamsGradCall<T, Tindex> call;
-    call.shapes = a.shapes;
+    std::vector<Acc>& w_sorted = *ThreadScratch::Get().weights(static_cast<Acc*>(nullptr));
+    TF_RETURN_IF_ERROR(PrepareParamsGrad(
+        attrs,
+        BackwardInputs{a.shapes, a.num_rows, a.dim, a.row_splits, a.indices, a.grad, a.weights},
+        step.pool, &call, &w_sorted));
     const int64_t num_bags = call.shapes.num_bags;
     const int64_t nnz = call.shapes.nnz;
-    call.num_rows = a.num_rows;
-    call.dim = a.dim;
     const int64_t dim = call.dim;
-    call.splits = a.row_splits->flat<int64_t>().data();
-    call.ids = a.indices->flat<Tindex>().data();
-    call.pool = step.pool;
-    TF_RETURN_IF_ERROR(
-        ValidateBags(call.pool, call.splits, call.ids, num_bags, nnz, call.num_rows, attrs));
-    call.grad = a.grad->flat<T>().data();
-    call.weights = a.weights->flat<T>().data();
-    SortEntries(call.pool, call.ids, call.splits, num_bags, nnz, call.num_rows, attrs,
-                &call.sorted);
-    ComputeBagScales(call.pool, call.ids, call.weights, call.splits, num_bags, attrs, &call.scales);
     const SortedEntries& s = call.sorted;
     const int64_t num_unique = s.num_unique();
 
@@ -255,8 +264,6 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
     }
     CollapseToHugePages(*a.params);
     const T* params_data = a.params->flat<T>().data();
-    std::vector<Acc>& w_sorted = *ThreadScratch::Get().weights(static_cast<Acc*>(nullptr));
-    SortedCoefficients(call.pool, s, call.weights, call.scales.data(), &call.coef, &w_sorted);
     const int64_t* seg_starts = s.seg_starts.data();
     const uint64_t* keys = s.keys.data();
     const bool dense = a.dense;
