@@ -6,17 +6,34 @@
 // per run of consecutive ids with the same leading digits i_0..i_k (for sorted
 // ids: one node per distinct prefix), so each partial product
 //   P_k = G_0[i_0] G_1[i_1] ... G_k[i_k]       ((q_0..q_k) x r_{k+1})
-// is computed once per node from its parent's. The nodes of a level are
-// grouped by the core row they multiply with; a group is one GEMM
-//   [n * q_0..q_{k-1}, r_k] x [r_k, q_k r_{k+1}]
-// (its parents' P_{k-1} stacked, times the core row), run by one thread of
-// TF's CPU pool. The backward recomputes P_0..P_{T-2}, walks the levels from
-// the last, and per group computes the core row's gradient (P_{k-1}^T dP_k,
-// summed over the group in node order) and the parents' contributions
-// (dP_k G_k^T), which are summed per parent in child order. Every sum has a
-// fixed order that does not depend on the thread count, and every core row's
-// gradient is written by one thread: the result is bitwise reproducible
-// without atomics.
+// is computed once per node from its parent's. Level 0's products are rows of
+// core 0, read where they lie. The nodes of a level are grouped by the core
+// row they multiply with; a group's products are one product of its parents'
+// P_{k-1}, stacked as row pointers (never copied), with the core row
+// (tt_embedding_cpu_math.h).
+//
+// The last level is fused into level m = T-2: a worker that has a node's P_m
+// computes the node's leaves (its rows, P_m G_{T-1}[i_{T-1}]) at once, so the
+// products are used while they are in cache. TTRows saves the level-m
+// products for TTRowsGrad (float32/float64, T >= 3, at most kSavedBytes).
+//
+// The backward walks the same groups. Level m's pass computes per node dP_m,
+// the sum over its leaves of dP_leaf G_{T-1}^T (a leaf's gradient row read in
+// place), and each leaf's block of core T-1's gradient (P_m^T dP_leaf); then
+// per group the core row's gradient (P_{m-1}^T dP_m, summed over the group in
+// node order) and each node's contribution to its parent's dP_{m-1}
+// (dP_m G_m^T). Levels m-1..1 do the same with dP_k summed from the children's
+// contributions; a last pass sums core 0's gradient (level 1's contributions)
+// and core T-1's (the leaves' blocks) per core row.
+//
+// Threads: a pass is a list of groups cut into runs of about equal cost, and
+// each worker of TF's CPU pool claims the next unclaimed run from a shared
+// counter until none is left (RunClaimed): no thread is handed a fixed share,
+// so one that starts late or is descheduled holds a pass up by at most one
+// run. Every sum has a fixed order that depends on the ids only (never on the
+// thread count or on which worker ran what), and each core row's gradient is
+// written by one group at a time: the result is bitwise reproducible without
+// atomics.
 
 #include <algorithm>
 #include <atomic>
@@ -28,15 +45,12 @@
 #include <utility>
 #include <vector>
 
-#include "Eigen/Core"
 #include "cc/kernels/check_report_op.h"
 #include "cc/kernels/device_op_kernel.h"
+#include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/tt_embedding_cpu_math.h"
 #include "cc/kernels/tt_embedding_kernels.h"
 #include "cc/kernels/tt_embedding_op.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-#include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -49,16 +63,20 @@ namespace tf_ttemb {
 
 namespace {
 
-// Temporaries of one chunk of ids (prefix products and their gradients) stay
-// under this many bytes.
+// Temporaries of one chunk of ids (products of the levels below m, their
+// gradients' contributions and the leaves' core-gradient blocks) stay under
+// this many bytes.
 constexpr int64_t kChunkBytes = int64_t{32} << 20;
 
-template <typename Acc>
-using RowMajorMatrix = Eigen::Matrix<Acc, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-template <typename Acc>
-using ConstMatrixMap = Eigen::Map<const RowMajorMatrix<Acc>>;
-template <typename Acc>
-using MatrixMap = Eigen::Map<RowMajorMatrix<Acc>>;
+// A worker takes a group's nodes this many elements of products at a time, so
+// that its temporaries (their products and gradients) stay in the L2 cache.
+constexpr int64_t kBatchElements = int64_t{16} << 10;
+
+// A pass is cut into at most this many runs per thread (RunClaimed)...
+constexpr int64_t kRunsPerThread = 16;
+// ... and runs on one thread when its estimated cost (multiply-adds) is below
+// this: handing work to another thread costs microseconds.
+constexpr double kMinParallelCost = 1 << 17;
 
 // The cores as Acc arrays: the tensors' own data when T is Acc, float copies
 // for float16/bfloat16.
@@ -92,18 +110,47 @@ class Cores {
 // One level of a chunk's prefix tree.
 //
 // Nodes are numbered in creation order (children of a parent are consecutive);
-// their products are stored at their position in `order`, so that a group's
-// products are one contiguous block.
+// their products are stored at their position in `order` (their slot), so
+// that a group's products are one contiguous block.
 struct Level {
   std::vector<int64_t> parent;    // [count] node at the previous level
   std::vector<int64_t> core_row;  // [count] row of core k it multiplies with
   std::vector<int64_t> order;     // [count] nodes sorted by (core_row, node)
   std::vector<int64_t> slot;      // [count] position of each node in order
+  std::vector<int64_t> group;     // [count] group of each node
   std::vector<int64_t> groups;    // offsets into order of each core row's run
   std::vector<int64_t> children;  // [count + 1] offsets of each node's children
                                   // among the next level's nodes
   int64_t count() const { return static_cast<int64_t>(parent.size()); }
   int64_t num_groups() const { return static_cast<int64_t>(groups.size()) - 1; }
+  int64_t GroupRow(int64_t g) const { return core_row[order[groups[g]]]; }
+  int64_t GroupSize(int64_t g) const { return groups[g + 1] - groups[g]; }
+
+  // Sorts the nodes by core row, ties in node order: a counting sort when the
+  // core (num_rows rows) is small next to the level, else a merge sort.
+  void Sort(int64_t num_rows, std::vector<int64_t>* start) {
+    const int64_t n = count();
+    order.resize(n);
+    if (num_rows <= 4 * n + 4096) {
+      start->assign(num_rows + 1, 0);
+      for (int64_t v = 0; v < n; ++v) ++(*start)[core_row[v] + 1];
+      for (int64_t row = 0; row < num_rows; ++row) (*start)[row + 1] += (*start)[row];
+      for (int64_t v = 0; v < n; ++v) order[(*start)[core_row[v]]++] = v;
+    } else {
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return core_row[a] < core_row[b]; });
+    }
+    slot.resize(n);
+    group.resize(n);
+    groups.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      if (i == 0 || core_row[order[i]] != core_row[order[i - 1]]) groups.push_back(i);
+      slot[order[i]] = i;
+      group[order[i]] = static_cast<int64_t>(groups.size()) - 1;
+    }
+    groups.push_back(n);
+  }
 };
 
 // The prefix tree of ids[0, n): nodes are runs of consecutive ids with equal
@@ -112,10 +159,15 @@ struct PrefixTree {
   std::vector<Level> levels;
   std::vector<int64_t> leaf;
   std::vector<int64_t> leaf_ids;  // [num_leaves + 1] offsets of each leaf's ids
+  std::vector<int64_t> sort_scratch;
 
   void Build(const int64_t* ids, int64_t n, const TTShape& s) {
     const int T = s.num_cores;
-    levels.assign(T, Level());
+    levels.resize(T);
+    for (Level& level : levels) {
+      level.parent.clear();
+      level.core_row.clear();
+    }
     leaf.resize(n);
     std::vector<int64_t> current(T, -1);
     for (int64_t j = 0; j < n; ++j) {
@@ -135,22 +187,7 @@ struct PrefixTree {
       }
       leaf[j] = current[T - 1];
     }
-    for (Level& level : levels) {
-      const int64_t count = level.count();
-      level.order.resize(count);
-      std::iota(level.order.begin(), level.order.end(), 0);
-      std::stable_sort(level.order.begin(), level.order.end(),
-                       [&](int64_t a, int64_t b) { return level.core_row[a] < level.core_row[b]; });
-      level.slot.resize(count);
-      for (int64_t i = 0; i < count; ++i) level.slot[level.order[i]] = i;
-      level.groups.clear();
-      for (int64_t i = 0; i < count; ++i) {
-        if (i == 0 || level.core_row[level.order[i]] != level.core_row[level.order[i - 1]]) {
-          level.groups.push_back(i);
-        }
-      }
-      level.groups.push_back(count);
-    }
+    for (int k = 0; k < T; ++k) levels[k].Sort(s.num_tables * s.p[k], &sort_scratch);
     // Parents are non-decreasing along a level's nodes: children are runs.
     for (int k = 0; k + 1 < T; ++k) {
       Offsets(levels[k + 1].parent, levels[k].count(), &levels[k].children);
@@ -170,262 +207,177 @@ struct PrefixTree {
   }
 };
 
-// Products with few output columns: the last core has r_T = 1, so its block
-// is r_{T-1} x q_{T-1}, often only 4 columns wide, and a blocked GEMM spends
-// more time packing its operands than multiplying. For float32 with AVX2+FMA
-// (configure.sh compiles for the build machine's CPU) and a contracted
-// dimension that is a multiple of 8 (every power-of-two rank >= 8), these
-// run as register-blocked loops; everything else goes to Eigen's GEMM.
-constexpr int64_t kSkinny = 8;
-
-// The kernels for n = N <= kSkinny columns, defined only with AVX2 and FMA, where
-// RunSkinny (below) runs them.
-template <int N>
-void SkinnyProduct(const float* __restrict a, const float* __restrict b, float* __restrict c,
-                   int64_t m, int64_t k);
-template <int N>
-void SkinnyTransposedProduct(const float* __restrict a, const float* __restrict d,
-                             float* __restrict g, int64_t m, int64_t k);
-template <int N>
-void SkinnyProductTransposed(const float* __restrict d, const float* __restrict b,
-                             float* __restrict c, int64_t m, int64_t k);
-
-#if defined(__AVX2__) && defined(__FMA__)
-#define TF_TTEMB_TT_AVX2 1
-
-inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-
-// c [m, N] = a [m, k] * b [k, N]: N dot products of length k per row of a.
-template <int N>
-void SkinnyProduct(const float* __restrict a, const float* __restrict b, float* __restrict c,
-                   int64_t m, int64_t k) {
-  std::vector<float> bt(N * k);  // b transposed: [N, k]
-  for (int j = 0; j < N; ++j) {
-    for (int64_t x = 0; x < k; ++x) bt[j * k + x] = b[x * N + j];
-  }
-  for (int64_t i = 0; i < m; ++i) {
-    const float* ai = a + i * k;
-    __m256 acc[N];
-    for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t x = 0; x < k; x += 8) {
-      const __m256 av = _mm256_loadu_ps(ai + x);
-      for (int j = 0; j < N; ++j) {
-        acc[j] = _mm256_fmadd_ps(av, _mm256_loadu_ps(&bt[j * k + x]), acc[j]);
-      }
-    }
-    if constexpr (N == 4) {
-      const __m256 s =
-          _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      _mm_storeu_ps(c + i * N, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-    } else {
-      for (int j = 0; j < N; ++j) c[i * N + j] = HorizontalSum(acc[j]);
-    }
-  }
-}
-
-// g [k, N] += a [m, k]^T * d [m, N], summed over the rows of a in order.
-template <int N>
-void SkinnyTransposedProduct(const float* __restrict a, const float* __restrict d,
-                             float* __restrict g, int64_t m, int64_t k) {
-  for (int64_t x = 0; x < k; x += 8) {
-    __m256 acc[N];
-    for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < m; ++i) {
-      const __m256 av = _mm256_loadu_ps(a + i * k + x);
-      for (int j = 0; j < N; ++j) {
-        acc[j] = _mm256_fmadd_ps(av, _mm256_broadcast_ss(d + i * N + j), acc[j]);
-      }
-    }
-    alignas(32) float lanes[8];
-    for (int j = 0; j < N; ++j) {
-      _mm256_store_ps(lanes, acc[j]);
-      for (int l = 0; l < 8; ++l) g[(x + l) * N + j] += lanes[l];
-    }
-  }
-}
-
-// c [m, k] = d [m, N] * b [k, N]^T.
-template <int N>
-void SkinnyProductTransposed(const float* __restrict d, const float* __restrict b,
-                             float* __restrict c, int64_t m, int64_t k) {
-  std::vector<float> bt(N * k);  // b transposed: [N, k]
-  for (int j = 0; j < N; ++j) {
-    for (int64_t x = 0; x < k; ++x) bt[j * k + x] = b[x * N + j];
-  }
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t x = 0; x < k; x += 8) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int j = 0; j < N; ++j) {
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + i * N + j), _mm256_loadu_ps(&bt[j * k + x]),
-                              acc);
-      }
-      _mm256_storeu_ps(c + i * k + x, acc);
-    }
-  }
-}
-
-// Calls fn(std::integral_constant<int, N>()) for N = n when n < kSkinny, else for
-// N = kSkinny.
-template <int N = 1, typename Fn>
-void WithSkinnyWidth(int64_t n, Fn fn) {
-  if constexpr (N < kSkinny) {
-    if (n != N) return WithSkinnyWidth<N + 1>(n, fn);
-  }
-  fn(std::integral_constant<int, N>());
-}
-
-#endif  // __AVX2__ && __FMA__
-
-// Whether the AVX2 kernels above take a product of inner size k and n columns (float,
-// n <= kSkinny, k % 8 == 0); if so, runs kernel(std::integral_constant<int, n>()).
-template <typename Acc, typename Kernel>
-bool RunSkinny(int64_t k, int64_t n, Kernel kernel) {
-#ifdef TF_TTEMB_TT_AVX2
-  if constexpr (std::is_same<Acc, float>::value) {
-    if (n <= kSkinny && k % 8 == 0) {
-      WithSkinnyWidth(n, kernel);
-      return true;
-    }
-  }
-#endif
-  return false;
-}
-
-// c [m, n] = a [m, k] * b [k, n].
-template <typename Acc>
-void Product(const Acc* a, const Acc* b, Acc* c, int64_t m, int64_t k, int64_t n) {
-  if (RunSkinny<Acc>(k, n, [&](auto w) { SkinnyProduct<decltype(w)::value>(a, b, c, m, k); })) {
-    return;
-  }
-  MatrixMap<Acc>(c, m, n).noalias() = ConstMatrixMap<Acc>(a, m, k) * ConstMatrixMap<Acc>(b, k, n);
-}
-
-// g [k, n] += a [m, k]^T * d [m, n].
-template <typename Acc>
-void AddTransposedProduct(const Acc* a, const Acc* d, Acc* g, int64_t m, int64_t k, int64_t n) {
-  if (RunSkinny<Acc>(k, n,
-                     [&](auto w) { SkinnyTransposedProduct<decltype(w)::value>(a, d, g, m, k); })) {
-    return;
-  }
-  MatrixMap<Acc>(g, k, n).noalias() +=
-      ConstMatrixMap<Acc>(a, m, k).transpose() * ConstMatrixMap<Acc>(d, m, n);
-}
-
-// c [m, k] = d [m, n] * b [k, n]^T.
-template <typename Acc>
-void ProductTransposed(const Acc* d, const Acc* b, Acc* c, int64_t m, int64_t k, int64_t n) {
-  if (RunSkinny<Acc>(k, n,
-                     [&](auto w) { SkinnyProductTransposed<decltype(w)::value>(d, b, c, m, k); })) {
-    return;
-  }
-  MatrixMap<Acc>(c, m, k).noalias() =
-      ConstMatrixMap<Acc>(d, m, n) * ConstMatrixMap<Acc>(b, k, n).transpose();
-}
-
 // A growable array that is written before it is read: resizing keeps no
 // contents and never zero-fills (a std::vector would memset every chunk).
 template <typename Acc>
 class Buffer {
  public:
-  void Resize(int64_t size) {
+  Acc* Resize(int64_t size) {
     if (size > capacity_) {
       data_.reset(new Acc[size]);
       capacity_ = size;
     }
+    return data_.get();
   }
   Acc* data() { return data_.get(); }
   const Acc* data() const { return data_.get(); }
-  void swap(Buffer& other) {
-    data_.swap(other.data_);
-    std::swap(capacity_, other.capacity_);
-  }
 
  private:
   std::unique_ptr<Acc[]> data_;
   int64_t capacity_ = 0;
 };
 
-// Scratch that is written before it is read: no zero-initialisation.
-template <typename Acc>
-std::unique_ptr<Acc[]> Scratch(int64_t size) {
-  return std::unique_ptr<Acc[]>(new Acc[size]);
-}
-
 // Ids per chunk so that `bytes_per_id` of temporaries per id fit kChunkBytes.
 int64_t ChunkSize(int64_t bytes_per_id) {
   return std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes_per_id));
 }
 
-// Runs fn(g) for every group of `level`, spread over the pool.
-template <typename Fn>
-void ForGroups(thread::ThreadPool* pool, const Level& level, int64_t flops_per_node, Fn fn) {
-  const int64_t num_groups = level.num_groups();
-  if (num_groups <= 0) return;
-  const int64_t cost = std::max<int64_t>(1, level.count() * flops_per_node / num_groups);
-  pool->ParallelFor(num_groups, cost, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) fn(g);
-  });
+// Runs fn(&scratch, i) for every i in [0, n) on the pool. The items are cut
+// into runs of consecutive items of about equal cost(i); each worker (the
+// calling thread and up to NumThreads() - 1 more) makes one Scratch and claims
+// the next unclaimed run from a shared counter until none is left. What fn
+// computes for an item must not depend on the worker that runs it.
+template <typename Scratch, typename Cost, typename Fn>
+void RunClaimed(thread::ThreadPool* pool, int64_t n, Cost cost, Fn fn) {
+  if (n <= 0) return;
+  const int64_t threads = std::max(1, pool->NumThreads());
+  std::vector<int64_t> runs = {0};
+  if (threads > 1 && n > 1) {
+    std::vector<double> costs(n);
+    double total = 0;
+    for (int64_t i = 0; i < n; ++i) total += (costs[i] = cost(i));
+    if (total >= kMinParallelCost) {
+      const double target = total / static_cast<double>(kRunsPerThread * threads);
+      double sum = 0;
+      for (int64_t i = 0; i + 1 < n; ++i) {
+        sum += costs[i];
+        if (sum >= target) {
+          runs.push_back(i + 1);
+          sum = 0;
+        }
+      }
+    }
+  }
+  runs.push_back(n);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  std::atomic<int64_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t r = next.fetch_add(1); r < num_runs; r = next.fetch_add(1)) {
+      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) fn(&scratch, i);
+    }
+  };
+  const int64_t workers = std::min(threads, num_runs);
+  if (workers <= 1) {
+    work(0, 1);
+    return;
+  }
+  pool->ParallelFor(workers, thread::ThreadPool::SchedulingParams::Fixed(1), work);
 }
 
-// Computes the partial products P_0..P_last_level of a chunk's tree (node
-// blocks at their slots, [count_k, cols_k * r_{k+1}]) into `buffers`, or, for
-// level `external_level`, into `external`; data[k] points at level k's.
-template <typename T, typename Acc>
-void ForwardLevels(thread::ThreadPool* pool, const TTShape& s, const Cores<T, Acc>& cores,
-                   const PrefixTree& tree, int last_level, int external_level, Acc* external,
-                   std::vector<Buffer<Acc>>* buffers, std::vector<const Acc*>* data) {
-  buffers->resize(s.num_cores);
-  data->assign(s.num_cores, nullptr);
-  auto storage = [&](int k, int64_t size) {
-    if (k == external_level) return external;
-    (*buffers)[k].Resize(size);
-    return (*buffers)[k].data();
-  };
-  if (last_level < 0) return;
-  {
-    const Level& level = tree.levels[0];
-    const int64_t width = s.width[0];
-    Acc* out = storage(0, level.count() * width);
-    for (int64_t i = 0; i < level.count(); ++i) {
-      std::copy_n(cores.Row(0, level.core_row[level.order[i]]), width, out + i * width);
-    }
-    (*data)[0] = out;
-  }
-  for (int k = 1; k <= last_level; ++k) {
-    const Level& level = tree.levels[k];
-    const Level& up = tree.levels[k - 1];
-    const int64_t rows = s.cols[k - 1];  // rows of one node's block
-    const int64_t inner = s.r[k];        // contracted rank
-    const int64_t out_cols = s.q[k] * s.r[k + 1];
-    const int64_t in_size = rows * inner;
-    const int64_t out_size = rows * out_cols;
-    const Acc* in = (*data)[k - 1];
-    Acc* out = storage(k, level.count() * out_size);
-    (*data)[k] = out;
-    ForGroups(pool, level, 2 * in_size * out_cols, [&](int64_t g) {
-      const int64_t first = level.groups[g];
-      const int64_t n = level.groups[g + 1] - first;
-      const Acc* core = cores.Row(k, level.core_row[level.order[first]]);
-      Acc* c = out + first * out_size;
-      if (n == 1) {
-        const int64_t parent = up.slot[level.parent[level.order[first]]];
-        Product(in + parent * in_size, core, c, rows, inner, out_cols);
-        return;
-      }
-      auto a_buf = Scratch<Acc>(n * in_size);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t parent = up.slot[level.parent[level.order[first + i]]];
-        std::copy_n(in + parent * in_size, in_size, a_buf.get() + i * in_size);
-      }
-      Product(a_buf.get(), core, c, n * rows, inner, out_cols);
-    });
-  }
+// A worker's temporaries.
+template <typename Acc>
+struct Scratch {
+  Buffer<Acc> products;    // a batch's recomputed products
+  Buffer<Acc> grads;       // a batch's dP
+  Buffer<Acc> transposed;  // G_k[row]^T
+  Buffer<Acc> leaf;        // a leaf's summed gradient row, or a row before conversion
+  std::vector<const Acc*> a_rows, d_rows;
+  std::vector<Acc*> c_rows;
+};
+
+// Appends the pointers to the `rows` rows of `width` elements of block p.
+template <typename P>
+void PushRows(P* p, int64_t rows, int64_t width, std::vector<P*>* out) {
+  for (int64_t i = 0; i < rows; ++i) out->push_back(p + i * width);
 }
+
+// Nodes of a level-k group a worker takes at a time (kBatchElements).
+int64_t BatchNodes(const TTShape& s, int k) {
+  return std::max<int64_t>(1, kBatchElements / (s.cols[k] * s.r[k + 1]));
+}
+
+// One chunk: its prefix tree, where its partial products are, and the last
+// core's blocks that its leaves use, transposed.
+template <typename T, typename Acc>
+struct Chunk {
+  const TTShape& s;
+  const Cores<T, Acc>& cores;
+  PrefixTree tree;
+  std::vector<Buffer<Acc>> buffers;  // products of levels 1..m-1
+  std::vector<const Acc*> data;      // per level: products at the nodes' slots
+  Buffer<Acc> last_t;                // [last level's groups, q_{T-1} r_{T-1}]
+
+  Chunk(const TTShape& shape, const Cores<T, Acc>& c) : s(shape), cores(c) {}
+
+  int fused() const { return s.num_cores - 2; }  // level m
+  // Elements of one node's P_k.
+  int64_t Size(int k) const { return s.cols[k] * s.r[k + 1]; }
+  // Multiply-adds of one node's P_k from its parent's (k >= 1).
+  double NodeCost(int k) const { return static_cast<double>(s.r[k] * Size(k)); }
+  // P_k of node v of level k: a row of core 0 for level 0.
+  const Acc* Node(int k, int64_t v) const {
+    const Level& level = tree.levels[k];
+    if (k == 0) return cores.Row(0, level.core_row[v]);
+    return data[k] + level.slot[v] * Size(k);
+  }
+  // G_{T-1} of leaf l's group, transposed: [q_{T-1}, r_{T-1}].
+  const Acc* LastTransposed(int64_t leaf) const {
+    return last_t.data() + tree.levels[s.num_cores - 1].group[leaf] * s.width[s.num_cores - 1];
+  }
+
+  // Builds the tree of ids[0, n) and transposes the last core's rows it uses.
+  void Build(thread::ThreadPool* pool, const int64_t* ids, int64_t n) {
+    tree.Build(ids, n, s);
+    const int last = s.num_cores - 1;
+    const Level& leaves = tree.levels[last];
+    const int64_t width = s.width[last];
+    Acc* out = last_t.Resize(leaves.num_groups() * width);
+    RunClaimed<char>(
+        pool, leaves.num_groups(), [&](int64_t) { return width; },
+        [&](char*, int64_t g) {
+          tt_math::Transpose(cores.Row(last, leaves.GroupRow(g)), s.r[last], s.q[last],
+                             out + g * width);
+        });
+    data.assign(s.num_cores, nullptr);
+    buffers.resize(s.num_cores);
+  }
+
+  // P_k of level k's nodes at slots [first, end), into out + (slot - first) * Size(k).
+  void Products(int k, int64_t first, int64_t end, Acc* out, Scratch<Acc>* sc) const {
+    const Level& level = tree.levels[k];
+    const int64_t rows = s.cols[k - 1];
+    const int64_t inner = s.r[k];
+    const int64_t out_cols = s.q[k] * s.r[k + 1];
+    sc->a_rows.clear();
+    sc->c_rows.clear();
+    for (int64_t i = first; i < end; ++i) {
+      PushRows(Node(k - 1, level.parent[level.order[i]]), rows, inner, &sc->a_rows);
+      PushRows(out + (i - first) * Size(k), rows, out_cols, &sc->c_rows);
+    }
+    tt_math::RowsTimes<false>(sc->a_rows.data(), static_cast<int64_t>(sc->a_rows.size()), inner,
+                              cores.Row(k, level.core_row[level.order[first]]), out_cols,
+                              sc->c_rows.data());
+  }
+
+  // The products of levels 1..last (below m), into `buffers`.
+  void ForwardLevels(thread::ThreadPool* pool, int last) {
+    for (int k = 1; k <= last; ++k) {
+      const Level& level = tree.levels[k];
+      Acc* out = buffers[k].Resize(level.count() * Size(k));
+      data[k] = out;
+      RunClaimed<Scratch<Acc>>(
+          pool, level.num_groups(), [&](int64_t g) { return level.GroupSize(g) * NodeCost(k); },
+          [&](Scratch<Acc>* sc, int64_t g) {
+            const int64_t end = level.groups[g + 1];
+            for (int64_t i = level.groups[g]; i < end; i += BatchNodes(s, k)) {
+              const int64_t stop = std::min(end, i + BatchNodes(s, k));
+              Products(k, i, stop, out + i * Size(k), sc);
+            }
+          });
+    }
+  }
+};
 
 // The products TTRows saves for TTRowsGrad: level T-2's, when the table is
 // float32/float64 (no rounding to a half type), has >= 3 cores (for 2 cores
@@ -492,14 +444,16 @@ uint64_t SavedFingerprint(const int64_t* ids, int64_t num_ids, const OpInputList
   return h;
 }
 
-// Bytes of temporaries per id of a chunk: prefix products (and, for the
-// backward, their gradients and the parents' contributions).
-int64_t BytesPerId(const TTShape& s, int64_t acc_size, bool backward) {
-  int64_t per_id = 0;
-  for (int k = 0; k < s.num_cores; ++k) {
-    per_id += s.cols[k] * s.r[k + 1];
-  }
-  return per_id * acc_size * (backward ? 4 : 2);
+// Bytes of temporaries per id of a chunk, the same for both ops (they must cut
+// the ids into the same chunks): the products of levels 1..m-1, the
+// contributions of levels 1..m, the leaves' core-gradient blocks and the
+// tree's bookkeeping.
+int64_t BytesPerId(const TTShape& s, int64_t acc_size) {
+  const int m = s.num_cores - 2;
+  int64_t per_id = s.width[s.num_cores - 1];
+  for (int k = 1; k < m; ++k) per_id += s.cols[k] * s.r[k + 1];
+  for (int k = 1; k <= m; ++k) per_id += s.cols[k - 1] * s.r[k];
+  return per_id * acc_size + 64 * s.num_cores;
 }
 
 // ---------------------------------------------------------------------------
@@ -552,8 +506,69 @@ Status UniqueIds(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const Unique
   return OkStatus();
 }
 
+
 // ---------------------------------------------------------------------------
 // TTRows
+
+// Level m's products (into `saved` at their slots when it is not null) and,
+// from each node's, the rows of its leaves: rows[j] for the chunk's ids j.
+template <typename T, typename Acc>
+void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, T* rows) {
+  const TTShape& s = c.s;
+  const int m = c.fused();
+  const int last = m + 1;
+  const Level& level = c.tree.levels[m];
+  const int64_t size = c.Size(m);
+  const int64_t rows_m = s.cols[m];
+  const int64_t rank = s.r[last];
+  const int64_t q = s.q[last];
+  const int64_t dim = s.dim;
+  const double node_cost = m > 0 ? c.NodeCost(m) : 0;
+  const double leaf_cost = static_cast<double>(dim * rank);
+  const int64_t batch = BatchNodes(s, m);
+  RunClaimed<Scratch<Acc>>(
+      pool, level.num_groups(),
+      [&](int64_t g) {
+        double cost = 0;
+        for (int64_t i = level.groups[g]; i < level.groups[g + 1]; ++i) {
+          const int64_t v = level.order[i];
+          cost += node_cost + leaf_cost * (level.children[v + 1] - level.children[v]);
+        }
+        return cost;
+      },
+      [&](Scratch<Acc>* sc, int64_t g) {
+        const int64_t end = level.groups[g + 1];
+        for (int64_t i = level.groups[g]; i < end; i += batch) {
+          const int64_t stop = std::min(end, i + batch);
+          Acc* products = nullptr;
+          if (m > 0) {
+            products = saved ? saved + i * size : sc->products.Resize(batch * size);
+            c.Products(m, i, stop, products, sc);
+          }
+          for (int64_t slot = i; slot < stop; ++slot) {
+            const int64_t v = level.order[slot];
+            const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
+            for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
+              const int64_t first_id = c.tree.leaf_ids[leaf];
+              const int64_t end_id = c.tree.leaf_ids[leaf + 1];
+              Acc* out;
+              int64_t j = first_id;
+              if constexpr (std::is_same<T, Acc>::value) {
+                out = rows + first_id * dim;  // computed in place
+                ++j;
+              } else {
+                out = sc->leaf.Resize(dim);
+              }
+              tt_math::RowDots(p, rows_m, rank, c.LastTransposed(leaf), q, out);
+              for (; j < end_id; ++j) {
+                T* dst = rows + j * dim;
+                for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(out[d]);
+              }
+            }
+          }
+        }
+      });
+}
 
 template <typename T>
 Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread::ThreadPool* pool) {
@@ -567,14 +582,13 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   const int64_t* ids = a.ids->flat<int64_t>().data();
   T* rows = a.rows->flat<T>().data();
   const Cores<T, Acc> cores(a.cores, s);
-  const int T_last = s.num_cores - 1;
+  const int m = s.num_cores - 2;
   // The same chunks as TTRowsGrad, so that it can use the saved products.
-  const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
-  const int save_level = s.num_cores - 2;
+  const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
   std::vector<int64_t> saved_counts;
   int64_t saved_size = 0;
   if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
-    saved_counts = NodesPerChunk(ids, num_ids, chunk, save_level, s);
+    saved_counts = NodesPerChunk(ids, num_ids, chunk, m, s);
     const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
     if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
       saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
@@ -589,24 +603,14 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
     std::memcpy(saved, &fingerprint, sizeof(fingerprint));
     saved += SavedHeader<Acc>();
   }
-  PrefixTree tree;
-  std::vector<Buffer<Acc>> buffers;
-  std::vector<const Acc*> data;
+  Chunk<T, Acc> c(s, cores);
   int64_t chunk_index = 0;
   for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
     const int64_t n = std::min(chunk, num_ids - begin);
-    tree.Build(ids + begin, n, s);
-    ForwardLevels(pool, s, cores, tree, T_last, saved ? save_level : -1, saved, &buffers, &data);
+    c.Build(pool, ids + begin, n);
+    c.ForwardLevels(pool, m - 1);
+    FusedForward(pool, c, saved, rows + begin * s.dim);
     if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
-    const Acc* last = data[T_last];
-    const int64_t dim = s.dim;
-    pool->ParallelFor(n, dim, [&](int64_t first, int64_t end) {
-      for (int64_t j = first; j < end; ++j) {
-        const Acc* src = last + tree.levels[T_last].slot[tree.leaf[j]] * dim;
-        T* dst = rows + (begin + j) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(src[d]);
-      }
-    });
   }
   return OkStatus();
 }
@@ -614,46 +618,305 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
 // ---------------------------------------------------------------------------
 // TTRowsGrad
 
+// The core gradients: per core the sorted rows that any id touches and their
+// [n_k, width_k] blocks. The first group to reach a row writes its block and
+// later ones (of later chunks) add to it, so nothing needs zeroing; a row's
+// group is handled by one worker, and each core's rows by one pass.
+template <typename Acc>
+class CoreGrads {
+ public:
+  CoreGrads(const int64_t* ids, int64_t n, const TTShape& s)
+      : rows_(s.num_cores), written_(s.num_cores), values_(s.num_cores), width_(s.width) {
+    for (int k = 0; k < s.num_cores; ++k) {
+      std::vector<int64_t>& rows = rows_[k];
+      const int64_t range = s.num_tables * s.p[k];
+      if (range <= 4 * n + 4096) {
+        std::vector<char> seen(range, 0);
+        for (int64_t j = 0; j < n; ++j) seen[s.CoreRow(ids[j], k)] = 1;
+        for (int64_t row = 0; row < range; ++row) {
+          if (seen[row]) rows.push_back(row);
+        }
+      } else {
+        rows.resize(n);
+        for (int64_t j = 0; j < n; ++j) rows[j] = s.CoreRow(ids[j], k);
+        std::sort(rows.begin(), rows.end());
+        rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+      }
+      written_[k].assign(rows.size(), 0);
+    }
+  }
+  const std::vector<int64_t>& rows(int k) const { return rows_[k]; }
+  int64_t count(int k) const { return static_cast<int64_t>(rows_[k].size()); }
+  void set_values(int k, Acc* values) { values_[k] = values; }
+
+  // Core k's block of `row`; *accumulate says whether a group wrote it before.
+  Acc* Block(int k, int64_t row, bool* accumulate) {
+    const std::vector<int64_t>& rows = rows_[k];
+    const int64_t i = std::lower_bound(rows.begin(), rows.end(), row) - rows.begin();
+    *accumulate = written_[k][i] != 0;
+    written_[k][i] = 1;
+    return values_[k] + i * width_[k];
+  }
+
+ private:
+  std::vector<std::vector<int64_t>> rows_;
+  std::vector<std::vector<char>> written_;
+  std::vector<Acc*> values_;
+  std::vector<int64_t> width_;
+};
+
+// dst (+)= src, n elements.
+template <typename Acc>
+void AddTo(const Acc* src, int64_t n, bool accumulate, Acc* dst) {
+  if (accumulate) {
+    for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+  } else {
+    std::copy_n(src, n, dst);
+  }
+}
+
+// For the nodes of a level-k group (k >= 1) at slots [first, end), with their
+// dP_k in d (slot order): adds P_{k-1}^T dP_k over the nodes to the core
+// row's gradient `block` and writes each node's contribution dP_k G_k^T to its
+// parent's dP_{k-1} into contrib (at its slot). gt = G_k[row]^T.
+template <typename T, typename Acc>
+void GroupGradients(const Chunk<T, Acc>& c, int k, int64_t first, int64_t end, const Acc* d,
+                    const Acc* gt, Acc* block, bool accumulate, Acc* contrib, Scratch<Acc>* sc) {
+  const TTShape& s = c.s;
+  const Level& level = c.tree.levels[k];
+  const int64_t rows = s.cols[k - 1];
+  const int64_t inner = s.r[k];
+  const int64_t width = s.q[k] * s.r[k + 1];
+  sc->a_rows.clear();
+  sc->d_rows.clear();
+  sc->c_rows.clear();
+  for (int64_t i = first; i < end; ++i) {
+    PushRows(c.Node(k - 1, level.parent[level.order[i]]), rows, inner, &sc->a_rows);
+    PushRows(d + (i - first) * c.Size(k), rows, width, &sc->d_rows);
+    PushRows(contrib + i * rows * inner, rows, inner, &sc->c_rows);
+  }
+  const int64_t total = static_cast<int64_t>(sc->a_rows.size());
+  if (accumulate) {
+    tt_math::TransposedRowsTimesRows<true>(sc->a_rows.data(), inner, sc->d_rows.data(), width,
+                                           total, block);
+  } else {
+    tt_math::TransposedRowsTimesRows<false>(sc->a_rows.data(), inner, sc->d_rows.data(), width,
+                                            total, block);
+  }
+  tt_math::RowsTimes<false>(sc->d_rows.data(), total, width, gt, inner, sc->c_rows.data());
+}
+
+// G_k[row]^T, [q_k r_{k+1}, r_k], in the worker's scratch.
+template <typename T, typename Acc>
+const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch<Acc>* sc) {
+  const int64_t width = c.s.width[k];
+  Acc* out = sc->transposed.Resize(width);
+  tt_math::Transpose(c.cores.Row(k, row), c.s.r[k], width / c.s.r[k], out);
+  return out;
+}
+
+// Level m's pass (the file comment): dP_m per node from its leaves, the
+// leaves' blocks of core T-1's gradient (into leaf_grads at their slots, as
+// [q_{T-1}, r_{T-1}]), core m's gradient and the nodes' contributions to
+// their parents (contrib, for m >= 1). `saved`: TTRows' level-m products of
+// the chunk, or null (recomputed).
+template <typename T, typename Acc>
+void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* saved,
+                   const T* grad, Acc* contrib, Acc* leaf_grads, CoreGrads<Acc>* grads) {
+  const TTShape& s = c.s;
+  const int m = c.fused();
+  const int last = m + 1;
+  const Level& level = c.tree.levels[m];
+  const Level& leaves = c.tree.levels[last];
+  const int64_t size = c.Size(m);
+  const int64_t rows_m = s.cols[m];
+  const int64_t rank = s.r[last];
+  const int64_t q = s.q[last];
+  const int64_t dim = s.dim;
+  const int64_t leaf_width = s.width[last];
+  const double node_cost = m > 0 ? (saved ? 2 : 3) * c.NodeCost(m) : 0;
+  const double leaf_cost = static_cast<double>(2 * dim * rank);
+  const int64_t batch = BatchNodes(s, m);
+  RunClaimed<Scratch<Acc>>(
+      pool, level.num_groups(),
+      [&](int64_t g) {
+        double cost = 0;
+        for (int64_t i = level.groups[g]; i < level.groups[g + 1]; ++i) {
+          const int64_t v = level.order[i];
+          cost += node_cost + leaf_cost * (level.children[v + 1] - level.children[v]);
+        }
+        return cost;
+      },
+      [&](Scratch<Acc>* sc, int64_t g) {
+        const int64_t row = level.GroupRow(g);
+        const Acc* gt = m > 0 ? TransposedCoreRow(c, m, row, sc) : nullptr;
+        bool accumulate;
+        Acc* block = grads->Block(m, row, &accumulate);
+        const int64_t end = level.groups[g + 1];
+        for (int64_t i = level.groups[g]; i < end; i += batch) {
+          const int64_t stop = std::min(end, i + batch);
+          const Acc* products = saved ? saved + i * size : nullptr;
+          if (m > 0 && !saved) {
+            Acc* out = sc->products.Resize(batch * size);
+            c.Products(m, i, stop, out, sc);
+            products = out;
+          }
+          Acc* d = sc->grads.Resize(batch * size);
+          for (int64_t slot = i; slot < stop; ++slot) {
+            const int64_t v = level.order[slot];
+            const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
+            Acc* dv = d + (slot - i) * size;
+            for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
+              // dP of the leaf: the gradient row of its one id, read in place,
+              // or the sum of its ids' rows.
+              const int64_t first_id = c.tree.leaf_ids[leaf];
+              const int64_t end_id = c.tree.leaf_ids[leaf + 1];
+              const Acc* dp = nullptr;
+              if constexpr (std::is_same<T, Acc>::value) {
+                dp = grad + first_id * dim;
+              }
+              if (!std::is_same<T, Acc>::value || end_id - first_id > 1) {
+                Acc* sum = sc->leaf.Resize(dim);
+                std::fill_n(sum, dim, Acc(0));
+                for (int64_t j = first_id; j < end_id; ++j) {
+                  for (int64_t e = 0; e < dim; ++e) sum[e] += static_cast<Acc>(grad[j * dim + e]);
+                }
+                dp = sum;
+              }
+              sc->a_rows.clear();
+              sc->c_rows.clear();
+              sc->d_rows.clear();
+              PushRows(dp, rows_m, q, &sc->a_rows);
+              PushRows(dv, rows_m, rank, &sc->c_rows);
+              PushRows(p, rows_m, rank, &sc->d_rows);
+              const Acc* lt = c.LastTransposed(leaf);
+              if (leaf == level.children[v]) {
+                tt_math::RowsTimes<false>(sc->a_rows.data(), rows_m, q, lt, rank,
+                                          sc->c_rows.data());
+              } else {
+                tt_math::RowsTimes<true>(sc->a_rows.data(), rows_m, q, lt, rank,
+                                         sc->c_rows.data());
+              }
+              tt_math::TransposedRowsTimesRows<false>(sc->a_rows.data(), q, sc->d_rows.data(),
+                                                      rank, rows_m,
+                                                      leaf_grads + leaves.slot[leaf] * leaf_width);
+            }
+          }
+          if (m > 0) {
+            GroupGradients(c, m, i, stop, d, gt, block, accumulate || i > level.groups[g], contrib,
+                           sc);
+          } else {
+            for (int64_t slot = i; slot < stop; ++slot) {
+              AddTo(d + (slot - i) * size, size, accumulate || slot > level.groups[g], block);
+            }
+          }
+        }
+      });
+}
+
+// Level k's pass, 1 <= k < m: dP_k per node from its children's
+// contributions (next), then core k's gradient and the nodes' contributions.
+template <typename T, typename Acc>
+void LevelBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, int k, const Acc* next,
+                   Acc* contrib, CoreGrads<Acc>* grads) {
+  const Level& level = c.tree.levels[k];
+  const Level& below = c.tree.levels[k + 1];
+  const int64_t size = c.Size(k);
+  const int64_t batch = BatchNodes(c.s, k);
+  RunClaimed<Scratch<Acc>>(
+      pool, level.num_groups(), [&](int64_t g) { return level.GroupSize(g) * 2 * c.NodeCost(k); },
+      [&](Scratch<Acc>* sc, int64_t g) {
+        const int64_t row = level.GroupRow(g);
+        const Acc* gt = TransposedCoreRow(c, k, row, sc);
+        bool accumulate;
+        Acc* block = grads->Block(k, row, &accumulate);
+        const int64_t end = level.groups[g + 1];
+        for (int64_t i = level.groups[g]; i < end; i += batch) {
+          const int64_t stop = std::min(end, i + batch);
+          Acc* d = sc->grads.Resize(batch * size);
+          for (int64_t slot = i; slot < stop; ++slot) {
+            const int64_t v = level.order[slot];
+            Acc* dv = d + (slot - i) * size;
+            for (int64_t w = level.children[v]; w < level.children[v + 1]; ++w) {
+              AddTo(next + below.slot[w] * size, size, w > level.children[v], dv);
+            }
+          }
+          GroupGradients(c, k, i, stop, d, gt, block, accumulate || i > level.groups[g], contrib,
+                         sc);
+        }
+      });
+}
+
+// The last pass: core 0's gradient from level 1's contributions (next; when
+// m >= 1, else level m's pass made it) and core T-1's from the leaves' blocks.
+template <typename T, typename Acc>
+void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* next,
+                  const Acc* leaf_grads, CoreGrads<Acc>* grads) {
+  const TTShape& s = c.s;
+  const int last = s.num_cores - 1;
+  const Level& roots = c.tree.levels[0];
+  const Level& leaves = c.tree.levels[last];
+  const int64_t num_roots = c.fused() > 0 ? roots.num_groups() : 0;
+  const int64_t width0 = s.width[0];
+  const int64_t rank = s.r[last];
+  const int64_t q = s.q[last];
+  const int64_t leaf_width = s.width[last];
+  RunClaimed<Scratch<Acc>>(
+      pool, num_roots + leaves.num_groups(),
+      [&](int64_t item) {
+        return item < num_roots ? roots.GroupSize(item) * width0
+                                : leaves.GroupSize(item - num_roots) * leaf_width;
+      },
+      [&](Scratch<Acc>* sc, int64_t item) {
+        bool accumulate;
+        if (item < num_roots) {
+          const Level& below = c.tree.levels[1];
+          Acc* block = grads->Block(0, roots.GroupRow(item), &accumulate);
+          for (int64_t i = roots.groups[item]; i < roots.groups[item + 1]; ++i) {
+            const int64_t v = roots.order[i];
+            for (int64_t w = roots.children[v]; w < roots.children[v + 1]; ++w) {
+              AddTo(next + below.slot[w] * width0, width0, accumulate, block);
+              accumulate = true;
+            }
+          }
+          return;
+        }
+        const int64_t g = item - num_roots;
+        Acc* sum = sc->leaf.Resize(leaf_width);
+        for (int64_t i = leaves.groups[g]; i < leaves.groups[g + 1]; ++i) {
+          AddTo(leaf_grads + i * leaf_width, leaf_width, i > leaves.groups[g], sum);
+        }
+        Acc* block = grads->Block(last, leaves.GroupRow(g), &accumulate);
+        for (int64_t x = 0; x < rank; ++x) {
+          for (int64_t j = 0; j < q; ++j) {
+            const Acc value = sum[j * rank + x];
+            block[x * q + j] = accumulate ? block[x * q + j] + value : value;
+          }
+        }
+      });
+}
+
 template <typename T>
 Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
                 thread::ThreadPool* pool) {
   using Acc = AccT<T>;
   const int T_count = s.num_cores;
+  const int m = T_count - 2;
   const int64_t num_ids = a.num_ids;
   const Tensor& grad_t = *a.grad;
   TF_RETURN_IF_ERROR(ValidateRowsGradShape(grad_t, num_ids, s));
   const int64_t* ids = a.ids->flat<int64_t>().data();
   const T* grad = grad_t.flat<T>().data();
 
-  // The core rows each core's gradient has: those any id touches.
-  std::vector<std::vector<int64_t>> touched(T_count);
-  for (int k = 0; k < T_count; ++k) {
-    std::vector<int64_t>& rows = touched[k];
-    rows.resize(num_ids);
-    for (int64_t j = 0; j < num_ids; ++j) rows[j] = s.CoreRow(ids[j], k);
-    std::sort(rows.begin(), rows.end());
-    rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  }
-  // Core gradients accumulate here, one [n_k, width_k] block per core.
-  std::vector<std::vector<Acc>> core_grad(T_count);
-  for (int k = 0; k < T_count; ++k) {
-    core_grad[k].assign(touched[k].size() * s.width[k], Acc(0));
-  }
-  auto grad_block = [&](int k, int64_t core_row) {
-    const std::vector<int64_t>& rows = touched[k];
-    const int64_t slot = std::lower_bound(rows.begin(), rows.end(), core_row) - rows.begin();
-    return core_grad[k].data() + slot * s.width[k];
-  };
-
-  // TTRows' saved products of level T-2, when it saved them.
+  // TTRows' saved products of level m, when it saved them.
   const Tensor& saved_t = *a.saved;
-  const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc), true));
+  const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
   std::vector<int64_t> saved_counts;
   const Acc* saved = nullptr;
   if (saved_t.NumElements() > 0) {
     int64_t expected = 0;
     if (std::is_same<T, Acc>::value && T_count >= 3) {
-      saved_counts = NodesPerChunk(ids, num_ids, chunk, T_count - 2, s);
+      saved_counts = NodesPerChunk(ids, num_ids, chunk, m, s);
       expected =
           SavedHeader<Acc>() +
           std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0}) * SavedNodeSize(s);
@@ -671,110 +934,61 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     saved += SavedHeader<Acc>();
   }
 
-  if (num_ids > 0) {
-    const Cores<T, Acc> cores(a.cores, s);
-    PrefixTree tree;
-    std::vector<Buffer<Acc>> buffers;
-    std::vector<const Acc*> prefix;
-    Buffer<Acc> d_prefix, d_parent, contrib;
-    int64_t chunk_index = 0;
-    for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
-      const int64_t n = std::min(chunk, num_ids - begin);
-      tree.Build(ids + begin, n, s);
-      if (saved) {
-        ForwardLevels(pool, s, cores, tree, T_count - 3, -1, static_cast<Acc*>(nullptr), &buffers,
-                      &prefix);
-        prefix[T_count - 2] = saved;
-        saved += saved_counts[chunk_index] * SavedNodeSize(s);
-      } else {
-        ForwardLevels(pool, s, cores, tree, T_count - 2, -1, static_cast<Acc*>(nullptr), &buffers,
-                      &prefix);
-      }
-
-      // dP_{T-1} per leaf: the grad rows of its ids, in id order.
-      const int64_t dim = s.dim;
-      const Level& leaves = tree.levels[T_count - 1];
-      d_prefix.Resize(leaves.count() * dim);
-      pool->ParallelFor(leaves.count(), 2 * dim, [&](int64_t lo, int64_t hi) {
-        for (int64_t leaf = lo; leaf < hi; ++leaf) {
-          Acc* dst = d_prefix.data() + leaves.slot[leaf] * dim;
-          std::fill_n(dst, dim, Acc(0));
-          for (int64_t j = tree.leaf_ids[leaf]; j < tree.leaf_ids[leaf + 1]; ++j) {
-            const T* src = grad + (begin + j) * dim;
-            for (int64_t d = 0; d < dim; ++d) {
-              dst[d] += static_cast<Acc>(src[d]);
-            }
-          }
-        }
-      });
-
-      for (int k = T_count - 1; k >= 1; --k) {
-        const Level& level = tree.levels[k];
-        const Level& up = tree.levels[k - 1];
-        const int64_t rows = s.cols[k - 1];
-        const int64_t inner = s.r[k];
-        const int64_t out_cols = s.q[k] * s.r[k + 1];
-        const int64_t in_size = rows * inner;
-        const int64_t out_size = rows * out_cols;
-        const Acc* parents = prefix[k - 1];
-        contrib.Resize(level.count() * in_size);
-        ForGroups(pool, level, 4 * in_size * out_cols, [&](int64_t g) {
-          const int64_t first = level.groups[g];
-          const int64_t count = level.groups[g + 1] - first;
-          const int64_t core_row = level.core_row[level.order[first]];
-          auto a_buf = Scratch<Acc>(count * in_size);
-          for (int64_t i = 0; i < count; ++i) {
-            const int64_t parent = up.slot[level.parent[level.order[first + i]]];
-            std::copy_n(parents + parent * in_size, in_size, a_buf.get() + i * in_size);
-          }
-          const Acc* d = d_prefix.data() + first * out_size;
-          AddTransposedProduct(a_buf.get(), d, grad_block(k, core_row), count * rows, inner,
-                               out_cols);
-          ProductTransposed(d, cores.Row(k, core_row), contrib.data() + first * in_size,
-                            count * rows, inner, out_cols);
-        });
-        // dP_{k-1} of each parent: its children's contributions in node
-        // order (children of a parent are consecutive nodes).
-        d_parent.Resize(up.count() * in_size);
-        pool->ParallelFor(up.count(), 2 * in_size, [&](int64_t lo, int64_t hi) {
-          for (int64_t v = lo; v < hi; ++v) {
-            Acc* dst = d_parent.data() + up.slot[v] * in_size;
-            const int64_t first = up.children[v];
-            std::copy_n(contrib.data() + level.slot[first] * in_size, in_size, dst);
-            for (int64_t node = first + 1; node < up.children[v + 1]; ++node) {
-              const Acc* src = contrib.data() + level.slot[node] * in_size;
-              for (int64_t i = 0; i < in_size; ++i) dst[i] += src[i];
-            }
-          }
-        });
-        d_prefix.swap(d_parent);
-      }
-      // Level 0: dG_0[row] = sum of dP_0 over its nodes, in node order.
-      const Level& level0 = tree.levels[0];
-      const int64_t width0 = s.width[0];
-      ForGroups(pool, level0, width0, [&](int64_t g) {
-        Acc* dst = grad_block(0, level0.core_row[level0.order[level0.groups[g]]]);
-        for (int64_t i = level0.groups[g]; i < level0.groups[g + 1]; ++i) {
-          const Acc* src = d_prefix.data() + i * width0;
-          for (int64_t w = 0; w < width0; ++w) dst[w] += src[w];
-        }
-      });
-    }
-  }
-
+  // The outputs: core k's touched rows and their gradients, accumulated in
+  // place for float32/float64 and in float copies for the half types.
+  CoreGrads<Acc> grads(ids, num_ids, s);
   OpOutputList indices_out, values_out;
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
+  std::vector<T*> values(T_count);
+  std::vector<std::unique_ptr<Acc[]>> copies(T_count);
   for (int k = 0; k < T_count; ++k) {
-    const int64_t count = static_cast<int64_t>(touched[k].size());
+    const int64_t count = grads.count(k);
     Tensor* indices_t = nullptr;
     Tensor* values_t = nullptr;
     TF_RETURN_IF_ERROR(indices_out.allocate(k, TensorShape({count}), &indices_t));
     TF_RETURN_IF_ERROR(values_out.allocate(k, TensorShape({count, s.width[k]}), &values_t));
-    std::copy(touched[k].begin(), touched[k].end(), indices_t->flat<int64_t>().data());
-    T* values = values_t->flat<T>().data();
-    const std::vector<Acc>& acc = core_grad[k];
-    for (size_t i = 0; i < acc.size(); ++i) values[i] = static_cast<T>(acc[i]);
+    std::copy(grads.rows(k).begin(), grads.rows(k).end(), indices_t->flat<int64_t>().data());
+    values[k] = values_t->flat<T>().data();
+    if constexpr (std::is_same<T, Acc>::value) {
+      grads.set_values(k, values[k]);
+    } else {
+      copies[k].reset(new Acc[count * s.width[k]]);
+      grads.set_values(k, copies[k].get());
+    }
+  }
+
+  if (num_ids > 0) {
+    const Cores<T, Acc> cores(a.cores, s);
+    Chunk<T, Acc> c(s, cores);
+    // Contributions of each level k in 1..m to the level below, at slots.
+    std::vector<Buffer<Acc>> contrib(T_count);
+    Buffer<Acc> leaf_grads;
+    int64_t chunk_index = 0;
+    for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
+      const int64_t n = std::min(chunk, num_ids - begin);
+      c.Build(pool, ids + begin, n);
+      c.ForwardLevels(pool, m - 1);
+      for (int k = 1; k <= m; ++k) {
+        contrib[k].Resize(c.tree.levels[k].count() * s.cols[k - 1] * s.r[k]);
+      }
+      leaf_grads.Resize(c.tree.levels[m + 1].count() * s.width[m + 1]);
+      FusedBackward(pool, c, saved, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(),
+                    &grads);
+      if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
+      for (int k = m - 1; k >= 1; --k) {
+        LevelBackward(pool, c, k, contrib[k + 1].data(), contrib[k].data(), &grads);
+      }
+      LastBackward(pool, c, m > 0 ? contrib[1].data() : nullptr, leaf_grads.data(), &grads);
+    }
+  }
+
+  if constexpr (!std::is_same<T, Acc>::value) {
+    for (int k = 0; k < T_count; ++k) {
+      const Acc* acc = copies[k].get();
+      const int64_t size = grads.count(k) * s.width[k];
+      for (int64_t i = 0; i < size; ++i) values[k][i] = static_cast<T>(acc[i]);
+    }
   }
   return OkStatus();
 }
