@@ -15,7 +15,11 @@
 //   TransposedRowsTimesRows    the core gradients dG_k = P_{k-1}^T dP_k: a tile
 //                              of C in registers, the summed rows innermost;
 //   RowDots                    the last core's products, whose output is only
-//                              q_{T-1} columns wide: dot products of length k.
+//                              q_{T-1} columns wide: dot products of length k;
+//   LeafGradients              the backward's two products at a leaf, dP_m's
+//                              part G_{T-1}^T dP_leaf and core T-1's block
+//                              P_m^T dP_leaf, from one broadcast of dP_leaf;
+//   Transpose                  8 x 8 blocks.
 // Each output element is one chain of fused multiply-adds over the contracted
 // index in ascending order, started from 0 or from the element's old value;
 // which tile computed it does not change its bits, so a product is bitwise the
@@ -43,7 +47,7 @@ namespace tt_math {
 
 // dst [n, m] = src [m, n]^T.
 template <typename Acc>
-void Transpose(const Acc* src, int64_t m, int64_t n, Acc* dst) {
+void TransposeGeneric(const Acc* src, int64_t m, int64_t n, Acc* dst) {
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) dst[j * m + i] = src[i * n + j];
   }
@@ -89,6 +93,30 @@ void RowDotsGeneric(const Acc* a, int64_t m, int64_t k, const Acc* bt, int64_t q
       Acc sum = 0;
       for (int64_t x = 0; x < k; ++x) sum += a[i * k + x] * bt[j * k + x];
       c[i * q + j] = sum;
+    }
+  }
+}
+
+// The backward's step at a leaf, both products of one dP:
+//   d [m, n] (+)= dp [m, q] * bt [q, n]     (bt = G_{T-1}^T)
+//   l [q, n]   = dp^T * p [m, n]
+// d's elements sum over j, l's over i, in ascending order.
+template <typename Acc>
+void LeafGradientsGeneric(const Acc* dp, int64_t m, int64_t q, const Acc* bt, const Acc* p,
+                          int64_t n, bool accumulate, Acc* d, Acc* l) {
+  std::fill_n(l, q * n, Acc(0));
+  for (int64_t i = 0; i < m; ++i) {
+    Acc* di = d + i * n;
+    if (!accumulate) std::fill_n(di, n, Acc(0));
+    for (int64_t j = 0; j < q; ++j) {
+      const Acc g = dp[i * q + j];
+      const Acc* bj = bt + j * n;
+      const Acc* pi = p + i * n;
+      Acc* lj = l + j * n;
+      for (int64_t x = 0; x < n; ++x) {
+        di[x] += g * bj[x];
+        lj[x] += g * pi[x];
+      }
     }
   }
 }
@@ -269,8 +297,15 @@ inline void DotsTile(const float* a, int64_t k, const float* bt, int64_t q, floa
   }
   TF_TTEMB_UNROLL
   for (int r = 0; r < R; ++r) {
-    TF_TTEMB_UNROLL
-    for (int j = 0; j < J; ++j) c[r * q + j] = LaneSum(acc[r][j]);
+    if constexpr (J == 4) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                      _mm256_hadd_ps(acc[r][2], acc[r][3]));
+      _mm_storeu_ps(c + r * q,
+                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    } else {
+      TF_TTEMB_UNROLL
+      for (int j = 0; j < J; ++j) c[r * q + j] = LaneSum(acc[r][j]);
+    }
   }
 }
 
@@ -299,6 +334,67 @@ inline void RowDotsAvx2(const float* a, int64_t m, int64_t k, const float* bt, i
       break;
     default:
       break;
+  }
+}
+// dst [n, m] = src [m, n]^T for m % 8 == 0 and n % 8 == 0, by 8 x 8 blocks.
+inline void TransposeAvx2(const float* src, int64_t m, int64_t n, float* dst) {
+  for (int64_t i = 0; i < m; i += 8) {
+    for (int64_t j = 0; j < n; j += 8) {
+      __m256 r[8];
+      TF_TTEMB_UNROLL
+      for (int t = 0; t < 8; ++t) r[t] = _mm256_loadu_ps(src + (i + t) * n + j);
+      __m256 u[8];
+      TF_TTEMB_UNROLL
+      for (int t = 0; t < 4; ++t) {
+        u[2 * t] = _mm256_unpacklo_ps(r[2 * t], r[2 * t + 1]);
+        u[2 * t + 1] = _mm256_unpackhi_ps(r[2 * t], r[2 * t + 1]);
+      }
+      __m256 v[8];
+      TF_TTEMB_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        v[4 * t] = _mm256_shuffle_ps(u[4 * t], u[4 * t + 2], 0x44);
+        v[4 * t + 1] = _mm256_shuffle_ps(u[4 * t], u[4 * t + 2], 0xEE);
+        v[4 * t + 2] = _mm256_shuffle_ps(u[4 * t + 1], u[4 * t + 3], 0x44);
+        v[4 * t + 3] = _mm256_shuffle_ps(u[4 * t + 1], u[4 * t + 3], 0xEE);
+      }
+      TF_TTEMB_UNROLL
+      for (int t = 0; t < 4; ++t) {
+        _mm256_storeu_ps(dst + (j + t) * m + i, _mm256_permute2f128_ps(v[t], v[t + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + t + 4) * m + i, _mm256_permute2f128_ps(v[t], v[t + 4], 0x31));
+      }
+    }
+  }
+}
+
+// LeafGradients for Q = q (<= 4) columns of dp at a time, columns
+// [col, col + Q) of dp (and rows of bt and l), n % 8 == 0: per 8 columns of
+// d, l and p, bt's Q vectors and l's Q accumulators stay in registers, and
+// every broadcast of dp feeds both products.
+template <int Q>
+inline void LeafGradientsAvx2(const float* dp, int64_t m, int64_t q, int64_t col, const float* bt,
+                              const float* p, int64_t n, bool accumulate, float* d, float* l) {
+  for (int64_t x = 0; x < n; x += 8) {
+    __m256 g[Q];
+    __m256 acc[Q];
+    TF_TTEMB_UNROLL
+    for (int j = 0; j < Q; ++j) {
+      g[j] = _mm256_loadu_ps(bt + (col + j) * n + x);
+      acc[j] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const float* dpi = dp + i * q + col;
+      const __m256 pv = _mm256_loadu_ps(p + i * n + x);
+      __m256 dv = accumulate ? _mm256_loadu_ps(d + i * n + x) : _mm256_setzero_ps();
+      TF_TTEMB_UNROLL
+      for (int j = 0; j < Q; ++j) {
+        const __m256 b = _mm256_broadcast_ss(dpi + j);
+        acc[j] = _mm256_fmadd_ps(b, pv, acc[j]);
+        dv = _mm256_fmadd_ps(b, g[j], dv);
+      }
+      _mm256_storeu_ps(d + i * n + x, dv);
+    }
+    TF_TTEMB_UNROLL
+    for (int j = 0; j < Q; ++j) _mm256_storeu_ps(l + (col + j) * n + x, acc[j]);
   }
 }
 #endif  // TF_TTEMB_TT_AVX2
@@ -351,6 +447,49 @@ void RowDots(const Acc* a, int64_t m, int64_t k, const Acc* bt, int64_t q, Acc* 
   }
 #endif
   RowDotsGeneric(a, m, k, bt, q, c);
+}
+
+// dst [n, m] = src [m, n]^T.
+template <typename Acc>
+void Transpose(const Acc* src, int64_t m, int64_t n, Acc* dst) {
+#ifdef TF_TTEMB_TT_AVX2
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (m % 8 == 0 && n % 8 == 0) return TransposeAvx2(src, m, n, dst);
+  }
+#endif
+  TransposeGeneric(src, m, n, dst);
+}
+
+// d [m, n] (+)= dp [m, q] * bt [q, n] and l [q, n] = dp^T * p [m, n]
+// (dp, d, p, l contiguous).
+template <typename Acc>
+void LeafGradients(const Acc* dp, int64_t m, int64_t q, const Acc* bt, const Acc* p, int64_t n,
+                   bool accumulate, Acc* d, Acc* l) {
+#ifdef TF_TTEMB_TT_AVX2
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (Blocked<Acc>(n)) {
+      for (int64_t col = 0; col < q; col += 4) {
+        const bool add = accumulate || col > 0;
+        switch (std::min<int64_t>(4, q - col)) {
+          case 4:
+            LeafGradientsAvx2<4>(dp, m, q, col, bt, p, n, add, d, l);
+            break;
+          case 3:
+            LeafGradientsAvx2<3>(dp, m, q, col, bt, p, n, add, d, l);
+            break;
+          case 2:
+            LeafGradientsAvx2<2>(dp, m, q, col, bt, p, n, add, d, l);
+            break;
+          default:
+            LeafGradientsAvx2<1>(dp, m, q, col, bt, p, n, add, d, l);
+            break;
+        }
+      }
+      return;
+    }
+  }
+#endif
+  LeafGradientsGeneric(dp, m, q, bt, p, n, accumulate, d, l);
 }
 
 }  // namespace tt_math

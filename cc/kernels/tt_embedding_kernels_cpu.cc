@@ -47,7 +47,9 @@
 
 #include "cc/kernels/check_report_op.h"
 #include "cc/kernels/device_op_kernel.h"
+#include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/huge_pages.h"
 #include "cc/kernels/tt_embedding_cpu_math.h"
 #include "cc/kernels/tt_embedding_kernels.h"
 #include "cc/kernels/tt_embedding_op.h"
@@ -56,6 +58,8 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/mem.h"
+#include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/threadpool.h"
 
 namespace tensorflow {
@@ -170,22 +174,26 @@ struct PrefixTree {
     }
     leaf.resize(n);
     std::vector<int64_t> current(T, -1);
+    // The id's table and digits i_0..i_{T-1} (one division each), and the
+    // previous id's: level k's prefix is digits [0, k + 1].
+    std::vector<int64_t> digits(T + 1), previous(T + 1, -1);
     for (int64_t j = 0; j < n; ++j) {
-      int first_new = 0;
-      if (j > 0) {
-        // Equal keys at level k imply equal keys at every level below it.
-        while (first_new < T &&
-               s.PrefixKey(ids[j], first_new) == s.PrefixKey(ids[j - 1], first_new)) {
-          ++first_new;
-        }
+      digits[0] = ids[j] / s.rows_per_table;
+      int64_t rest = ids[j] - digits[0] * s.rows_per_table;
+      for (int k = 0; k < T; ++k) {
+        digits[k + 1] = rest / s.stride[k];
+        rest -= digits[k + 1] * s.stride[k];
       }
-      for (int k = first_new; k < T; ++k) {
+      int differ = 0;
+      while (differ <= T && digits[differ] == previous[differ]) ++differ;
+      for (int k = std::max(differ - 1, 0); k < T; ++k) {
         Level& level = levels[k];
         level.parent.push_back(k == 0 ? -1 : current[k - 1]);
-        level.core_row.push_back(s.CoreRow(ids[j], k));
+        level.core_row.push_back(digits[0] * s.p[k] + digits[k + 1]);
         current[k] = level.count() - 1;
       }
       leaf[j] = current[T - 1];
+      digits.swap(previous);
     }
     for (int k = 0; k < T; ++k) levels[k].Sort(s.num_tables * s.p[k], &sort_scratch);
     // Parents are non-decreasing along a level's nodes: children are runs.
@@ -207,24 +215,122 @@ struct PrefixTree {
   }
 };
 
+// Large temporaries come from a process-wide cache of blocks and go back to
+// it, so that a training step writes into the pages of the step before.
+// Fresh pages cost more than the products written into them: Linux faults
+// each 4 KiB page in and zeroes it, about 0.7 ms of CPU per MiB, and with
+// several threads the allocator hands freed blocks back to the system. At most
+// kMaxCachedBytes stay cached (the oldest blocks are freed first); blocks of
+// at least kHugePageMinFreshBytes are advised huge pages (huge_pages.h).
+class BlockCache {
+ public:
+  static constexpr size_t kMaxCachedBytes = size_t{256} << 20;
+
+  static BlockCache& Get() {
+    static BlockCache* cache = new BlockCache();
+    return *cache;
+  }
+
+  // A block of at least `bytes`; *capacity is set to its size.
+  void* Take(size_t bytes, size_t* capacity) {
+    {
+      mutex_lock lock(mu_);
+      size_t best = blocks_.size();
+      for (size_t i = 0; i < blocks_.size(); ++i) {
+        if (blocks_[i].bytes >= bytes &&
+            (best == blocks_.size() || blocks_[i].bytes < blocks_[best].bytes)) {
+          best = i;
+        }
+      }
+      if (best < blocks_.size()) {
+        const Block block = blocks_[best];
+        blocks_.erase(blocks_.begin() + best);
+        cached_ -= block.bytes;
+        *capacity = block.bytes;
+        return block.data;
+      }
+    }
+    const bool huge = static_cast<int64_t>(bytes) >= kHugePageMinFreshBytes;
+    void* data = port::AlignedMalloc(bytes, huge ? size_t{2} << 20 : 64);
+    if (huge) AdviseHugePages(data, static_cast<int64_t>(bytes));
+    *capacity = bytes;
+    return data;
+  }
+
+  void Give(void* data, size_t bytes) {
+    std::vector<Block> freed;
+    {
+      mutex_lock lock(mu_);
+      blocks_.push_back(Block{data, bytes});
+      cached_ += bytes;
+      while (cached_ > kMaxCachedBytes) {
+        freed.push_back(blocks_.front());
+        cached_ -= blocks_.front().bytes;
+        blocks_.erase(blocks_.begin());
+      }
+    }
+    for (const Block& block : freed) port::AlignedFree(block.data);
+  }
+
+ private:
+  struct Block {
+    void* data;
+    size_t bytes;
+  };
+  mutex mu_;
+  std::vector<Block> blocks_ TF_GUARDED_BY(mu_);
+  size_t cached_ TF_GUARDED_BY(mu_) = 0;
+};
+
 // A growable array that is written before it is read: resizing keeps no
 // contents and never zero-fills (a std::vector would memset every chunk).
+// Arrays of at least kCachedBytes live in BlockCache's blocks.
 template <typename Acc>
 class Buffer {
  public:
-  Acc* Resize(int64_t size) {
-    if (size > capacity_) {
-      data_.reset(new Acc[size]);
-      capacity_ = size;
-    }
-    return data_.get();
+  static constexpr size_t kCachedBytes = size_t{256} << 10;
+
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
   }
-  Acc* data() { return data_.get(); }
-  const Acc* data() const { return data_.get(); }
+  ~Buffer() { Release(); }
+
+  Acc* Resize(int64_t size) {
+    const size_t bytes = static_cast<size_t>(size) * sizeof(Acc);
+    if (bytes > bytes_) {
+      Release();
+      if (bytes >= kCachedBytes) {
+        data_ = BlockCache::Get().Take(bytes, &bytes_);
+      } else {
+        data_ = port::AlignedMalloc(bytes, 64);
+        bytes_ = bytes;
+      }
+    }
+    return data();
+  }
+  Acc* data() { return static_cast<Acc*>(data_); }
+  const Acc* data() const { return static_cast<const Acc*>(data_); }
 
  private:
-  std::unique_ptr<Acc[]> data_;
-  int64_t capacity_ = 0;
+  void Release() {
+    if (data_ == nullptr) return;
+    if (bytes_ >= kCachedBytes) {
+      BlockCache::Get().Give(data_, bytes_);
+    } else {
+      port::AlignedFree(data_);
+    }
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 // Ids per chunk so that `bytes_per_id` of temporaries per id fit kChunkBytes.
@@ -262,7 +368,9 @@ void RunClaimed(thread::ThreadPool* pool, int64_t n, Cost cost, Fn fn) {
   const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
   std::atomic<int64_t> next{0};
   auto work = [&](int64_t, int64_t) {
-    Scratch scratch;
+    // One Scratch per thread, kept from pass to pass (a thread runs one pass
+    // at a time: the caller of a pass waits for it).
+    static thread_local Scratch scratch;
     for (int64_t r = next.fetch_add(1); r < num_runs; r = next.fetch_add(1)) {
       for (int64_t i = runs[r]; i < runs[r + 1]; ++i) fn(&scratch, i);
     }
@@ -307,6 +415,9 @@ struct Chunk {
   std::vector<Buffer<Acc>> buffers;  // products of levels 1..m-1
   std::vector<const Acc*> data;      // per level: products at the nodes' slots
   Buffer<Acc> last_t;                // [last level's groups, q_{T-1} r_{T-1}]
+  // [count_m + 1]: the leaves of level m's node at slot i are visited (by
+  // level m's passes) at positions visit[i]..visit[i + 1] - 1.
+  std::vector<int64_t> visit;
 
   Chunk(const TTShape& shape, const Cores<T, Acc>& c) : s(shape), cores(c) {}
 
@@ -320,6 +431,13 @@ struct Chunk {
     const Level& level = tree.levels[k];
     if (k == 0) return cores.Row(0, level.core_row[v]);
     return data[k] + level.slot[v] * Size(k);
+  }
+  // Where the backward's pass visits leaf l (its block of core T-1's gradient
+  // is stored there, so that the pass writes them in order).
+  int64_t VisitOf(int64_t leaf) const {
+    const Level& level = tree.levels[fused()];
+    const int64_t v = tree.levels[fused() + 1].parent[leaf];
+    return visit[level.slot[v]] + leaf - level.children[v];
   }
   // G_{T-1} of leaf l's group, transposed: [q_{T-1}, r_{T-1}].
   const Acc* LastTransposed(int64_t leaf) const {
@@ -341,6 +459,13 @@ struct Chunk {
         });
     data.assign(s.num_cores, nullptr);
     buffers.resize(s.num_cores);
+    const Level& level = tree.levels[fused()];
+    visit.resize(level.count() + 1);
+    visit[0] = 0;
+    for (int64_t i = 0; i < level.count(); ++i) {
+      const int64_t v = level.order[i];
+      visit[i + 1] = visit[i] + level.children[v + 1] - level.children[v];
+    }
   }
 
   // P_k of level k's nodes at slots [first, end), into out + (slot - first) * Size(k).
@@ -418,16 +543,29 @@ inline uint64_t Mix(uint64_t h, uint64_t value) {
 // A checksum of a tensor's bytes: its 64-bit words weighted by odd position
 // factors and summed (vectorisable, about memory speed), so that other
 // values, or the same values moved, give another sum.
-uint64_t BytesChecksum(const Tensor& t) {
+uint64_t BytesChecksum(const Tensor& t, thread::ThreadPool* pool) {
   const absl::string_view bytes = t.tensor_data();
   const char* data = bytes.data();
-  const size_t words = bytes.size() / sizeof(uint64_t);
+  const int64_t words = static_cast<int64_t>(bytes.size() / sizeof(uint64_t));
+  // Sums of blocks of words, on the pool: an integer sum, the same in any order.
+  constexpr int64_t kBlockWords = int64_t{1} << 15;
+  const int64_t blocks = (words + kBlockWords - 1) / kBlockWords;
+  std::vector<uint64_t> partial(blocks, 0);
+  pool->ParallelFor(blocks, thread::ThreadPool::SchedulingParams::Fixed(1),
+                    [&](int64_t first, int64_t last) {
+                      for (int64_t b = first; b < last; ++b) {
+                        uint64_t sum = 0;
+                        for (int64_t i = b * kBlockWords; i < std::min(words, (b + 1) * kBlockWords);
+                             ++i) {
+                          uint64_t word;
+                          std::memcpy(&word, data + i * sizeof(uint64_t), sizeof(word));
+                          sum += word * (2 * static_cast<uint64_t>(i) + 1);
+                        }
+                        partial[b] = sum;
+                      }
+                    });
   uint64_t sum = bytes.size();
-  for (size_t i = 0; i < words; ++i) {
-    uint64_t word;
-    std::memcpy(&word, data + i * sizeof(uint64_t), sizeof(word));
-    sum += word * (2 * static_cast<uint64_t>(i) + 1);
-  }
+  for (uint64_t value : partial) sum += value;
   for (size_t i = words * sizeof(uint64_t); i < bytes.size(); ++i) {
     sum = Mix(sum, static_cast<unsigned char>(data[i]));
   }
@@ -435,12 +573,12 @@ uint64_t BytesChecksum(const Tensor& t) {
 }
 
 uint64_t SavedFingerprint(const int64_t* ids, int64_t num_ids, const OpInputList& cores,
-                          int num_cores) {
+                          int num_cores, thread::ThreadPool* pool) {
   uint64_t h = 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(num_ids);
   for (int64_t j = 0; j < num_ids; ++j) {
     h = Mix(h, static_cast<uint64_t>(ids[j]));
   }
-  for (int k = 0; k + 1 < num_cores; ++k) h = Mix(h, BytesChecksum(cores[k]));
+  for (int k = 0; k + 1 < num_cores; ++k) h = Mix(h, BytesChecksum(cores[k], pool));
   return h;
 }
 
@@ -480,32 +618,54 @@ Status UniqueIds(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const Unique
       global[j] = t * attrs.stride + id;
     }
   }
+  Tindex* slots = a.slots->flat<Tindex>().data();
+  // The entries sorted by global id (stable radix sort of global id << b |
+  // position, b the positions' bits), then one pass: the distinct ids, and
+  // each entry's slot.
+  const int position_bits = BitsFor(std::max<int64_t>(nnz, 2));
+  const int id_bits = BitsFor(std::max<int64_t>(a.num_tables * attrs.stride, 2));
   std::vector<int64_t> sorted;
-  sorted.reserve(nnz);
-  for (int64_t g : global) {
-    if (g >= 0) sorted.push_back(g);
+  if (position_bits + id_bits <= 64) {
+    std::vector<uint64_t> words, scratch;
+    words.reserve(nnz);
+    for (int64_t j = 0; j < nnz; ++j) {
+      if (global[j] < 0) {
+        slots[j] = Tindex(-1);
+      } else {
+        words.push_back(static_cast<uint64_t>(global[j]) << position_bits |
+                        static_cast<uint64_t>(j));
+      }
+    }
+    RadixSortPacked(pool, &words, &scratch, position_bits, id_bits);
+    const uint64_t position_mask = (uint64_t{1} << position_bits) - 1;
+    for (size_t i = 0; i < words.size(); ++i) {
+      const int64_t id = static_cast<int64_t>(words[i] >> position_bits);
+      if (sorted.empty() || sorted.back() != id) sorted.push_back(id);
+      slots[words[i] & position_mask] = static_cast<Tindex>(sorted.size() - 1);
+    }
+  } else {
+    sorted.reserve(nnz);
+    for (int64_t g : global) {
+      if (g >= 0) sorted.push_back(g);
+    }
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    pool->ParallelFor(nnz, thread::ThreadPool::SchedulingParams::Adaptive(40),
+                      [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        slots[j] = global[j] < 0 ? Tindex(-1)
+                                 : static_cast<Tindex>(
+                                       std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
+                                       sorted.begin());
+      }
+    });
   }
-  std::sort(sorted.begin(), sorted.end());
-  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-
   Tensor* unique_t = nullptr;
   TF_RETURN_IF_ERROR(
       ctx->allocate_output(0, TensorShape({static_cast<int64_t>(sorted.size())}), &unique_t));
   std::copy(sorted.begin(), sorted.end(), unique_t->flat<int64_t>().data());
-  Tindex* slots = a.slots->flat<Tindex>().data();
-  auto assign = [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      slots[j] =
-          global[j] < 0
-              ? Tindex(-1)
-              : static_cast<Tindex>(std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
-                                    sorted.begin());
-    }
-  };
-  pool->ParallelFor(nnz, 40, assign);
   return OkStatus();
 }
-
 
 // ---------------------------------------------------------------------------
 // TTRows
@@ -585,10 +745,15 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   const int m = s.num_cores - 2;
   // The same chunks as TTRowsGrad, so that it can use the saved products.
   const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
+  // One chunk (the usual case): its tree first, which counts the nodes.
+  Chunk<T, Acc> c(s, cores);
+  const bool one_chunk = num_ids <= chunk;
+  if (one_chunk) c.Build(pool, ids, num_ids);
   std::vector<int64_t> saved_counts;
   int64_t saved_size = 0;
   if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
-    saved_counts = NodesPerChunk(ids, num_ids, chunk, m, s);
+    saved_counts = one_chunk ? std::vector<int64_t>{c.tree.levels[m].count()}
+                             : NodesPerChunk(ids, num_ids, chunk, m, s);
     const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
     if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
       saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
@@ -599,15 +764,15 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   Acc* saved = nullptr;
   if (saved_size > 0) {
     saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
-    const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores);
+    AdviseHugePages(saved, saved_size * static_cast<int64_t>(sizeof(Acc)));
+    const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores, pool);
     std::memcpy(saved, &fingerprint, sizeof(fingerprint));
     saved += SavedHeader<Acc>();
   }
-  Chunk<T, Acc> c(s, cores);
   int64_t chunk_index = 0;
   for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
     const int64_t n = std::min(chunk, num_ids - begin);
-    c.Build(pool, ids + begin, n);
+    if (!one_chunk) c.Build(pool, ids + begin, n);
     c.ForwardLevels(pool, m - 1);
     FusedForward(pool, c, saved, rows + begin * s.dim);
     if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
@@ -643,6 +808,15 @@ class CoreGrads {
         rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
       }
       written_[k].assign(rows.size(), 0);
+    }
+  }
+  // The same from the tree of all the ids (one chunk): level k's groups.
+  CoreGrads(const PrefixTree& tree, const TTShape& s)
+      : rows_(s.num_cores), written_(s.num_cores), values_(s.num_cores), width_(s.width) {
+    for (int k = 0; k < s.num_cores; ++k) {
+      const Level& level = tree.levels[k];
+      for (int64_t g = 0; g < level.num_groups(); ++g) rows_[k].push_back(level.GroupRow(g));
+      written_[k].assign(rows_[k].size(), 0);
     }
   }
   const std::vector<int64_t>& rows(int k) const { return rows_[k]; }
@@ -716,8 +890,8 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 }
 
 // Level m's pass (the file comment): dP_m per node from its leaves, the
-// leaves' blocks of core T-1's gradient (into leaf_grads at their slots, as
-// [q_{T-1}, r_{T-1}]), core m's gradient and the nodes' contributions to
+// leaves' blocks of core T-1's gradient (into leaf_grads at their visit
+// positions, Chunk::visit, as [q_{T-1}, r_{T-1}]), core m's gradient and the nodes' contributions to
 // their parents (contrib, for m >= 1). `saved`: TTRows' level-m products of
 // the chunk, or null (recomputed).
 template <typename T, typename Acc>
@@ -727,7 +901,6 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
   const int m = c.fused();
   const int last = m + 1;
   const Level& level = c.tree.levels[m];
-  const Level& leaves = c.tree.levels[last];
   const int64_t size = c.Size(m);
   const int64_t rows_m = s.cols[m];
   const int64_t rank = s.r[last];
@@ -765,7 +938,13 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
           for (int64_t slot = i; slot < stop; ++slot) {
             const int64_t v = level.order[slot];
             const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
+            // The saved products are read once, from memory: the next but
+            // one node's are fetched while this one's leaves are computed.
+            if (saved && slot + 2 < stop) {
+              PrefetchBytes(p + 2 * size, size * static_cast<int64_t>(sizeof(Acc)));
+            }
             Acc* dv = d + (slot - i) * size;
+            Acc* blocks = leaf_grads + c.visit[slot] * leaf_width;
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
               // dP of the leaf: the gradient row of its one id, read in place,
               // or the sum of its ids' rows.
@@ -783,23 +962,9 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
                 }
                 dp = sum;
               }
-              sc->a_rows.clear();
-              sc->c_rows.clear();
-              sc->d_rows.clear();
-              PushRows(dp, rows_m, q, &sc->a_rows);
-              PushRows(dv, rows_m, rank, &sc->c_rows);
-              PushRows(p, rows_m, rank, &sc->d_rows);
-              const Acc* lt = c.LastTransposed(leaf);
-              if (leaf == level.children[v]) {
-                tt_math::RowsTimes<false>(sc->a_rows.data(), rows_m, q, lt, rank,
-                                          sc->c_rows.data());
-              } else {
-                tt_math::RowsTimes<true>(sc->a_rows.data(), rows_m, q, lt, rank,
-                                         sc->c_rows.data());
-              }
-              tt_math::TransposedRowsTimesRows<false>(sc->a_rows.data(), q, sc->d_rows.data(),
-                                                      rank, rows_m,
-                                                      leaf_grads + leaves.slot[leaf] * leaf_width);
+              tt_math::LeafGradients(dp, rows_m, q, c.LastTransposed(leaf), p, rank,
+                                     leaf > level.children[v], dv,
+                                     blocks + (leaf - level.children[v]) * leaf_width);
             }
           }
           if (m > 0) {
@@ -884,7 +1049,8 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
         const int64_t g = item - num_roots;
         Acc* sum = sc->leaf.Resize(leaf_width);
         for (int64_t i = leaves.groups[g]; i < leaves.groups[g + 1]; ++i) {
-          AddTo(leaf_grads + i * leaf_width, leaf_width, i > leaves.groups[g], sum);
+          AddTo(leaf_grads + c.VisitOf(leaves.order[i]) * leaf_width, leaf_width,
+                i > leaves.groups[g], sum);
         }
         Acc* block = grads->Block(last, leaves.GroupRow(g), &accumulate);
         for (int64_t x = 0; x < rank; ++x) {
@@ -911,12 +1077,19 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
   // TTRows' saved products of level m, when it saved them.
   const Tensor& saved_t = *a.saved;
   const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
+  // One chunk (the usual case): its tree first, which counts the nodes and
+  // lists the touched core rows.
+  const Cores<T, Acc> cores(a.cores, s);
+  Chunk<T, Acc> c(s, cores);
+  const bool one_chunk = num_ids > 0 && num_ids <= chunk;
+  if (one_chunk) c.Build(pool, ids, num_ids);
   std::vector<int64_t> saved_counts;
   const Acc* saved = nullptr;
   if (saved_t.NumElements() > 0) {
     int64_t expected = 0;
     if (std::is_same<T, Acc>::value && T_count >= 3) {
-      saved_counts = NodesPerChunk(ids, num_ids, chunk, m, s);
+      saved_counts = one_chunk ? std::vector<int64_t>{c.tree.levels[m].count()}
+                               : NodesPerChunk(ids, num_ids, chunk, m, s);
       expected =
           SavedHeader<Acc>() +
           std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0}) * SavedNodeSize(s);
@@ -928,7 +1101,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
     uint64_t fingerprint;
     std::memcpy(&fingerprint, saved, sizeof(fingerprint));
-    if (fingerprint != SavedFingerprint(ids, num_ids, a.cores, T_count)) {
+    if (fingerprint != SavedFingerprint(ids, num_ids, a.cores, T_count, pool)) {
       return mismatch("was computed for other ids or other cores");
     }
     saved += SavedHeader<Acc>();
@@ -936,7 +1109,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
 
   // The outputs: core k's touched rows and their gradients, accumulated in
   // place for float32/float64 and in float copies for the half types.
-  CoreGrads<Acc> grads(ids, num_ids, s);
+  CoreGrads<Acc> grads = one_chunk ? CoreGrads<Acc>(c.tree, s) : CoreGrads<Acc>(ids, num_ids, s);
   OpOutputList indices_out, values_out;
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
@@ -959,15 +1132,13 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
   }
 
   if (num_ids > 0) {
-    const Cores<T, Acc> cores(a.cores, s);
-    Chunk<T, Acc> c(s, cores);
     // Contributions of each level k in 1..m to the level below, at slots.
     std::vector<Buffer<Acc>> contrib(T_count);
     Buffer<Acc> leaf_grads;
     int64_t chunk_index = 0;
     for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
       const int64_t n = std::min(chunk, num_ids - begin);
-      c.Build(pool, ids + begin, n);
+      if (!one_chunk) c.Build(pool, ids + begin, n);
       c.ForwardLevels(pool, m - 1);
       for (int k = 1; k <= m; ++k) {
         contrib[k].Resize(c.tree.levels[k].count() * s.cols[k - 1] * s.r[k]);
