@@ -765,8 +765,6 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   if (saved_size > 0) {
     saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
     AdviseHugePages(saved, saved_size * static_cast<int64_t>(sizeof(Acc)));
-    const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores, pool);
-    std::memcpy(saved, &fingerprint, sizeof(fingerprint));
     saved += SavedHeader<Acc>();
   }
   int64_t chunk_index = 0;
@@ -776,6 +774,11 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
     c.ForwardLevels(pool, m - 1);
     FusedForward(pool, c, saved, rows + begin * s.dim);
     if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
+  }
+  if (saved_size > 0) {
+    // After the products, which leave the cores in cache.
+    const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores, pool);
+    std::memcpy(saved_t->flat<T>().data(), &fingerprint, sizeof(fingerprint));
   }
   return OkStatus();
 }
@@ -1012,6 +1015,9 @@ void LevelBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, int k, cons
       });
 }
 
+// Blocks that LastBackward sums are fetched this many blocks ahead.
+constexpr int64_t kAhead = 4;
+
 // The last pass: core 0's gradient from level 1's contributions (next; when
 // m >= 1, else level m's pass made it) and core T-1's from the leaves' blocks.
 template <typename T, typename Acc>
@@ -1039,7 +1045,12 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
           Acc* block = grads->Block(0, roots.GroupRow(item), &accumulate);
           for (int64_t i = roots.groups[item]; i < roots.groups[item + 1]; ++i) {
             const int64_t v = roots.order[i];
-            for (int64_t w = roots.children[v]; w < roots.children[v + 1]; ++w) {
+            const int64_t end = roots.children[v + 1];
+            for (int64_t w = roots.children[v]; w < end; ++w) {
+              // The contributions lie at random: fetched kAhead children ahead.
+              if (w + kAhead < end) {
+                PrefetchBytes(next + below.slot[w + kAhead] * width0, width0 * sizeof(Acc));
+              }
               AddTo(next + below.slot[w] * width0, width0, accumulate, block);
               accumulate = true;
             }
@@ -1048,7 +1059,12 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
         }
         const int64_t g = item - num_roots;
         Acc* sum = sc->leaf.Resize(leaf_width);
-        for (int64_t i = leaves.groups[g]; i < leaves.groups[g + 1]; ++i) {
+        const int64_t end = leaves.groups[g + 1];
+        for (int64_t i = leaves.groups[g]; i < end; ++i) {
+          if (i + kAhead < end) {
+            PrefetchBytes(leaf_grads + c.VisitOf(leaves.order[i + kAhead]) * leaf_width,
+                          leaf_width * sizeof(Acc));
+          }
           AddTo(leaf_grads + c.VisitOf(leaves.order[i]) * leaf_width, leaf_width,
                 i > leaves.groups[g], sum);
         }
@@ -1098,13 +1114,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     if (saved_t.dims() != 1 || saved_t.NumElements() != expected) {
       return mismatch("does not have the size these ids need");
     }
-    saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data());
-    uint64_t fingerprint;
-    std::memcpy(&fingerprint, saved, sizeof(fingerprint));
-    if (fingerprint != SavedFingerprint(ids, num_ids, a.cores, T_count, pool)) {
-      return mismatch("was computed for other ids or other cores");
-    }
-    saved += SavedHeader<Acc>();
+    saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data()) + SavedHeader<Acc>();
   }
 
   // The outputs: core k's touched rows and their gradients, accumulated in
@@ -1154,6 +1164,15 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     }
   }
 
+  if (saved) {
+    // Checked after the products, which leave the cores in cache: products
+    // saved for other ids or cores give wrong gradients, never returned.
+    uint64_t fingerprint;
+    std::memcpy(&fingerprint, saved_t.flat<T>().data(), sizeof(fingerprint));
+    if (fingerprint != SavedFingerprint(ids, num_ids, a.cores, T_count, pool)) {
+      return SavedMismatchError(saved_t, "was computed for other ids or other cores");
+    }
+  }
   if constexpr (!std::is_same<T, Acc>::value) {
     for (int k = 0; k < T_count; ++k) {
       const Acc* acc = copies[k].get();
