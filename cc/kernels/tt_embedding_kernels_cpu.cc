@@ -163,6 +163,9 @@ struct PrefixTree {
   std::vector<Level> levels;
   std::vector<int64_t> leaf;
   std::vector<int64_t> leaf_ids;  // [num_leaves + 1] offsets of each leaf's ids
+  // [count_m + 1], m = T - 2: the leaves of level m's node at slot i are
+  // visited (by level m's passes) at positions visit[i]..visit[i + 1] - 1.
+  std::vector<int64_t> visit;
   std::vector<int64_t> sort_scratch;
 
   void Build(const int64_t* ids, int64_t n, const TTShape& s) {
@@ -201,6 +204,13 @@ struct PrefixTree {
       Offsets(levels[k + 1].parent, levels[k].count(), &levels[k].children);
     }
     Offsets(leaf, levels[T - 1].count(), &leaf_ids);
+    const Level& fused = levels[T - 2];
+    visit.resize(fused.count() + 1);
+    visit[0] = 0;
+    for (int64_t i = 0; i < fused.count(); ++i) {
+      const int64_t v = fused.order[i];
+      visit[i + 1] = visit[i] + fused.children[v + 1] - fused.children[v];
+    }
   }
 
   // offsets[v] = first position of value v in the non-decreasing `values`.
@@ -405,22 +415,64 @@ int64_t BatchNodes(const TTShape& s, int k) {
   return std::max<int64_t>(1, kBatchElements / (s.cols[k] * s.r[k + 1]));
 }
 
+// The trees of recent calls' ids (all of a call's ids in one chunk), so
+// that TTRowsGrad takes the tree that TTRows built for the same ids instead
+// of building it again on one thread. An entry matches on the factorisation
+// and on the ids themselves, compared in full.
+class TreeCache {
+ public:
+  static constexpr size_t kEntries = 4;
+
+  static TreeCache& Get() {
+    static TreeCache* cache = new TreeCache();
+    return *cache;
+  }
+
+  std::shared_ptr<const PrefixTree> Find(const TTShape& s, const int64_t* ids, int64_t n) {
+    mutex_lock lock(mu_);
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      if (e.num_tables == s.num_tables && e.p == s.p && static_cast<int64_t>(e.ids.size()) == n &&
+          std::equal(e.ids.begin(), e.ids.end(), ids)) {
+        std::rotate(entries_.begin(), entries_.begin() + i, entries_.begin() + i + 1);
+        return entries_.front().tree;
+      }
+    }
+    return nullptr;
+  }
+
+  void Put(const TTShape& s, const int64_t* ids, int64_t n, std::shared_ptr<const PrefixTree> tree) {
+    Entry e{s.num_tables, s.p, std::vector<int64_t>(ids, ids + n), std::move(tree)};
+    mutex_lock lock(mu_);
+    entries_.insert(entries_.begin(), std::move(e));
+    if (entries_.size() > kEntries) entries_.pop_back();
+  }
+
+ private:
+  struct Entry {
+    int64_t num_tables;
+    std::vector<int64_t> p;
+    std::vector<int64_t> ids;
+    std::shared_ptr<const PrefixTree> tree;
+  };
+  mutex mu_;
+  std::vector<Entry> entries_ TF_GUARDED_BY(mu_);
+};
+
 // One chunk: its prefix tree, where its partial products are, and the last
 // core's blocks that its leaves use, transposed.
 template <typename T, typename Acc>
 struct Chunk {
   const TTShape& s;
   const Cores<T, Acc>& cores;
-  PrefixTree tree;
+  std::shared_ptr<const PrefixTree> tree_;
   std::vector<Buffer<Acc>> buffers;  // products of levels 1..m-1
   std::vector<const Acc*> data;      // per level: products at the nodes' slots
   Buffer<Acc> last_t;                // [last level's groups, q_{T-1} r_{T-1}]
-  // [count_m + 1]: the leaves of level m's node at slot i are visited (by
-  // level m's passes) at positions visit[i]..visit[i + 1] - 1.
-  std::vector<int64_t> visit;
 
   Chunk(const TTShape& shape, const Cores<T, Acc>& c) : s(shape), cores(c) {}
 
+  const PrefixTree& tree() const { return *tree_; }
   int fused() const { return s.num_cores - 2; }  // level m
   // Elements of one node's P_k.
   int64_t Size(int k) const { return s.cols[k] * s.r[k + 1]; }
@@ -428,27 +480,38 @@ struct Chunk {
   double NodeCost(int k) const { return static_cast<double>(s.r[k] * Size(k)); }
   // P_k of node v of level k: a row of core 0 for level 0.
   const Acc* Node(int k, int64_t v) const {
-    const Level& level = tree.levels[k];
+    const Level& level = tree().levels[k];
     if (k == 0) return cores.Row(0, level.core_row[v]);
     return data[k] + level.slot[v] * Size(k);
   }
   // Where the backward's pass visits leaf l (its block of core T-1's gradient
   // is stored there, so that the pass writes them in order).
   int64_t VisitOf(int64_t leaf) const {
-    const Level& level = tree.levels[fused()];
-    const int64_t v = tree.levels[fused() + 1].parent[leaf];
-    return visit[level.slot[v]] + leaf - level.children[v];
+    const Level& level = tree().levels[fused()];
+    const int64_t v = tree().levels[fused() + 1].parent[leaf];
+    return tree().visit[level.slot[v]] + leaf - level.children[v];
   }
   // G_{T-1} of leaf l's group, transposed: [q_{T-1}, r_{T-1}].
   const Acc* LastTransposed(int64_t leaf) const {
-    return last_t.data() + tree.levels[s.num_cores - 1].group[leaf] * s.width[s.num_cores - 1];
+    return last_t.data() + tree().levels[s.num_cores - 1].group[leaf] * s.width[s.num_cores - 1];
   }
 
-  // Builds the tree of ids[0, n) and transposes the last core's rows it uses.
-  void Build(thread::ThreadPool* pool, const int64_t* ids, int64_t n) {
-    tree.Build(ids, n, s);
+  // How Build finds a tree: TTRows builds it and, for all of a call's ids in
+  // one chunk, shares it in TreeCache; TTRowsGrad takes it from there when it
+  // is the same ids' (else builds it); a chunk of several builds it.
+  enum class Tree { kShare, kReuse, kBuild };
+
+  // The tree of ids[0, n) and the last core's rows it uses, transposed.
+  void Build(thread::ThreadPool* pool, const int64_t* ids, int64_t n, Tree how) {
+    tree_ = how == Tree::kReuse ? TreeCache::Get().Find(s, ids, n) : nullptr;
+    if (tree_ == nullptr) {
+      auto tree = std::make_shared<PrefixTree>();
+      tree->Build(ids, n, s);
+      if (how == Tree::kShare) TreeCache::Get().Put(s, ids, n, tree);
+      tree_ = std::move(tree);
+    }
     const int last = s.num_cores - 1;
-    const Level& leaves = tree.levels[last];
+    const Level& leaves = tree().levels[last];
     const int64_t width = s.width[last];
     Acc* out = last_t.Resize(leaves.num_groups() * width);
     RunClaimed<char>(
@@ -459,18 +522,11 @@ struct Chunk {
         });
     data.assign(s.num_cores, nullptr);
     buffers.resize(s.num_cores);
-    const Level& level = tree.levels[fused()];
-    visit.resize(level.count() + 1);
-    visit[0] = 0;
-    for (int64_t i = 0; i < level.count(); ++i) {
-      const int64_t v = level.order[i];
-      visit[i + 1] = visit[i] + level.children[v + 1] - level.children[v];
-    }
   }
 
   // P_k of level k's nodes at slots [first, end), into out + (slot - first) * Size(k).
   void Products(int k, int64_t first, int64_t end, Acc* out, Scratch<Acc>* sc) const {
-    const Level& level = tree.levels[k];
+    const Level& level = tree().levels[k];
     const int64_t rows = s.cols[k - 1];
     const int64_t inner = s.r[k];
     const int64_t out_cols = s.q[k] * s.r[k + 1];
@@ -488,7 +544,7 @@ struct Chunk {
   // The products of levels 1..last (below m), into `buffers`.
   void ForwardLevels(thread::ThreadPool* pool, int last) {
     for (int k = 1; k <= last; ++k) {
-      const Level& level = tree.levels[k];
+      const Level& level = tree().levels[k];
       Acc* out = buffers[k].Resize(level.count() * Size(k));
       data[k] = out;
       RunClaimed<Scratch<Acc>>(
@@ -551,19 +607,18 @@ uint64_t BytesChecksum(const Tensor& t, thread::ThreadPool* pool) {
   constexpr int64_t kBlockWords = int64_t{1} << 15;
   const int64_t blocks = (words + kBlockWords - 1) / kBlockWords;
   std::vector<uint64_t> partial(blocks, 0);
-  pool->ParallelFor(blocks, thread::ThreadPool::SchedulingParams::Fixed(1),
-                    [&](int64_t first, int64_t last) {
-                      for (int64_t b = first; b < last; ++b) {
-                        uint64_t sum = 0;
-                        for (int64_t i = b * kBlockWords; i < std::min(words, (b + 1) * kBlockWords);
-                             ++i) {
-                          uint64_t word;
-                          std::memcpy(&word, data + i * sizeof(uint64_t), sizeof(word));
-                          sum += word * (2 * static_cast<uint64_t>(i) + 1);
-                        }
-                        partial[b] = sum;
-                      }
-                    });
+  RunClaimed<char>(
+      pool, blocks, [&](int64_t) { return kBlockWords; },
+      [&](char*, int64_t b) {
+        uint64_t sum = 0;
+        const int64_t end = std::min(words, (b + 1) * kBlockWords);
+        for (int64_t i = b * kBlockWords; i < end; ++i) {
+          uint64_t word;
+          std::memcpy(&word, data + i * sizeof(uint64_t), sizeof(word));
+          sum += word * (2 * static_cast<uint64_t>(i) + 1);
+        }
+        partial[b] = sum;
+      });
   uint64_t sum = bytes.size();
   for (uint64_t value : partial) sum += value;
   for (size_t i = words * sizeof(uint64_t); i < bytes.size(); ++i) {
@@ -677,7 +732,7 @@ void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, 
   const TTShape& s = c.s;
   const int m = c.fused();
   const int last = m + 1;
-  const Level& level = c.tree.levels[m];
+  const Level& level = c.tree().levels[m];
   const int64_t size = c.Size(m);
   const int64_t rows_m = s.cols[m];
   const int64_t rank = s.r[last];
@@ -709,8 +764,8 @@ void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, 
             const int64_t v = level.order[slot];
             const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
-              const int64_t first_id = c.tree.leaf_ids[leaf];
-              const int64_t end_id = c.tree.leaf_ids[leaf + 1];
+              const int64_t first_id = c.tree().leaf_ids[leaf];
+              const int64_t end_id = c.tree().leaf_ids[leaf + 1];
               Acc* out;
               int64_t j = first_id;
               if constexpr (std::is_same<T, Acc>::value) {
@@ -748,11 +803,11 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   // One chunk (the usual case): its tree first, which counts the nodes.
   Chunk<T, Acc> c(s, cores);
   const bool one_chunk = num_ids <= chunk;
-  if (one_chunk) c.Build(pool, ids, num_ids);
+  if (one_chunk) c.Build(pool, ids, num_ids, Chunk<T, Acc>::Tree::kShare);
   std::vector<int64_t> saved_counts;
   int64_t saved_size = 0;
   if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
-    saved_counts = one_chunk ? std::vector<int64_t>{c.tree.levels[m].count()}
+    saved_counts = one_chunk ? std::vector<int64_t>{c.tree().levels[m].count()}
                              : NodesPerChunk(ids, num_ids, chunk, m, s);
     const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
     if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
@@ -770,7 +825,7 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   int64_t chunk_index = 0;
   for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
     const int64_t n = std::min(chunk, num_ids - begin);
-    if (!one_chunk) c.Build(pool, ids + begin, n);
+    if (!one_chunk) c.Build(pool, ids + begin, n, Chunk<T, Acc>::Tree::kBuild);
     c.ForwardLevels(pool, m - 1);
     FusedForward(pool, c, saved, rows + begin * s.dim);
     if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
@@ -860,7 +915,7 @@ template <typename T, typename Acc>
 void GroupGradients(const Chunk<T, Acc>& c, int k, int64_t first, int64_t end, const Acc* d,
                     const Acc* gt, Acc* block, bool accumulate, Acc* contrib, Scratch<Acc>* sc) {
   const TTShape& s = c.s;
-  const Level& level = c.tree.levels[k];
+  const Level& level = c.tree().levels[k];
   const int64_t rows = s.cols[k - 1];
   const int64_t inner = s.r[k];
   const int64_t width = s.q[k] * s.r[k + 1];
@@ -903,7 +958,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
   const TTShape& s = c.s;
   const int m = c.fused();
   const int last = m + 1;
-  const Level& level = c.tree.levels[m];
+  const Level& level = c.tree().levels[m];
   const int64_t size = c.Size(m);
   const int64_t rows_m = s.cols[m];
   const int64_t rank = s.r[last];
@@ -947,12 +1002,12 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
               PrefetchBytes(p + 2 * size, size * static_cast<int64_t>(sizeof(Acc)));
             }
             Acc* dv = d + (slot - i) * size;
-            Acc* blocks = leaf_grads + c.visit[slot] * leaf_width;
+            Acc* blocks = leaf_grads + c.tree().visit[slot] * leaf_width;
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
               // dP of the leaf: the gradient row of its one id, read in place,
               // or the sum of its ids' rows.
-              const int64_t first_id = c.tree.leaf_ids[leaf];
-              const int64_t end_id = c.tree.leaf_ids[leaf + 1];
+              const int64_t first_id = c.tree().leaf_ids[leaf];
+              const int64_t end_id = c.tree().leaf_ids[leaf + 1];
               const Acc* dp = nullptr;
               if constexpr (std::is_same<T, Acc>::value) {
                 dp = grad + first_id * dim;
@@ -987,8 +1042,8 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
 template <typename T, typename Acc>
 void LevelBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, int k, const Acc* next,
                    Acc* contrib, CoreGrads<Acc>* grads) {
-  const Level& level = c.tree.levels[k];
-  const Level& below = c.tree.levels[k + 1];
+  const Level& level = c.tree().levels[k];
+  const Level& below = c.tree().levels[k + 1];
   const int64_t size = c.Size(k);
   const int64_t batch = BatchNodes(c.s, k);
   RunClaimed<Scratch<Acc>>(
@@ -1025,8 +1080,8 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
                   const Acc* leaf_grads, CoreGrads<Acc>* grads) {
   const TTShape& s = c.s;
   const int last = s.num_cores - 1;
-  const Level& roots = c.tree.levels[0];
-  const Level& leaves = c.tree.levels[last];
+  const Level& roots = c.tree().levels[0];
+  const Level& leaves = c.tree().levels[last];
   const int64_t num_roots = c.fused() > 0 ? roots.num_groups() : 0;
   const int64_t width0 = s.width[0];
   const int64_t rank = s.r[last];
@@ -1041,7 +1096,7 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
       [&](Scratch<Acc>* sc, int64_t item) {
         bool accumulate;
         if (item < num_roots) {
-          const Level& below = c.tree.levels[1];
+          const Level& below = c.tree().levels[1];
           Acc* block = grads->Block(0, roots.GroupRow(item), &accumulate);
           for (int64_t i = roots.groups[item]; i < roots.groups[item + 1]; ++i) {
             const int64_t v = roots.order[i];
@@ -1098,13 +1153,13 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
   const Cores<T, Acc> cores(a.cores, s);
   Chunk<T, Acc> c(s, cores);
   const bool one_chunk = num_ids > 0 && num_ids <= chunk;
-  if (one_chunk) c.Build(pool, ids, num_ids);
+  if (one_chunk) c.Build(pool, ids, num_ids, Chunk<T, Acc>::Tree::kReuse);
   std::vector<int64_t> saved_counts;
   const Acc* saved = nullptr;
   if (saved_t.NumElements() > 0) {
     int64_t expected = 0;
     if (std::is_same<T, Acc>::value && T_count >= 3) {
-      saved_counts = one_chunk ? std::vector<int64_t>{c.tree.levels[m].count()}
+      saved_counts = one_chunk ? std::vector<int64_t>{c.tree().levels[m].count()}
                                : NodesPerChunk(ids, num_ids, chunk, m, s);
       expected =
           SavedHeader<Acc>() +
@@ -1119,7 +1174,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
 
   // The outputs: core k's touched rows and their gradients, accumulated in
   // place for float32/float64 and in float copies for the half types.
-  CoreGrads<Acc> grads = one_chunk ? CoreGrads<Acc>(c.tree, s) : CoreGrads<Acc>(ids, num_ids, s);
+  CoreGrads<Acc> grads = one_chunk ? CoreGrads<Acc>(c.tree(), s) : CoreGrads<Acc>(ids, num_ids, s);
   OpOutputList indices_out, values_out;
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_indices", &indices_out));
   TF_RETURN_IF_ERROR(ctx->output_list("core_grad_values", &values_out));
@@ -1148,12 +1203,12 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     int64_t chunk_index = 0;
     for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
       const int64_t n = std::min(chunk, num_ids - begin);
-      if (!one_chunk) c.Build(pool, ids + begin, n);
+      if (!one_chunk) c.Build(pool, ids + begin, n, Chunk<T, Acc>::Tree::kBuild);
       c.ForwardLevels(pool, m - 1);
       for (int k = 1; k <= m; ++k) {
-        contrib[k].Resize(c.tree.levels[k].count() * s.cols[k - 1] * s.r[k]);
+        contrib[k].Resize(c.tree().levels[k].count() * s.cols[k - 1] * s.r[k]);
       }
-      leaf_grads.Resize(c.tree.levels[m + 1].count() * s.width[m + 1]);
+      leaf_grads.Resize(c.tree().levels[m + 1].count() * s.width[m + 1]);
       FusedBackward(pool, c, saved, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(),
                     &grads);
       if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
