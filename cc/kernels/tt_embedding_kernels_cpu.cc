@@ -157,6 +157,28 @@ struct Level {
   }
 };
 
+// Division by a fixed positive divisor with a double reciprocal, for
+// dividends below 2^50 (else the integer division): the estimate is within one
+// of the quotient and corrected, several times faster than a 64-bit division.
+class Divider {
+ public:
+  Divider() = default;
+  Divider(int64_t divisor, bool fast)
+      : divisor_(divisor), inverse_(1.0 / static_cast<double>(divisor)), fast_(fast) {}
+  int64_t operator()(int64_t a) const {
+    if (!fast_) return a / divisor_;
+    int64_t q = static_cast<int64_t>(static_cast<double>(a) * inverse_);
+    if (q * divisor_ > a) --q;
+    if ((q + 1) * divisor_ <= a) ++q;
+    return q;
+  }
+
+ private:
+  int64_t divisor_ = 1;
+  double inverse_ = 1.0;
+  bool fast_ = false;
+};
+
 // The prefix tree of ids[0, n): nodes are runs of consecutive ids with equal
 // leading digits; leaf[j] is id j's node at the last level.
 struct PrefixTree {
@@ -180,11 +202,15 @@ struct PrefixTree {
     // The id's table and digits i_0..i_{T-1} (one division each), and the
     // previous id's: level k's prefix is digits [0, k + 1].
     std::vector<int64_t> digits(T + 1), previous(T + 1, -1);
+    const bool fast = s.num_ids() < (int64_t{1} << 50);
+    const Divider by_table(s.rows_per_table, fast);
+    std::vector<Divider> by_stride(T);
+    for (int k = 0; k < T; ++k) by_stride[k] = Divider(s.stride[k], fast);
     for (int64_t j = 0; j < n; ++j) {
-      digits[0] = ids[j] / s.rows_per_table;
+      digits[0] = by_table(ids[j]);
       int64_t rest = ids[j] - digits[0] * s.rows_per_table;
       for (int k = 0; k < T; ++k) {
-        digits[k + 1] = rest / s.stride[k];
+        digits[k + 1] = by_stride[k](rest);
         rest -= digits[k + 1] * s.stride[k];
       }
       int differ = 0;
@@ -393,6 +419,22 @@ void RunClaimed(thread::ThreadPool* pool, int64_t n, Cost cost, Fn fn) {
   pool->ParallelFor(workers, thread::ThreadPool::SchedulingParams::Fixed(1), work);
 }
 
+// dst[0, n) = src[0, n), for products that are written once and read by a
+// later op: float with both 32-byte aligned goes around the caches
+// (non-temporal stores, then a fence), so that writing does not first read
+// every line of dst from memory.
+template <typename Acc>
+void StreamCopy(const Acc* src, int64_t n, Acc* dst) {
+  if constexpr (std::is_same<Acc, float>::value) {
+    if (n % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+      for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+      _mm_sfence();
+      return;
+    }
+  }
+  std::copy_n(src, n, dst);
+}
+
 // A worker's temporaries.
 template <typename Acc>
 struct Scratch {
@@ -586,10 +628,12 @@ int64_t SavedNodeSize(const TTShape& s) { return s.cols[s.num_cores - 2] * s.r[s
 // `saved` starts with a 64-bit fingerprint of the ids and of the cores it was
 // computed from (cores 0..T-2, those level T-2's products read), so that
 // TTRowsGrad refuses products saved for other ids or other cores instead of
-// silently using them; this many elements of Acc hold it.
+// silently using them. The header is one cache line (this many elements of
+// Acc, the rest zero), so that the products after it are aligned for
+// StreamCopy.
 template <typename Acc>
 constexpr int64_t SavedHeader() {
-  return static_cast<int64_t>(sizeof(uint64_t) / sizeof(Acc));
+  return static_cast<int64_t>(64 / sizeof(Acc));
 }
 
 inline uint64_t Mix(uint64_t h, uint64_t value) {
@@ -757,8 +801,9 @@ void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, 
           const int64_t stop = std::min(end, i + batch);
           Acc* products = nullptr;
           if (m > 0) {
-            products = saved ? saved + i * size : sc->products.Resize(batch * size);
+            products = sc->products.Resize(batch * size);
             c.Products(m, i, stop, products, sc);
+            if (saved) StreamCopy(products, (stop - i) * size, saved + i * size);
           }
           for (int64_t slot = i; slot < stop; ++slot) {
             const int64_t v = level.order[slot];
@@ -833,7 +878,9 @@ Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread:
   if (saved_size > 0) {
     // After the products, which leave the cores in cache.
     const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores, pool);
-    std::memcpy(saved_t->flat<T>().data(), &fingerprint, sizeof(fingerprint));
+    char* header = reinterpret_cast<char*>(saved_t->flat<T>().data());
+    std::memset(header, 0, SavedHeader<Acc>() * sizeof(Acc));
+    std::memcpy(header, &fingerprint, sizeof(fingerprint));
   }
   return OkStatus();
 }
@@ -910,7 +957,8 @@ void AddTo(const Acc* src, int64_t n, bool accumulate, Acc* dst) {
 // For the nodes of a level-k group (k >= 1) at slots [first, end), with their
 // dP_k in d (slot order): adds P_{k-1}^T dP_k over the nodes to the core
 // row's gradient `block` and writes each node's contribution dP_k G_k^T to its
-// parent's dP_{k-1} into contrib (at its slot). gt = G_k[row]^T.
+// parent's dP_{k-1} into contrib (at its node number, so that a parent's
+// children's contributions are one block). gt = G_k[row]^T.
 template <typename T, typename Acc>
 void GroupGradients(const Chunk<T, Acc>& c, int k, int64_t first, int64_t end, const Acc* d,
                     const Acc* gt, Acc* block, bool accumulate, Acc* contrib, Scratch<Acc>* sc) {
@@ -925,7 +973,7 @@ void GroupGradients(const Chunk<T, Acc>& c, int k, int64_t first, int64_t end, c
   for (int64_t i = first; i < end; ++i) {
     PushRows(c.Node(k - 1, level.parent[level.order[i]]), rows, inner, &sc->a_rows);
     PushRows(d + (i - first) * c.Size(k), rows, width, &sc->d_rows);
-    PushRows(contrib + i * rows * inner, rows, inner, &sc->c_rows);
+    PushRows(contrib + level.order[i] * rows * inner, rows, inner, &sc->c_rows);
   }
   const int64_t total = static_cast<int64_t>(sc->a_rows.size());
   if (accumulate) {
@@ -1043,7 +1091,6 @@ template <typename T, typename Acc>
 void LevelBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, int k, const Acc* next,
                    Acc* contrib, CoreGrads<Acc>* grads) {
   const Level& level = c.tree().levels[k];
-  const Level& below = c.tree().levels[k + 1];
   const int64_t size = c.Size(k);
   const int64_t batch = BatchNodes(c.s, k);
   RunClaimed<Scratch<Acc>>(
@@ -1061,7 +1108,7 @@ void LevelBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, int k, cons
             const int64_t v = level.order[slot];
             Acc* dv = d + (slot - i) * size;
             for (int64_t w = level.children[v]; w < level.children[v + 1]; ++w) {
-              AddTo(next + below.slot[w] * size, size, w > level.children[v], dv);
+              AddTo(next + w * size, size, w > level.children[v], dv);
             }
           }
           GroupGradients(c, k, i, stop, d, gt, block, accumulate || i > level.groups[g], contrib,
@@ -1096,17 +1143,11 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
       [&](Scratch<Acc>* sc, int64_t item) {
         bool accumulate;
         if (item < num_roots) {
-          const Level& below = c.tree().levels[1];
           Acc* block = grads->Block(0, roots.GroupRow(item), &accumulate);
           for (int64_t i = roots.groups[item]; i < roots.groups[item + 1]; ++i) {
             const int64_t v = roots.order[i];
-            const int64_t end = roots.children[v + 1];
-            for (int64_t w = roots.children[v]; w < end; ++w) {
-              // The contributions lie at random: fetched kAhead children ahead.
-              if (w + kAhead < end) {
-                PrefetchBytes(next + below.slot[w + kAhead] * width0, width0 * sizeof(Acc));
-              }
-              AddTo(next + below.slot[w] * width0, width0, accumulate, block);
+            for (int64_t w = roots.children[v]; w < roots.children[v + 1]; ++w) {
+              AddTo(next + w * width0, width0, accumulate, block);
               accumulate = true;
             }
           }
@@ -1197,7 +1238,8 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
   }
 
   if (num_ids > 0) {
-    // Contributions of each level k in 1..m to the level below, at slots.
+    // Contributions of each level k in 1..m to the level below, at the nodes'
+    // numbers.
     std::vector<Buffer<Acc>> contrib(T_count);
     Buffer<Acc> leaf_grads;
     int64_t chunk_index = 0;
