@@ -188,7 +188,7 @@ struct PrefixTree {
   // [count_m + 1], m = T - 2: the leaves of level m's node at slot i are
   // visited (by level m's passes) at positions visit[i]..visit[i + 1] - 1.
   std::vector<int64_t> visit;
-  std::vector<int64_t> sort_scratch;
+  std::vector<int64_t> sort_scratch, keys;
 
   void Build(const int64_t* ids, int64_t n, const TTShape& s) {
     const int T = s.num_cores;
@@ -199,30 +199,35 @@ struct PrefixTree {
     }
     leaf.resize(n);
     std::vector<int64_t> current(T, -1);
-    // The id's table and digits i_0..i_{T-1} (one division each), and the
-    // previous id's: level k's prefix is digits [0, k + 1].
-    std::vector<int64_t> digits(T + 1), previous(T + 1, -1);
+    // keys[k * n + j] = level k's prefix key of id j (its table and digits
+    // i_0..i_k as one number, TTShape::PrefixKey): independent divisions.
+    keys.resize(T * n);
     const bool fast = s.num_ids() < (int64_t{1} << 50);
-    const Divider by_table(s.rows_per_table, fast);
-    std::vector<Divider> by_stride(T);
-    for (int k = 0; k < T; ++k) by_stride[k] = Divider(s.stride[k], fast);
+    for (int k = 0; k < T; ++k) {
+      const Divider divide(s.stride[k], fast);
+      int64_t* key = keys.data() + k * n;
+      for (int64_t j = 0; j < n; ++j) key[j] = divide(ids[j]);
+    }
+    const Divider by_p0(s.p[0], fast);
     for (int64_t j = 0; j < n; ++j) {
-      digits[0] = by_table(ids[j]);
-      int64_t rest = ids[j] - digits[0] * s.rows_per_table;
-      for (int k = 0; k < T; ++k) {
-        digits[k + 1] = by_stride[k](rest);
-        rest -= digits[k + 1] * s.stride[k];
+      // The first level whose prefix differs from the previous id's.
+      int k = 0;
+      if (j > 0) {
+        while (k < T && keys[k * n + j] == keys[k * n + j - 1]) ++k;
       }
-      int differ = 0;
-      while (differ <= T && digits[differ] == previous[differ]) ++differ;
-      for (int k = std::max(differ - 1, 0); k < T; ++k) {
-        Level& level = levels[k];
-        level.parent.push_back(k == 0 ? -1 : current[k - 1]);
-        level.core_row.push_back(digits[0] * s.p[k] + digits[k + 1]);
-        current[k] = level.count() - 1;
+      if (k < T) {
+        const int64_t table = by_p0(keys[j]);
+        for (; k < T; ++k) {
+          Level& level = levels[k];
+          level.parent.push_back(k == 0 ? -1 : current[k - 1]);
+          // table * p_k + i_k; level 0's key is table * p_0 + i_0 itself.
+          level.core_row.push_back(k == 0 ? keys[j]
+                                          : table * s.p[k] + keys[k * n + j] -
+                                                keys[(k - 1) * n + j] * s.p[k]);
+          current[k] = level.count() - 1;
+        }
       }
       leaf[j] = current[T - 1];
-      digits.swap(previous);
     }
     for (int k = 0; k < T; ++k) levels[k].Sort(s.num_tables * s.p[k], &sort_scratch);
     // Parents are non-decreasing along a level's nodes: children are runs.
@@ -483,22 +488,41 @@ class TreeCache {
     return nullptr;
   }
 
-  void Put(const TTShape& s, const int64_t* ids, int64_t n, std::shared_ptr<const PrefixTree> tree) {
-    Entry e{s.num_tables, s.p, std::vector<int64_t>(ids, ids + n), std::move(tree)};
+  void Put(const TTShape& s, const int64_t* ids, int64_t n, std::shared_ptr<PrefixTree> tree) {
     mutex_lock lock(mu_);
+    Entry e;
+    if (entries_.size() >= kEntries) {  // the oldest entry's arrays are reused
+      e = std::move(entries_.back());
+      entries_.pop_back();
+      if (e.tree.use_count() == 1 && spare_.size() < kEntries) spare_.push_back(std::move(e.tree));
+    }
+    e.num_tables = s.num_tables;
+    e.p = s.p;
+    e.ids.assign(ids, ids + n);
+    e.tree = std::move(tree);
     entries_.insert(entries_.begin(), std::move(e));
-    if (entries_.size() > kEntries) entries_.pop_back();
+  }
+
+  // A tree to build into: one that an entry no longer needs (its arrays keep
+  // their capacity, so that building does not allocate), else a new one.
+  std::shared_ptr<PrefixTree> Spare() {
+    mutex_lock lock(mu_);
+    if (spare_.empty()) return std::make_shared<PrefixTree>();
+    std::shared_ptr<PrefixTree> tree = std::move(spare_.back());
+    spare_.pop_back();
+    return tree;
   }
 
  private:
   struct Entry {
-    int64_t num_tables;
+    int64_t num_tables = 0;
     std::vector<int64_t> p;
     std::vector<int64_t> ids;
-    std::shared_ptr<const PrefixTree> tree;
+    std::shared_ptr<PrefixTree> tree;
   };
   mutex mu_;
   std::vector<Entry> entries_ TF_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<PrefixTree>> spare_ TF_GUARDED_BY(mu_);
 };
 
 // One chunk: its prefix tree, where its partial products are, and the last
@@ -547,7 +571,8 @@ struct Chunk {
   void Build(thread::ThreadPool* pool, const int64_t* ids, int64_t n, Tree how) {
     tree_ = how == Tree::kReuse ? TreeCache::Get().Find(s, ids, n) : nullptr;
     if (tree_ == nullptr) {
-      auto tree = std::make_shared<PrefixTree>();
+      std::shared_ptr<PrefixTree> tree =
+          how == Tree::kShare ? TreeCache::Get().Spare() : std::make_shared<PrefixTree>();
       tree->Build(ids, n, s);
       if (how == Tree::kShare) TreeCache::Get().Put(s, ids, n, tree);
       tree_ = std::move(tree);
