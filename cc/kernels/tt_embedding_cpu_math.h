@@ -73,8 +73,8 @@ void RowsTimesGeneric(const Acc* const* a, int64_t m, int64_t k, const Acc* b, i
 
 // c[x * n, (x + 1) * n) (+)= sum_{i < m} a[i][x] * d[i][0, n) for x < ka.
 template <bool kAccumulate, typename Acc>
-void TransposedRowsTimesRowsGeneric(const Acc* const* a, int64_t ka, const Acc* const* d,
-                                    int64_t n, int64_t m, Acc* c) {
+void TransposedRowsTimesRowsGeneric(const Acc* const* a, int64_t ka, const Acc* const* d, int64_t n,
+                                    int64_t m, Acc* c) {
   if (!kAccumulate) std::fill_n(c, ka * n, Acc(0));
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t x = 0; x < ka; ++x) {
@@ -158,8 +158,8 @@ inline void RowsTimesTile(const float* const* a, int64_t k, const float* b, int6
 
 // All m rows for columns [col, col + 8 NV): tiles of MR rows, then the rest.
 template <int MR, int NV, bool kAccumulate>
-inline void RowsTimesColumns(const float* const* a, int64_t m, int64_t k, const float* b,
-                             int64_t n, float* const* c, int64_t col) {
+inline void RowsTimesColumns(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
+                             float* const* c, int64_t col) {
   int64_t i = 0;
   for (; i + MR <= m; i += MR) RowsTimesTile<MR, NV, kAccumulate>(a + i, k, b, n, c + i, col);
   if constexpr (MR > 1) {
@@ -205,8 +205,8 @@ inline void TransposedTile(const float* const* a, int64_t x0, const float* const
   for (int r = 0; r < MR; ++r) {
     TF_TTEMB_UNROLL
     for (int v = 0; v < NV; ++v) {
-      acc[r][v] = kAccumulate ? _mm256_loadu_ps(c + (x0 + r) * n + col + 8 * v)
-                              : _mm256_setzero_ps();
+      acc[r][v] =
+          kAccumulate ? _mm256_loadu_ps(c + (x0 + r) * n + col + 8 * v) : _mm256_setzero_ps();
     }
   }
   for (int64_t i = 0; i < m; ++i) {
@@ -243,8 +243,8 @@ inline void TransposedColumns(const float* const* a, int64_t ka, const float* co
 }
 
 template <bool kAccumulate>
-void TransposedBlock(const float* const* a, int64_t ka, const float* const* d, int64_t n,
-                     int64_t m, float* c) {
+void TransposedBlock(const float* const* a, int64_t ka, const float* const* d, int64_t n, int64_t m,
+                     float* c) {
   int64_t col = 0;
   for (; col + 32 <= n; col += 32) TransposedColumns<3, 4, kAccumulate>(a, ka, d, n, m, c, col);
   for (; col + 16 <= n; col += 16) TransposedColumns<6, 2, kAccumulate>(a, ka, d, n, m, c, col);
@@ -300,8 +300,7 @@ inline void DotsTile(const float* a, int64_t k, const float* bt, int64_t q, floa
     if constexpr (J == 4) {
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
                                       _mm256_hadd_ps(acc[r][2], acc[r][3]));
-      _mm_storeu_ps(c + r * q,
-                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      _mm_storeu_ps(c + r * q, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     } else {
       TF_TTEMB_UNROLL
       for (int j = 0; j < J; ++j) c[r * q + j] = LaneSum(acc[r][j]);
@@ -416,8 +415,7 @@ constexpr bool Blocked(int64_t width) {
 
 // c[i][0, n) (+)= a[i][0, k) * b for i < m, b [k, n] row-major.
 template <bool kAccumulate, typename Acc>
-void RowsTimes(const Acc* const* a, int64_t m, int64_t k, const Acc* b, int64_t n,
-               Acc* const* c) {
+void RowsTimes(const Acc* const* a, int64_t m, int64_t k, const Acc* b, int64_t n, Acc* const* c) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
     if (Blocked<Acc>(n)) return RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c);

@@ -221,9 +221,8 @@ struct PrefixTree {
           Level& level = levels[k];
           level.parent.push_back(k == 0 ? -1 : current[k - 1]);
           // table * p_k + i_k; level 0's key is table * p_0 + i_0 itself.
-          level.core_row.push_back(k == 0 ? keys[j]
-                                          : table * s.p[k] + keys[k * n + j] -
-                                                keys[(k - 1) * n + j] * s.p[k]);
+          level.core_row.push_back(
+              k == 0 ? keys[j] : table * s.p[k] + keys[k * n + j] - keys[(k - 1) * n + j] * s.p[k]);
           current[k] = level.count() - 1;
         }
       }
@@ -774,15 +773,16 @@ Status UniqueIds(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const Unique
     }
     std::sort(sorted.begin(), sorted.end());
     sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-    pool->ParallelFor(nnz, thread::ThreadPool::SchedulingParams::Adaptive(40),
-                      [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        slots[j] = global[j] < 0 ? Tindex(-1)
-                                 : static_cast<Tindex>(
-                                       std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
-                                       sorted.begin());
-      }
-    });
+    pool->ParallelFor(
+        nnz, thread::ThreadPool::SchedulingParams::Adaptive(40), [&](int64_t begin, int64_t end) {
+          for (int64_t j = begin; j < end; ++j) {
+            slots[j] = global[j] < 0
+                           ? Tindex(-1)
+                           : static_cast<Tindex>(
+                                 std::lower_bound(sorted.begin(), sorted.end(), global[j]) -
+                                 sorted.begin());
+          }
+        });
   }
   Tensor* unique_t = nullptr;
   TF_RETURN_IF_ERROR(
@@ -1022,9 +1022,9 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 
 // Level m's pass (the file comment): dP_m per node from its leaves, the
 // leaves' blocks of core T-1's gradient (into leaf_grads at their visit
-// positions, Chunk::visit, as [q_{T-1}, r_{T-1}]), core m's gradient and the nodes' contributions to
-// their parents (contrib, for m >= 1). `saved`: TTRows' level-m products of
-// the chunk, or null (recomputed).
+// positions, Chunk::visit, as [q_{T-1}, r_{T-1}]), core m's gradient and the nodes' contributions
+// to their parents (contrib, for m >= 1). `saved`: TTRows' level-m products of the chunk, or null
+// (recomputed).
 template <typename T, typename Acc>
 void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* saved,
                    const T* grad, Acc* contrib, Acc* leaf_grads, CoreGrads<Acc>* grads) {
