@@ -36,6 +36,7 @@
 // atomics.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <limits>
@@ -569,6 +570,23 @@ struct Chunk {
     const int64_t v = tree().levels[fused() + 1].parent[leaf];
     return tree().visit[level.slot[v]] + leaf - level.children[v];
   }
+  // The fused level's sizes: elements of a node's product (cols_m r_{T-1}),
+  // its rows (cols_m), r_{T-1}, q_{T-1} and D.
+  std::array<int64_t, 5> FusedSizes() const {
+    const int m = fused();
+    return {Size(m), s.cols[m], s.r[m + 1], s.q[m + 1], s.dim};
+  }
+  // The cost of level m's group g: node_cost per node and leaf_cost per leaf.
+  double FusedGroupCost(int64_t g, double node_cost, double leaf_cost) const {
+    const Level& level = tree().levels[fused()];
+    double cost = 0;
+    for (int64_t i = level.groups[g]; i < level.groups[g + 1]; ++i) {
+      const int64_t v = level.order[i];
+      cost +=
+          node_cost + leaf_cost * static_cast<double>(level.children[v + 1] - level.children[v]);
+    }
+    return cost;
+  }
   // G_{T-1} of leaf l's group, transposed: [q_{T-1}, r_{T-1}].
   const Acc* LastTransposed(int64_t leaf) const {
     return last_t.data() + tree().levels[s.num_cores - 1].group[leaf] * s.width[s.num_cores - 1];
@@ -811,28 +829,16 @@ Status UniqueIds(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const Unique
 // from each node's, the rows of its leaves: rows[j] for the chunk's ids j.
 template <typename T, typename Acc>
 void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, T* rows) {
-  const TTShape& s = c.s;
   const int m = c.fused();
-  const int last = m + 1;
   const Level& level = c.tree().levels[m];
-  const int64_t size = c.Size(m);
-  const int64_t rows_m = s.cols[m];
-  const int64_t rank = s.r[last];
-  const int64_t q = s.q[last];
-  const int64_t dim = s.dim;
+  const std::array<int64_t, 5> sizes = c.FusedSizes();
+  const int64_t size = sizes[0], rows_m = sizes[1], rank = sizes[2], q = sizes[3], dim = sizes[4];
   const double node_cost = m > 0 ? c.NodeCost(m) : 0;
   const double leaf_cost = static_cast<double>(dim * rank);
-  const int64_t batch = BatchNodes(s, m);
+  const int64_t batch = BatchNodes(c.s, m);
   RunClaimed<Scratch<Acc>>(
       pool, level.num_groups(),
-      [&](int64_t g) {
-        double cost = 0;
-        for (int64_t i = level.groups[g]; i < level.groups[g + 1]; ++i) {
-          const int64_t v = level.order[i];
-          cost += node_cost + leaf_cost * (level.children[v + 1] - level.children[v]);
-        }
-        return cost;
-      },
+      [&](int64_t g) { return c.FusedGroupCost(g, node_cost, leaf_cost); },
       [&](Scratch<Acc>* sc, int64_t g) {
         const int64_t end = level.groups[g + 1];
         for (int64_t i = level.groups[g]; i < end; i += batch) {
@@ -1041,29 +1047,17 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 template <typename T, typename Acc>
 void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* saved,
                    const T* grad, Acc* contrib, Acc* leaf_grads, CoreGrads<Acc>* grads) {
-  const TTShape& s = c.s;
   const int m = c.fused();
-  const int last = m + 1;
   const Level& level = c.tree().levels[m];
-  const int64_t size = c.Size(m);
-  const int64_t rows_m = s.cols[m];
-  const int64_t rank = s.r[last];
-  const int64_t q = s.q[last];
-  const int64_t dim = s.dim;
-  const int64_t leaf_width = s.width[last];
+  const std::array<int64_t, 5> sizes = c.FusedSizes();
+  const int64_t size = sizes[0], rows_m = sizes[1], rank = sizes[2], q = sizes[3], dim = sizes[4];
+  const int64_t leaf_width = rank * q;
   const double node_cost = m > 0 ? (saved ? 2 : 3) * c.NodeCost(m) : 0;
   const double leaf_cost = static_cast<double>(2 * dim * rank);
-  const int64_t batch = BatchNodes(s, m);
+  const int64_t batch = BatchNodes(c.s, m);
   RunClaimed<Scratch<Acc>>(
       pool, level.num_groups(),
-      [&](int64_t g) {
-        double cost = 0;
-        for (int64_t i = level.groups[g]; i < level.groups[g + 1]; ++i) {
-          const int64_t v = level.order[i];
-          cost += node_cost + leaf_cost * (level.children[v + 1] - level.children[v]);
-        }
-        return cost;
-      },
+      [&](int64_t g) { return c.FusedGroupCost(g, node_cost, leaf_cost); },
       [&](Scratch<Acc>* sc, int64_t g) {
         const int64_t row = level.GroupRow(g);
         const Acc* gt = m > 0 ? TransposedCoreRow(c, m, row, sc) : nullptr;
