@@ -1,5 +1,5 @@
-"""The CPU TT kernels' own paths (cc/kernels/tt_embedding_kernels_cpu.cc and
-tt_embedding_cpu_math.h) against float64 references.
+"""The CPU TT kernels' own paths (cc/kernels/tt_embedding_cpu.h, tt_embedding_cpu_math.h,
+tt_embedding_forward_cpu.cc and tt_embedding_backward_cpu.cc) against float64 references.
 
 test_tt_ops.py pins down the ops' contract on small shapes; here are the shapes that take
 the kernels' register-blocked float32 products (ranks that are multiples of 8), in every

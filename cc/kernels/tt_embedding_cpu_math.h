@@ -1,4 +1,4 @@
-// The matrix products of the TT CPU kernels (tt_embedding_kernels_cpu.cc),
+// The matrix products of the TT CPU kernels (tt_embedding_cpu.h),
 // on matrices given as arrays of row pointers, so that the rows of a prefix
 // tree's nodes are used where they lie, never gathered into a copy first.
 // Plain C++ (no TensorFlow headers).

@@ -1,10 +1,9 @@
 // Shared pieces of the TT embedding kernels: the factorisation parsed from the
 // op attrs, the input validation (the GPU kernels' own limits included) and
 // the error messages, for the OpKernels of both devices (tt_embedding_op.h),
-// the CPU kernels (tt_embedding_kernels_cpu.cc) and the GPU glue
+// the CPU kernels (tt_embedding_cpu.h) and the GPU glue
 // (tt_embedding_kernels_gpu.cc), so that both reject bad input with the same
-// messages. Checks of values that
-// live in device memory on GPU (ids) are split into the check itself (CPU) and
+// messages. Checks of values that live in device memory on GPU (ids) are split into the check itself (CPU) and
 // the message (both: the GPU glue raises it from what the device reported).
 
 #ifndef TF_TTEMB_CC_KERNELS_TT_EMBEDDING_KERNELS_H_

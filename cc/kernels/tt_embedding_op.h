@@ -5,7 +5,7 @@
 // (tt_embedding_kernels.h; the ids' values where they are host memory, on the
 // CPU, and the GPU kernels' own limits on the GPU), allocates the outputs
 // whose size the host knows and calls its Launch, which the CPU kernels
-// (tt_embedding_kernels_cpu.cc) and the GPU glue (tt_embedding_kernels_gpu.cc)
+// (tt_embedding_cpu.h) and the GPU glue (tt_embedding_kernels_gpu.cc)
 // specialise and register. Every Launch but TTRows' provides
 //   static Status Run(OpKernelContext*, const Attrs&, const XxxArgs&, const Step&);
 // (TTCacheCount's, which has no attrs, without them) with the Step of

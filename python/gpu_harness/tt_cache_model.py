@@ -1,5 +1,5 @@
 """numpy references of the device-side TT row cache, for check_tt_update.py: a model of the
-CPU TTCacheCount kernel (cc/kernels/tt_embedding_kernels_cpu.cc), bit for bit, and ports of
+CPU TTCacheCount kernel (cc/kernels/tt_embedding_forward_cpu.cc), bit for bit, and ports of
 the layer's cache lookup and populate; and the check of the models against the TF ops
 (`check_tt_update.py --crosscheck-cpu-op`: TensorFlow, no GPU). numpy only."""
 
