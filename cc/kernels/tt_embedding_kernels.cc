@@ -1,7 +1,7 @@
 // The validation of the TT embedding family, shared by the OpKernels of both
 // devices (tt_embedding_op.h), the CPU kernels (tt_embedding_cpu.h,
-// tt_embedding_{forward,backward}_cpu.cc) and the GPU glue (tt_embedding_kernels_gpu.cc): the factorisation's attrs,
-// the inputs' shapes and values, the GPU kernels' own limits, and the error
+// tt_embedding_{forward,backward}_cpu.cc) and the GPU glue (tt_embedding_kernels_gpu.cc): the
+// factorisation's attrs, the inputs' shapes and values, the GPU kernels' own limits, and the error
 // messages. See docs/tt_embedding_contract.md for the layout.
 
 #include "cc/kernels/tt_embedding_kernels.h"

@@ -3,8 +3,8 @@
 // the error messages, for the OpKernels of both devices (tt_embedding_op.h),
 // the CPU kernels (tt_embedding_cpu.h) and the GPU glue
 // (tt_embedding_kernels_gpu.cc), so that both reject bad input with the same
-// messages. Checks of values that live in device memory on GPU (ids) are split into the check itself (CPU) and
-// the message (both: the GPU glue raises it from what the device reported).
+// messages. Checks of values that live in device memory on GPU (ids) are split into the check
+// itself (CPU) and the message (both: the GPU glue raises it from what the device reported).
 
 #ifndef TF_TTEMB_CC_KERNELS_TT_EMBEDDING_KERNELS_H_
 #define TF_TTEMB_CC_KERNELS_TT_EMBEDDING_KERNELS_H_
