@@ -6,7 +6,8 @@ the kernels' register-blocked float32 products (ranks that are multiples of 8), 
 dtype (float16/bfloat16 compute in float32 and take them too; float64 takes the generic
 loops), with ids that make groups larger than a worker's batch, leaves with several ids,
 several chunks, and the tree that TTRowsGrad takes over from TTRows; and the gradients'
-bits for 1, 2 and 3 threads.
+bits for 1, 2 and 3 threads. Every op here runs on the CPU, also where TensorFlow sees a
+GPU (its TTRows saves no products).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ BLOCKED_SHAPES = [
 DTYPES = [tf.float64, tf.float32, tf.float16, tf.bfloat16]
 # Gradients sum many products: float32 within 1e-4 of the largest value (test_tt_ops.py).
 GRAD_TOLERANCE = {tf.float64: 1e-10, tf.float32: 1e-4, tf.float16: 2e-2, tf.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    with tf.device("/CPU:0"):
+        yield
 
 
 def shape_id(shape):
@@ -222,6 +229,7 @@ THREADS_SCRIPT = """
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))
+    tf.config.set_visible_devices([], "GPU")
     from tf_ttemb.ops import _loader
     lib = _loader.load_op_library()
     rng = np.random.default_rng(7)
