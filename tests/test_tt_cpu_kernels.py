@@ -72,13 +72,23 @@ def grads_dense(indices, values, cores):
     return out
 
 
-@pytest.mark.parametrize("shape", BLOCKED_SHAPES, ids=shape_id)
-@pytest.mark.parametrize("order", ["sorted_unique", "sorted", "random"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_blocked_rows_match_reference(rng, shape, order, dtype):
+def every_blocked_case(test):
+    """Parametrizes `test` over BLOCKED_SHAPES x id orders x DTYPES."""
+    test = pytest.mark.parametrize("dtype", DTYPES)(test)
+    test = pytest.mark.parametrize("order", ["sorted_unique", "sorted", "random"])(test)
+    return pytest.mark.parametrize("shape", BLOCKED_SHAPES, ids=shape_id)(test)
+
+
+def blocked_problem(rng, shape, num_ids, order):
+    """The factorisation of `shape`, random float64 cores and `num_ids` ids in `order`."""
     p, q, ranks, num_tables = shape
     cores = random_cores(rng, p, q, ranks, num_tables)
-    ids = pick_ids(rng, p, num_tables, 150, order)
+    return p, q, ranks, num_tables, cores, pick_ids(rng, p, num_tables, num_ids, order)
+
+
+@every_blocked_case
+def test_blocked_rows_match_reference(rng, shape, order, dtype):
+    p, q, ranks, num_tables, cores, ids = blocked_problem(rng, shape, 150, order)
     rows = (
         lib()
         .tf_ttemb_tt_rows(
@@ -93,13 +103,9 @@ def test_blocked_rows_match_reference(rng, shape, order, dtype):
     )
 
 
-@pytest.mark.parametrize("shape", BLOCKED_SHAPES, ids=shape_id)
-@pytest.mark.parametrize("order", ["sorted_unique", "sorted", "random"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@every_blocked_case
 def test_blocked_rows_grad_matches_reference(rng, shape, order, dtype):
-    p, q, ranks, num_tables = shape
-    cores = random_cores(rng, p, q, ranks, num_tables)
-    ids = pick_ids(rng, p, num_tables, 120, order)
+    p, q, ranks, num_tables, cores, ids = blocked_problem(rng, shape, 120, order)
     grad = rng.standard_normal((len(ids), int(np.prod(q))))
     cores_t = [tf.cast(c, dtype) for c in cores]
     attrs = attrs_of(p, q, ranks, num_tables)
