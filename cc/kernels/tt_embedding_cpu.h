@@ -3,7 +3,6 @@
 // share: the chunks of ids, their prefix trees, the workers' scratch and the
 // claimed-run thread pool. Validation is tt_embedding_kernels.cc.
 //
-//
 // TTRows / TTRowsGrad work on chunks of ids (sized so the temporaries stay
 // under kChunkBytes) and, per chunk, on a prefix tree: level k has one node
 // per run of consecutive ids with the same leading digits i_0..i_k (for sorted
