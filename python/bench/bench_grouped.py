@@ -12,6 +12,9 @@ forward and the gradients of a random upstream gradient (IndexedSlices for the t
   separate    26 `EmbeddingBag` layers, outputs concatenated
   one_lookup  one `gather_reduce_sum` of all the ids at once on the stacked table, bags of
               the same sizes (what a single fused lookup of these rows costs)
+`--parts` adds two cases, parts of the grouped step:
+  group_bags  the joined ids through GroupBags and its check (`grouped.grouped_bags`)
+  forward     the grouped forward alone
 Times: per call (one call, ending in a 1-element fetch) and in graph (`--steps` steps with
 their own ids inside one call, divided), medians of `--repeats`; and the process's CPU
 time per call (all its threads), the figure to compare on a shared machine, whose load
@@ -39,6 +42,7 @@ import tensorflow as tf
 
 import tf_ttemb
 from tf_ttemb.layers import EmbeddingBag, GroupedEmbeddingBag
+from tf_ttemb.ops.grouped import grouped_bags
 
 # Criteo's (Kaggle) 26 categorical cardinalities, rounded.
 CRITEO_ROWS = [
@@ -83,6 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also time the grouped step's parts: GroupBags alone and the forward alone",
+    )
     return parser.parse_args(argv)
 
 
@@ -142,8 +151,19 @@ def main(argv=None) -> int:
         grad = tape.gradient(out, stacked, tf.reshape(upstream, [-1, DIM]))
         return out[0, 0] + grad.values[0, 0]
 
+    def step_group_bags(ids):
+        flat, _, _ = grouped_bags(
+            tf.TensorSpec(stacked.shape, stacked.dtype), ids, num_rows=rows
+        )
+        return tf.cast(flat.flat_values[0] + flat.row_splits[-1], tf.float32)
+
+    def step_forward(ids):
+        return grouped(ids)[0, 0]
+
     results = {}
     cases = {"grouped": step_grouped, "separate": step_separate, "one_lookup": step_one_lookup}
+    if args.parts:
+        cases.update(group_bags=step_group_bags, forward=step_forward)
     for name, step in cases.items():
         with tf.device(args.device):
             once = tf.function(lambda step=step: step(data[0]))
@@ -161,7 +181,8 @@ def main(argv=None) -> int:
         cpu_ms = statistics.median(cpu)
         results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph, "cpu_ms": cpu_ms}
         _bench_util.log(
-            f"{name}: fwd+bwd {per_call:.3f} ms per call, {in_graph:.3f} ms in graph, "
+            f"{name}: {'fwd+bwd ' if name in ('grouped', 'separate', 'one_lookup') else ''}"
+            f"{per_call:.3f} ms per call, {in_graph:.3f} ms in graph, "
             f"{cpu_ms:.3f} ms of CPU time per call"
         )
     g, s, o = (results[k]["in_graph_ms"] for k in ("grouped", "separate", "one_lookup"))

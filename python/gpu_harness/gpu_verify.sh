@@ -65,7 +65,7 @@ for step in "$@"; do
       grep -E "steps/s|Error|Fatal|File " "$out/dlrm_fit.txt" | head -10
       ;;
     grouped)
-      timeout 200 python3 -X faulthandler python/bench/bench_grouped.py --device GPU:0 \
+      timeout 200 python3 -X faulthandler python/bench/bench_grouped.py --device GPU:0 ${GROUPED_ARGS:-} \
         --json "$out/grouped.json" > "$out/grouped.txt" 2>&1
       echo "exit $?"
       grep -E "^grouped|ms per call|Error|Fatal|File " "$out/grouped.txt" | head -10

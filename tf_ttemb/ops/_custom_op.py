@@ -23,7 +23,15 @@ def op_attrs(combiner, has_weights: bool, padding_id: int | None) -> dict:
 
 
 def run_forward(
-    lib, params, ids, row_splits, weights, attrs: dict, resource: bool = False, **extra
+    lib,
+    params,
+    ids,
+    row_splits,
+    weights,
+    attrs: dict,
+    resource: bool = False,
+    checked: bool = False,
+    **extra,
 ):
     """The forward op (`ResourceGatherReduceSum` on a variable's handle when `resource`),
     and the check of its report: (output, argmax).
@@ -34,11 +42,12 @@ def run_forward(
     consumers never wait for it: a tf.function runs it (it is stateful) and fails the
     call, and in eager mode it raises here; only in a TF1 graph does the output wait for
     it (`_common.after_checks`). Without a GPU the CPU kernel checks on its own and the
-    report is empty, so no check is added.
+    report is empty, so no check is added. `checked`: the ids and row_splits come from an
+    op that checked them already (GroupBags), so the report needs no check either.
     """
     op = lib.tf_ttemb_resource_gather_reduce_sum if resource else lib.tf_ttemb_gather_reduce_sum
     output, argmax, report = op(params, ids, row_splits, weights, **attrs, **extra)
-    if _common.gpus_visible():
+    if _common.gpus_visible() and not checked:
         check = lib.tf_ttemb_check_bag_report(
             report, padding_id=attrs["padding_id"], has_padding_id=attrs["has_padding_id"]
         )
@@ -136,6 +145,7 @@ def custom_op_on_variable(
     combiner: str,
     padding_id: Optional[int],
     dense_grad: bool,
+    checked: bool = False,
 ) -> tf.Tensor:
     lib = _loader.load_op_library()
     has_weights = bags.weights is not None
@@ -146,13 +156,26 @@ def custom_op_on_variable(
     # not see as a variable access) and costs nothing.
     variable.sparse_read(_common.empty(tf.int32, variable.device))
     output, _ = run_forward(
-        lib, variable.handle, bags.ids, bags.row_splits, weights, attrs, True, dense_grad=dense_grad
+        lib,
+        variable.handle,
+        bags.ids,
+        bags.row_splits,
+        weights,
+        attrs,
+        True,
+        checked,
+        dense_grad=dense_grad,
     )
     return output
 
 
 def custom_op(
-    params: tf.Tensor, bags: _bags.Bags, combiner: str, padding_id: int | None, dense_grad: bool
+    params: tf.Tensor,
+    bags: _bags.Bags,
+    combiner: str,
+    padding_id: int | None,
+    dense_grad: bool,
+    checked: bool = False,
 ) -> tf.Tensor:
     lib = _loader.load_op_library()
     has_weights = bags.weights is not None
@@ -160,7 +183,7 @@ def custom_op(
     weights = bags.weights if has_weights else _common.empty(params.dtype, params.device)
     ids, row_splits = bags.ids, bags.row_splits
     if not dense_grad:
-        output, _ = run_forward(lib, params, ids, row_splits, weights, attrs)
+        output, _ = run_forward(lib, params, ids, row_splits, weights, attrs, checked=checked)
         return output
 
     # The op has no attr for the gradient's form, so the dense-gradient variant replaces
@@ -170,7 +193,13 @@ def custom_op(
         # stop_gradient: the registered gradient is replaced, so an eager tape need not
         # record the inner op.
         output, argmax = run_forward(
-            lib, tf.stop_gradient(params), ids, row_splits, tf.stop_gradient(weights), attrs
+            lib,
+            tf.stop_gradient(params),
+            ids,
+            row_splits,
+            tf.stop_gradient(weights),
+            attrs,
+            checked=checked,
         )
 
         def grad(dy):

@@ -133,10 +133,17 @@ def grouped_gather_reduce_sum(
             implementation = "composite" if xla else "custom_op"
         if implementation == "custom_op":
             bags = _grouped_bags(joined.bags, g.attrs, tf.as_dtype(params.dtype))
+            # GroupBags checked every id against its feature's table and built the
+            # row_splits; with the table's rows known, _checked_table has checked that the
+            # tables fit in it, so the forward's own report needs no check (one round trip
+            # fewer on the GPU).
+            checked = isinstance(shape[0], int)
             if variable is not None:
-                output = _custom_op.custom_op_on_variable(variable, bags, combiner, -1, dense_grad)
+                output = _custom_op.custom_op_on_variable(
+                    variable, bags, combiner, -1, dense_grad, checked
+                )
             else:
-                output = _custom_op.custom_op(params, bags, combiner, -1, dense_grad)
+                output = _custom_op.custom_op(params, bags, combiner, -1, dense_grad, checked)
         else:
             bags = _offset_bags(joined, g.attrs, xla)
             output = composite.composite_with_gradient(
