@@ -34,6 +34,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tf_ttemb.ops import _common
+
 _HALF_DTYPES = (tf.float16, tf.bfloat16)
 
 
@@ -115,11 +117,7 @@ class SparseOptimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                f"{type(self).__name__} needs the TensorFlow backend of Keras, got "
-                f"{keras.backend.backend()!r}"
-            )
+        _common.check_keras_backend(type(self).__name__, keras.backend.backend())
         super().__init__(**kwargs)
 
     # ----------------------------------------------------------------------------------
