@@ -36,13 +36,10 @@ import tensorflow as tf
 
 from tf_ttemb.ops import _common
 
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
-
 
 def compute_dtype(variable: Any) -> tf.DType:
     """The dtype updates are computed (and optimizer state kept) in: float32 for halves."""
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float32 if dtype in _HALF_DTYPES else dtype
+    return _common.accumulation_dtype(tf.as_dtype(variable.dtype))
 
 
 def as_dtype(value: Any, dtype: tf.DType) -> tf.Tensor:
