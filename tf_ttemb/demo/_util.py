@@ -83,4 +83,4 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> str:
 
 
 def mib(num_bytes: Optional[float]) -> str:
-    return NOT_MEASURED if num_bytes is None else f"{num_bytes / MIB:,.1f}"
+    return _timing.mib_text(num_bytes, NOT_MEASURED)
