@@ -399,8 +399,9 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def mib(num_bytes: Optional[float]) -> Optional[float]:
-    return None if num_bytes is None else num_bytes / MIB
+def mib_text(num_bytes: Optional[float], missing: str = "-") -> str:
+    """`num_bytes` in MiB as a report cell (`1,234.5`), or `missing` for None."""
+    return missing if num_bytes is None else f"{num_bytes / MIB:,.1f}"
 
 
 def parse_list(text: str, allowed: Sequence[str]) -> List[str]:

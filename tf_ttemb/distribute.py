@@ -176,7 +176,7 @@ def sharded_gather_reduce_sum(
     _common.check_table(tf.TensorShape([None, dim]), dtype)
     with tf.name_scope(name or "sharded_gather_reduce_sum"):
         bags = _bags.to_csr(indices, weights, dtype, xla=False)
-        acc_dtype = tf.float32 if dtype in _common.HALF_TYPES else dtype
+        acc_dtype = _common.accumulation_dtype(dtype)
         ids = tf.cast(bags.ids, tf.int64)
         num_rows = offsets[-1]
         valid = (ids >= 0) & (ids < num_rows)

@@ -804,10 +804,6 @@ def _ms(timing: Optional[Dict[str, float]]) -> str:
     return f"{timing['median_ms']:.1f} ({timing['min_ms']:.1f})"
 
 
-def _mib(num_bytes: Optional[float]) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / util.MIB:,.1f}"
-
-
 def _speedup(result: Dict[str, Any], baseline: Optional[Dict[str, Any]], key: str) -> str:
     if not baseline or not result.get(key) or not baseline.get(key):
         return "-"
@@ -843,8 +839,8 @@ def report(
         if args.eager:
             row.append(_ms(result.get("eager_fwd_bwd")))
         return row + [
-            _mib(allocator.get("growth_bytes")) if allocator.get("ok") else "-",
-            _mib(result.get("rss_growth_bytes")),
+            util.mib_text(allocator.get("growth_bytes")) if allocator.get("ok") else "-",
+            util.mib_text(result.get("rss_growth_bytes")),
             _speedup(result, baseline, "fwd"),
             _speedup(result, baseline, "fwd_bwd"),
             agrees,
@@ -880,10 +876,11 @@ def report(
         f"{IMPLS[check_ref['impl']] if check_ref else '-'} within {tolerance:g} (relative).",
         "",
         "(output + gradient) size, the least a fwd+bwd step holds: "
-        f"{_mib(reference['total'])} MiB = output [{problem.bags:,}, {problem.dim}] "
-        f"{_mib(reference['output'])} MiB + table gradient [U={reference['unique_ids']:,}, "
-        f"{problem.dim}] {_mib(reference['params_grad'])} MiB + weights gradient "
-        f"[{problem.nnz:,}] {_mib(reference['weights_grad'])} MiB",
+        f"{util.mib_text(reference['total'])} MiB = output [{problem.bags:,}, {problem.dim}] "
+        f"{util.mib_text(reference['output'])} MiB + table gradient "
+        f"[U={reference['unique_ids']:,}, {problem.dim}] "
+        f"{util.mib_text(reference['params_grad'])} MiB + weights gradient "
+        f"[{problem.nnz:,}] {util.mib_text(reference['weights_grad'])} MiB",
     ]
     for note in allocator_notes:
         lines.append(f"TF allocator statistics unavailable: {note}")

@@ -284,10 +284,6 @@ def verdicts(results: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _mib(num_bytes: Optional[float]) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / util.MIB:,.1f}"
-
-
 def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str, Any]) -> str:
     ok = {r["optimizer"]: r for r in results if r.get("ok")}
     baseline = ok.get(BASELINE)
@@ -314,9 +310,9 @@ def report(problem: Problem, results: Sequence[Dict[str, Any]], checks: Dict[str
             label,
             f"{step['median_ms']:,.1f} ({step['min_ms']:,.1f})",
             speedup,
-            _mib(result["state_bytes"]),
+            util.mib_text(result["state_bytes"]),
             ratio,
-            _mib(result["rss_growth_bytes"]),
+            util.mib_text(result["rss_growth_bytes"]),
             "/".join(result["gradient_kinds"]) or "-",
             f"{result['load_before'][0]:.1f}/{result['load_after'][0]:.1f}",
         ]

@@ -419,10 +419,6 @@ def _agreement(results: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]
     return worst
 
 
-def _mib(num_bytes: Optional[float]) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / util.MIB:,.1f}"
-
-
 def _ms(timing: Optional[Dict[str, Any]]) -> str:
     return "-" if not timing else f"{timing['median_ms']:,.0f} ({timing['min_ms']:,.0f})"
 
@@ -470,9 +466,9 @@ def report(
         rows.append(
             [
                 VARIANTS[variant],
-                _mib(result["step_growth_bytes"]),
-                _mib(result["forward_growth_bytes"]),
-                _mib(result["held_total_bytes"]),
+                util.mib_text(result["step_growth_bytes"]),
+                util.mib_text(result["forward_growth_bytes"]),
+                util.mib_text(result["held_total_bytes"]),
                 f"{result['values_grad_rows']:,}",
                 _ms(result["time"]["step"]),
                 _ms(result["time"]["forward"]),
@@ -520,23 +516,24 @@ def report(
         lines += [
             "",
             f"{'PASS' if verdicts['memory_pass'] else 'MISS'}: training step ({optimizer} on the "
-            f"values) peak extra memory {_mib(fused['step_growth_bytes'])} MiB fused vs "
-            f"{_mib(base['step_growth_bytes'])} MiB materialised = {mem_ratio:.1f}x lower "
+            f"values) peak extra memory {util.mib_text(fused['step_growth_bytes'])} MiB fused vs "
+            f"{util.mib_text(base['step_growth_bytes'])} MiB materialised = {mem_ratio:.1f}x lower "
             f"(target >= {MEMORY_TARGET:.0f}x)",
             f"{'PASS' if verdicts['speed_pass'] else 'MISS'}: step time "
             f"{fused['time']['step']['median_ms']:,.0f} ms fused vs "
             f"{base['time']['step']['median_ms']:,.0f} ms materialised = {speed:.1f}x faster",
-            f"  forward alone (inference): {_mib(fused['forward_growth_bytes'])} vs "
-            f"{_mib(base['forward_growth_bytes'])} MiB = {fwd_ratio:.1f}x lower",
+            f"  forward alone (inference): {util.mib_text(fused['forward_growth_bytes'])} vs "
+            f"{util.mib_text(base['forward_growth_bytes'])} MiB = {fwd_ratio:.1f}x lower",
             f"  the fused step never builds the values gradient ({fused['values_grad_rows']:,} "
             f"distinct slots x {shape.dim} x 4 B = "
-            f"{_mib(verdicts['values_gradient_bytes_not_built'])} MiB); beyond what it returns "
-            f"it needs {_mib(work_fused)} MiB (materialised: {_mib(work_base)} MiB)",
+            f"{util.mib_text(verdicts['values_gradient_bytes_not_built'])} MiB); "
+            f"beyond what it returns it needs {util.mib_text(work_fused)} MiB "
+            f"(materialised: {util.mib_text(work_base)} MiB)",
         ]
         if unfused.get("ok"):
             lines.append(
                 f"  unfused (the op's values gradient, then the update): "
-                f"{_mib(unfused['step_growth_bytes'])} MiB = "
+                f"{util.mib_text(unfused['step_growth_bytes'])} MiB = "
                 f"{verdicts['unfused_memory_ratio']:.1f}x lower than materialised"
             )
 
@@ -547,9 +544,9 @@ def report(
             f"  {label}: {s.batch} x {s.seq} = {a['tokens']:,} tokens: gathered "
             f"[{a['tokens']:,}, {s.bag}, {s.dim}] = {a['gathered_bytes'] / GIB:,.2f} GiB "
             f"(+ the same again for its gradient) vs output [{a['tokens']:,}, {s.dim}] = "
-            f"{_mib(a['output_bytes'])} MiB; a values gradient (not built when fused) <= "
-            f"{_mib(a['fused_values_grad_max_bytes'])} MiB (values table "
-            f"{_mib(a['values_table_bytes'])} MiB)"
+            f"{util.mib_text(a['output_bytes'])} MiB; a values gradient (not built when fused) <= "
+            f"{util.mib_text(a['fused_values_grad_max_bytes'])} MiB (values table "
+            f"{util.mib_text(a['values_table_bytes'])} MiB)"
         )
     document = {
         "benchmark": "pkm_memory",

@@ -1,4 +1,4 @@
-"""What the demo's sections share: timing, device probe, tables and number formats."""
+"""What the demo's sections share: timing, device probe, tables, plots and number formats."""
 
 from __future__ import annotations
 
@@ -52,6 +52,25 @@ def save_results(
         print(f"Saved {json_path} (no plot: matplotlib is not installed).")
 
 
+def save_two_panel_plot(path: str, title: str, draw: Callable[[Any], None]) -> bool:
+    """Saves a PNG of two panels side by side, drawn by `draw(axes)` (the pair of matplotlib
+    axes), under `title`; False, writing nothing, when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    draw(axes)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
 NOT_MEASURED = "not measured"
 
 
@@ -64,4 +83,4 @@ def ratio(numerator: Optional[float], denominator: Optional[float]) -> str:
 
 
 def mib(num_bytes: Optional[float]) -> str:
-    return NOT_MEASURED if num_bytes is None else f"{num_bytes / MIB:,.1f}"
+    return _timing.mib_text(num_bytes, NOT_MEASURED)

@@ -517,50 +517,43 @@ def _plot(
     sweep: Dict[str, Dict[int, Dict[str, Any]]],
 ) -> bool:
     """Saves time and memory vs tokens as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def draw(all_axes):
         from matplotlib import ticker
-    except ImportError:
-        return False
-    figure, all_axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = (
-        ("time_ms", "training step time (ms)", 1.0),
-        ("bytes", "peak memory growth (MiB)", _util.MIB),
-    )
-    for axes, (key, label, unit) in zip(all_axes, panels):
-        for name in LOOKUPS:
-            ys = [(sweep[name][t][key] or np.nan) / unit for t in token_counts]
-            axes.plot(token_counts, ys, marker="o", label=name)
-        last = token_counts[-1]
-        ratio = _util.ratio(sweep[BASELINE][last][key], sweep[FUSED][last][key])
-        note = f"{ratio} {'less' if key == 'bytes' else 'faster'}"
-        axes.annotate(
-            note if ratio != _util.NOT_MEASURED else "plain TF: memory not measured",
-            (last, (sweep[FUSED][last][key] or np.nan) / unit),
-            textcoords="offset points",
-            xytext=(-10, -16),
-            ha="right",
+
+        panels = (
+            ("time_ms", "training step time (ms)", 1.0),
+            ("bytes", "peak memory growth (MiB)", _util.MIB),
         )
-        axes.set_xscale("log", base=2)
-        axes.set_yscale("log")
-        axes.set_xticks(token_counts, [f"{t:,}" for t in token_counts])
-        axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.4g}"))
-        axes.yaxis.set_minor_formatter(ticker.NullFormatter())
-        axes.set_xlabel("tokens per batch")
-        axes.set_ylabel(label + ", lower is better")
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
-    figure.suptitle(
+        for axes, (key, label, unit) in zip(all_axes, panels):
+            for name in LOOKUPS:
+                ys = [(sweep[name][t][key] or np.nan) / unit for t in token_counts]
+                axes.plot(token_counts, ys, marker="o", label=name)
+            last = token_counts[-1]
+            ratio = _util.ratio(sweep[BASELINE][last][key], sweep[FUSED][last][key])
+            note = f"{ratio} {'less' if key == 'bytes' else 'faster'}"
+            axes.annotate(
+                note if ratio != _util.NOT_MEASURED else "plain TF: memory not measured",
+                (last, (sweep[FUSED][last][key] or np.nan) / unit),
+                textcoords="offset points",
+                xytext=(-10, -16),
+                ha="right",
+            )
+            axes.set_xscale("log", base=2)
+            axes.set_yscale("log")
+            axes.set_xticks(token_counts, [f"{t:,}" for t in token_counts])
+            axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.4g}"))
+            axes.yaxis.set_minor_formatter(ticker.NullFormatter())
+            axes.set_xlabel("tokens per batch")
+            axes.set_ylabel(label + ", lower is better")
+            axes.grid(True, which="both", alpha=0.3)
+            axes.legend()
+
+    title = (
         f"PKM-like lookup: {shape.slots:,} x {shape.dim} values, {shape.bag_size} slots per "
         "token; forward + gradients"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _util.save_two_panel_plot(path, title, draw)
 
 
 def section_gather_reduce_sum(args: argparse.Namespace) -> Dict[str, Any]:

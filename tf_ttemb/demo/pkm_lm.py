@@ -594,39 +594,31 @@ def _moving_average(values: Sequence[float], width: int) -> np.ndarray:
 
 def _plot(path: str, results: Dict[str, Dict[str, Any]], title: str) -> bool:
     """Validation bpb vs step and training loss vs step; False when matplotlib is missing."""
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for index, (name, r) in enumerate(results.items()):
-        color = f"C{index}"
-        left.plot(r["eval_steps"], r["val_bpb"], marker="o", color=color, label=name)
-        steps = np.arange(1, len(r["train_bpb"]) + 1)
-        right.plot(steps, r["train_bpb"], color=color, alpha=0.25, linewidth=0.8)
-        width = max(1, len(steps) // 20)
-        smooth = _moving_average(r["train_bpb"], width)
-        right.plot(
-            steps[width - 1 :], smooth, color=color, label=f"{name} (moving mean of {width})"
-        )
-    left.set_ylabel("validation bits per byte, lower is better")
-    right.set_ylabel("training loss (bits per byte)")
-    # Leave out the first steps' ~8 bits, which would flatten the rest of the curves.
-    later = [v for r in results.values() for v in r["train_bpb"][len(r["train_bpb"]) // 20 :]]
-    if later:
-        right.set_ylim(min(later) - 0.1, max(later) + 0.1)
-    for axes in (left, right):
-        axes.set_xlabel("training step")
-        axes.grid(True, alpha=0.3)
-        axes.legend(fontsize="small")
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    def draw(axes_pair):
+        left, right = axes_pair
+        for index, (name, r) in enumerate(results.items()):
+            color = f"C{index}"
+            left.plot(r["eval_steps"], r["val_bpb"], marker="o", color=color, label=name)
+            steps = np.arange(1, len(r["train_bpb"]) + 1)
+            right.plot(steps, r["train_bpb"], color=color, alpha=0.25, linewidth=0.8)
+            width = max(1, len(steps) // 20)
+            smooth = _moving_average(r["train_bpb"], width)
+            right.plot(
+                steps[width - 1 :], smooth, color=color, label=f"{name} (moving mean of {width})"
+            )
+        left.set_ylabel("validation bits per byte, lower is better")
+        right.set_ylabel("training loss (bits per byte)")
+        # Leave out the first steps' ~8 bits, which would flatten the rest of the curves.
+        later = [v for r in results.values() for v in r["train_bpb"][len(r["train_bpb"]) // 20 :]]
+        if later:
+            right.set_ylim(min(later) - 0.1, max(later) + 0.1)
+        for axes in (left, right):
+            axes.set_xlabel("training step")
+            axes.grid(True, alpha=0.3)
+            axes.legend(fontsize="small")
+
+    return _util.save_two_panel_plot(path, title, draw)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -407,60 +407,53 @@ def _plot_tt_quality(
     floor: Dict[str, Any],
 ) -> bool:
     """Held-out AUC and logloss vs compression ratio (log x); False without matplotlib."""
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def draw(all_axes):
         from matplotlib import ticker
-    except ImportError:
-        return False
-    full = results["full EmbeddingBag"]["embedding_params"]
-    figure, all_axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axes, key, label in zip(
-        all_axes,
-        ("auc", "logloss"),
-        ("held-out AUC, higher is better", "held-out logloss, lower is better"),
-    ):
-        tt_points = sorted(
-            (full / r["embedding_params"], r[key], r.get("rank"))
-            for r in results.values()
-            if r.get("rank") is not None
-        )
-        if tt_points:
-            axes.plot(
-                [x for x, _, _ in tt_points],
-                [y for _, y, _ in tt_points],
-                marker="o",
-                label="TTEmbeddingBag",
+
+        full = results["full EmbeddingBag"]["embedding_params"]
+        for axes, key, label in zip(
+            all_axes,
+            ("auc", "logloss"),
+            ("held-out AUC, higher is better", "held-out logloss, lower is better"),
+        ):
+            tt_points = sorted(
+                (full / r["embedding_params"], r[key], r.get("rank"))
+                for r in results.values()
+                if r.get("rank") is not None
             )
-            for x, y, rank in tt_points:
-                axes.annotate(f"rank {rank}", (x, y), textcoords="offset points", xytext=(4, 6))
-        axes.plot(
-            [1.0],
-            [results["full EmbeddingBag"][key]],
-            marker="s",
-            linestyle="",
-            label="full EmbeddingBag",
-        )
-        axes.axhline(
-            ceiling[key], color="green", linestyle="--", label="planted model (best possible)"
-        )
-        axes.axhline(floor[key], color="gray", linestyle=":", label="dense features only")
-        axes.set_xscale("log")
-        axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.4g}x"))
-        axes.set_xlabel("compression of the embedding tables (log scale)")
-        axes.set_ylabel(label)
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend(fontsize="small", loc="best")
-    figure.suptitle(
+            if tt_points:
+                axes.plot(
+                    [x for x, _, _ in tt_points],
+                    [y for _, y, _ in tt_points],
+                    marker="o",
+                    label="TTEmbeddingBag",
+                )
+                for x, y, rank in tt_points:
+                    axes.annotate(f"rank {rank}", (x, y), textcoords="offset points", xytext=(4, 6))
+            axes.plot(
+                [1.0],
+                [results["full EmbeddingBag"][key]],
+                marker="s",
+                linestyle="",
+                label="full EmbeddingBag",
+            )
+            axes.axhline(
+                ceiling[key], color="green", linestyle="--", label="planted model (best possible)"
+            )
+            axes.axhline(floor[key], color="gray", linestyle=":", label="dense features only")
+            axes.set_xscale("log")
+            axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:,.4g}x"))
+            axes.set_xlabel("compression of the embedding tables (log scale)")
+            axes.set_ylabel(label)
+            axes.grid(True, which="both", alpha=0.3)
+            axes.legend(fontsize="small", loc="best")
+
+    title = (
         f"Planted CTR task: {task.num_features} tables of {task.rows:,} rows, "
         f"Zipf({task.zipf_exponent:g}) ids"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
+    return _util.save_two_panel_plot(path, title, draw)
 
 
 def section_tt_quality(args: argparse.Namespace) -> Dict[str, Any]:

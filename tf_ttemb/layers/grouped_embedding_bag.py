@@ -219,11 +219,7 @@ class GroupedEmbeddingBag(keras.layers.Layer):
         if sparse:
             _check_fused(features, dense_grad, implementation)
             _sparse_apply.check_strategy("GroupedEmbeddingBag(sparse=True)")
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                "GroupedEmbeddingBag needs the TensorFlow backend of Keras, got "
-                f"{keras.backend.backend()!r}"
-            )
+        _common.check_keras_backend("GroupedEmbeddingBag", keras.backend.backend())
         super().__init__(**kwargs)
         self.features = features
         self.output_mode = output_mode

@@ -1,11 +1,11 @@
-"""What every lookup of tf_ttemb shares: the choices, the dtype sets, the argument checks,
-the resource-variable probe and the XLA/TPU probes.
+"""What every lookup of tf_ttemb shares: the choices, the dtype sets and the accumulation
+dtype, the argument checks, the resource-variable probe and the XLA/TPU probes.
 
 Also what the layers share: the checks of their constructors, their `get_config`, the start
 of their lookups and the in-place row updates of their fused optimizers.
 
 Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribute`,
-`tf_ttemb.serving` and the layers); not an API.
+`tf_ttemb.serving`, the layers and the optimizers); not an API.
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ IMPLEMENTATIONS = ("auto", "custom_op", "composite")
 
 
 HALF_TYPES = (tf.float16, tf.bfloat16)
+
+
+def accumulation_dtype(dtype: tf.DType) -> tf.DType:
+    """The dtype sums over a table of `dtype` accumulate in: float32 for the half types."""
+    return tf.float32 if dtype in HALF_TYPES else dtype
 
 
 VALUE_TYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)

@@ -50,7 +50,7 @@ def composite(
     if bags.weights is not None:
         bags = bags._replace(weights=tf.stop_gradient(bags.weights))
     dtype = params.dtype
-    acc_dtype = tf.float32 if dtype in _common.HALF_TYPES else dtype
+    acc_dtype = _common.accumulation_dtype(dtype)
     ids_dtype = bags.ids.dtype
     ids = tf.cast(bags.ids, tf.int64)
     params_shape = tf.shape(params, out_type=tf.int64)

@@ -226,7 +226,7 @@ def _composite_rows(cores: list, ids: tf.Tensor, shape: TTShape) -> tf.Tensor:
     compute in float32 and return rows in their dtype.
     """
     dtype = tf.as_dtype(cores[0].dtype)
-    compute = tf.float32 if dtype in _common.HALF_TYPES else dtype
+    compute = _common.accumulation_dtype(dtype)
     stride = shape.rows_per_table
     table = ids // stride
     local = ids % stride

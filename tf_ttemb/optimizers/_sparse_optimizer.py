@@ -34,13 +34,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
+from tf_ttemb.ops import _common
 
 
 def compute_dtype(variable: Any) -> tf.DType:
     """The dtype updates are computed (and optimizer state kept) in: float32 for halves."""
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float32 if dtype in _HALF_DTYPES else dtype
+    return _common.accumulation_dtype(tf.as_dtype(variable.dtype))
 
 
 def as_dtype(value: Any, dtype: tf.DType) -> tf.Tensor:
@@ -115,11 +114,7 @@ class SparseOptimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, **kwargs: Any) -> None:
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                f"{type(self).__name__} needs the TensorFlow backend of Keras, got "
-                f"{keras.backend.backend()!r}"
-            )
+        _common.check_keras_backend(type(self).__name__, keras.backend.backend())
         super().__init__(**kwargs)
 
     # ----------------------------------------------------------------------------------
