@@ -505,21 +505,35 @@ inline AccT<T> ComputeBagScale(const Tindex* ids, const T* weights, int64_t begi
 // ---------------------------------------------------------------------------
 // The entries sorted by id (the backward and the sparse apply).
 
+// The digits an LSD radix sort of `key_bits`-bit keys takes: as few passes as
+// digits of at most 11 bits allow (2,048 counters, which stay in L1), the
+// bits spread evenly over them.
+struct RadixDigits {
+  explicit RadixDigits(int key_bits)
+      : passes((key_bits + 10) / 11),
+        bits((key_bits + passes - 1) / passes),
+        buckets(int64_t{1} << bits),
+        mask(static_cast<uint64_t>(buckets - 1)) {}
+  int passes;
+  int bits;         // per digit
+  int64_t buckets;  // 2^bits
+  uint64_t mask;    // the digit's bits, shifted down
+};
+
 // Stable LSD radix sort of (key, value) pairs on the low `key_bits` bits of
 // the keys. Sorted output ends in keys/values; tmp buffers are scratch.
 inline void RadixSortPairs(std::vector<uint64_t>* keys, std::vector<int64_t>* values,
                            int key_bits) {
   const int64_t n = static_cast<int64_t>(keys->size());
   if (n <= 1 || key_bits <= 0) return;
-  const int passes = (key_bits + 10) / 11;
-  const int digit_bits = (key_bits + passes - 1) / passes;
-  const int64_t buckets = int64_t{1} << digit_bits;
-  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
+  const RadixDigits digits(key_bits);
+  const int64_t buckets = digits.buckets;
+  const uint64_t mask = digits.mask;
   std::vector<uint64_t> keys_tmp(n);
   std::vector<int64_t> values_tmp(n);
   std::vector<int64_t> count(buckets);
-  for (int pass = 0; pass < passes; ++pass) {
-    const int shift = pass * digit_bits;
+  for (int pass = 0; pass < digits.passes; ++pass) {
+    const int shift = pass * digits.bits;
     std::fill(count.begin(), count.end(), 0);
     const uint64_t* k_in = keys->data();
     for (int64_t i = 0; i < n; ++i) ++count[(k_in[i] >> shift) & mask];
@@ -567,10 +581,9 @@ inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* wor
                             std::vector<uint64_t>* tmp, int shift, int key_bits) {
   const int64_t n = static_cast<int64_t>(words->size());
   if (n <= 1 || key_bits <= 0) return;
-  const int passes = (key_bits + 10) / 11;
-  const int digit_bits = (key_bits + passes - 1) / passes;
-  const int64_t buckets = int64_t{1} << digit_bits;
-  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
+  const RadixDigits digits(key_bits);
+  const int64_t buckets = digits.buckets;
+  const uint64_t mask = digits.mask;
   const int64_t chunks =
       n < 65536 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool->NumThreads(), n / 32768));
   auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
@@ -586,8 +599,8 @@ inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* wor
   };
   std::vector<int64_t> count(chunks * buckets);
   tmp->resize(n);
-  for (int pass = 0; pass < passes; ++pass) {
-    const int sh = shift + pass * digit_bits;
+  for (int pass = 0; pass < digits.passes; ++pass) {
+    const int sh = shift + pass * digits.bits;
     const uint64_t* src = words->data();
     std::fill(count.begin(), count.end(), 0);
     for_chunks([&](int64_t c) {

@@ -139,6 +139,15 @@ def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad, unused_report
     return params_grad, None, None, weights_grad
 
 
+def _forward_inputs(bags: _bags.Bags, combiner: str, padding_id: int | None, table) -> tuple:
+    """(lib, attrs, weights) of a forward op on `table`'s dtype and device: the bags'
+    weights, or an empty tensor when they have none."""
+    has_weights = bags.weights is not None
+    attrs = op_attrs(combiner, has_weights, padding_id)
+    weights = bags.weights if has_weights else _common.empty(table.dtype, table.device)
+    return _loader.load_op_library(), attrs, weights
+
+
 def custom_op_on_variable(
     variable: tf.Variable,
     bags: _bags.Bags,
@@ -147,10 +156,8 @@ def custom_op_on_variable(
     dense_grad: bool,
     checked: bool = False,
 ) -> tf.Tensor:
-    lib = _loader.load_op_library()
-    has_weights = bags.weights is not None
-    attrs = op_attrs(combiner, has_weights, padding_id)
-    weights = bags.weights if has_weights else _common.empty(variable.dtype, variable.device)
+    """The forward on a variable's handle (`ResourceGatherReduceSum`): output [B, D]."""
+    lib, attrs, weights = _forward_inputs(bags, combiner, padding_id, variable)
     # A read of no rows, through the public API, tells every active GradientTape that
     # the variable was used (the op below reads it through its handle, which tapes do
     # not see as a variable access) and costs nothing.
@@ -177,10 +184,9 @@ def custom_op(
     dense_grad: bool,
     checked: bool = False,
 ) -> tf.Tensor:
-    lib = _loader.load_op_library()
-    has_weights = bags.weights is not None
-    attrs = op_attrs(combiner, has_weights, padding_id)
-    weights = bags.weights if has_weights else _common.empty(params.dtype, params.device)
+    """The forward on a table tensor (`GatherReduceSum`): output [B, D]; with `dense_grad`
+    its params gradient is dense."""
+    lib, attrs, weights = _forward_inputs(bags, combiner, padding_id, params)
     ids, row_splits = bags.ids, bags.row_splits
     if not dense_grad:
         output, _ = run_forward(lib, params, ids, row_splits, weights, attrs, checked=checked)
