@@ -16,10 +16,11 @@ forward and the gradients of a random upstream gradient (IndexedSlices for the t
   group_bags  the joined ids through GroupBags and its check (`grouped.grouped_bags`)
   forward     the grouped forward alone
 Times: per call (one call, ending in a 1-element fetch) and in graph (`--steps` steps with
-their own ids inside one call, divided), medians of `--repeats`; and the process's CPU
-time per call (all its threads), the figure to compare on a shared machine, whose load
-(printed) moves the wall-clock times of a one-op step and of 26 ops run side by side
-differently. Ratios: separate /
+their own ids inside one call, divided): medians of `--repeats` rounds (half as many in
+graph) in which every case runs once, so that all cases see the same machine; and the
+process's CPU time per call (all its threads), the figure to compare on a shared machine,
+whose load (printed) moves the wall-clock times of a one-op step and of 26 ops run side by
+side differently. Ratios: separate /
 grouped (target >= 5x on the GPU, >= 2x on the CPU) and grouped / one_lookup (target
 <= 1.5x on the GPU), from the in-graph times.
 """
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--parts",
@@ -152,33 +153,44 @@ def main(argv=None) -> int:
         return out[0, 0] + grad.values[0, 0]
 
     def step_group_bags(ids):
-        flat, _, _ = grouped_bags(
-            tf.TensorSpec(stacked.shape, stacked.dtype), ids, num_rows=rows
-        )
+        flat, _, _ = grouped_bags(tf.TensorSpec(stacked.shape, stacked.dtype), ids, num_rows=rows)
         return tf.cast(flat.flat_values[0] + flat.row_splits[-1], tf.float32)
 
     def step_forward(ids):
         return grouped(ids)[0, 0]
 
-    results = {}
     cases = {"grouped": step_grouped, "separate": step_separate, "one_lookup": step_one_lookup}
     if args.parts:
         cases.update(group_bags=step_group_bags, forward=step_forward)
+    once, many = {}, {}
     for name, step in cases.items():
         with tf.device(args.device):
-            once = tf.function(lambda step=step: step(data[0]))
-            many = tf.function(lambda step=step: tf.add_n([step(ids) for ids in data]))
-        per_call = _bench_util.time_calls(lambda: once().numpy(), 3, args.repeats).median_ms
-        cpu = []
-        for _ in range(args.repeats):
-            start = time.process_time()
-            once().numpy()
-            cpu.append((time.process_time() - start) * 1e3)
-        in_graph = (
-            _bench_util.time_calls(lambda: many().numpy(), 2, max(3, args.repeats // 2)).median_ms
-            / args.steps
+            once[name] = tf.function(lambda step=step: step(data[0]))
+            many[name] = tf.function(lambda step=step: tf.add_n([step(ids) for ids in data]))
+        for _ in range(3):
+            once[name]().numpy()
+        for _ in range(2):
+            many[name]().numpy()
+    # Round-robin: each round times one call of every case, so that the cases' samples
+    # see the same machine (a loaded host moves the per-call times by up to 1.6x between
+    # runs; a ratio of medians taken at different moments moves with it).
+    samples = {name: {"per_call": [], "cpu": [], "in_graph": []} for name in cases}
+    for round_ in range(args.repeats):
+        for name in cases:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            once[name]().numpy()
+            samples[name]["per_call"].append((time.perf_counter() - start) * 1e3)
+            samples[name]["cpu"].append((time.process_time() - cpu_start) * 1e3)
+        if round_ < max(3, args.repeats // 2):
+            for name in cases:
+                start = time.perf_counter()
+                many[name]().numpy()
+                samples[name]["in_graph"].append((time.perf_counter() - start) * 1e3 / args.steps)
+    results = {}
+    for name in cases:
+        per_call, cpu_ms, in_graph = (
+            statistics.median(samples[name][k]) for k in ("per_call", "cpu", "in_graph")
         )
-        cpu_ms = statistics.median(cpu)
         results[name] = {"per_call_ms": per_call, "in_graph_ms": in_graph, "cpu_ms": cpu_ms}
         _bench_util.log(
             f"{name}: {'fwd+bwd ' if name in ('grouped', 'separate', 'one_lookup') else ''}"
