@@ -158,6 +158,9 @@ struct ParamsGradLaunch<CpuDevice, T, Tindex> {
     WriteUniqueIds<Tindex>(s, unique_ids);
     if (dim == 0) return OkStatus();
     T* values_out = values->flat<T>().data();
+    // Fresh [U, D] memory, first touched below: on 2 MiB pages a 40 MiB gradient
+    // faults 20 times instead of 10,000 (huge_pages.h).
+    AdviseHugePages(values_out, s.num_unique() * dim * static_cast<int64_t>(sizeof(T)));
     call.ReduceAll([&](int64_t u, const auto* acc) {
       T* row = values_out + u * dim;
       StoreRow(row, acc, dim);
@@ -258,10 +261,9 @@ struct FusedGradLaunch<CpuDevice, T, Tindex> {
     T* dw = a.weights_grad->flat<T>().data();
     // Padding entries (in no segment) keep a zero weights gradient.
     std::fill(dw, dw + nnz, T(0));
-    if (a.dense && dim > 0) {
-      AdviseHugePages(values, grad_rows * dim * static_cast<int64_t>(sizeof(T)));
-      ZeroUntouchedRows(call.pool, s, grad_rows, dim, values);
-    }
+    // Fresh memory, dense [N, D] or deduplicated [U, D], first touched below.
+    AdviseHugePages(values, grad_rows * dim * static_cast<int64_t>(sizeof(T)));
+    if (a.dense && dim > 0) ZeroUntouchedRows(call.pool, s, grad_rows, dim, values);
     CollapseToHugePages(*a.params);
     const T* params_data = a.params->flat<T>().data();
     const int64_t* seg_starts = s.seg_starts.data();
