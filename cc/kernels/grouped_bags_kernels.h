@@ -14,6 +14,7 @@
 #include "cuda/common_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/status.h"
 
 namespace tensorflow {
@@ -37,6 +38,16 @@ struct GroupAttrs {
 
 Status GetGroupAttrs(OpKernelConstruction* ctx, bool with_weights, GroupAttrs* attrs);
 
+// The features' attrs as the GPU kernels read them, [4 * T] int64 in device
+// memory (num_rows, row_offsets, padding_ids, has_padding_ids), made by a
+// kernel's first GPU call and kept for the kernel's life: the attrs never
+// change, and a copy per call from pageable memory may wait for the stream.
+struct GroupDeviceAttrs {
+  mutex mu;
+  bool copied TF_GUARDED_BY(mu) = false;  // packed holds the attrs
+  Tensor packed TF_GUARDED_BY(mu);
+};
+
 // GroupBags' inputs as checked on the host, and its outputs as allocated.
 struct GroupArgs {
   int64_t nnz = 0;
@@ -49,6 +60,7 @@ struct GroupArgs {
   Tensor* group_weights = nullptr;     // [nnz] or [0]
   Tensor* positions = nullptr;         // [nnz] or [0]
   Tensor* report = nullptr;            // [GroupBagsLaunch::kReportWords]
+  GroupDeviceAttrs* device_attrs = nullptr;  // the kernel's, for the GPU launch
 };
 
 // Shapes of the inputs (sets nnz and batch).
@@ -86,6 +98,7 @@ class GroupBagsOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     GroupArgs a;
+    a.device_attrs = &device_attrs_;
     a.indices = &ctx->input(0);
     a.row_splits = &ctx->input(1);
     a.weights = &ctx->input(2);
@@ -101,6 +114,7 @@ class GroupBagsOp : public OpKernel {
 
  private:
   GroupAttrs attrs_;
+  GroupDeviceAttrs device_attrs_;
 };
 
 }  // namespace tf_ttemb
