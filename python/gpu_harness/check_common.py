@@ -233,6 +233,46 @@ def run_poisoned(report, prefix, sweep, *checks):
     return result, sum(bool(r["failures"]) for r in result)
 
 
+def run_section(report, prefix, args, sweep, errors, determinism, *more):
+    """The checks of a kernel family's section, under run_poisoned: the sweep
+    (sweep(args.small, args.max_cases)), its error messages (errors(): rows that fail
+    where not r["ok"]) in report[prefix + "errors"], its bitwise determinism
+    (determinism(args.small): rows that fail where not r["bitwise_identical"]) in
+    report[prefix + "determinism"], then each (key, name, check) of `more`
+    (check(args.small): rows that fail where r["failures"]) in report[prefix + key].
+    Returns (the sweep, how many sweep cases and check rows failed, the summary line
+    "<prefix>sweep: 9/9 cases passed (1.2 s); error messages: 4/4; determinism: 2/2; ...")."""
+    checks = [
+        ("errors", "error messages", errors, lambda r: not r["ok"]),
+        (
+            "determinism",
+            "determinism",
+            lambda: determinism(args.small),
+            lambda r: not r["bitwise_identical"],
+        ),
+    ]
+    checks += [
+        (key, name, lambda check=check: check(args.small), lambda r: bool(r["failures"]))
+        for key, name, check in more
+    ]
+    result, failed = run_poisoned(
+        report,
+        prefix,
+        lambda: sweep(args.small, args.max_cases),
+        *((prefix + key, check) for key, _, check, _ in checks),
+    )
+    parts = [
+        f"{prefix.replace('_', ' ')}sweep: {len(result) - failed}/{len(result)} cases passed "
+        f"({report[prefix + 'sweep_s']:.1f} s)"
+    ]
+    for key, name, _, fails in checks:
+        rows = report[prefix + key]
+        n_fail = sum(bool(fails(r)) for r in rows)
+        failed += n_fail
+        parts.append(f"{name}: {len(rows) - n_fail}/{len(rows)}")
+    return result, failed, "; ".join(parts)
+
+
 def case_fields(config, dtype, itype, combiner, weighted, section=None):
     """How a sweep case of the gather_reduce_sum and TT sections is named in the report."""
     fields = {} if section is None else {"section": section}

@@ -487,26 +487,15 @@ def profile_run():
 def grs_main(args, report):
     """Section "grs": the sweep, error messages, determinism, then (unless --small or
     --no-bench) the benchmarks; logs the summary. Returns whether every check passed."""
-    sweep, n_fail = common.run_poisoned(
-        report,
-        "",
-        lambda: run_sweep(args.small, args.max_cases),
-        ("errors", check_errors),
-        ("determinism", lambda: check_determinism(args.small)),
+    sweep, n_failed, summary = common.run_section(
+        report, "", args, run_sweep, check_errors, check_determinism
     )
-    n_err_fail = sum(not r["ok"] for r in report["errors"])
-    n_det_fail = sum(not r["bitwise_identical"] for r in report["determinism"])
     if not args.small and not args.no_bench:
         report["copy_TBps"] = common.copy_bandwidth()
         report["bench"] = run_benchmarks()
-    passed = n_fail == 0 and n_err_fail == 0 and n_det_fail == 0
 
     common.log("")
-    common.log(
-        f"sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed ({report['sweep_s']:.1f} s); "
-        f"error messages: {len(report['errors']) - n_err_fail}/{len(report['errors'])}; "
-        f"determinism: {len(report['determinism']) - n_det_fail}/{len(report['determinism'])}"
-    )
+    common.log(summary)
     common.log_worst(sweep, "", 28)
     if "bench" in report:
         common.log(f"device-to-device copy: {report['copy_TBps']:.2f} TB/s (read + write)")
@@ -535,4 +524,4 @@ def grs_main(args, report):
             "(graph-replay medians where capturable, else eager; *_checked in the JSON add "
             "the read-back of the device report)"
         )
-    return passed
+    return n_failed == 0

@@ -740,27 +740,18 @@ def tt_rows_grad_memory():
 
 
 def tt_main(args, report):
-    sweep, n_fail = common.run_poisoned(
+    sweep, n_failed, summary = common.run_section(
         report,
         "tt_",
-        lambda: tt_run_sweep(args.small, args.max_cases),
-        ("tt_errors", tt_check_errors),
-        ("tt_determinism", lambda: tt_check_determinism(args.small)),
-        ("tt_rows_grad_work", lambda: tt_check_rows_grad_work(args.small)),
+        args,
+        tt_run_sweep,
+        tt_check_errors,
+        tt_check_determinism,
+        ("rows_grad_work", "rows-grad work layouts", tt_check_rows_grad_work),
     )
-    n_work = sum(bool(r["failures"]) for r in report["tt_rows_grad_work"])
-    n_err = sum(not r["ok"] for r in report["tt_errors"])
-    n_det = sum(not r["bitwise_identical"] for r in report["tt_determinism"])
-    common.log(
-        f"tt sweep: {len(sweep) - n_fail}/{len(sweep)} cases passed "
-        f"({report['tt_sweep_s']:.1f} s); error messages: "
-        f"{len(report['tt_errors']) - n_err}/{len(report['tt_errors'])}; determinism: "
-        f"{len(report['tt_determinism']) - n_det}/{len(report['tt_determinism'])}; "
-        f"rows-grad work layouts: {len(report['tt_rows_grad_work']) - n_work}/"
-        f"{len(report['tt_rows_grad_work'])}"
-    )
+    common.log(summary)
     common.log_worst(sweep, "tt ", 28)
     if not args.small and not args.no_bench:
         report["tt_bench"] = tt_run_benchmarks()
         report["tt_rows_grad_memory"] = tt_rows_grad_memory()
-    return n_fail == 0 and n_err == 0 and n_det == 0 and n_work == 0
+    return n_failed == 0
