@@ -141,6 +141,38 @@ struct TTReport {
 constexpr int64_t kTTReportWords = sizeof(TTReport) / sizeof(int64_t);
 static_assert(sizeof(TTReport) == 16 * sizeof(int64_t), "TTReport is 16 words");
 
+// Entries held by several parts read end to end (GroupBags' `indices` list): part p
+// holds entries [starts[p], starts[p + 1]) at parts[p][0 ...], starts[0] = 0. A cursor
+// reads entries in increasing order from `first`, locating its part once (a binary
+// search) and then stepping over part ends; the CPU kernel and the CUDA one read alike.
+template <typename Tindex>
+struct PartsCursor {
+  const Tindex* const* parts;
+  const int64_t* starts;
+  int64_t part;
+
+  // `first` < starts[num_parts]; num_parts >= 1.
+  TTEMB_HOST_DEVICE PartsCursor(const Tindex* const* parts_in, const int64_t* starts_in,
+                                int64_t num_parts, int64_t first)
+      : parts(parts_in), starts(starts_in), part(0) {
+    int64_t hi = num_parts - 1;  // the last p with starts[p] <= first (skips empty parts)
+    while (part < hi) {
+      const int64_t mid = (part + hi + 1) / 2;
+      if (starts[mid] <= first) {
+        part = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+  }
+
+  // Entry j: at least every entry read before, less than starts[num_parts].
+  TTEMB_HOST_DEVICE Tindex operator[](int64_t j) {
+    while (j >= starts[part + 1]) ++part;
+    return parts[part][j - starts[part]];
+  }
+};
+
 // Fixed 64-bit mixer (splitmix64's finaliser): which set of TTCacheCount's frequency
 // table an id belongs to, on the CPU and the GPU alike.
 inline TTEMB_HOST_DEVICE uint64_t MixId(uint64_t x) {
@@ -167,6 +199,7 @@ using ::tf_ttemb::kGroupReportWords;
 using ::tf_ttemb::kMaxTTCores;
 using ::tf_ttemb::kTTReportWords;
 using ::tf_ttemb::MixId;
+using ::tf_ttemb::PartsCursor;
 using ::tf_ttemb::RowOptimizer;
 using ::tf_ttemb::TTReport;
 using ::tf_ttemb::WeightGradFromDot;

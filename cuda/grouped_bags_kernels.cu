@@ -4,8 +4,9 @@
 //     and writes the length of output bag k (example-major: output bag
 //     b * T + t is input bag t * B + b; bad row_splits give 0);
 //   * the example-major row_splits are an inclusive scan (CUB) of the lengths;
-//   * CopyKernel: one thread per output bag, copying its entries in order,
-//     checking each id against its feature's table;
+//   * CopyKernel: one thread per output bag, copying its entries in order
+//     (read across the `indices` parts, PartsCursor), checking each id against
+//     its feature's table;
 //   * one-thread kernels start and finish the report.
 
 #include <cstdint>
@@ -64,7 +65,7 @@ __global__ void CheckKernel(const int64_t* __restrict__ splits, LengthOf length_
 }
 
 template <typename T, typename Tindex>
-__global__ void CopyKernel(const GroupProblem p, const Tindex* __restrict__ ids,
+__global__ void CopyKernel(const GroupProblem p, const Tindex* const* __restrict__ parts,
                            const int64_t* __restrict__ splits, const T* __restrict__ weights,
                            const int64_t* __restrict__ group_splits,
                            int64_t* __restrict__ group_ids, T* __restrict__ group_weights,
@@ -83,6 +84,8 @@ __global__ void CopyKernel(const GroupProblem p, const Tindex* __restrict__ ids,
     const int64_t from = splits[SourceBag(k, num_features, batch)];
     const int64_t to = group_splits[k];
     if (to < 0 || to + length > nnz) continue;  // only after bad row_splits
+    if (length == 0) continue;
+    PartsCursor<Tindex> ids(parts, p.part_starts, p.num_parts, from);
     const int64_t rows = num_rows[t], offset = offsets[t];
     const bool pads = has_padding[t] != 0;
     const int64_t pad = padding[t];
@@ -108,8 +111,9 @@ __global__ void CopyKernel(const GroupProblem p, const Tindex* __restrict__ ids,
 }
 
 template <typename Tindex>
-__global__ void FinishKernel(const Tindex* ids, const int64_t* splits, int64_t num_features,
-                             int64_t batch, GroupReport* report) {
+__global__ void FinishKernel(const GroupProblem p, const Tindex* const* parts,
+                             const int64_t* splits, GroupReport* report) {
+  const int64_t num_features = p.num_features, batch = p.batch;
   GroupReport& r = *report;
   if (r.first_bad_split >= 0) {
     r.bad_split_value = splits[r.first_bad_split + 1];
@@ -117,7 +121,7 @@ __global__ void FinishKernel(const Tindex* ids, const int64_t* splits, int64_t n
   }
   const int64_t j = r.first_bad_entry;
   if (j < 0) return;
-  r.bad_value = static_cast<int64_t>(ids[j]);
+  r.bad_value = static_cast<int64_t>(PartsCursor<Tindex>(parts, p.part_starts, p.num_parts, j)[j]);
   // The feature whose entries [splits[t * B], splits[(t + 1) * B]) hold j.
   int64_t t = 0;
   while (t + 1 < num_features && splits[(t + 1) * batch] <= j) ++t;
@@ -144,10 +148,11 @@ size_t GroupBagsScratchBytes(const GroupProblem& p) {
 }
 
 template <typename T, typename Tindex>
-cudaError_t LaunchGroupBags(const GroupProblem& p, const Tindex* ids, const int64_t* row_splits,
-                            const T* weights, int64_t* group_ids, int64_t* group_row_splits,
-                            T* group_weights, int64_t* positions, GroupReport* report,
-                            void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+cudaError_t LaunchGroupBags(const GroupProblem& p, const Tindex* const* ids,
+                            const int64_t* row_splits, const T* weights, int64_t* group_ids,
+                            int64_t* group_row_splits, T* group_weights, int64_t* positions,
+                            GroupReport* report, void* scratch, size_t scratch_bytes,
+                            cudaStream_t stream) {
   const int64_t num_bags = p.num_features * p.batch;
   InitKernel<<<1, 1, 0, stream>>>(report, row_splits, num_bags, p.nnz, group_row_splits);
   TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
@@ -167,13 +172,13 @@ cudaError_t LaunchGroupBags(const GroupProblem& p, const Tindex* ids, const int6
         p, ids, row_splits, weights, group_row_splits, group_ids, group_weights, positions, report);
     TTEMB_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
-  FinishKernel<Tindex><<<1, 1, 0, stream>>>(ids, row_splits, p.num_features, p.batch, report);
+  FinishKernel<Tindex><<<1, 1, 0, stream>>>(p, ids, row_splits, report);
   return cudaGetLastError();
 }
 
-#define TTEMB_INSTANTIATE(T, Tindex)                                                        \
-  template cudaError_t LaunchGroupBags<T, Tindex>(                                          \
-      const GroupProblem&, const Tindex*, const int64_t*, const T*, int64_t*, int64_t*, T*, \
+#define TTEMB_INSTANTIATE(T, Tindex)                                                               \
+  template cudaError_t LaunchGroupBags<T, Tindex>(                                                 \
+      const GroupProblem&, const Tindex* const*, const int64_t*, const T*, int64_t*, int64_t*, T*, \
       int64_t*, GroupReport*, void*, size_t, cudaStream_t);
 #define TTEMB_INSTANTIATE_BOTH(T) TTEMB_INSTANTIATE(T, int32_t) TTEMB_INSTANTIATE(T, int64_t)
 TTEMB_FOR_EACH_VALUE_TYPE(TTEMB_INSTANTIATE_BOTH)

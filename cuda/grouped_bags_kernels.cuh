@@ -15,14 +15,16 @@
 namespace tf_ttemb {
 namespace gpu {
 
-// One call: T features of B bags each, nnz entries. `features` points to
-// 4 * T int64 in device memory: num_rows[T], row_offsets[T], padding_ids[T],
-// has_padding_ids[T] (0 or 1).
+// One call: T features of B bags each, nnz entries held by N parts (read end
+// to end, PartsCursor). `features` points to 4 * T int64 in device memory:
+// num_rows[T], row_offsets[T], padding_ids[T], has_padding_ids[T] (0 or 1).
 struct GroupProblem {
   int64_t num_features = 0;  // T
   int64_t batch = 0;         // B
   int64_t nnz = 0;
-  const int64_t* features = nullptr;  // [4 * T], device
+  const int64_t* features = nullptr;     // [4 * T], device
+  int64_t num_parts = 0;                 // N >= 1
+  const int64_t* part_starts = nullptr;  // [N + 1], device: part p's first entry
 };
 
 size_t GroupBagsScratchBytes(const GroupProblem& p);
@@ -34,7 +36,7 @@ size_t GroupBagsScratchBytes(const GroupProblem& p);
 // kept inside the inputs even for bad row_splits, whose findings the report holds.
 template <typename T, typename Tindex>
 cudaError_t LaunchGroupBags(const GroupProblem& p,
-                            const Tindex* ids,          // [nnz]
+                            const Tindex* const* ids,   // [N] parts, device
                             const int64_t* row_splits,  // [T * B + 1]
                             const T* weights,           // [nnz] or null
                             int64_t* group_ids,         // [nnz]

@@ -25,6 +25,7 @@ import tf_ttemb
 from tf_ttemb.ops import _loader
 
 IMPLEMENTATIONS = ("custom_op", "composite")
+DEVICES = ("/CPU:0", pytest.param("/GPU:0", marks=pytest.mark.gpu))
 BATCH = 5
 
 
@@ -208,7 +209,9 @@ def test_argument_errors():
         )
 
 
-def _group_bags(ids, splits, weights=None, **attrs):
+def _group_bags(ids, splits, weights=None, parts=None, ids_dtype=tf.int64, **attrs):
+    """GroupBags on `ids` given as one part, or as the parts of `parts` (shapes, read in
+    order: each takes the next ids, reshaped)."""
     lib = _loader.load_op_library()
     base = dict(
         num_rows=[3, 4],
@@ -219,13 +222,72 @@ def _group_bags(ids, splits, weights=None, **attrs):
     )
     base.update(attrs)
     has_weights = weights is not None
+    flat = np.asarray(ids, np.int64)
+    shapes = [flat.shape] if parts is None else parts
+    assert sum(int(np.prod(shape)) for shape in shapes) == flat.size
+    cuts = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
     return lib.tf_ttemb_group_bags(
-        tf.constant(ids, tf.int64),
+        [
+            tf.constant(flat[a:b].reshape(shape), ids_dtype)
+            for a, b, shape in zip(cuts[:-1], cuts[1:], shapes)
+        ],
         tf.constant(splits, tf.int64),
         tf.constant(weights if has_weights else [], tf.float32),
         has_weights=has_weights,
         **base,
     )
+
+
+def _group_bags_reference(ids, splits, weights, num_rows, row_offsets, padding_ids):
+    """numpy GroupBags on good input: (ids, row_splits, weights, positions)."""
+    count = len(num_rows)
+    batch = (len(splits) - 1) // count
+    out_ids, out_splits, out_weights, positions = [], [0], [], np.zeros(len(ids), np.int64)
+    for b in range(batch):
+        for t in range(count):
+            for j in range(splits[t * batch + b], splits[t * batch + b + 1]):
+                positions[j] = len(out_ids)
+                pad = padding_ids[t] is not None and ids[j] == padding_ids[t]
+                out_ids.append(-1 if pad else row_offsets[t] + ids[j])
+                out_weights.append(weights[j])
+            out_splits.append(len(out_ids))
+    return np.array(out_ids, np.int64), np.array(out_splits), np.array(out_weights), positions
+
+
+@pytest.mark.parametrize("ids_dtype", [tf.int32, tf.int64])
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_bags_reads_its_parts_end_to_end(rng, ids_dtype, device):
+    """The ids as any number of parts of any shape (empty ones too), cut anywhere, even
+    inside a bag or a feature: the op reads them as one flat vector."""
+    num_rows, row_offsets, padding_ids = [5, 1, 9], [0, 5, 2], [None, 0, 4]
+    batch = int(rng.integers(1, 5))
+    lengths = rng.integers(0, 4, size=3 * batch)
+    splits = np.concatenate([[0], np.cumsum(lengths)])
+    ids = np.concatenate(
+        [rng.integers(0, num_rows[k // batch], size=n) for k, n in enumerate(lengths)]
+        + [np.zeros(0, np.int64)]
+    ).astype(np.int64)
+    weights = rng.uniform(0.5, 2.0, size=ids.size).astype(np.float32)
+    sizes = []
+    left = ids.size
+    while left > 0:
+        size = int(rng.integers(0, min(left, 6) + 1))
+        sizes.append(size)
+        left -= size
+    parts = [(s,) if s % 2 else (s // 2, 2) for s in sizes] + [(0,), (0, 3)]
+    rng.shuffle(parts)
+    attrs = dict(
+        num_rows=num_rows,
+        row_offsets=row_offsets,
+        padding_ids=[-1 if p is None else p for p in padding_ids],
+        has_padding_ids=[p is not None for p in padding_ids],
+        labels=["a", "b", "c"],
+    )
+    with tf.device(device):
+        got = _group_bags(ids, splits, weights, parts=parts, ids_dtype=ids_dtype, **attrs)
+    want = _group_bags_reference(ids, splits, weights, num_rows, row_offsets, padding_ids)
+    for g, w in zip(got[:4], want):
+        np.testing.assert_array_equal(g.numpy(), w)
 
 
 def test_group_bags_reorders_example_by_example():
@@ -261,6 +323,12 @@ def test_group_bags_reorders_example_by_example():
             r"row_splits\[4\] = 1 must equal the number of indices \(2\)",
         ),
         ([0, 3], [0, 1, 2, 2, 2], {}, r"feature a: indices\[1\] = 3 is not in \[0, 3\)"),
+        (
+            [0, 1, 2, 9],
+            [0, 1, 2, 2, 4],
+            {"parts": [(1, 1), (0,), (2,), (1,)]},
+            r"feature b: indices\[1\] = 9 is not in \[0, 4\)",
+        ),
         ([0, -1], [0, 1, 1, 1, 2], {}, r"feature b: indices\[0\] = -1 is not in \[0, 4\)"),
         ([0], [0, 1, 1], {"row_offsets": [0]}, r"row_offsets has 1 entries but num_rows has 2"),
         ([0], [0, 1, 1], {"num_rows": [3, -4]}, r"num_rows\[1\] = -4 is not in \[0, "),
@@ -357,7 +425,8 @@ GPU_BAD_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_BAD_CASES))
 @pytest.mark.parametrize("check_device", ["/CPU:0", "/GPU:0"])
-def test_gpu_group_bags_matches_the_cpu(case, check_device):
+@pytest.mark.parametrize("parts", [None, [(1, 2), (0,), (3,)]], ids=["one_part", "parts"])
+def test_gpu_group_bags_matches_the_cpu(case, check_device, parts):
     """The GPU GroupBags returns without waiting; its outputs equal the CPU kernel's on
     good input, and its report raises the CPU kernel's message wherever it is checked."""
     lib = _loader.load_op_library()
@@ -373,7 +442,9 @@ def test_gpu_group_bags_matches_the_cpu(case, check_device):
     for device in ("/CPU:0", "/GPU:0"):
         with tf.device(device):
             try:
-                results[device] = _group_bags(ids, splits, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], **attrs)
+                results[device] = _group_bags(
+                    ids, splits, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], parts=parts, **attrs
+                )
             except tf.errors.InvalidArgumentError as error:
                 results[device] = error
     cpu, gpu = results["/CPU:0"], results["/GPU:0"]

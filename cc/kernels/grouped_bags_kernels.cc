@@ -13,6 +13,7 @@
 #include "cc/kernels/check_report_op.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
+#include "cc/kernels/shape_util.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/lib/core/threadpool.h"
 
@@ -53,20 +54,27 @@ Status GetGroupAttrs(OpKernelConstruction* ctx, bool with_weights, GroupAttrs* a
   return OkStatus();
 }
 
-Status ValidateGroupInputs(const GroupAttrs& attrs, const Tensor& indices, const Tensor& row_splits,
-                           const Tensor& weights, GroupArgs* args) {
-  BagAttrs bag;
-  bag.has_weights = attrs.has_weights;
-  BagShapes shapes;
-  TF_RETURN_IF_ERROR(ValidateBagShapes(indices, row_splits, weights, bag, &shapes));
+Status ValidateGroupInputs(const GroupAttrs& attrs, GroupArgs* args) {
+  TF_RETURN_IF_ERROR(CheckSplitsShape(
+      *args->row_splits, 1, "row_splits must be a vector [B + 1] with at least 1 element"));
+  TF_RETURN_IF_ERROR(CheckRank(*args->weights, 1, "weights must be a vector"));
+  args->part_starts.assign(1, 0);
+  for (const Tensor* part : args->indices) {
+    args->part_starts.push_back(args->part_starts.back() + part->NumElements());
+  }
+  args->nnz = args->part_starts.back();
+  if (attrs.has_weights && args->weights->NumElements() != args->nnz) {
+    return errors::InvalidArgument("weights has ", args->weights->NumElements(),
+                                   " entries but indices has ", args->nnz);
+  }
   const int64_t num_features = attrs.num_features();
-  if (shapes.num_bags % num_features != 0) {
-    return errors::InvalidArgument("row_splits has ", row_splits.NumElements(),
+  const int64_t num_bags = args->row_splits->NumElements() - 1;
+  if (num_bags % num_features != 0) {
+    return errors::InvalidArgument("row_splits has ", num_bags + 1,
                                    " entries, not one more than a multiple of the ", num_features,
                                    " features");
   }
-  args->nnz = shapes.nnz;
-  args->batch = shapes.num_bags / num_features;
+  args->batch = num_bags / num_features;
   return OkStatus();
 }
 
@@ -120,7 +128,10 @@ struct GroupBagsLaunch<CpuDevice, T, Tindex> {
         group_splits[k + 1] = group_splits[k] + splits[source + 1] - splits[source];
       }
     }
-    const Tindex* ids = a.indices->flat<Tindex>().data();
+    std::vector<const Tindex*> parts;
+    for (const Tensor* part : a.indices) parts.push_back(part->flat<Tindex>().data());
+    const int64_t num_parts = static_cast<int64_t>(parts.size());
+    const int64_t* starts = a.part_starts.data();
     int64_t* group_ids = a.group_indices->flat<int64_t>().data();
     const T* weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
     T* group_weights = attrs.has_weights ? a.group_weights->flat<T>().data() : nullptr;
@@ -132,7 +143,9 @@ struct GroupBagsLaunch<CpuDevice, T, Tindex> {
         const int64_t b = k / num_features, t = k % num_features;
         const int64_t from = splits[t * batch + b], to = group_splits[k];
         const int64_t length = splits[t * batch + b + 1] - from;
+        if (length == 0) continue;
         const int64_t rows = attrs.num_rows[t], offset = attrs.row_offsets[t];
+        PartsCursor<Tindex> ids(parts.data(), starts, num_parts, from);
         for (int64_t e = 0; e < length; ++e) {
           const int64_t id = static_cast<int64_t>(ids[from + e]);
           int64_t row = -1;
@@ -161,6 +174,7 @@ struct GroupBagsLaunch<CpuDevice, T, Tindex> {
     // The feature whose entries [splits[t * B], splits[(t + 1) * B]) hold j.
     int64_t t = 0;
     while (t + 1 < num_features && splits[(t + 1) * batch] <= j) ++t;
+    PartsCursor<Tindex> ids(parts.data(), starts, num_parts, j);
     return GroupBadIndexError(attrs, t, j - splits[t * batch], static_cast<int64_t>(ids[j]));
   }
 };

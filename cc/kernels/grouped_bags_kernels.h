@@ -14,7 +14,6 @@
 #include "cuda/common_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
-#include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/status.h"
 
 namespace tensorflow {
@@ -38,21 +37,12 @@ struct GroupAttrs {
 
 Status GetGroupAttrs(OpKernelConstruction* ctx, bool with_weights, GroupAttrs* attrs);
 
-// The features' attrs as the GPU kernels read them, [4 * T] int64 in device
-// memory (num_rows, row_offsets, padding_ids, has_padding_ids), made by a
-// kernel's first GPU call and kept for the kernel's life: the attrs never
-// change, and a copy per call from pageable memory may wait for the stream.
-struct GroupDeviceAttrs {
-  mutex mu;
-  bool copied TF_GUARDED_BY(mu) = false;  // packed holds the attrs
-  Tensor packed TF_GUARDED_BY(mu);
-};
-
 // GroupBags' inputs as checked on the host, and its outputs as allocated.
 struct GroupArgs {
   int64_t nnz = 0;
   int64_t batch = 0;                   // B: bags per feature
-  const Tensor* indices = nullptr;     // [nnz]
+  std::vector<const Tensor*> indices;  // the N parts, read flat and end to end
+  std::vector<int64_t> part_starts;    // [N + 1]: entries [starts[p], starts[p + 1]) in part p
   const Tensor* row_splits = nullptr;  // [T * B + 1]
   const Tensor* weights = nullptr;     // [nnz] or [0]
   Tensor* group_indices = nullptr;     // [nnz] int64
@@ -60,12 +50,11 @@ struct GroupArgs {
   Tensor* group_weights = nullptr;     // [nnz] or [0]
   Tensor* positions = nullptr;         // [nnz] or [0]
   Tensor* report = nullptr;            // [GroupBagsLaunch::kReportWords]
-  GroupDeviceAttrs* device_attrs = nullptr;  // the kernel's, for the GPU launch
 };
 
-// Shapes of the inputs (sets nnz and batch).
-Status ValidateGroupInputs(const GroupAttrs& attrs, const Tensor& indices, const Tensor& row_splits,
-                           const Tensor& weights, GroupArgs* args);
+// Shapes of the inputs (args->indices, row_splits and weights set; sets nnz,
+// part_starts and batch).
+Status ValidateGroupInputs(const GroupAttrs& attrs, GroupArgs* args);
 
 // The message for an id of `feature` outside its table that is not its padding id,
 // `feature <label>: indices[5] = 9001 is not in [0, 4096)`; `position` is the
@@ -98,11 +87,12 @@ class GroupBagsOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     GroupArgs a;
-    a.device_attrs = &device_attrs_;
-    a.indices = &ctx->input(0);
-    a.row_splits = &ctx->input(1);
-    a.weights = &ctx->input(2);
-    OP_REQUIRES_OK(ctx, ValidateGroupInputs(attrs_, *a.indices, *a.row_splits, *a.weights, &a));
+    OpInputList indices;
+    OP_REQUIRES_OK(ctx, ctx->input_list("indices", &indices));
+    for (const Tensor& part : indices) a.indices.push_back(&part);
+    OP_REQUIRES_OK(ctx, ctx->input("row_splits", &a.row_splits));
+    OP_REQUIRES_OK(ctx, ctx->input("weights", &a.weights));
+    OP_REQUIRES_OK(ctx, ValidateGroupInputs(attrs_, &a));
     const int64_t weighted = attrs_.has_weights ? a.nnz : 0;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({a.nnz}), &a.group_indices));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, a.row_splits->shape(), &a.group_row_splits));
@@ -114,7 +104,6 @@ class GroupBagsOp : public OpKernel {
 
  private:
   GroupAttrs attrs_;
-  GroupDeviceAttrs device_attrs_;
 };
 
 }  // namespace tf_ttemb

@@ -1,7 +1,6 @@
 // The GPU glue of the grouped_bags family: GroupBagsLaunch<GpuDevice>, which
 // queues cuda/grouped_bags_kernels.cu's launcher on the op's stream and
-// returns without waiting (its findings in the `report` output; the features'
-// attrs copied to the device once per kernel, GroupDeviceAttrs), and
+// returns without waiting (its findings in the `report` output), and
 // CheckGroupReport's GPU kernel (CheckReportGpuOp), which finishes from the
 // EventMgr with the CPU kernel's InvalidArgument for what the report holds.
 
@@ -24,40 +23,6 @@ namespace tf_ttemb {
 
 namespace launchers = ::tf_ttemb::gpu;
 
-namespace {
-
-// The features' attrs in device memory (GroupDeviceAttrs): copied on the op's
-// stream by the kernel's first call, so every later launch on that stream
-// reads them after the copy. The host words need to live only until
-// cudaMemcpyAsync returns: it stages pageable memory before it does.
-Status DeviceAttrs(OpKernelContext* ctx, const GroupAttrs& attrs, cudaStream_t stream,
-                   GroupDeviceAttrs* cache, const int64_t** features) {
-  mutex_lock lock(cache->mu);
-  // A flag, not packed.IsInitialized(): a default-constructed (empty) tensor
-  // counts as initialised.
-  if (!cache->copied) {
-    const int64_t num_features = attrs.num_features();
-    std::vector<int64_t> packed;
-    packed.reserve(4 * num_features);
-    packed.insert(packed.end(), attrs.num_rows.begin(), attrs.num_rows.end());
-    packed.insert(packed.end(), attrs.row_offsets.begin(), attrs.row_offsets.end());
-    packed.insert(packed.end(), attrs.padding_ids.begin(), attrs.padding_ids.end());
-    for (bool pads : attrs.has_padding_ids) packed.push_back(pads ? 1 : 0);
-    Tensor device;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({4 * num_features}), &device));
-    TF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(device.flat<int64_t>().data(), packed.data(),
-                                   packed.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream),
-                   "copy of the features' attrs"));
-    cache->packed = device;
-    cache->copied = true;
-  }
-  *features = cache->packed.flat<int64_t>().data();
-  return OkStatus();
-}
-
-}  // namespace
-
 template <typename T, typename Tindex>
 struct GroupBagsLaunch<GpuDevice, T, Tindex> {
   static constexpr int64_t kReportWords = kGroupReportWords;
@@ -66,14 +31,37 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
     using CT = typename CudaTypeOf<T>::type;
     cudaStream_t stream = nullptr;
     TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream));
+    // The features' attrs, the parts' starts and the parts' addresses, in one copy
+    // to the device per call, queued on the stream (from pageable memory:
+    // cudaMemcpyAsync stages it before returning, without waiting for the stream).
     const int64_t num_features = attrs.num_features();
-    const int64_t* features = nullptr;
-    TF_RETURN_IF_ERROR(DeviceAttrs(ctx, attrs, stream, a.device_attrs, &features));
+    const int64_t num_parts = static_cast<int64_t>(a.indices.size());
+    std::vector<int64_t> packed;
+    packed.reserve(4 * num_features + 2 * num_parts + 1);
+    packed.insert(packed.end(), attrs.num_rows.begin(), attrs.num_rows.end());
+    packed.insert(packed.end(), attrs.row_offsets.begin(), attrs.row_offsets.end());
+    packed.insert(packed.end(), attrs.padding_ids.begin(), attrs.padding_ids.end());
+    for (bool pads : attrs.has_padding_ids) packed.push_back(pads ? 1 : 0);
+    packed.insert(packed.end(), a.part_starts.begin(), a.part_starts.end());
+    for (const Tensor* part : a.indices) {
+      packed.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(part->data())));
+    }
+    Tensor device;
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(DT_INT64, TensorShape({static_cast<int64_t>(packed.size())}), &device));
+    int64_t* words = device.flat<int64_t>().data();
+    TF_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(words, packed.data(), packed.size() * sizeof(int64_t),
+                                   cudaMemcpyHostToDevice, stream),
+                   "copy of the features' attrs"));
     launchers::GroupProblem p;
     p.num_features = num_features;
     p.batch = a.batch;
     p.nnz = a.nnz;
-    p.features = features;
+    p.features = words;
+    p.num_parts = num_parts;
+    p.part_starts = words + 4 * num_features;
+    const auto* parts = reinterpret_cast<const Tindex* const*>(p.part_starts + num_parts + 1);
     const size_t scratch_bytes = launchers::GroupBagsScratchBytes(p);
     Tensor scratch_tensor;
     void* scratch = nullptr;
@@ -81,7 +69,7 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
     const bool weighted = attrs.has_weights;
     return CudaStatus(
         launchers::LaunchGroupBags<CT, Tindex>(
-            p, a.indices->flat<Tindex>().data(), a.row_splits->flat<int64_t>().data(),
+            p, parts, a.row_splits->flat<int64_t>().data(),
             weighted ? DevicePtr<T>(*a.weights) : nullptr, a.group_indices->flat<int64_t>().data(),
             a.group_row_splits->flat<int64_t>().data(),
             weighted ? DevicePtr<T>(a.group_weights) : nullptr,

@@ -5,7 +5,9 @@
 // The features' tables are stacked in one flat table: feature t's table holds rows
 // [row_offsets[t], row_offsets[t] + num_rows[t]) of it (features may share a table:
 // equal offsets). The input holds every feature's bags, feature after feature:
-//   indices     [nnz]        feature 0's ids, then feature 1's, ...
+//   indices     N tensors of any shape, read flat and end to end: the nnz ids,
+//               feature 0's, then feature 1's, ... (GroupedEmbeddingBag passes one
+//               per feature, a dense [B, L] as it is: no reshape or concat op)
 //   row_splits  [T * B + 1]  int64, bag b of feature t is bag t * B + b
 //   weights     [nnz]        when has_weights, else an empty [0] tensor
 // The output orders the bags example by example (bag b * T + t holds bag b of
@@ -37,9 +39,10 @@ namespace tf_ttemb {
 // The CPU kernel raises InvalidArgument for bad row_splits or ids; the GPU kernel
 // queues its work and returns without waiting, its findings in `report` (a
 // GroupReport, cuda/common_types.h), which TfTtemb>CheckGroupReport raises as the
-// same InvalidArgument.
+// same InvalidArgument. Entry positions (j above, `indices[j]` in errors) count over
+// the N tensors read end to end.
 REGISTER_OP("TfTtemb>GroupBags")
-    .Input("indices: Tindices")         // [nnz]
+    .Input("indices: N * Tindices")     // nnz entries in all
     .Input("row_splits: int64")         // [T * B + 1]
     .Input("weights: T")                // [nnz] or [0]
     .Output("group_indices: int64")     // [nnz]
@@ -50,11 +53,21 @@ REGISTER_OP("TfTtemb>GroupBags")
     .Attr("has_weights: bool")
     .TF_TTEMB_GROUP_ATTRS.Attr("T: {half, bfloat16, float, double}")
     .Attr("Tindices: {int32, int64}")
+    .Attr("N: int >= 1")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle indices, row_splits;
-      TF_RETURN_IF_ERROR(BagVectorShapes(c, 0, &indices, &row_splits));
+      int num_parts;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &num_parts));
+      // nnz: the parts' element counts summed, where every one is known.
+      DimensionHandle nnz = c->MakeDim(0);
+      for (int i = 0; i < num_parts; ++i) {
+        TF_RETURN_IF_ERROR(c->Add(nnz, c->NumElements(c->input(i)), &nnz));
+      }
+      ShapeHandle row_splits, weights, indices = c->Vector(nnz);
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(num_parts), 1, &row_splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(num_parts + 1), 1, &weights));
       bool has_weights;
       TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
+      if (has_weights) TF_RETURN_IF_ERROR(c->Merge(indices, weights, &indices));
       c->set_output(0, indices);
       c->set_output(1, row_splits);
       c->set_output(2, has_weights ? indices : c->Vector(0));

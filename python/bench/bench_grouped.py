@@ -13,7 +13,7 @@ forward and the gradients of a random upstream gradient (IndexedSlices for the t
   one_lookup  one `gather_reduce_sum` of all the ids at once on the stacked table, bags of
               the same sizes (what a single fused lookup of these rows costs)
 `--parts` adds two cases, parts of the grouped step:
-  group_bags  the joined ids through GroupBags and its check (`grouped.grouped_bags`)
+  group_bags  the features' ids through GroupBags and its check (`grouped.grouped_bags`)
   forward     the grouped forward alone
 Times: per call (one call, ending in a 1-element fetch) and in graph (`--steps` steps with
 their own ids inside one call, divided): medians of `--repeats` rounds (half as many in

@@ -25,6 +25,9 @@ class Bags(NamedTuple):
     segment_ids: Callable[[], tf.Tensor]  # () -> [nnz] int64 bag of each entry
     batch_shape: tf.Tensor | None  # dense ids: the leading dims to restore
     static_batch_shape: tf.TensorShape
+    # Dense ids as given ([..., L], `ids` before its reshape), for an op that reads any
+    # shape flat (GroupBags); None where `ids` is all there is.
+    dense_ids: tf.Tensor | None = None
 
 
 def shaped_output(output: tf.Tensor, bags: Bags, row_shape: tf.TensorShape) -> tf.Tensor:
@@ -192,16 +195,26 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
         bags = tf.range(num_bags, dtype=tf.int64)[:, None]
         return tf.reshape(tf.broadcast_to(bags, tf.stack([num_bags, bag_size])), [-1])
 
-    return Bags(ids, row_splits, flat_weights, dense_segment_ids, batch_shape, dense_ids.shape[:-1])
+    return Bags(
+        ids,
+        row_splits,
+        flat_weights,
+        dense_segment_ids,
+        batch_shape,
+        dense_ids.shape[:-1],
+        dense_ids,
+    )
 
 
 class JoinedBags(NamedTuple):
     """Several batches of bags (one per table or feature) as one CSR, one after another."""
 
-    bags: Bags  # every part's bags: part 0's B bags, then part 1's, ...
+    bags: Bags  # every part's bags: part 0's B bags, then part 1's, ... (ids None
+    # without join_ids)
     part_splits: tf.Tensor  # [parts + 1] int64: the entries of each part
     counts: list  # [parts] scalar int64 tensors: the bags of each part (all equal)
     static_batch: int | None  # the parts' common static bag count, if known
+    part_ids: list  # each part's ids, of one dtype: dense ones as given, else flat
 
 
 def csr_segment_ids(ids: tf.Tensor, row_splits: tf.Tensor) -> tf.Tensor:
@@ -211,12 +224,20 @@ def csr_segment_ids(ids: tf.Tensor, row_splits: tf.Tensor) -> tf.Tensor:
 
 
 def concat_bags(
-    indices: list, weights: list | None, dtype: tf.DType, xla: bool, what: str, host=None
+    indices: list,
+    weights: list | None,
+    dtype: tf.DType,
+    xla: bool,
+    what: str,
+    host=None,
+    join_ids: bool = True,
 ) -> JoinedBags:
     """Each part's ids (dense [B, L], ragged or sparse) and weights in one CSR, part
     after part. Every part must have the same number of bags B (`what` names a part in
     the errors). With `weights`, a part whose weights are None weighs each entry 1.
     `host` is a context for the few shape-derived int64s (a device scope), or None.
+    Without `join_ids` the joined ids are left out (`bags.ids` is None) for a consumer
+    that reads `part_ids` as they are (GroupBags): no reshape or concat op for them.
     """
     parts = []
     for t, ids in enumerate(indices):
@@ -230,7 +251,10 @@ def concat_bags(
     ids_dtype = parts[0].ids.dtype
     if any(p.ids.dtype != ids_dtype for p in parts):
         ids_dtype = tf.int64
-    ids = tf.concat([tf.cast(p.ids, ids_dtype) for p in parts], 0)
+    part_ids = [
+        tf.cast(p.ids if p.dense_ids is None or join_ids else p.dense_ids, ids_dtype) for p in parts
+    ]
+    ids = tf.concat(part_ids, 0) if join_ids else None
     with host if host is not None else contextlib.nullcontext():
         nnz_each = [tf.shape(p.ids, out_type=tf.int64)[0] for p in parts]
         part_splits = tf.concat([[0], tf.cumsum(tf.stack(nnz_each))], 0)
@@ -267,11 +291,11 @@ def concat_bags(
         ids,
         row_splits,
         flat_weights,
-        lambda: csr_segment_ids(ids, row_splits),
+        (lambda: csr_segment_ids(ids, row_splits)) if join_ids else None,
         None,
         tf.TensorShape([None]),
     )
-    return JoinedBags(bags, part_splits, counts, static_batch)
+    return JoinedBags(bags, part_splits, counts, static_batch, part_ids)
 
 
 def check_all(bad: tf.Tensor, message_parts: Callable[[tf.Tensor], list]) -> list:

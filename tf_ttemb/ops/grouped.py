@@ -50,11 +50,13 @@ def group_attrs(num_rows: list, row_offsets: list, padding_ids: list, labels: li
 
 @tf.RegisterGradient("TfTtemb>GroupBags")
 def _group_bags_grad(op, unused_ids_grad, unused_splits_grad, weights_grad, *unused):
-    """Gradient of GroupBags: the reordered weights' gradient, put back in input order."""
+    """Gradient of GroupBags: the reordered weights' gradient, put back in input order
+    (none for the N id parts and the row_splits)."""
+    no_grads = [None] * (op.get_attr("N") + 1)
     if not op.get_attr("has_weights"):
-        return [None, None, None]
+        return [*no_grads, None]
     positions = op.outputs[3]
-    return [None, None, tf.gather(weights_grad, positions)]
+    return [*no_grads, tf.gather(weights_grad, positions)]
 
 
 tf.no_gradient("TfTtemb>CheckGroupReport")
@@ -128,11 +130,14 @@ def grouped_gather_reduce_sum(
         xla = _common.in_xla_context() or _common.on_tpu(
             variable if variable is not None else params
         )
-        joined = _bags.concat_bags(g.indices, g.weights, tf.as_dtype(params.dtype), xla, "feature")
         if implementation == "auto":
             implementation = "composite" if xla else "custom_op"
-        if implementation == "custom_op":
-            bags = _grouped_bags(joined.bags, g.attrs, tf.as_dtype(params.dtype))
+        custom = implementation == "custom_op"
+        joined = _bags.concat_bags(
+            g.indices, g.weights, tf.as_dtype(params.dtype), xla, "feature", join_ids=not custom
+        )
+        if custom:
+            bags = _grouped_bags(joined, g.attrs, tf.as_dtype(params.dtype))
             # GroupBags checked every id against its feature's table and built the
             # row_splits; with the table's rows known, _checked_table has checked that the
             # tables fit in it, so the forward's own report needs no check (one round trip
@@ -223,8 +228,8 @@ def grouped_gather_reduce_sum_sparse_apply(
     with tf.name_scope(name or "grouped_gather_reduce_sum_sparse_apply"):
         shape = _checked_table(variable, g)
         dtype = tf.as_dtype(variable.dtype)
-        joined = _bags.concat_bags(g.indices, g.weights, dtype, False, "feature")
-        bags = _grouped_bags(joined.bags, g.attrs, dtype)
+        joined = _bags.concat_bags(g.indices, g.weights, dtype, False, "feature", join_ids=False)
+        bags = _grouped_bags(joined, g.attrs, dtype)
         output = sparse_apply.apply_on_bags(
             variable, state, bags, trigger, optimizer, learning_rate, epsilon, combiner, -1
         )
@@ -254,8 +259,8 @@ def grouped_bags(
     """
     g = _checked_args(indices, weights, num_rows, row_offsets, "sum", padding_ids, labels, None)
     _checked_table(table, g)
-    joined = _bags.concat_bags(g.indices, g.weights, table.dtype, False, "feature")
-    bags = _grouped_bags(joined.bags, g.attrs, table.dtype)
+    joined = _bags.concat_bags(g.indices, g.weights, table.dtype, False, "feature", join_ids=False)
+    bags = _grouped_bags(joined, g.attrs, table.dtype)
     ids = tf.RaggedTensor.from_row_splits(bags.ids, bags.row_splits, validate=False)
     weights = None if bags.weights is None else ids.with_flat_values(bags.weights)
     return ids, weights, joined.static_batch
@@ -320,13 +325,15 @@ def _concatenated(output, joined: _bags.JoinedBags, count: int, shape) -> tf.Ten
     return output
 
 
-def _grouped_bags(bags: _bags.Bags, attrs: dict, dtype: tf.DType) -> _bags.Bags:
-    """GroupBags on the joined bags: the flat table's rows, example by example."""
+def _grouped_bags(joined: _bags.JoinedBags, attrs: dict, dtype: tf.DType) -> _bags.Bags:
+    """GroupBags on the features' bags (each feature's ids as they are, no join): the
+    flat table's rows, example by example."""
     lib = _loader.load_op_library()
+    bags = joined.bags
     has_weights = bags.weights is not None
-    weights = bags.weights if has_weights else _common.empty(dtype, bags.ids.device)
+    weights = bags.weights if has_weights else _common.empty(dtype, joined.part_ids[0].device)
     ids, splits, group_weights, _, report = lib.tf_ttemb_group_bags(
-        bags.ids, bags.row_splits, weights, has_weights=has_weights, **attrs
+        joined.part_ids, bags.row_splits, weights, has_weights=has_weights, **attrs
     )
     if _common.gpus_visible():
         check = lib.tf_ttemb_check_group_report(report, **attrs)
