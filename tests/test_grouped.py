@@ -425,7 +425,7 @@ GPU_BAD_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_BAD_CASES))
 @pytest.mark.parametrize("check_device", ["/CPU:0", "/GPU:0"])
-@pytest.mark.parametrize("parts", [None, [(1, 2), (0,), (3,)]], ids=["one_part", "parts"])
+@pytest.mark.parametrize("parts", [None, [(1, 2), (0,), (4,)]], ids=["one_part", "parts"])
 def test_gpu_group_bags_matches_the_cpu(case, check_device, parts):
     """The GPU GroupBags returns without waiting; its outputs equal the CPU kernel's on
     good input, and its report raises the CPU kernel's message wherever it is checked."""

@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "cc/kernels/device_op_kernel.h"
 #include "tensorflow/core/common_runtime/device/device_event_mgr.h"
@@ -87,6 +88,32 @@ inline Status AllocatePinnedWords(OpKernelContext* ctx, int64_t words, Tensor* h
   pinned.set_on_host(true);
   pinned.set_gpu_compatible(true);
   return ctx->allocate_temp(DT_INT64, TensorShape({words}), host, pinned);
+}
+
+// Copies `words` to `device`, a new device temporary, on `stream` without
+// waiting: through pinned staging memory, since from pageable memory
+// cudaMemcpyAsync may wait for the stream. The staging tensor is held until the
+// stream has run the copy (the device's EventMgr, as TensorFlow core's
+// GpuDeviceArrayOnHost): freed at once, the pinned allocator could hand it to
+// another op to write while the copy still reads it.
+inline Status CopyWordsToDevice(OpKernelContext* ctx, cudaStream_t stream,
+                                const std::vector<int64_t>& words, Tensor* device) {
+  const int64_t n = static_cast<int64_t>(words.size());
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT64, TensorShape({n}), device));
+  if (n == 0) return OkStatus();
+  Tensor staging;
+  TF_RETURN_IF_ERROR(AllocatePinnedWords(ctx, n, &staging));
+  std::memcpy(staging.data(), words.data(), n * sizeof(int64_t));
+  TF_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device->data(), staging.data(), n * sizeof(int64_t),
+                                                cudaMemcpyHostToDevice, stream),
+                                "copy to the device"));
+  const DeviceBase::AcceleratorDeviceInfo* info =
+      ctx->device()->tensorflow_accelerator_device_info();
+  if (info == nullptr || info->event_mgr == nullptr) {  // no event manager: wait here
+    return CudaStatus(cudaStreamSynchronize(stream), "stream synchronization");
+  }
+  info->event_mgr->ThenExecute(ctx->op_device_context()->stream(), [staging]() {});
+  return OkStatus();
 }
 
 // Device scratch of at least `bytes` bytes in `tensor` (the launchers align it).

@@ -32,8 +32,7 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
     cudaStream_t stream = nullptr;
     TF_RETURN_IF_ERROR(OpCudaStream(ctx, &stream));
     // The features' attrs, the parts' starts and the parts' addresses, in one copy
-    // to the device per call, queued on the stream (from pageable memory:
-    // cudaMemcpyAsync stages it before returning, without waiting for the stream).
+    // to the device per call (CopyWordsToDevice: queued, not waited for).
     const int64_t num_features = attrs.num_features();
     const int64_t num_parts = static_cast<int64_t>(a.indices.size());
     std::vector<int64_t> packed;
@@ -47,13 +46,8 @@ struct GroupBagsLaunch<GpuDevice, T, Tindex> {
       packed.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(part->data())));
     }
     Tensor device;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(DT_INT64, TensorShape({static_cast<int64_t>(packed.size())}), &device));
-    int64_t* words = device.flat<int64_t>().data();
-    TF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(words, packed.data(), packed.size() * sizeof(int64_t),
-                                   cudaMemcpyHostToDevice, stream),
-                   "copy of the features' attrs"));
+    TF_RETURN_IF_ERROR(CopyWordsToDevice(ctx, stream, packed, &device));
+    const int64_t* words = device.flat<int64_t>().data();
     launchers::GroupProblem p;
     p.num_features = num_features;
     p.batch = a.batch;
