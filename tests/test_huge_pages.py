@@ -78,6 +78,31 @@ def test_lookups_and_weights_grad_stay_exact_across_the_move(rng, dtype):
         assert_close(tf.reshape(grad_w, [-1]), want_w[0], want_w[1], dtype, "weights grad")
 
 
+@pytest.mark.parametrize("combiner", ["sum", "max"])
+def test_a_large_fresh_output_stays_exact(rng, combiner):
+    """A forward whose [B, D] output (and max's argmax) is over the kernels' 8 MiB
+    threshold for fresh memory, advised huge pages before its first write: many short
+    bags (some empty), as one-hot features at a large batch give."""
+    rows, dim, bags = 37, 1_031, 2_200  # 8.7 MiB of float32 output
+    # float64 copies of the float32 values the op sees
+    table64 = rng.normal(size=(rows, dim)).astype(np.float32).astype(np.float64)
+    lengths = rng.integers(0, 3, size=bags)
+    splits = np.concatenate([[0], np.cumsum(lengths)])
+    ids = rng.integers(0, rows, size=splits[-1])
+    weights64 = None
+    if combiner == "sum":
+        weights64 = rng.normal(size=ids.shape).astype(np.float32).astype(np.float64)
+    for _ in range(2):  # a second call writes memory the first one freed
+        out = tf_ttemb.gather_reduce_sum(
+            tf.constant(table64, tf.float32),
+            tf.RaggedTensor.from_row_splits(ids, splits),
+            None if weights64 is None else tf.RaggedTensor.from_row_splits(weights64, splits),
+            combiner=combiner,
+        )
+        want, scale = reference.forward(table64, ids, splits, weights64, combiner)
+        assert_close(out, want, scale, tf.float32, "forward")
+
+
 def test_fused_sgd_updates_stay_exact_across_the_move(rng):
     table64 = rng.normal(size=(ROWS, DIM)).astype(np.float32).astype(np.float64)
     table = tf.Variable(table64.astype(np.float32))
