@@ -75,30 +75,33 @@ void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t 
 
 // Finds the first index that is neither in [0, num_rows) nor the padding id.
 // Blocks of kCheckBlock ids are tested first with a branch-free OR of the
-// unsigned range test (and of the inequality to the padding id, if any),
-// which the compiler vectorises; only a block that fails is scanned in order
-// for its first bad id.
+// range test (and of the inequality to the padding id, if any) into an int64,
+// as two signed compares: GCC 12 vectorises that loop with AVX2 but not the
+// one-compare unsigned form (AVX2 has no unsigned 64-bit compare), which ran
+// 3x slower (0.45 against 0.15 ms for 655,360 int64 ids on one core). Only a
+// block that fails is scanned in order for its first bad id.
 template <typename Tindex>
 Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz, int64_t num_rows,
                        const BagAttrs& attrs) {
   constexpr int64_t kCheckBlock = 512;
   std::atomic<int64_t> first_bad{nnz};
-  const uint64_t rows = static_cast<uint64_t>(num_rows);
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
   auto block_fails = [&](int64_t begin, int64_t end) {
-    bool bad = false;
+    int64_t bad = 0;
     if (padding) {
       for (int64_t j = begin; j < end; ++j) {
         const int64_t id = static_cast<int64_t>(ids[j]);
-        bad |= (static_cast<uint64_t>(id) >= rows) & (id != padding_id);
+        bad |= (static_cast<int64_t>(id < 0) | static_cast<int64_t>(id >= num_rows)) &
+               static_cast<int64_t>(id != padding_id);
       }
     } else {
       for (int64_t j = begin; j < end; ++j) {
-        bad |= static_cast<uint64_t>(static_cast<int64_t>(ids[j])) >= rows;
+        const int64_t id = static_cast<int64_t>(ids[j]);
+        bad |= static_cast<int64_t>(id < 0) | static_cast<int64_t>(id >= num_rows);
       }
     }
-    return bad;
+    return bad != 0;
   };
   auto check = [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; block += kCheckBlock) {
