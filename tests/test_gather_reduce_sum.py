@@ -696,13 +696,15 @@ def test_ids_out_of_range(rng, case, ids_dtype, implementation, mode):
         f(params, bags.ids)
 
 
+@pytest.mark.parametrize("combiner", ["sum", "max"])
 @pytest.mark.parametrize("padding_id", [None, -1], ids=lambda p: f"pad{p}")
 @pytest.mark.parametrize("ids_dtype", list(ID_DTYPES))
 @pytest.mark.parametrize("nnz", [3_000, 70_000])
-def test_first_bad_id_of_a_long_batch(rng, nnz, ids_dtype, padding_id):
+def test_first_bad_id_of_a_long_batch(rng, nnz, ids_dtype, padding_id, combiner):
     """The CPU check tests blocks of 512 ids at once (on the pool's threads from 65,536 ids on)
     and scans a failing block in order: the first bad id is named, past padding entries and
-    blocks that pass, with a later bad id in another block and one after it in its own."""
+    blocks that pass, with a later bad id in another block and one after it in its own; the
+    same for the max combiner, whose forward has its own bag loop."""
     ids = rng.integers(0, N_ERR, size=nnz)
     if padding_id is not None:
         ids[rng.random(nnz) < 0.3] = padding_id
@@ -716,7 +718,7 @@ def test_first_bad_id_of_a_long_batch(rng, nnz, ids_dtype, padding_id):
     if padding_id is not None:
         message += f" and is not padding_id ({padding_id})"
     with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
-        tf_ttemb.gather_reduce_sum(params, bags.ids, padding_id=padding_id)
+        tf_ttemb.gather_reduce_sum(params, bags.ids, padding_id=padding_id, combiner=combiner)
 
 
 @pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
