@@ -982,8 +982,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="time issue 19's four float32 shapes and two more (raw op, wrapper, forward "
         "per call and in graph, fwd+bwd sparse and dense) against torch's embedding_bag and "
-        "print the ratios, the thread scaling and our combiners and half types against float32 sum; "
-        "honours --sweep-threads (or --threads), --repeats, --warmup, --index-dtype, "
+        "print the ratios, the thread scaling and our combiners and half types against "
+        "float32 sum; honours --sweep-threads (or --threads), --repeats, --warmup, --index-dtype, "
         "--seed and --json",
     )
     parser.add_argument(
