@@ -644,7 +644,8 @@ def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch
                 ms(other, "fwd_torch_alloc"),
                 cell("fwd"),
                 cell("fwd_in_graph", "fwd"),
-                *[cell(key) for key in SWEEP_COLUMNS[1:]],
+                cell("fwd_bwd_sparse"),
+                cell("fwd_bwd_dense"),
             ]
         )
         for side, result in (("ours", ours), ("torch", theirs)):
