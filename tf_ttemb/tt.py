@@ -466,15 +466,11 @@ def to_dense(
     """The full `[N, D]` table of TT cores, computed in float64.
 
     Args:
-        cores: T arrays `[num_tables * p_k, r_k * q_k * r_{k+1}]`.
-        p_shapes: Row shapes.
-        q_shapes: Column shapes.
-        ranks: Inner ranks (T - 1 ints, or one int for all).
+        cores, p_shapes, q_shapes, ranks, num_tables, dtype: As `cores`, `p`, `q`,
+            `ranks`, `num_tables` and `dtype` of `rows`.
         num_embeddings: N (`<= prod(p_shapes)`): the rows returned; default all
             `prod(p_shapes)` rows.
-        num_tables: Number of tables stacked in the cores.
         table: Which table to expand, in `[0, num_tables)`.
-        dtype: Result dtype; default float64 if every core is float64, else float32.
 
     Returns:
         The `[N, D]` table.
