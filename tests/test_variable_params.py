@@ -150,6 +150,40 @@ def test_traced_graph_has_no_dense_table_read(rng):
     assert isinstance(step(ids, weights), tf.IndexedSlices)
 
 
+@pytest.mark.parametrize("use_variable", [True, False])
+@pytest.mark.parametrize("dense_grad", [False, True])
+def test_backward_row_count_is_sliced_on_the_host(rng, use_variable, dense_grad):
+    # The backward ops read num_rows from host memory; a StridedSlice of the table's shape
+    # placed on a GPU would copy the shape to the device behind the forward's kernels and
+    # back, so the backward would wait for the GPU to run the forward.
+    table = rng.normal(size=(50, 8)).astype(np.float32)
+    params = tf.Variable(table) if use_variable else tf.constant(table)
+    ids = tf.constant(rng.integers(0, 50, size=(6, 3)))
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            out = tf_ttemb.gather_reduce_sum(params, ids, dense_grad=dense_grad)
+        return tape.gradient(out, params, tf.ones_like(out))
+
+    graph = step.get_concrete_function(ids).graph
+    backward = [
+        op
+        for op in graph.get_operations()
+        if op.type in ("TfTtemb>GatherReduceSumGrad", "TfTtemb>GatherReduceSumDenseGrad")
+    ]
+    assert len(backward) == 1, sorted({op.type for op in graph.get_operations()})
+    num_rows = backward[0].inputs[5].op
+    assert num_rows.type == "StridedSlice", num_rows.type
+    assert tf.DeviceSpec.from_string(num_rows.device).device_type == "CPU", num_rows.device
+    grad = step(ids)
+    dense = tf.convert_to_tensor(grad).numpy()
+    want = np.zeros_like(table)
+    np.add.at(want, ids.numpy().reshape(-1), 1.0)
+    np.testing.assert_allclose(dense, want[:, :1] * np.ones((1, 8)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_layer_mixed_precision_accumulates_in_variable_dtype(rng, policy):
     previous = keras.config.dtype_policy()
