@@ -25,8 +25,8 @@ _bench_util.add_checkout_to_path()
 
 import numpy as np
 import tensorflow as tf
-
 from bench_grouped import CRITEO_ROWS, DIM, MULTI_HOT
+
 from tf_ttemb.layers import GroupedEmbeddingBag
 
 
@@ -81,7 +81,12 @@ def summarise(logdir: str, calls: int, timeline_events: int) -> None:
                     start = line.timestamp_ns * 1000 + e.offset_ps
                     label = f"[{op.split(':')[0][-60:]}] " if op else ""
                     device_events.append(
-                        (start, e.duration_ps, line.id, "D " + label + names.get(e.metadata_id, "?"))
+                        (
+                            start,
+                            e.duration_ps,
+                            line.id,
+                            "D " + label + names.get(e.metadata_id, "?"),
+                        )
                     )
         lines = [line for line in plane.lines if line.events]
         if not lines:
@@ -119,7 +124,7 @@ def summarise(logdir: str, calls: int, timeline_events: int) -> None:
             # The last call: from the last event named like the step function's call.
             marks = [ev for ev in events if "__inference_step" in ev[3]]
             t0 = marks[-1][0] if marks else events[-len(events) // calls][0]
-            print(f"-- the last call's host timeline (us from its start; line id; duration):")
+            print("-- the last call's host timeline (us from its start; line id; duration):")
             shown = 0
             for start, dur, line_id, name in events:
                 if start < t0:
@@ -151,7 +156,9 @@ def main(argv=None) -> int:
     print(f"untraced: {np.median(times):.3f} ms per call (median of {args.calls})")
     tf.profiler.experimental.start(
         args.out,
-        options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3, device_tracer_level=1),
+        options=tf.profiler.experimental.ProfilerOptions(
+            host_tracer_level=3, device_tracer_level=1
+        ),
     )
     times = []
     for _ in range(args.calls):
