@@ -396,6 +396,36 @@ def test_core_gradients_are_indexed_slices(rng, implementation):
             np.testing.assert_array_equal(indices, np.unique(indices))
 
 
+@pytest.mark.parametrize("num_tables", [1, 2])
+def test_table_splits_are_computed_on_the_host(rng, num_tables):
+    # TTUniqueIds reads table_splits in host memory: every op between the ids' Shape and
+    # it is placed on the host CPU, so that a GPU step makes no copy to the device and
+    # back for them (which would wait for the kernels queued before).
+    n, p, q, ranks = CASES["3cores-d3"]
+    cores = [tf.constant(np.tile(c, (num_tables, 1))) for c in random_cores(rng, p, q, ranks)]
+    ids = tf.constant(rng.integers(0, n, size=(num_tables, 4, 3)) if num_tables > 1 else [[1, 2]])
+
+    @tf.function
+    def lookup(ids):
+        return tf_ttemb.tt_embedding_bag(
+            cores, ids, **tt_shape(n, p, q, ranks), num_tables=num_tables
+        )
+
+    graph = lookup.get_concrete_function(ids).graph
+    unique = [op for op in graph.get_operations() if op.type == "TfTtemb>TTUniqueIds"]
+    assert len(unique) == 1, sorted({op.type for op in graph.get_operations()})
+    table_splits = unique[0].inputs[1]  # (ids, table_splits)
+    pending, seen, placed = [table_splits.op], set(), []
+    while pending:
+        op = pending.pop()
+        if op.name in seen or op.type in ("Shape", "Const", "Placeholder"):
+            continue
+        seen.add(op.name)
+        placed.append((op.type, tf.DeviceSpec.from_string(op.device).device_type))
+        pending.extend(t.op for t in op.inputs)
+    assert placed and all(device == "CPU" for _, device in placed), placed
+
+
 # --------------------------------------------------------------------------------------
 # Several tables in one call.
 # --------------------------------------------------------------------------------------

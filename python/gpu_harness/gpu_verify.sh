@@ -24,6 +24,8 @@
 #           TTRows with and without their report's check op, per call and in graph.
 # grouped:  GroupedEmbeddingBag against separate layers (bench_grouped.py) and the ops a
 #           lookup runs per device (count_lookup_ops.py --executed).
+# trace:    a profiler trace of the grouped step (trace_grouped.py): per-thread host time,
+#           device kernels, and one call's host and device timeline, in $out/trace.txt.
 # sparse_apply: the sparse-apply benchmark against the plain backward.
 # demo:     the demo's first section on the GPU (its GPU case, 16,384 tokens at dim 1024).
 # demo_all: the whole demo (every section) on the GPU.
@@ -73,6 +75,12 @@ for step in "$@"; do
         > "$out/ops.txt" 2>&1
       grep -E "traced|executed" "$out/ops.txt" | head -30
       ;;
+    trace)
+      timeout 120 python3 python/bench/trace_grouped.py --device GPU:0 --out /tmp/trace_grouped \
+        > "$out/trace.txt" 2>&1
+      echo "exit $?"
+      grep -E "traced:" "$out/trace.txt"
+      ;;
     check_cost)
       timeout 150 python3 python/bench/bench_report_check.py --json "$out/check_cost.json" \
         > "$out/check_cost.txt" 2>&1
@@ -119,7 +127,7 @@ for step in "$@"; do
       tail -6 "$out/racecheck.txt"
       ;;
     *)
-      echo "usage: bash python/gpu_harness/gpu_verify.sh suite|tests|benches|lookups|check_cost|grouped|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
+      echo "usage: bash python/gpu_harness/gpu_verify.sh suite|tests|benches|lookups|check_cost|grouped|trace|sparse_apply|demo|demo_all|sanitize|sanitize_quick ..." >&2
       exit 2
       ;;
   esac

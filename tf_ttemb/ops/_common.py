@@ -11,6 +11,7 @@ Private to the package (its names are used by `tf_ttemb.ops`, `tf_ttemb.distribu
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -119,6 +120,25 @@ def after_checks(checks: list, tensor: tf.Tensor) -> tf.Tensor:
 
 def static_or_dynamic(static: int | None, dynamic: tf.Tensor):
     return static if static is not None else dynamic
+
+
+def on_host(xla: bool = False):
+    """A device scope for the few int64 values an op reads in host memory (row counts,
+    table splits): the host CPU, or under XLA wherever the cluster runs.
+
+    `Shape` and `VariableShape` leave a GPU tensor's shape in host memory. An int64
+    `StridedSlice` or `Stack` of it placed on the GPU would copy it to the device (behind
+    the kernels already queued, so it waits for them) and copy the result back to the
+    op that reads it on the host: that op's launches would start only once the GPU had
+    run everything before them, instead of beside it.
+    """
+    return contextlib.nullcontext() if xla else tf.device("/device:CPU:0")
+
+
+def shape_dim_on_host(shape: tf.Tensor, axis: int = 0) -> tf.Tensor:
+    """`shape[axis]` of a shape vector, sliced on the host (see `on_host`)."""
+    with on_host():
+        return shape[axis]
 
 
 def in_xla_context() -> bool:

@@ -67,23 +67,10 @@ def _forward_op_parts(op) -> tuple:
     return (_loader.load_op_library(), _attrs_of(op), *op.inputs[:4], *op.outputs[:2])
 
 
-def _rows_on_host(params_shape: tf.Tensor) -> tf.Tensor:
-    """`params_shape[0]`, sliced on the host CPU.
-
-    `Shape` and `VariableShape` leave a GPU table's shape in host memory, and the
-    backward ops read `num_rows` from host memory. An int64 `StridedSlice` placed on the
-    GPU would put a copy to the device (queued behind the forward's kernels, so it waits
-    for them) and a copy back between the two: the backward's host work would then
-    start only once the GPU had run the forward, instead of beside it.
-    """
-    with tf.device("/device:CPU:0"):
-        return params_shape[0]
-
-
 def _params_grad_sparse(lib, params_shape, ids, row_splits, weights, argmax, grad, attrs):
     """The two-op backward's params gradient: IndexedSlices over the sorted unique ids."""
     unique_ids, values = lib.tf_ttemb_gather_reduce_sum_grad(
-        grad, ids, row_splits, weights, argmax, _rows_on_host(params_shape), **attrs
+        grad, ids, row_splits, weights, argmax, _common.shape_dim_on_host(params_shape), **attrs
     )
     return tf.IndexedSlices(values, unique_ids, dense_shape=params_shape)
 
@@ -138,7 +125,7 @@ def _resource_gather_reduce_sum_grad(op, grad, unused_argmax_grad, unused_report
         return tf.IndexedSlices(values, unique_ids, params_shape), None, None, weights_grad
     if op.get_attr("dense_grad"):
         params_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
-            grad, ids, row_splits, weights, argmax, _rows_on_host(params_shape), **attrs
+            grad, ids, row_splits, weights, argmax, _common.shape_dim_on_host(params_shape), **attrs
         )
     else:
         params_grad = _params_grad_sparse(
@@ -233,7 +220,7 @@ def custom_op(
                 row_splits,
                 weights,
                 argmax,
-                _rows_on_host(tf.shape(params, out_type=tf.int64)),
+                _common.shape_dim_on_host(tf.shape(params, out_type=tf.int64)),
                 **attrs,
             )
             weights_grad = _weights_grad(lib, params, ids, row_splits, weights, output, dy, attrs)

@@ -20,7 +20,6 @@ An optional row cache (`cache_ids` sorted, `cache_rows`) serves the ids it holds
 
 from __future__ import annotations
 
-import contextlib
 import math
 import operator
 from collections.abc import Sequence
@@ -337,13 +336,6 @@ class _TableBags(NamedTuple):
     finish: Any  # [num_bags, D] -> the output in the caller's layout
 
 
-def _host(xla: bool):
-    """Where table_splits is computed: the host (its few int64 values come from shapes,
-    and TTUniqueIds takes them in host memory, so a GPU placement would cost a
-    device-to-host copy on every step); under XLA, wherever the cluster runs."""
-    return contextlib.nullcontext() if xla else tf.device("/device:CPU:0")
-
-
 def _entry_tables(table_splits: tf.Tensor, nnz: tf.Tensor, num_tables: int) -> tf.Tensor:
     positions = tf.range(nnz, dtype=tf.int64)
     if num_tables == 1:
@@ -364,9 +356,11 @@ def _table_bags(
             f"{num_tables} tensors (one per table), got one {type(indices).__name__}"
         )
     bags = _bags.to_csr(indices, weights, dtype, xla)
-    nnz = tf.shape(bags.ids, out_type=tf.int64)[0]
+    ids_shape = tf.shape(bags.ids, out_type=tf.int64)
+    with _common.on_host(xla):
+        nnz = ids_shape[0]
     if num_tables == 1:
-        with _host(xla):
+        with _common.on_host(xla):
             table_splits = tf.stack([tf.constant(0, tf.int64), nnz])
     else:
         rank = bags.static_batch_shape.rank
@@ -389,7 +383,7 @@ def _table_bags(
                 message=f"dense indices must be [num_tables = {num_tables}, ..., L]",
             )
             checks = [same] if same is not None else []
-        with tf.control_dependencies(checks), _host(xla):
+        with tf.control_dependencies(checks), _common.on_host(xla):
             per_table = nnz // num_tables
             table_splits = tf.range(num_tables + 1, dtype=tf.int64) * per_table
 
@@ -406,7 +400,12 @@ def _table_bags(
 
 def _list_bags(indices: list, weights: Any, num_tables: int, dtype: tf.DType, xla: bool):
     joined = _bags.concat_bags(
-        indices, None if weights is None else list(weights), dtype, xla, "table", host=_host(xla)
+        indices,
+        None if weights is None else list(weights),
+        dtype,
+        xla,
+        "table",
+        host=_common.on_host(xla),
     )
     bags, counts, static_bags = joined.bags, joined.counts, joined.static_batch
 
