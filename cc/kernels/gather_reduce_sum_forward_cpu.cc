@@ -99,11 +99,10 @@ struct Vec<float> {
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void StorePartial(float* p, V v, int n) { _mm256_maskstore_ps(p, Mask(n), v); }
   // Where the max rule takes x over acc: x > acc (false for NaN), or x is NaN
-  // and acc is not.
+  // and acc is not. Both are "not x <= acc" (true when either is NaN) while acc
+  // is not NaN: two compares.
   static V Takes(V x, V acc) {
-    return _mm256_or_ps(
-        _mm256_cmp_ps(x, acc, _CMP_GT_OQ),
-        _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), _mm256_cmp_ps(acc, acc, _CMP_ORD_Q)));
+    return _mm256_and_ps(_mm256_cmp_ps(x, acc, _CMP_NLE_UQ), _mm256_cmp_ps(acc, acc, _CMP_ORD_Q));
   }
   static V Select(V mask, V a, V b) { return _mm256_blendv_ps(a, b, mask); }  // b where mask
   // Positions inside a bag, one int32 per lane.
@@ -138,9 +137,7 @@ struct Vec<double> {
   static void Store(double* p, V v) { _mm256_storeu_pd(p, v); }
   static void StorePartial(double* p, V v, int n) { _mm256_maskstore_pd(p, Mask(n), v); }
   static V Takes(V x, V acc) {
-    return _mm256_or_pd(
-        _mm256_cmp_pd(x, acc, _CMP_GT_OQ),
-        _mm256_and_pd(_mm256_cmp_pd(x, x, _CMP_UNORD_Q), _mm256_cmp_pd(acc, acc, _CMP_ORD_Q)));
+    return _mm256_and_pd(_mm256_cmp_pd(x, acc, _CMP_NLE_UQ), _mm256_cmp_pd(acc, acc, _CMP_ORD_Q));
   }
   static V Select(V mask, V a, V b) { return _mm256_blendv_pd(a, b, mask); }
   // Positions held as doubles (exact below 2^53), converted to int32 on store.
@@ -522,9 +519,9 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
     for (int v = 0; v < kVecs; ++v) {
       const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
                                                  : Vec512::Load(row + v * kLanes);
-      const __mmask16 take =
-          _mm512_cmp_ps_mask(x, acc[v], _CMP_GT_OQ) |
-          (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(acc[v], acc[v], _CMP_ORD_Q));
+      // Vec<float>::Takes's rule: not x <= acc, where acc is not NaN.
+      const __mmask16 take = _mm512_mask_cmp_ps_mask(
+          _mm512_cmp_ps_mask(acc[v], acc[v], _CMP_ORD_Q), x, acc[v], _CMP_NLE_UQ);
       acc[v] = _mm512_mask_mov_ps(acc[v], take, x);
       at[v] = _mm512_mask_mov_epi32(at[v], take, here);
     }
