@@ -520,8 +520,8 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
       const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
                                                  : Vec512::Load(row + v * kLanes);
       // Vec<float>::Takes's rule: not x <= acc, where acc is not NaN.
-      const __mmask16 take = _mm512_mask_cmp_ps_mask(
-          _mm512_cmp_ps_mask(acc[v], acc[v], _CMP_ORD_Q), x, acc[v], _CMP_NLE_UQ);
+      const __mmask16 take = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(acc[v], acc[v], _CMP_ORD_Q),
+                                                     x, acc[v], _CMP_NLE_UQ);
       acc[v] = _mm512_mask_mov_ps(acc[v], take, x);
       at[v] = _mm512_mask_mov_epi32(at[v], take, here);
     }
