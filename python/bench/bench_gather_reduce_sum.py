@@ -497,7 +497,9 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Ours, tf.functions on a tf.Variable table: forward and fwd+bwd (IndexedSlices) for
-    each of SWEEP_VARIANTS (combiner, dtype) at one shape."""
+    each of SWEEP_VARIANTS (combiner, dtype) at one shape, the variants timed in turn (one
+    call of each per round), so that each ratio to float32 sum compares samples taken
+    side by side on this noisy machine."""
     import tensorflow as tf
 
     util.add_checkout_to_path()
@@ -509,7 +511,7 @@ def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     arrays = make_arrays(problem)
     warmup, repeats = spec["warmup"], spec["repeats"]
     ids = tf.constant(arrays["ids"])
-    timings = {}
+    forwards, steps = {}, {}
     for combiner, dtype in SWEEP_VARIANTS:
         params = tf.Variable(tf.cast(arrays["params"], dtype))
         weights = tf.cast(arrays["weights"], dtype)
@@ -534,13 +536,15 @@ def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             sources = [params, weights] if weighted else [params]
             return output, tape.gradient(output, sources, output_gradients=upstream)
 
-        timings[f"{combiner}/{dtype}"] = {
-            "fwd": util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json(),
-            "fwd_bwd_sparse": util.time_calls(
-                lambda: step(ids, weights, upstream), warmup, repeats
-            ).to_json(),
-        }
-        del params
+        key = f"{combiner}/{dtype}"
+        forwards[key] = lambda forward=forward, weights=weights: forward(ids, weights)
+        steps[key] = lambda step=step, weights=weights, upstream=upstream: step(
+            ids, weights, upstream
+        )
+    timings: Dict[str, Dict[str, Any]] = {key: {} for key in forwards}
+    for column, fns in (("fwd", forwards), ("fwd_bwd_sparse", steps)):
+        for key, timing in util.time_alternating(fns, warmup, repeats).items():
+            timings[key][column] = timing.to_json()
     return {"ok": True, "timings": timings, "versions": {"tensorflow": tf.__version__}}
 
 
