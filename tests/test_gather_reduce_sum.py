@@ -926,6 +926,93 @@ def call_raw(
     return getattr(raw_ops, op)(grad=grad, argmax=argmax, num_rows=num_rows, **inputs)
 
 
+@pytest.mark.parametrize("op", RAW_OPS)
+@pytest.mark.parametrize("shape", [(6, 4), (2, 3, 4)], ids=["2d", "3d"])
+def test_raw_ops_read_ids_and_weights_of_any_shape_flat(raw_ops, rng, op, shape):
+    # A dense batch goes into the ops as it is (no reshape first): the results are the
+    # flat inputs' to the bit, and the weights gradient comes back in the weights' shape.
+    nnz = int(np.prod(shape))
+    ids = rng.integers(-1, 10, size=shape)
+    weights = rng.uniform(0.5, 1.5, size=shape)
+    splits = [0, 5, 5, 11, nnz]  # bags cut across the dense rows, one empty
+    params = rng.normal(size=(10, 3))
+    rng_state = rng.bit_generator.state
+    nd = call_raw(raw_ops, op, params, ids, splits, weights, padding_id=-1, rng=rng)
+    rng.bit_generator.state = rng_state  # the same upstream gradient
+    flat = call_raw(
+        raw_ops, op, params, ids.reshape(-1), splits, weights.reshape(-1), padding_id=-1, rng=rng
+    )
+    nd, flat = tf.nest.flatten(nd), tf.nest.flatten(flat)
+    for got, want in zip(nd, flat):
+        if op.endswith("weights_grad"):
+            assert tuple(got.shape) == shape, got.shape
+            got = tf.reshape(got, [-1])
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    if op == "tf_ttemb_gather_reduce_sum":
+        want, _ = reference.forward(
+            params, ids.reshape(-1), np.array(splits), weights.reshape(-1), "sum", -1
+        )
+        np.testing.assert_allclose(nd[0].numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dense_batch_reaches_the_op_unreshaped(rng, weighted):
+    table = tf.Variable(rng.normal(size=(20, 4)).astype(np.float32))
+    ids = tf.constant(rng.integers(0, 20, size=(5, 3)))
+    weights = tf.constant(rng.uniform(0.5, 1.5, size=(5, 3)).astype(np.float32))
+
+    @tf.function
+    def step(ids, weights):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            out = tf_ttemb.gather_reduce_sum(table, ids, weights if weighted else None)
+        return out, tape.gradient(out, [table, weights], tf.ones_like(out))
+
+    graph = step.get_concrete_function(ids, weights).graph
+    lookup = [op for op in graph.get_operations() if op.type == "TfTtemb>ResourceGatherReduceSum"]
+    assert len(lookup) == 1
+    assert lookup[0].inputs[1].op.type == "Placeholder", lookup[0].inputs[1].op.type
+    assert "Reshape" not in {op.type for op in graph.get_operations()}
+    out, (table_grad, weights_grad) = step(ids, weights)
+    w = weights.numpy() if weighted else np.ones((5, 3), np.float32)
+    np.testing.assert_allclose(
+        out.numpy(), (table.numpy()[ids.numpy()] * w[..., None]).sum(1), rtol=1e-5, atol=1e-6
+    )
+    if weighted:
+        assert tuple(weights_grad.shape) == (5, 3)
+        want = table.numpy()[ids.numpy()].sum(-1)  # d out.sum() / d w_j = sum of row j
+        np.testing.assert_allclose(weights_grad.numpy(), want, rtol=1e-5, atol=1e-6)
+    else:
+        assert weights_grad is None
+
+
+def test_eager_lookup_reads_no_rows_unless_a_tape_records(rng, monkeypatch):
+    # The no-row read that tells a tape about the variable is one more eager op per call:
+    # it runs only under a tape.
+    table = tf.Variable(rng.normal(size=(20, 4)).astype(np.float32))
+    ids = tf.constant(rng.integers(0, 20, size=(5, 3)))
+    reads = []
+    original = type(table).sparse_read
+
+    def counting_read(self, *args, **kwargs):
+        reads.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(table), "sparse_read", counting_read)
+    out = tf_ttemb.gather_reduce_sum(table, ids)
+    assert reads == []
+    with tf.GradientTape() as tape:
+        out_taped = tf_ttemb.gather_reduce_sum(table, ids)
+    assert reads == [1]
+    np.testing.assert_array_equal(out.numpy(), out_taped.numpy())
+    grad = tape.gradient(out_taped, table)
+    assert isinstance(grad, tf.IndexedSlices)
+    counts = np.bincount(ids.numpy().reshape(-1), minlength=20)
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(grad).numpy(), counts[:, None] * np.ones((1, 4)), rtol=0, atol=0
+    )
+
+
 ROW_SPLITS_CASES = [
     ([3, 5, 9], "row_splits[0] = 3 must be 0"),
     ([0, 5, 2, 9], "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 5"),

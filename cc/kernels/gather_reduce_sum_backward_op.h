@@ -99,7 +99,7 @@ class GatherReduceSumGradOp
 // indices, row_splits, weights [nnz], the forward's output [B, D].
 
 struct WeightsGradArgs : WeightsGradInputs {
-  Tensor* weights_grad = nullptr;  // [nnz]
+  Tensor* weights_grad = nullptr;  // of weights' shape
 };
 
 // The shape checks of inputs 0..5 (ValidateWeightsGradInputs), and the
@@ -125,7 +125,7 @@ struct WeightsGradLaunch;
 template <typename Device, typename T, typename Tindex>
 struct FusedGradLaunch;
 
-// The weights gradient alone (Fused = false: output 0 weights_grad [nnz]) or fused
+// The weights gradient alone (Fused = false: output 0 weights_grad, of weights' shape) or fused
 // with the params gradient (Fused: outputs unique_indices, params_grad and
 // weights_grad, GatherReduceSumFusedGradOp below). ParamsFromResource: params
 // arrive as a resource variable, read in place under a shared lock held while the
@@ -153,13 +153,13 @@ class GatherReduceSumWeightedGradOp
       Args a;
       TF_RETURN_IF_ERROR(GetWeightsGradArgs(ctx, params, attrs_, &a));
       if constexpr (!Fused) {
-        TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({a.shapes.nnz}), &a.weights_grad));
+        TF_RETURN_IF_ERROR(ctx->allocate_output(0, a.weights->shape(), &a.weights_grad));
       } else {
         if constexpr (std::is_same_v<Device, GpuDevice>) {
           TF_RETURN_IF_ERROR(GpuParamsGradSizeLimits(a.shapes));
         }
         a.dense = dense_grad_;
-        TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({a.shapes.nnz}), &a.weights_grad));
+        TF_RETURN_IF_ERROR(ctx->allocate_output(2, a.weights->shape(), &a.weights_grad));
         if (dense_grad_) {
           TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({0}), &a.unique_ids));
           TF_RETURN_IF_ERROR(

@@ -79,10 +79,9 @@ Status ValidateParamsShape(const Tensor& params) {
 
 Status ValidateBagShapes(const Tensor& indices, const Tensor& row_splits, const Tensor& weights,
                          const BagAttrs& attrs, BagShapes* shapes) {
-  TF_RETURN_IF_ERROR(CheckRank(indices, 1, "indices must be a vector [nnz]"));
+  // indices and weights are read flat (row-major), whatever their shapes.
   TF_RETURN_IF_ERROR(CheckSplitsShape(
       row_splits, 1, "row_splits must be a vector [B + 1] with at least 1 element"));
-  TF_RETURN_IF_ERROR(CheckRank(weights, 1, "weights must be a vector"));
   shapes->nnz = indices.NumElements();
   shapes->num_bags = row_splits.NumElements() - 1;
   if (attrs.has_weights && weights.NumElements() != shapes->nnz) {

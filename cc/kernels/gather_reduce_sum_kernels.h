@@ -116,9 +116,9 @@ struct WeightsGradInputs {
   int64_t dim = 0;
   const Tensor* grad = nullptr;        // [B, D]
   const Tensor* params = nullptr;      // [N, D]: a variable's only while its lock is held
-  const Tensor* indices = nullptr;     // [nnz]
+  const Tensor* indices = nullptr;     // nnz ids, any shape (read flat)
   const Tensor* row_splits = nullptr;  // [B + 1]
-  const Tensor* weights = nullptr;     // [nnz], or [0] without weights
+  const Tensor* weights = nullptr;     // nnz weights, any shape (read flat)
   const Tensor* output = nullptr;      // [B, D], the forward's
 };
 

@@ -2,9 +2,12 @@
 //
 // All ops work on the CSR form of a batch of bags:
 //   params      [N, D]   the table
-//   indices     [nnz]    flat row ids, bag b owns indices[row_splits[b]:row_splits[b+1]]
+//   indices     [nnz]    row ids, bag b owns indices[row_splits[b]:row_splits[b+1]]
 //   row_splits  [B + 1]  int64, row_splits[0] == 0, non-decreasing, row_splits[B] == nnz
 //   weights     [nnz]    per-entry weights when has_weights, else an empty [0] tensor
+// indices and weights may have any shape: they are read flat, in row-major order (nnz =
+// indices' element count; weights needs as many elements), so that a dense [B, L] batch
+// goes in as it is, with no reshape before the op. A weights gradient has weights' shape.
 //
 // output[b] = combine over j in bag b (indices[j] != padding_id) of weights[j] * params[indices[j]]
 //   sum:   sum_j w_j e_j
@@ -75,9 +78,9 @@ Status ParamsGradInputShapes(InferenceContext* c, ShapeHandle* grad) {
 // Shapes of the ops taking (grad [B, D], params, indices, row_splits, weights,
 // output [B, D]): D from params (input 1) when it is a tensor [N, D] (a variable's
 // is left to grad and output), merged with grad's and output's into *dim; B merged
-// with row_splits; returns indices' shape [nnz].
+// with row_splits; returns weights' shape (the weights gradient's).
 template <bool kResource>
-Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHandle* indices) {
+Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHandle* weights) {
   *dim = c->UnknownDim();
   if (!kResource) {
     ShapeHandle params;
@@ -92,31 +95,33 @@ Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHa
   DimensionHandle num_bags;
   TF_RETURN_IF_ERROR(BagInputShapes(c, 2, &num_bags));
   TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), num_bags, &num_bags));
-  return c->WithRank(c->input(2), 1, indices);
+  *weights = c->input(4);
+  return OkStatus();
 }
 
-// Shape function of (Resource)GatherReduceSumWeightsGrad: weights_grad [nnz].
+// Shape function of (Resource)GatherReduceSumWeightsGrad: weights_grad, of weights'
+// shape.
 template <bool kResource>
 Status WeightsGradShapes(InferenceContext* c) {
   DimensionHandle dim;
-  ShapeHandle indices;
-  TF_RETURN_IF_ERROR(WeightsGradInputShapes<kResource>(c, &dim, &indices));
-  c->set_output(0, indices);
+  ShapeHandle weights;
+  TF_RETURN_IF_ERROR(WeightsGradInputShapes<kResource>(c, &dim, &weights));
+  c->set_output(0, weights);
   return OkStatus();
 }
 
 // Shape function of (Resource)GatherReduceSumFusedGrad: unique_indices [U] (or [0]
-// with dense_grad), params_grad [?, D] and weights_grad [nnz].
+// with dense_grad), params_grad [?, D] and weights_grad (weights' shape).
 template <bool kResource>
 Status FusedGradShapes(InferenceContext* c) {
   DimensionHandle dim;
-  ShapeHandle indices;
-  TF_RETURN_IF_ERROR(WeightsGradInputShapes<kResource>(c, &dim, &indices));
+  ShapeHandle weights;
+  TF_RETURN_IF_ERROR(WeightsGradInputShapes<kResource>(c, &dim, &weights));
   bool dense_grad;
   TF_RETURN_IF_ERROR(c->GetAttr("dense_grad", &dense_grad));
   c->set_output(0, c->Vector(dense_grad ? c->MakeDim(0) : c->UnknownDim()));
   c->set_output(1, c->Matrix(c->UnknownDim(), dim));
-  c->set_output(2, indices);
+  c->set_output(2, weights);
   return OkStatus();
 }
 
@@ -164,7 +169,7 @@ Status FusedGradShapes(InferenceContext* c) {
 #define TF_TTEMB_FUSED_GRAD_OUTPUTS                                          \
   Output("unique_indices: Tindices") /* [U], or [0] with dense_grad */       \
       .Output("params_grad: T")      /* [U, D], or [N, D] with dense_grad */ \
-      .Output("weights_grad: T")     /* [nnz] */                             \
+      .Output("weights_grad: T")     /* weights' shape */                    \
       .Attr("dense_grad: bool = false")
 
 // Forward. `argmax` is [B, D] for combiner 'max' (position of the winning
@@ -296,14 +301,14 @@ REGISTER_OP("TfTtemb>GatherReduceSumSparseApply")
     .TF_TTEMB_BAG_ATTRS.SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       DimensionHandle dim;
-      ShapeHandle indices, argmax, scalar;
-      TF_RETURN_IF_ERROR(WeightsGradInputShapes</*kResource=*/true>(c, &dim, &indices));
+      ShapeHandle weights, argmax, scalar;
+      TF_RETURN_IF_ERROR(WeightsGradInputShapes</*kResource=*/true>(c, &dim, &weights));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(6), 2, &argmax));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(7), 0, &scalar));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 0, &scalar));
       bool has_weights;
       TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
-      c->set_output(0, has_weights ? indices : c->Vector(0));
+      c->set_output(0, has_weights ? weights : c->Vector(0));
       return OkStatus();
     })
     .Doc("GatherReduceSum backward applying an optimizer to the rows read.");

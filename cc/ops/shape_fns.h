@@ -15,18 +15,22 @@ using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
-// The bag inputs at `first` (indices [nnz]), first + 1 (row_splits) and first + 2
-// (weights [nnz], or [0] without the has_weights attr): checks their ranks and returns
-// indices' shape, merged with weights' when has_weights, and row_splits'.
+// The bag inputs at `first` (indices, any shape, read flat: nnz ids), first + 1
+// (row_splits [B + 1]) and first + 2 (weights, read flat: nnz of them with the
+// has_weights attr, else ignored): checks row_splits' rank and returns indices' shape,
+// merged with weights' when has_weights and both are vectors, and row_splits'. (The
+// kernels check that weights has nnz elements whatever its shape.)
 inline Status BagVectorShapes(InferenceContext* c, int first, ShapeHandle* indices,
                               ShapeHandle* row_splits) {
-  ShapeHandle weights;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(first), 1, indices));
+  *indices = c->input(first);
+  const ShapeHandle weights = c->input(first + 2);
   TF_RETURN_IF_ERROR(c->WithRank(c->input(first + 1), 1, row_splits));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(first + 2), 1, &weights));
   bool has_weights;
   TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
-  if (has_weights) TF_RETURN_IF_ERROR(c->Merge(*indices, weights, indices));
+  if (has_weights && c->RankKnown(*indices) && c->Rank(*indices) == 1 && c->RankKnown(weights) &&
+      c->Rank(weights) == 1) {
+    TF_RETURN_IF_ERROR(c->Merge(*indices, weights, indices));
+  }
   return OkStatus();
 }
 

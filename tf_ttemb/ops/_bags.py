@@ -19,9 +19,11 @@ from tf_ttemb.ops import _common
 class Bags(NamedTuple):
     """A batch of bags in CSR form and how to shape the [B, D] result back."""
 
-    ids: tf.Tensor  # [nnz] int32 or int64
+    # [nnz] int32 or int64; from `to_csr(..., flat=False)` dense ids stay as given
+    # ([..., L]), for the ops that read them flat (the gather_reduce_sum family).
+    ids: tf.Tensor
     row_splits: tf.Tensor  # [B + 1] int64
-    weights: tf.Tensor | None  # [nnz] params dtype, or None
+    weights: tf.Tensor | None  # [nnz] params dtype (shaped as `ids`), or None
     segment_ids: Callable[[], tf.Tensor]  # () -> [nnz] int64 bag of each entry
     batch_shape: tf.Tensor | None  # dense ids: the leading dims to restore
     static_batch_shape: tf.TensorShape
@@ -74,8 +76,14 @@ def same_row_splits(weight_splits: tf.Tensor, id_splits: tf.Tensor) -> list:
     return [same] if same is not None else []
 
 
-def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) -> Bags:
-    """Converts dense, ragged or sparse ids (and weights of the same structure) to CSR."""
+def to_csr(
+    indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool, flat: bool = True
+) -> Bags:
+    """Converts dense, ragged or sparse ids (and weights of the same structure) to CSR.
+
+    `flat=False` leaves dense ids and weights in their own shapes, for an op that reads
+    them flat: an eager lookup then runs no reshape before the op (on a small batch one
+    eager op costs about as much as the lookup's own work)."""
     if isinstance(indices, tf.RaggedTensor):
         if indices.ragged_rank != 1 or indices.flat_values.shape.rank != 1:
             raise ValueError(
@@ -146,8 +154,8 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
             f"dense indices must have a known rank >= 1 ([..., L]), got shape {dense_ids.shape}"
         )
     device = dense_ids.device if tf.executing_eagerly() else ""
-    flat = _common.eager_constant(("flat",), device, lambda: tf.constant([-1]))
-    ids = tf.reshape(dense_ids, flat)
+    flat_shape = _common.eager_constant(("flat",), device, lambda: tf.constant([-1]))
+    ids = tf.reshape(dense_ids, flat_shape) if flat else dense_ids
     if dense_ids.shape.is_fully_defined():
         # Static shapes (every eager call): the bag count and size are Python ints, so the
         # lookup adds two or three ops to the kernel's (the row_splits range and the
@@ -189,7 +197,11 @@ def to_csr(indices: _common.IndicesLike, weights, dtype: tf.DType, xla: bool) ->
             )
             checks = [same] if same is not None else []
         with tf.control_dependencies(checks):
-            flat_weights = tf.reshape(tf.cast(dense_weights, dtype), flat)
+            flat_weights = tf.cast(dense_weights, dtype)
+            if flat:
+                flat_weights = tf.reshape(flat_weights, flat_shape)
+            elif checks:
+                flat_weights = tf.identity(flat_weights)
 
     def dense_segment_ids() -> tf.Tensor:
         bags = tf.range(num_bags, dtype=tf.int64)[:, None]

@@ -122,6 +122,18 @@ def static_or_dynamic(static: int | None, dynamic: tf.Tensor):
     return static if static is not None else dynamic
 
 
+def tape_may_record() -> bool:
+    """Whether a `tf.GradientTape` (or forward accumulator) may be recording on this
+    thread. TensorFlow answers this only under `tensorflow.python`; where that probe is
+    missing, the answer is yes (the caller then does what a recording tape needs)."""
+    try:
+        from tensorflow.python.eager import record  # no public equivalent
+    except ImportError:  # pragma: no cover -- a TensorFlow without the probe
+        return True
+    probe = getattr(record, "could_possibly_record", None)
+    return True if probe is None else bool(probe())
+
+
 def on_host(xla: bool = False):
     """A device scope for the few int64 values an op reads in host memory (row counts,
     table splits): the host CPU, or under XLA wherever the cluster runs.

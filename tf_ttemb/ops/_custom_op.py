@@ -160,8 +160,10 @@ def custom_op_on_variable(
     lib, attrs, weights = _forward_inputs(bags, combiner, padding_id, variable)
     # A read of no rows, through the public API, tells every active GradientTape that
     # the variable was used (the op below reads it through its handle, which tapes do
-    # not see as a variable access) and costs nothing.
-    variable.sparse_read(_common.empty(tf.int32, variable.device))
+    # not see as a variable access). In a graph it costs nothing (nothing reads it);
+    # eagerly it is one more op per call, so it runs only where a tape may record.
+    if not tf.executing_eagerly() or _common.tape_may_record():
+        variable.sparse_read(_common.empty(tf.int32, variable.device))
     output, _ = run_forward(
         lib,
         variable.handle,

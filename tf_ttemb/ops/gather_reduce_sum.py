@@ -126,9 +126,10 @@ def gather_reduce_sum(
         xla = _common.in_xla_context() or _common.on_tpu(
             variable if variable is not None else params
         )
-        bags = _bags.to_csr(indices, weights, dtype, xla)
         if implementation == "auto":
             implementation = "composite" if xla else "custom_op"
+        # The ops read dense ids and weights flat: no reshape before them.
+        bags = _bags.to_csr(indices, weights, dtype, xla, flat=implementation == "composite")
         if implementation == "custom_op" and variable is not None:
             output = _custom_op.custom_op_on_variable(
                 variable, bags, combiner, padding_id, dense_grad
