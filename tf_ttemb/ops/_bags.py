@@ -42,7 +42,8 @@ def shaped_output(output: tf.Tensor, bags: Bags, row_shape: tf.TensorShape) -> t
         output = tf.reshape(
             output, tf.concat([bags.batch_shape, tf.shape(output, out_type=tf.int64)[1:]], 0)
         )
-    output.set_shape(bags.static_batch_shape.concatenate(row_shape))
+    if not tf.executing_eagerly():  # an eager tensor's shape is already the full one
+        output.set_shape(bags.static_batch_shape.concatenate(row_shape))
     return output
 
 
@@ -154,7 +155,9 @@ def to_csr(
             f"dense indices must have a known rank >= 1 ([..., L]), got shape {dense_ids.shape}"
         )
     device = dense_ids.device if tf.executing_eagerly() else ""
-    flat_shape = _common.eager_constant(("flat",), device, lambda: tf.constant([-1]))
+    flat_shape = None
+    if flat:
+        flat_shape = _common.eager_constant(("flat",), device, lambda: tf.constant([-1]))
     ids = tf.reshape(dense_ids, flat_shape) if flat else dense_ids
     if dense_ids.shape.is_fully_defined():
         # Static shapes (every eager call): the bag count and size are Python ints, so the
@@ -197,7 +200,9 @@ def to_csr(
             )
             checks = [same] if same is not None else []
         with tf.control_dependencies(checks):
-            flat_weights = tf.cast(dense_weights, dtype)
+            flat_weights = dense_weights
+            if flat_weights.dtype != dtype:
+                flat_weights = tf.cast(flat_weights, dtype)
             if flat:
                 flat_weights = tf.reshape(flat_weights, flat_shape)
             elif checks:
