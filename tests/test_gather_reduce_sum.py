@@ -955,37 +955,6 @@ def test_raw_ops_read_ids_and_weights_of_any_shape_flat(raw_ops, rng, op, shape)
         np.testing.assert_allclose(nd[0].numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_dense_batch_reaches_the_op_unreshaped(rng, weighted):
-    table = tf.Variable(rng.normal(size=(20, 4)).astype(np.float32))
-    ids = tf.constant(rng.integers(0, 20, size=(5, 3)))
-    weights = tf.constant(rng.uniform(0.5, 1.5, size=(5, 3)).astype(np.float32))
-
-    @tf.function
-    def step(ids, weights):
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            out = tf_ttemb.gather_reduce_sum(table, ids, weights if weighted else None)
-        return out, tape.gradient(out, [table, weights], tf.ones_like(out))
-
-    graph = step.get_concrete_function(ids, weights).graph
-    lookup = [op for op in graph.get_operations() if op.type == "TfTtemb>ResourceGatherReduceSum"]
-    assert len(lookup) == 1
-    assert lookup[0].inputs[1].op.type == "Placeholder", lookup[0].inputs[1].op.type
-    assert "Reshape" not in {op.type for op in graph.get_operations()}
-    out, (table_grad, weights_grad) = step(ids, weights)
-    w = weights.numpy() if weighted else np.ones((5, 3), np.float32)
-    np.testing.assert_allclose(
-        out.numpy(), (table.numpy()[ids.numpy()] * w[..., None]).sum(1), rtol=1e-5, atol=1e-6
-    )
-    if weighted:
-        assert tuple(weights_grad.shape) == (5, 3)
-        want = table.numpy()[ids.numpy()].sum(-1)  # d out.sum() / d w_j = sum of row j
-        np.testing.assert_allclose(weights_grad.numpy(), want, rtol=1e-5, atol=1e-6)
-    else:
-        assert weights_grad is None
-
-
 def test_eager_lookup_reads_no_rows_unless_a_tape_records(rng, monkeypatch):
     # The no-row read that tells a tape about the variable is one more eager op per call:
     # it runs only under a tape.

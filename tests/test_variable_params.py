@@ -131,7 +131,10 @@ def test_sees_sparse_updates(rng):
     assert_close(out.numpy(), want, scale, tf.float64, "output after scatter_sub")
 
 
-def test_traced_graph_has_no_dense_table_read(rng):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_traced_graph_has_no_dense_table_read_and_no_reshape(rng, weighted):
+    # The op reads the table in place and the dense [B, L] ids and weights as they are
+    # (no reshape before it); the weights gradient comes back in the weights' shape.
     variable = tf.Variable(rng.normal(size=(50, 8)).astype(np.float32))
     ids = tf.constant(rng.integers(0, 50, size=(6, 3)))
     weights = tf.constant(rng.uniform(0.5, 1.5, size=(6, 3)).astype(np.float32))
@@ -139,15 +142,26 @@ def test_traced_graph_has_no_dense_table_read(rng):
     @tf.function
     def step(ids, weights):
         with tf.GradientTape() as tape:
-            out = tf_ttemb.gather_reduce_sum(variable, ids, weights)
-            loss = tf.reduce_sum(out * out)
-        return tape.gradient(loss, variable)
+            tape.watch(weights)
+            out = tf_ttemb.gather_reduce_sum(variable, ids, weights if weighted else None)
+        return out, tape.gradient(out, [variable, weights], tf.ones_like(out))
 
     graph = step.get_concrete_function(ids, weights).graph
     op_types = {op.type for op in graph.get_operations()}
-    assert "TfTtemb>ResourceGatherReduceSum" in op_types
     assert "ReadVariableOp" not in op_types, sorted(op_types)
-    assert isinstance(step(ids, weights), tf.IndexedSlices)
+    assert "Reshape" not in op_types, sorted(op_types)
+    lookup = [op for op in graph.get_operations() if op.type == "TfTtemb>ResourceGatherReduceSum"]
+    assert len(lookup) == 1 and lookup[0].inputs[1].op.type == "Placeholder"
+    out, (table_grad, weights_grad) = step(ids, weights)
+    assert isinstance(table_grad, tf.IndexedSlices)
+    rows = variable.numpy()[ids.numpy()]  # [6, 3, 8]
+    w = weights.numpy() if weighted else np.ones((6, 3), np.float32)
+    np.testing.assert_allclose(out.numpy(), (rows * w[..., None]).sum(1), rtol=1e-5, atol=1e-6)
+    if weighted:  # d out.sum() / d w_j = the sum of row j
+        assert tuple(weights_grad.shape) == (6, 3)
+        np.testing.assert_allclose(weights_grad.numpy(), rows.sum(-1), rtol=1e-5, atol=1e-5)
+    else:
+        assert weights_grad is None
 
 
 @pytest.mark.parametrize("use_variable", [True, False])

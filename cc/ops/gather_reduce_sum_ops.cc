@@ -99,29 +99,21 @@ Status WeightsGradInputShapes(InferenceContext* c, DimensionHandle* dim, ShapeHa
   return OkStatus();
 }
 
-// Shape function of (Resource)GatherReduceSumWeightsGrad: weights_grad, of weights'
-// shape.
-template <bool kResource>
+// Shape function of (Resource)GatherReduceSumWeightsGrad (kFused = false): weights_grad,
+// of weights' shape; and of (Resource)GatherReduceSumFusedGrad (kFused): unique_indices
+// [U] (or [0] with dense_grad), params_grad [?, D] and weights_grad.
+template <bool kResource, bool kFused>
 Status WeightsGradShapes(InferenceContext* c) {
   DimensionHandle dim;
   ShapeHandle weights;
   TF_RETURN_IF_ERROR(WeightsGradInputShapes<kResource>(c, &dim, &weights));
-  c->set_output(0, weights);
-  return OkStatus();
-}
-
-// Shape function of (Resource)GatherReduceSumFusedGrad: unique_indices [U] (or [0]
-// with dense_grad), params_grad [?, D] and weights_grad (weights' shape).
-template <bool kResource>
-Status FusedGradShapes(InferenceContext* c) {
-  DimensionHandle dim;
-  ShapeHandle weights;
-  TF_RETURN_IF_ERROR(WeightsGradInputShapes<kResource>(c, &dim, &weights));
-  bool dense_grad;
-  TF_RETURN_IF_ERROR(c->GetAttr("dense_grad", &dense_grad));
-  c->set_output(0, c->Vector(dense_grad ? c->MakeDim(0) : c->UnknownDim()));
-  c->set_output(1, c->Matrix(c->UnknownDim(), dim));
-  c->set_output(2, weights);
+  if constexpr (kFused) {
+    bool dense_grad;
+    TF_RETURN_IF_ERROR(c->GetAttr("dense_grad", &dense_grad));
+    c->set_output(0, c->Vector(dense_grad ? c->MakeDim(0) : c->UnknownDim()));
+    c->set_output(1, c->Matrix(c->UnknownDim(), dim));
+  }
+  c->set_output(kFused ? 2 : 0, weights);
   return OkStatus();
 }
 
@@ -251,13 +243,13 @@ REGISTER_OP("TfTtemb>GatherReduceSumDenseGrad")
 REGISTER_OP("TfTtemb>GatherReduceSumWeightsGrad")
     .TF_TTEMB_WEIGHTS_GRAD_INPUTS("params: T")
     .Output("weights_grad: T")  // [nnz]
-    .TF_TTEMB_BAG_ATTRS.SetShapeFn(WeightsGradShapes</*kResource=*/false>)
+    .TF_TTEMB_BAG_ATTRS.SetShapeFn(WeightsGradShapes</*kResource=*/false, /*kFused=*/false>)
     .Doc("Gradient of GatherReduceSum w.r.t. the per-entry weights.");
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
     .TF_TTEMB_WEIGHTS_GRAD_INPUTS("params: resource")
     .Output("weights_grad: T")  // [nnz]
-    .TF_TTEMB_BAG_ATTRS.SetShapeFn(WeightsGradShapes</*kResource=*/true>)
+    .TF_TTEMB_BAG_ATTRS.SetShapeFn(WeightsGradShapes</*kResource=*/true, /*kFused=*/false>)
     .Doc("GatherReduceSumWeightsGrad reading params from a resource variable.");
 
 // Fused backward for weighted sum/mean/sqrtn (CPU): the params gradient and the
@@ -266,12 +258,14 @@ REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
 // With dense_grad the params gradient is [N, D] and unique_indices is empty.
 REGISTER_OP("TfTtemb>GatherReduceSumFusedGrad")
     .TF_TTEMB_WEIGHTS_GRAD_INPUTS("params: T")
-    .TF_TTEMB_FUSED_GRAD_OUTPUTS.TF_TTEMB_BAG_ATTRS.SetShapeFn(FusedGradShapes</*kResource=*/false>)
+    .TF_TTEMB_FUSED_GRAD_OUTPUTS.TF_TTEMB_BAG_ATTRS
+    .SetShapeFn(WeightsGradShapes</*kResource=*/false, /*kFused=*/true>)
     .Doc("Params and weights gradients of a weighted GatherReduceSum in one pass.");
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSumFusedGrad")
     .TF_TTEMB_WEIGHTS_GRAD_INPUTS("params: resource")
-    .TF_TTEMB_FUSED_GRAD_OUTPUTS.TF_TTEMB_BAG_ATTRS.SetShapeFn(FusedGradShapes</*kResource=*/true>)
+    .TF_TTEMB_FUSED_GRAD_OUTPUTS.TF_TTEMB_BAG_ATTRS
+    .SetShapeFn(WeightsGradShapes</*kResource=*/true, /*kFused=*/true>)
     .Doc("GatherReduceSumFusedGrad reading params from a resource variable.");
 
 // Backward with the optimizer fused in (CPU): the params gradient of each

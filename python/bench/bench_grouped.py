@@ -96,25 +96,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    scale = args.scale if args.scale is not None else (1.0 if "GPU" in args.device else 0.02)
+def criteo_config(device: str, scale=None):
+    """(rows, bag sizes, GroupedEmbeddingBag feature configs) of the Criteo-like config,
+    row counts times `scale` (default: 1 on a GPU, 0.02 on the CPU), at least 10."""
+    scale = scale if scale is not None else (1.0 if "GPU" in device else 0.02)
     rows = [max(10, int(n * scale)) for n in CRITEO_ROWS]
     lengths = [MULTI_HOT.get(t, 1) for t in range(len(rows))]
-    rng = np.random.default_rng(0)
     features = [
         {"name": f"c{t}", "input_dim": n, "output_dim": DIM, "initializer": "zeros"}
         for t, n in enumerate(rows)
     ]
+    return rows, lengths, features
+
+
+def id_batch(rng, rows, lengths, batch: int) -> list:
+    """One batch of uniform ids: a [batch, L_t] int64 tensor per feature."""
+    return [
+        tf.constant(rng.integers(0, n, size=(batch, L)), tf.int64) for n, L in zip(rows, lengths)
+    ]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    scale = args.scale if args.scale is not None else (1.0 if "GPU" in args.device else 0.02)
+    rows, lengths, features = criteo_config(args.device, scale)
+    rng = np.random.default_rng(0)
 
     def batches(count):
-        return [
-            [
-                tf.constant(rng.integers(0, n, size=(args.batch, L)), tf.int64)
-                for n, L in zip(rows, lengths)
-            ]
-            for _ in range(count)
-        ]
+        return [id_batch(rng, rows, lengths, args.batch) for _ in range(count)]
 
     _bench_util.log(
         f"{len(rows)} tables, {sum(rows):,} rows x {DIM}, batch {args.batch}, {args.device}"

@@ -25,24 +25,16 @@ _bench_util.add_checkout_to_path()
 
 import numpy as np
 import tensorflow as tf
-from bench_grouped import CRITEO_ROWS, DIM, MULTI_HOT
+from bench_grouped import DIM, criteo_config, id_batch
 
 from tf_ttemb.layers import GroupedEmbeddingBag
 
 
 def build_step(device: str, scale: float, batch: int):
-    rows = [max(10, int(n * scale)) for n in CRITEO_ROWS]
-    lengths = [MULTI_HOT.get(t, 1) for t in range(len(rows))]
+    rows, lengths, features = criteo_config(device, scale)
     rng = np.random.default_rng(0)
-    features = [
-        {"name": f"c{t}", "input_dim": n, "output_dim": DIM, "initializer": "zeros"}
-        for t, n in enumerate(rows)
-    ]
     with tf.device(device):
-        ids = [
-            tf.constant(rng.integers(0, n, size=(batch, L)), tf.int64)
-            for n, L in zip(rows, lengths)
-        ]
+        ids = id_batch(rng, rows, lengths, batch)
         upstream = tf.constant(rng.standard_normal((batch, DIM * len(rows)), np.float32))
         grouped = GroupedEmbeddingBag(features)
         grouped.build()
@@ -144,8 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeline-events", type=int, default=120)
     parser.add_argument("--out", default="/tmp/trace_grouped")
     args = parser.parse_args(argv)
-    scale = args.scale if args.scale is not None else (1.0 if "GPU" in args.device else 0.02)
-    step = build_step(args.device, scale, args.batch)
+    step = build_step(args.device, args.scale, args.batch)
     for _ in range(5):
         step().numpy()
     times = []
