@@ -392,6 +392,38 @@ def test_op_bad_ids_raise_and_leave_the_table(lib, rng, padding_id):
     np.testing.assert_array_equal(params.numpy(), before)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_op_reads_ids_and_weights_of_any_shape_flat(lib, rng, optimizer):
+    # As the lookup ops: 2-D ids and weights give the flat inputs' update and weights
+    # gradient, bit for bit, the gradient in the weights' shape.
+    ids = rng.integers(0, 8, size=(2, 6))
+    weights = rng.uniform(0.5, 1.5, size=(2, 6))
+    table = rng.normal(size=(8, 3))
+    grad = tf.constant(rng.normal(size=(3, 3)), tf.float32)
+    output = tf.constant(rng.normal(size=(3, 3)), tf.float32)
+    results = []
+    for shape in ((2, 6), (12,)):
+        params = tf.Variable(table, dtype=tf.float32)
+        accumulators = [tf.Variable(tf.fill([8], 0.1))] if optimizer != "sgd" else []
+        dw = call_op(
+            lib,
+            params=params,
+            indices=ids.reshape(shape),
+            row_splits=(0, 5, 5, 12),
+            weights=weights.reshape(shape),
+            grad=grad,
+            output=output,
+            accumulators=accumulators,
+            optimizer=optimizer,
+            rng=rng,
+        )
+        assert tuple(dw.shape) == shape
+        results.append((params.numpy(), dw.numpy().reshape(-1)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    assert not np.array_equal(results[0][0], table)  # the rows moved
+
+
 def test_op_shape_errors(lib, rng):
     with raises("weights has 2 entries but indices has 3"):
         call_op(lib, weights=[0.5, 1.0], rng=rng)

@@ -32,7 +32,7 @@ struct SparseApplyArgs : WeightsGradInputs {
   Var* params_var = nullptr;       // [N, D] of T (its tensor is `params`)
   Var* acc_var = nullptr;          // [N] (row-wise) or [N, D] of AccT<T>; null for sgd
   const Tensor* argmax = nullptr;  // [B, D] for max, else [0, D]
-  Tensor* weights_grad = nullptr;  // [nnz] with weights, else [0]
+  Tensor* weights_grad = nullptr;  // weights' shape with weights, else [0]
 };
 
 // The host-side checks of the inputs with the locked variables
@@ -78,8 +78,9 @@ class GatherReduceSumSparseApplyOp
           if constexpr (std::is_same_v<Device, GpuDevice>) {
             TF_RETURN_IF_ERROR(GpuParamsGradSizeLimits(a.shapes));
           }
-          const int64_t dw_size = attrs_.bag.has_weights ? a.shapes.nnz : 0;
-          TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({dw_size}), &a.weights_grad));
+          // The weights gradient has the weights' shape ([0] without weights).
+          TF_RETURN_IF_ERROR(ctx->allocate_output(
+              0, attrs_.bag.has_weights ? a.weights->shape() : TensorShape({0}), &a.weights_grad));
           return Launch::Run(ctx, attrs_, a, step);
         });
   }
