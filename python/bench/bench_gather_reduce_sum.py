@@ -475,16 +475,13 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         return tf.while_loop(lambda i, _: i < SWEEP_CHAIN, body, start)[1]
 
     warmup, repeats = spec["warmup"], spec["repeats"]
-    timings = {}
     # raw and wrapper alternate in one loop, so that both see the same machine load.
-    raw_samples, wrapper_samples = [], []
-    for _ in range(warmup):
-        raw(), wrapper()
-    for _ in range(repeats):
-        raw_samples.append(util.time_calls(raw, 0, 1).median_ms)
-        wrapper_samples.append(util.time_calls(wrapper, 0, 1).median_ms)
-    for key, samples in (("raw_op", raw_samples), ("wrapper", wrapper_samples)):
-        timings[key] = util.Timing(float(np.median(samples)), min(samples), repeats).to_json()
+    timings = {
+        key: timing.to_json()
+        for key, timing in util.time_alternating(
+            {"raw_op": raw, "wrapper": wrapper}, warmup, repeats
+        ).items()
+    }
     timings["fwd"] = util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json()
     in_graph = util.time_calls(lambda: chained(ids, weights), warmup, repeats)
     timings["fwd_in_graph"] = util.Timing(

@@ -359,10 +359,9 @@ def _table_bags(
     ids_shape = tf.shape(bags.ids, out_type=tf.int64)
     with _common.on_host(xla):
         nnz = ids_shape[0]
-    if num_tables == 1:
-        with _common.on_host(xla):
+        if num_tables == 1:
             table_splits = tf.stack([tf.constant(0, tf.int64), nnz])
-    else:
+    if num_tables > 1:
         rank = bags.static_batch_shape.rank
         leading = bags.static_batch_shape[0] if rank else None
         if rank is not None and rank < 1:
