@@ -50,6 +50,10 @@ constexpr int64_t kPieceEntries = 256;
 constexpr int64_t kTargetGroups = 16384;
 constexpr int64_t kMinSliceEntries = 64;
 constexpr int64_t kMaxSlices = 1024;
+// Forward of short bags (ForwardShortBagsKernel): entries per work item it aims at, and
+// at most this many bags per item.
+constexpr int64_t kShortBagsEntries = 32;
+constexpr int64_t kMaxBagsPerItem = 32;
 // Weights gradient: consecutive entries per group.
 constexpr int64_t kWeightsGradEntries = 8;
 // Params-gradient run kernel (ReduceRunsKernel): segments per work item (one

@@ -22,8 +22,9 @@ struct ForwardArgs {
   int32_t* part_pos;      // [B * slices, D] when slices > 1 and max
   AccT<T>* part_w;        // [B * slices, 2] when slices > 1
   DeviceReport* report;
-  int64_t num_rows, dim, nnz, padding_id;
+  int64_t num_rows, dim, nnz, padding_id, num_bags;
   int64_t dim_vecs, chunks, slices, num_items;
+  int64_t bags_per_item;  // ForwardShortBagsKernel: consecutive bags per work item
   int group;
   Combiner combiner;
   bool has_weights, has_padding;
@@ -247,6 +248,137 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
   }
 }
 
+// Short bags (sum, mean, sqrtn; one slice per bag; aligned rows). ForwardKernel keeps one bag's
+// entries in flight per group, so with bags of 1 to a few entries a group has one row
+// in flight and waits for it. Here a work item is (`bags_per_item` consecutive bags,
+// column chunk): the group walks their entries as one stream, kUnroll / NV entries
+// in flight whatever the bags' lengths (the next entries' ids are loaded while the
+// current rows are in flight, as there), and writes a bag's output row when the stream
+// leaves it. Each bag's sums are ForwardKernel's, in the same order, so the output has
+// the same bits; empty bags and bags of padding get ForwardKernel's zeros.
+template <typename T, typename Tindex, int NV>
+__global__ void __launch_bounds__(kBlock, 2)
+    ForwardShortBagsKernel(const ForwardArgs<T, Tindex> a) {
+  using A = AccT<T>;
+  constexpr int V = VecOf<T>();
+  constexpr int U = kUnroll / NV;
+  const GroupWalk walk(a.group);
+  for (int64_t item = walk.first; item < a.num_items; item += walk.stride) {
+    int64_t bags, chunk;
+    DivMod(item, a.chunks, &bags, &chunk);
+    const int64_t base = chunk * a.group * NV + walk.lane;
+    if (base >= a.dim_vecs) continue;
+    const int64_t first_bag = bags * a.bags_per_item;
+    const int64_t last_bag = min(first_bag + a.bags_per_item, a.num_bags) - 1;
+    int64_t first_bad = -1;
+
+    // The stream's cursor: entry j of bag `bag`, whose entries end at `end`.
+    int64_t bag = first_bag, j, end;
+    BagRange(a.splits, bag, a.nnz, &j, &end);
+    // The next U entries of the stream: their bag, counted from first_bag (-1 past the
+    // item's last bag), row (-1: padding, bad or none) and weight.
+    int bag_of[U];
+    int64_t row[U];
+    A w[U];
+    auto next_entries = [&]() {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        while (j >= end && bag < last_bag) {
+          ++bag;
+          BagRange(a.splits, bag, a.nnz, &j, &end);
+        }
+        bag_of[u] = row[u] = -1;
+        w[u] = A(0);
+        if (j < end) {
+          bag_of[u] = static_cast<int>(bag - first_bag);
+          const int64_t id = static_cast<int64_t>(a.ids[j]);
+          if (!(a.has_padding && id == a.padding_id)) {
+            if (id >= 0 && id < a.num_rows) {
+              row[u] = id;
+              w[u] = a.has_weights ? ToAcc(a.weights[j]) : A(1);
+            } else if (first_bad < 0) {
+              first_bad = j;
+            }
+          }
+          ++j;
+        }
+      }
+    };
+
+    A acc[NV][V];
+    A wsum, wsq;
+    auto reset = [&]() {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[i][e] = A(0);
+      }
+      wsum = wsq = A(0);
+    };
+    // Writes the rows of bags [out_bag, upto): out_bag's sums, then zeros.
+    int64_t out_bag = first_bag;
+    auto write_until = [&](int64_t upto) {
+      for (; out_bag < upto; ++out_bag) {
+        const A scale = BagScale(a.combiner, wsum, wsq);
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          const int64_t cv = base + i * a.group;
+          if (NV > 1 && cv >= a.dim_vecs) continue;
+          const int64_t col = cv * V;
+          Pack<T> o;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            o.v[e] = FromAcc<T>(scale == A(0) ? A(0) : acc[i][e] * scale);
+          }
+          StoreVec<T, true>(a.out + out_bag * a.dim + col, o, col, a.dim);
+        }
+        reset();
+      }
+    };
+
+    reset();
+    next_entries();
+    while (bag_of[0] >= 0) {
+      Pack<T> x[U][NV];
+      int cur_bag[U];
+      unsigned loaded = 0;
+      A wc[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        cur_bag[u] = bag_of[u];
+        wc[u] = w[u];
+        if (row[u] >= 0) {
+          loaded |= 1u << u;
+#pragma unroll
+          for (int i = 0; i < NV; ++i) {
+            const int64_t cv = base + i * a.group;
+            if (NV == 1 || cv < a.dim_vecs) {
+              x[u][i] = LoadVec<T, true>(a.params + row[u] * a.dim + cv * V, cv * V, a.dim);
+            }
+          }
+        }
+      }
+      next_entries();
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (cur_bag[u] < 0) break;  // the stream ended (uniform across the group)
+        write_until(first_bag + cur_bag[u]);
+        if (!(loaded & (1u << u))) continue;
+#pragma unroll
+        for (int i = 0; i < NV; ++i) {
+          if (NV > 1 && base + i * a.group >= a.dim_vecs) continue;
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[i][e] = fma(wc[u], ToAcc(x[u][i].v[e]), acc[i][e]);
+        }
+        wsum += wc[u];
+        wsq += wc[u] * wc[u];
+      }
+    }
+    write_until(last_bag + 1);
+    if (base == 0 && first_bad >= 0) ReportMin(&a.report->first_bad_index, first_bad);
+  }
+}
+
 // One thread per output element (bag, d): combines the bag's slices in slice
 // order, so ties in max (and NaN) still go to the first entry of the bag.
 template <typename T>
@@ -293,7 +425,8 @@ __global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [
 struct ForwardPlan {
   Columns cols;
   int64_t slices = 1;
-  int64_t num_items = 0;
+  int64_t bags_per_item = 1;  // > 1: ForwardShortBagsKernel where rows are aligned
+  int64_t num_items = 0;      // ForwardKernel's
 };
 
 template <typename T>
@@ -310,6 +443,14 @@ ForwardPlan PlanForward(const BagProblem& p) {
     plan.slices = std::max<int64_t>(1, std::min({by_length, wanted, kMaxSlices}));
   }
   plan.num_items = groups * plan.slices;
+  // Short bags (not max): kShortBagsEntries entries per work item, while the items
+  // still number kTargetGroups.
+  const int64_t mean_length = std::max<int64_t>(1, p.nnz / p.num_bags);
+  if (p.combiner != Combiner::kMax && plan.slices == 1 && 2 * mean_length <= kShortBagsEntries) {
+    const int64_t by_length = kShortBagsEntries / mean_length;
+    const int64_t by_groups = std::max<int64_t>(1, groups / kTargetGroups);
+    plan.bags_per_item = std::min({by_length, by_groups, kMaxBagsPerItem});
+  }
   return plan;
 }
 
@@ -381,22 +522,32 @@ cudaError_t LaunchForward(const BagProblem& p, const T* params, const Tindex* id
     a.num_rows = p.num_rows;
     a.dim = p.dim;
     a.nnz = p.nnz;
+    a.num_bags = p.num_bags;
     a.padding_id = p.padding_id;
     a.dim_vecs = plan.cols.dim_vecs;
     a.chunks = plan.cols.chunks;
     a.slices = plan.slices;
-    a.num_items = plan.num_items;
     a.group = plan.cols.group;
     a.combiner = p.combiner;
     a.has_weights = p.has_weights;
     a.has_padding = p.has_padding_id;
     const bool aligned = p.dim % VecOf<T>() == 0 && Aligned16(params) && Aligned16(out) &&
                          (argmax == nullptr || Aligned16(argmax));
-    const int grid = GridFor(plan.num_items * plan.cols.group);
+    const bool short_bags = aligned && plan.bags_per_item > 1;
+    a.bags_per_item = short_bags ? plan.bags_per_item : 1;
+    a.num_items =
+        short_bags ? CeilDiv(p.num_bags, plan.bags_per_item) * plan.cols.chunks : plan.num_items;
+    const int grid = GridFor(a.num_items * plan.cols.group);
     const bool is_max = p.combiner == Combiner::kMax;
     const bool wide = plan.cols.nv == 2;
     const bool warp_ids = plan.cols.group == 32;
-    if (aligned && !is_max && warp_ids) {
+    if (short_bags) {
+      if (wide) {
+        ForwardShortBagsKernel<T, Tindex, 2><<<grid, kBlock, 0, stream>>>(a);
+      } else {
+        ForwardShortBagsKernel<T, Tindex, 1><<<grid, kBlock, 0, stream>>>(a);
+      }
+    } else if (aligned && !is_max && warp_ids) {
       if (wide) {
         ForwardKernel<T, Tindex, true, false, 2, true><<<grid, kBlock, 0, stream>>>(a);
       } else {

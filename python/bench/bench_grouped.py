@@ -40,42 +40,11 @@ _bench_util.add_checkout_to_path()
 
 import numpy as np
 import tensorflow as tf
+from criteo import CRITEO_ROWS, DIM, MULTI_HOT
 
 import tf_ttemb
 from tf_ttemb.layers import EmbeddingBag, GroupedEmbeddingBag
 from tf_ttemb.ops.grouped import grouped_bags
-
-# Criteo's (Kaggle) 26 categorical cardinalities, rounded.
-CRITEO_ROWS = [
-    1460,
-    583,
-    10_131_227,
-    2_202_608,
-    305,
-    24,
-    12_517,
-    633,
-    3,
-    93_145,
-    5_683,
-    8_351_593,
-    3_194,
-    27,
-    14_992,
-    5_461_306,
-    10,
-    5_652,
-    2_173,
-    4,
-    7_046_547,
-    18,
-    15,
-    286_181,
-    105,
-    142_572,
-]
-MULTI_HOT = {2: 20, 11: 20, 20: 20}  # feature -> bag size (the three largest tables)
-DIM = 64
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -220,8 +220,7 @@ class _Call:
             split_prev,
             first_split,
             last_split,
-            _,
-        ) = r
+        ) = r[:7]
         p = self.problem
         if first_split != 0:
             raise ValueError(f"row_splits[0] = {first_split} must be 0")
