@@ -38,9 +38,9 @@ out="${OUT:-gpu_verify_out}"
 mkdir -p "$out"
 pytest_gpu() {  # log name, time limit, pytest arguments
   local log="$1" limit="$2"; shift 2
-  timeout "$limit" python3 -m pytest -q -n 14 -p no:cacheprovider -rfE --tb=short "$@" \
+  timeout "$limit" python3 -m pytest -q -n 14 -p no:cacheprovider -rfEs --tb=short "$@" \
     > "$out/$log.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/$log.txt" | tail -40
+  grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/$log.txt" | tail -40
 }
 # Not under the sanitizers: the jit tests (XLA's generated kernels are not ours) and the
 # determinism test whose training runs in fresh child processes, which
