@@ -50,12 +50,6 @@ constexpr int64_t kPieceEntries = 256;
 constexpr int64_t kTargetGroups = 16384;
 constexpr int64_t kMinSliceEntries = 64;
 constexpr int64_t kMaxSlices = 1024;
-// Forward of short bags (ForwardShortBagsKernel): entries per work item it aims at, and
-// at most this many bags per item. Picked, not swept: with them the grouped forward of
-// bench_grouped_kernels.py went from 0.31 to 0.14 ms on an H100 (BENCHMARKS.md, session
-// of 2026-12-06, third).
-constexpr int64_t kShortBagsEntries = 32;
-constexpr int64_t kMaxBagsPerItem = 32;
 // Weights gradient: consecutive entries per group.
 constexpr int64_t kWeightsGradEntries = 8;
 // Params-gradient run kernel (ReduceRunsKernel): segments per work item (one

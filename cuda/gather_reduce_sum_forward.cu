@@ -22,13 +22,50 @@ struct ForwardArgs {
   int32_t* part_pos;      // [B * slices, D] when slices > 1 and max
   AccT<T>* part_w;        // [B * slices, 2] when slices > 1
   DeviceReport* report;
-  int64_t num_rows, dim, nnz, padding_id, num_bags;
+  BagProblem p;
   int64_t dim_vecs, chunks, slices, num_items;
   int64_t bags_per_item;  // ForwardShortBagsKernel: consecutive bags per work item
   int group;
-  Combiner combiner;
-  bool has_weights, has_padding;
 };
+
+// Entry j of the ids: its row, or -1 for padding and for a bad id (the first bad entry the
+// caller sees is kept in *first_bad), and its weight (0 for -1).
+template <typename T, typename Tindex>
+__device__ __forceinline__ void EntryOf(const ForwardArgs<T, Tindex>& a, int64_t j, int64_t* row,
+                                        AccT<T>* w, int64_t* first_bad) {
+  *row = -1;
+  *w = AccT<T>(0);
+  const int64_t id = static_cast<int64_t>(a.ids[j]);
+  if (a.p.has_padding_id && id == a.p.padding_id) return;
+  if (id >= 0 && id < a.p.num_rows) {
+    *row = id;
+    *w = a.p.has_weights ? ToAcc(a.weights[j]) : AccT<T>(1);
+  } else if (*first_bad < 0) {
+    *first_bad = j;
+  }
+}
+
+// Loads this lane's vectors (base + i * group, i < NV) of the rows row[u], u < U (none where
+// row[u] < 0); returns the mask of the entries loaded.
+template <typename T, bool kAligned, int NV, int U, typename Tindex>
+__device__ __forceinline__ unsigned LoadRows(const ForwardArgs<T, Tindex>& a, int64_t base,
+                                             const int64_t (&row)[U], Pack<T> (&x)[U][NV]) {
+  constexpr int V = VecOf<T>();
+  unsigned loaded = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (row[u] < 0) continue;
+    loaded |= 1u << u;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t cv = base + i * a.group;
+      if (NV == 1 || cv < a.dim_vecs) {
+        x[u][i] = LoadVec<T, kAligned>(a.params + row[u] * a.p.dim + cv * V, cv * V, a.p.dim);
+      }
+    }
+  }
+  return loaded;
+}
 
 // Work item = (bag, slice, column chunk); a group of G lanes owns it and walks
 // the slice's entries in order, kUnroll / NV entries of NV vectors each in
@@ -58,7 +95,7 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
     if (!kWarpIds && base >= a.dim_vecs) continue;  // no shuffles on this path
     const bool reporter = base == 0;
     int64_t begin, end;
-    BagRange(a.splits, bag, a.nnz, &begin, &end);
+    BagRange(a.splits, bag, a.p.nnz, &begin, &end);
     const int64_t len = end - begin;
     const int64_t s0 = begin + len * slice / a.slices;
     const int64_t s1 = begin + len * (slice + 1) / a.slices;
@@ -84,17 +121,7 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
         const int64_t j = j0 + u;
         row[u] = -1;
         w[u] = A(0);
-        if (j < s1) {
-          const int64_t id = static_cast<int64_t>(a.ids[j]);
-          if (!(a.has_padding && id == a.padding_id)) {
-            if (id >= 0 && id < a.num_rows) {
-              row[u] = id;
-              w[u] = a.has_weights ? ToAcc(a.weights[j]) : A(1);
-            } else if (first_bad < 0) {
-              first_bad = j;
-            }
-          }
-        }
+        if (j < s1) EntryOf(a, j, &row[u], &w[u], &first_bad);
       }
     };
     if constexpr (kWarpIds) {
@@ -103,17 +130,7 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
       auto fetch = [&](int64_t j, int64_t* r, A* wt) {
         *r = -1;
         *wt = A(0);
-        if (j < s1) {
-          const int64_t id = static_cast<int64_t>(a.ids[j]);
-          if (!(a.has_padding && id == a.padding_id)) {
-            if (id >= 0 && id < a.num_rows) {
-              *r = id;
-              *wt = a.has_weights ? ToAcc(a.weights[j]) : A(1);
-            } else if (first_bad < 0) {
-              first_bad = j;
-            }
-          }
-        }
+        if (j < s1) EntryOf(a, j, r, wt, &first_bad);
       };
       int64_t next_row;
       A next_w;
@@ -137,7 +154,8 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
               for (int i = 0; i < NV; ++i) {
                 const int64_t cv = base + i * a.group;
                 if (cv < a.dim_vecs) {
-                  x[u][i] = __ldg(reinterpret_cast<const uint4*>(a.params + r[u] * a.dim + cv * V));
+                  x[u][i] =
+                      __ldg(reinterpret_cast<const uint4*>(a.params + r[u] * a.p.dim + cv * V));
                 }
               }
             }
@@ -161,22 +179,10 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
     if constexpr (!kWarpIds) load_ids(s0);
     for (int64_t j0 = s0; !kWarpIds && j0 < s1; j0 += U) {
       Pack<T> x[U][NV];
-      unsigned loaded = 0;
       A wc[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        wc[u] = w[u];
-        if (row[u] >= 0) {
-          loaded |= 1u << u;
-#pragma unroll
-          for (int i = 0; i < NV; ++i) {
-            const int64_t cv = base + i * a.group;
-            if (NV == 1 || cv < a.dim_vecs) {
-              x[u][i] = LoadVec<T, kAligned>(a.params + row[u] * a.dim + cv * V, cv * V, a.dim);
-            }
-          }
-        }
-      }
+      for (int u = 0; u < U; ++u) wc[u] = w[u];
+      const unsigned loaded = LoadRows<T, kAligned, NV>(a, base, row, x);
       load_ids(j0 + U);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -207,7 +213,7 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
       ReportMin(&a.report->first_bad_index, first_bad);
     }
 
-    const A scale = BagScale(a.combiner, wsum, wsq);
+    const A scale = BagScale(a.p.combiner, wsum, wsq);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t cv = base + i * a.group;
@@ -222,21 +228,21 @@ __global__ void __launch_bounds__(kBlock, 2) ForwardKernel(const ForwardArgs<T, 
             o.v[e] = FromAcc<T>(pos[i][e] < 0 ? A(0) : acc[i][e]);
             pp.v[e] = pos[i][e];
           }
-          StoreInts<V, kAligned>(a.argmax + bag * a.dim + col, pp, col, a.dim);
+          StoreInts<V, kAligned>(a.argmax + bag * a.p.dim + col, pp, col, a.p.dim);
         } else {
 #pragma unroll
           for (int e = 0; e < V; ++e) {
             o.v[e] = FromAcc<T>(scale == A(0) ? A(0) : acc[i][e] * scale);
           }
         }
-        StoreVec<T, kAligned>(a.out + bag * a.dim + col, o, col, a.dim);
+        StoreVec<T, kAligned>(a.out + bag * a.p.dim + col, o, col, a.p.dim);
       } else {
         const int64_t part = bag * a.slices + slice;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          if (col + e >= a.dim) break;
-          a.part_acc[part * a.dim + col + e] = acc[i][e];
-          if (kMax) a.part_pos[part * a.dim + col + e] = pos[i][e];
+          if (col + e >= a.p.dim) break;
+          a.part_acc[part * a.p.dim + col + e] = acc[i][e];
+          if (kMax) a.part_pos[part * a.p.dim + col + e] = pos[i][e];
         }
       }
     }
@@ -269,12 +275,12 @@ __global__ void __launch_bounds__(kBlock, 2)
     const int64_t base = chunk * a.group * NV + walk.lane;
     if (base >= a.dim_vecs) continue;
     const int64_t first_bag = bags * a.bags_per_item;
-    const int64_t last_bag = min(first_bag + a.bags_per_item, a.num_bags) - 1;
+    const int64_t last_bag = min(first_bag + a.bags_per_item, a.p.num_bags) - 1;
     int64_t first_bad = -1;
 
     // The stream's cursor: entry j of bag `bag`, whose entries end at `end`.
     int64_t bag = first_bag, j, end;
-    BagRange(a.splits, bag, a.nnz, &j, &end);
+    BagRange(a.splits, bag, a.p.nnz, &j, &end);
     // The next U entries of the stream: their bag, counted from first_bag (-1 past the
     // item's last bag), row (-1: padding, bad or none) and weight.
     int bag_of[U];
@@ -285,21 +291,13 @@ __global__ void __launch_bounds__(kBlock, 2)
       for (int u = 0; u < U; ++u) {
         while (j >= end && bag < last_bag) {
           ++bag;
-          BagRange(a.splits, bag, a.nnz, &j, &end);
+          BagRange(a.splits, bag, a.p.nnz, &j, &end);
         }
         bag_of[u] = row[u] = -1;
         w[u] = A(0);
         if (j < end) {
           bag_of[u] = static_cast<int>(bag - first_bag);
-          const int64_t id = static_cast<int64_t>(a.ids[j]);
-          if (!(a.has_padding && id == a.padding_id)) {
-            if (id >= 0 && id < a.num_rows) {
-              row[u] = id;
-              w[u] = a.has_weights ? ToAcc(a.weights[j]) : A(1);
-            } else if (first_bad < 0) {
-              first_bad = j;
-            }
-          }
+          EntryOf(a, j, &row[u], &w[u], &first_bad);
           ++j;
         }
       }
@@ -319,7 +317,7 @@ __global__ void __launch_bounds__(kBlock, 2)
     int64_t out_bag = first_bag;
     auto write_until = [&](int64_t upto) {
       for (; out_bag < upto; ++out_bag) {
-        const A scale = BagScale(a.combiner, wsum, wsq);
+        const A scale = BagScale(a.p.combiner, wsum, wsq);
 #pragma unroll
         for (int i = 0; i < NV; ++i) {
           const int64_t cv = base + i * a.group;
@@ -330,7 +328,7 @@ __global__ void __launch_bounds__(kBlock, 2)
           for (int e = 0; e < V; ++e) {
             o.v[e] = FromAcc<T>(scale == A(0) ? A(0) : acc[i][e] * scale);
           }
-          StoreVec<T, true>(a.out + out_bag * a.dim + col, o, col, a.dim);
+          StoreVec<T, true>(a.out + out_bag * a.p.dim + col, o, col, a.p.dim);
         }
         reset();
       }
@@ -341,23 +339,13 @@ __global__ void __launch_bounds__(kBlock, 2)
     while (bag_of[0] >= 0) {
       Pack<T> x[U][NV];
       int cur_bag[U];
-      unsigned loaded = 0;
       A wc[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         cur_bag[u] = bag_of[u];
         wc[u] = w[u];
-        if (row[u] >= 0) {
-          loaded |= 1u << u;
-#pragma unroll
-          for (int i = 0; i < NV; ++i) {
-            const int64_t cv = base + i * a.group;
-            if (NV == 1 || cv < a.dim_vecs) {
-              x[u][i] = LoadVec<T, true>(a.params + row[u] * a.dim + cv * V, cv * V, a.dim);
-            }
-          }
-        }
       }
+      const unsigned loaded = LoadRows<T, true, NV>(a, base, row, x);
       next_entries();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -420,6 +408,13 @@ __global__ void ForwardCombineKernel(const AccT<T>* __restrict__ part_acc,  // [
     }
   }
 }
+
+// Short bags (ForwardShortBagsKernel, for batches with at least twice kTargetGroups
+// groups): about this many entries and at most this many bags to a work item. Picked, not
+// swept: with them the grouped forward of bench_grouped_kernels.py went from 0.31 to
+// 0.14 ms on an H100 (BENCHMARKS.md, session of 2026-12-06, third).
+constexpr int64_t kShortBagsEntries = 32;
+constexpr int64_t kMaxBagsPerItem = 32;
 
 // Forward plan: columns, and how many slices each bag is split into.
 struct ForwardPlan {
@@ -519,18 +514,11 @@ cudaError_t LaunchForward(const BagProblem& p, const T* params, const Tindex* id
     a.part_pos = s.part_pos;
     a.part_w = s.part_w;
     a.report = report;
-    a.num_rows = p.num_rows;
-    a.dim = p.dim;
-    a.nnz = p.nnz;
-    a.num_bags = p.num_bags;
-    a.padding_id = p.padding_id;
+    a.p = p;
     a.dim_vecs = plan.cols.dim_vecs;
     a.chunks = plan.cols.chunks;
     a.slices = plan.slices;
     a.group = plan.cols.group;
-    a.combiner = p.combiner;
-    a.has_weights = p.has_weights;
-    a.has_padding = p.has_padding_id;
     const bool aligned = p.dim % VecOf<T>() == 0 && Aligned16(params) && Aligned16(out) &&
                          (argmax == nullptr || Aligned16(argmax));
     const bool short_bags = aligned && plan.bags_per_item > 1;
