@@ -242,13 +242,13 @@ REGISTER_OP("TfTtemb>GatherReduceSumDenseGrad")
 // get a zero gradient.
 REGISTER_OP("TfTtemb>GatherReduceSumWeightsGrad")
     .TF_TTEMB_WEIGHTS_GRAD_INPUTS("params: T")
-    .Output("weights_grad: T")  // [nnz]
+    .Output("weights_grad: T")  // weights' shape
     .TF_TTEMB_BAG_ATTRS.SetShapeFn(WeightsGradShapes</*kResource=*/false, /*kFused=*/false>)
     .Doc("Gradient of GatherReduceSum w.r.t. the per-entry weights.");
 
 REGISTER_OP("TfTtemb>ResourceGatherReduceSumWeightsGrad")
     .TF_TTEMB_WEIGHTS_GRAD_INPUTS("params: resource")
-    .Output("weights_grad: T")  // [nnz]
+    .Output("weights_grad: T")  // weights' shape
     .TF_TTEMB_BAG_ATTRS.SetShapeFn(WeightsGradShapes</*kResource=*/true, /*kFused=*/false>)
     .Doc("GatherReduceSumWeightsGrad reading params from a resource variable.");
 
@@ -288,7 +288,7 @@ REGISTER_OP("TfTtemb>GatherReduceSumSparseApply")
     .Input("learning_rate: Tacc")                        // scalar
     .Input("epsilon: Tacc")                              // scalar, >= 0
     .Input("accumulators: num_accumulators * resource")  // 0 (sgd) or 1
-    .Output("weights_grad: T")                           // [nnz], or [0] without weights
+    .Output("weights_grad: T")                           // weights' shape, [0] without weights
     .Attr("optimizer: {'sgd', 'rowwise_adagrad', 'adagrad'} = 'sgd'")
     .Attr("num_accumulators: int >= 0 = 0")
     .Attr("Tacc: {float, double} = DT_FLOAT")
