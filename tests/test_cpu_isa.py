@@ -17,16 +17,19 @@ import tensorflow as tf
 from bags import assert_close
 from processes import run_fresh_python
 
-DIMS = [1, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 255, 256, 257, 513, 1025]
+DIMS = [1, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 255, 256, 257, 264, 272]
+DIMS += [513, 1024, 1025]  # wider than one AVX-512 pass: the one-pass wide-row sum
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 
 
 def mean_inputs(dim, name, weighted):
-    """(table, ids, weights) of the mean lookups (name: the dtype, which seeds them too)."""
+    """(table, ids, weights) of the mean lookups (name: the dtype, which seeds them too),
+    with padding (-1) entries and one bag of padding only."""
     rng = np.random.default_rng(dim * 7 + len(name) + weighted)
     table = rng.standard_normal((50, dim))
-    ids = rng.integers(0, 50, size=(9, 13))
+    ids = rng.integers(-1, 50, size=(9, 13))
+    ids[6] = -1
     weights = rng.random((9, 13)) if weighted else None
     return table, ids, weights
 
@@ -63,6 +66,7 @@ for dim in dims:
                     tf.constant(ids),
                     None if weights is None else tf.cast(tf.constant(weights), name),
                     combiner="mean",
+                    padding_id=-1,
                 )
             key = f"{dim}-{name}-{weighted}"
             results[key] = tf.cast(got, tf.float64).numpy()
@@ -117,7 +121,7 @@ def test_avx512_and_avx2_forward_agree_bitwise(both_paths, dim):
             if weights is not None:
                 w = tf.cast(tf.cast(tf.constant(weights), name), tf.float64).numpy().reshape(-1)
             want, scale = reference.forward(
-                cast, ids.reshape(-1), np.arange(10) * 13, w, "mean", None
+                cast, ids.reshape(-1), np.arange(10) * 13, w, "mean", -1
             )
             assert_close(both_paths["avx2"][key], want, scale, tf.as_dtype(name), key)
 
@@ -173,11 +177,12 @@ def _disassembly(symbol_part: str) -> dict:
 @pytest.mark.skipif(
     __import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 code only"
 )
-@pytest.mark.parametrize("kernel", ["BagChunkSum<", "BagChunkMax<"])
+@pytest.mark.parametrize("kernel", ["BagChunkSum<", "BagChunkMax<", "BagSum512<"])
 def test_forward_bag_loops_prefetch_rows(kernel):
-    """The forward's bag loops prefetch rows ahead: GCC 12 once deleted every
-    __builtin_prefetch loop there (PrefetchLine in gather_reduce_sum_cpu.h)."""
+    """The forward's bag loops prefetch rows ahead, into L2: GCC 12 once deleted every
+    __builtin_prefetch loop there (PrefetchLine in gather_reduce_sum_cpu.h). BagSum512
+    holds the wide-row loop (BagWideSum512, inlined)."""
     bodies = _disassembly(kernel)
     float_bodies = {k: v for k, v in bodies.items() if ", float, long" in k}
     assert float_bodies, f"no {kernel}...float, long...> function in the op library"
-    assert any("prefetcht0" in body for body in float_bodies.values()), sorted(float_bodies)
+    assert any("prefetcht1" in body for body in float_bodies.values()), sorted(float_bodies)

@@ -170,16 +170,20 @@ inline void AddRow(Acc* __restrict acc, const T* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += static_cast<Acc>(row[d]);
 }
 
-// Prefetches the cache line holding `p` into every cache level. An asm
+// Prefetches the cache line holding `p` into L2 (and L3), not L1: the rows
+// these kernels prefetch are read a few rows later, and prefetcht0 of every
+// line of them filled the 32 KiB L1 with lines not yet needed. On a Zen 4,
+// prefetcht1 instead made the 1M x 64 forward 1.7-2.3x faster and the
+// 262,144 x 1,024 one 1.3-1.6x (BENCHMARKS.md, 2026-12-06, fourth). An asm
 // statement on x86-64, not __builtin_prefetch: GCC 12 deletes a loop whose
 // only statements are __builtin_prefetch calls (it counts the builtin as free
 // of side effects and, from C++11 on, such a loop as finite and so as dead),
 // which had silently removed the row prefetches of these kernels.
 inline void PrefetchLine(const void* p) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
+  asm volatile("prefetcht1 (%0)" : : "r"(p));
 #else
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, 2);
 #endif
 }
 

@@ -451,12 +451,60 @@ TF_TTEMB_AVX512 void BagChunkSum512Tail(const T* params, const Tindex* ids, cons
   }
 }
 
+// Rows wider than one pass holds (D > 256): the sums in sums[0, dim), which
+// stays in L1, and one pass over the entries that reads each row once, front
+// to back, prefetching the row kWideRowsAhead entries on one line per vector
+// loaded. Chunked passes read each row in slices, one slice a pass. Each
+// column is still the same sequential fma (or add) chain.
+constexpr int64_t kWideRowsAhead = 8;
+
+template <bool kWeighted, typename T, typename Tindex>
+TF_TTEMB_AVX512 void BagWideSum512(const T* params, const Tindex* ids, const T* weights,
+                                   int64_t begin, int64_t end, int64_t prefetch_end, int64_t dim,
+                                   const BagAttrs& attrs, float* sums) {
+  constexpr int kLanes = Vec512::kLanes;
+  constexpr int64_t kVecBytes = kLanes * sizeof(T);  // 64 or 32: a line per 1 or 2 vectors
+  const int64_t full = dim / kLanes;
+  const int tail = static_cast<int>(dim % kLanes);
+  const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
+  std::fill(sums, sums + dim, 0.0f);
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t id = static_cast<int64_t>(ids[j]);
+    const int64_t ahead = j + kWideRowsAhead;
+    const char* next = nullptr;  // the row to prefetch, or null
+    if (ahead < prefetch_end && !IsPadding(ids[ahead], attrs)) {
+      next = reinterpret_cast<const char*>(params + static_cast<int64_t>(ids[ahead]) * dim);
+    }
+    if (attrs.has_padding_id && id == attrs.padding_id) continue;
+    const T* row = params + id * dim;
+    const __m512 w = _mm512_set1_ps(kWeighted ? static_cast<float>(weights[j]) : 1.0f);
+    for (int64_t v = 0; v < full; ++v) {
+      if (next != nullptr && (v * kVecBytes) % 64 == 0) PrefetchLine(next + v * kVecBytes);
+      const __m512 x = Vec512::Load(row + v * kLanes);
+      const __m512 acc = _mm512_loadu_ps(sums + v * kLanes);
+      _mm512_storeu_ps(sums + v * kLanes,
+                       kWeighted ? _mm512_fmadd_ps(w, x, acc) : _mm512_add_ps(acc, x));
+    }
+    if (tail != 0) {
+      if (next != nullptr) PrefetchBytes(next + full * kVecBytes, tail * sizeof(T));
+      const __m512 x = Vec512::LoadPartial(row + full * kLanes, mask);
+      const __m512 acc = _mm512_maskz_loadu_ps(mask, sums + full * kLanes);
+      _mm512_mask_storeu_ps(sums + full * kLanes, mask,
+                            kWeighted ? _mm512_fmadd_ps(w, x, acc) : _mm512_add_ps(acc, x));
+    }
+  }
+}
+
 template <bool kWeighted, typename T, typename Tindex>
 TF_TTEMB_AVX512 void BagSum512(const T* params, const Tindex* ids, const T* weights, int64_t begin,
                                int64_t end, int64_t prefetch_end, int64_t dim,
                                const BagAttrs& attrs, float* sums) {
   constexpr int kLanes = Vec512::kLanes;
   const int64_t vecs = (dim + kLanes - 1) / kLanes;
+  if (vecs > kMaxVecs512) {
+    BagWideSum512<kWeighted>(params, ids, weights, begin, end, prefetch_end, dim, attrs, sums);
+    return;
+  }
   const int tail = static_cast<int>(dim % kLanes);
   int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
   int64_t col = 0;
