@@ -686,3 +686,32 @@ def test_gpu_breakdown_benches_run_on_the_cpu(tmp_path, script, key, names):
     assert {r["kind"] for r in results} == {"per call", "in graph"}
     assert len(results) == 2 * len(names) * (2 if script == "bench_report_check.py" else 1)
     assert all(r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] for r in results)
+
+
+def test_timed_calls_run_with_the_collector_paused():
+    """The timed calls run with Python's garbage collector off (as timeit's do), the
+    warm-up calls with it as it was; it is on again afterwards, also after a call raises."""
+    import gc
+
+    from tf_ttemb import _timing
+
+    seen = []
+    _timing.time_calls(lambda: seen.append(gc.isenabled()), warmup=2, repeats=3)
+    assert seen == [True, True, False, False, False]
+    seen.clear()
+    timings = _timing.time_alternating(
+        {"a": lambda: seen.append(gc.isenabled()), "b": lambda: seen.append(gc.isenabled())},
+        warmup=1,
+        repeats=2,
+    )
+    assert seen == [True, True, False, False, False, False]
+    assert sorted(timings) == ["a", "b"] and timings["a"].repeats == 2
+    assert gc.isenabled()
+
+    def fails():
+        if not gc.isenabled():
+            raise RuntimeError("timed call")
+
+    with pytest.raises(RuntimeError, match="timed call"):
+        _timing.time_calls(fails, warmup=1, repeats=1)
+    assert gc.isenabled()

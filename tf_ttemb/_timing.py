@@ -38,8 +38,10 @@ Peak memory is measured two ways:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import platform
@@ -77,6 +79,22 @@ def _no_sync(result: Any = None) -> None:
     pass
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's garbage collector off for the timed calls (as `timeit` does), after one
+    full collection: a collection lands in whichever call happens to allocate past its
+    threshold and, in a process holding TensorFlow's objects, takes milliseconds, so it
+    would be charged to one call at random and to every framework differently."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def time_calls(
     fn: Callable[[], Any],
     warmup: int,
@@ -97,11 +115,12 @@ def time_calls(
         fn()
     sync()
     samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
+    with _collector_paused():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples.append((time.perf_counter() - start) * 1e3)
     return Timing(statistics.median(samples), min(samples), repeats)
 
 
@@ -122,11 +141,12 @@ def time_alternating(
         for fn in steps.values():
             sync(fn())
     samples: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, fn in steps.items():
-            start = time.perf_counter()
-            sync(fn())
-            samples[name].append((time.perf_counter() - start) * 1e3)
+    with _collector_paused():
+        for _ in range(repeats):
+            for name, fn in steps.items():
+                start = time.perf_counter()
+                sync(fn())
+                samples[name].append((time.perf_counter() - start) * 1e3)
     return {name: Timing(statistics.median(s), min(s), len(s)) for name, s in samples.items()}
 
 
