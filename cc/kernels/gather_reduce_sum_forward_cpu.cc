@@ -393,6 +393,18 @@ inline bool CpuHasAvx512() {
 
 // As BagChunkSum, 16 lanes per vector; `mask` selects the last vector's lanes
 // when kTail.
+// acc[0, kVecs) += w * row's vectors (fma) when kWeighted, + row's vectors
+// otherwise; `mask` selects the last vector's lanes when kTail.
+template <int kVecs, bool kTail, bool kWeighted, typename T>
+TF_TTEMB_AVX512 inline void AddRow512(const T* row, __m512 w, __mmask16 mask, __m512* acc) {
+  constexpr int kLanes = Vec512::kLanes;
+  for (int v = 0; v < kVecs; ++v) {
+    const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
+                                               : Vec512::Load(row + v * kLanes);
+    acc[v] = kWeighted ? _mm512_fmadd_ps(w, x, acc[v]) : _mm512_add_ps(acc[v], x);
+  }
+}
+
 template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex>
 TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
                                     const Tindex* ids,  // [nnz]
@@ -407,25 +419,26 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
   const int64_t distance = RowsInFlight(prefetch_bytes);
-  for (int64_t j = begin; j < end; ++j) {
+  int64_t j = begin;
+  if (prefetch_bytes > 0) {
+    // The entries whose look-ahead entry lies before prefetch_end: no bound
+    // check per entry (short rows spend more on the loop than on the row).
+    const int64_t checked_from = std::min(end, prefetch_end - distance);
+    for (; j < checked_from; ++j) {
+      const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
+      if (!padding || ahead != padding_id) PrefetchBytes(params + ahead * dim, prefetch_bytes);
+      const int64_t id = static_cast<int64_t>(ids[j]);
+      if (padding && id == padding_id) continue;
+      const __m512 w = _mm512_set1_ps(kWeighted ? static_cast<float>(weights[j]) : 1.0f);
+      AddRow512<kVecs, kTail, kWeighted>(params + id * dim + col, w, mask, acc);
+    }
+  }
+  for (; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
     PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
     if (padding && id == padding_id) continue;
-    const T* row = params + id * dim + col;
-    if (kWeighted) {
-      const __m512 w = _mm512_set1_ps(static_cast<float>(weights[j]));
-      for (int v = 0; v < kVecs; ++v) {
-        const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
-                                                   : Vec512::Load(row + v * kLanes);
-        acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
-      }
-    } else {
-      for (int v = 0; v < kVecs; ++v) {
-        const __m512 x = (kTail && v == kVecs - 1) ? Vec512::LoadPartial(row + v * kLanes, mask)
-                                                   : Vec512::Load(row + v * kLanes);
-        acc[v] = _mm512_add_ps(acc[v], x);
-      }
-    }
+    const __m512 w = _mm512_set1_ps(kWeighted ? static_cast<float>(weights[j]) : 1.0f);
+    AddRow512<kVecs, kTail, kWeighted>(params + id * dim + col, w, mask, acc);
   }
   for (int v = 0; v < kVecs; ++v) {
     if (kTail && v == kVecs - 1) {
