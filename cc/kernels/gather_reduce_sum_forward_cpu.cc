@@ -391,8 +391,6 @@ inline bool CpuHasAvx512() {
   return has;
 }
 
-// As BagChunkSum, 16 lanes per vector; `mask` selects the last vector's lanes
-// when kTail.
 // acc[0, kVecs) += w * row's vectors (fma) when kWeighted, + row's vectors
 // otherwise; `mask` selects the last vector's lanes when kTail.
 template <int kVecs, bool kTail, bool kWeighted, typename T>
@@ -405,6 +403,8 @@ TF_TTEMB_AVX512 inline void AddRow512(const T* row, __m512 w, __mmask16 mask, __
   }
 }
 
+// As BagChunkSum, 16 lanes per vector; `mask` selects the last vector's lanes
+// when kTail.
 template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex>
 TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
                                     const Tindex* ids,  // [nnz]
