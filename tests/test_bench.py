@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from processes import run_cli
+from processes import run_cli, run_fresh_python
 
 import tf_ttemb
 from tf_ttemb import _bench_cases, _bench_torch, bench
@@ -715,3 +715,23 @@ def test_timed_calls_run_with_the_collector_paused():
     with pytest.raises(RuntimeError, match="timed call"):
         _timing.time_calls(fails, warmup=1, repeats=1)
     assert gc.isenabled()
+    # torch's side of the bench (its CPU timing needs no torch module) times alike.
+    seen.clear()
+    timed = _bench_torch._time_calls(None, lambda: seen.append(gc.isenabled()), False, 1, 2)
+    assert seen == [True, False, False] and timed["repeats"] == 2
+    assert gc.isenabled()
+
+
+def test_torch_side_times_without_importing_tensorflow():
+    """As the bench's child script, tf_ttemb/_bench_torch.py loads the timing utility from
+    its file: timing a call imports neither TensorFlow nor the tf_ttemb package."""
+    script = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("bench_torch", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+timed = module._time_calls(None, lambda: None, False, 1, 3)
+print(timed["repeats"], "tensorflow" in sys.modules, "tf_ttemb" in sys.modules)
+"""
+    last = run_fresh_python(script, _bench_torch.__file__, without_tf_ttemb=True)
+    assert last == "3 False False", last

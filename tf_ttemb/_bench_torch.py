@@ -2,11 +2,11 @@
 `torch.nn.functional.embedding_bag` timed on it, in the bench's process (the CPU) or in
 a child process that the bench starts (a GPU).
 
-This module imports the standard library and numpy only (torch inside the functions that
-use it), so that it also runs as a script in a fresh interpreter that never loads
-TensorFlow or the tf_ttemb package: torch initialising CUDA in a process that already
-ran TensorFlow on the GPU died of SIGFPE on the H200 machine. The child's protocol is
-`tf_ttemb._timing.run_worker`'s: the bench runs
+This module imports the standard library, numpy and tf_ttemb/_timing.py (from its file;
+torch inside the functions that use it), so that it also runs as a script in a fresh
+interpreter that never loads TensorFlow or the tf_ttemb package: torch initialising CUDA
+in a process that already ran TensorFlow on the GPU died of SIGFPE on the H200 machine.
+The child's protocol is `tf_ttemb._timing.run_worker`'s: the bench runs
 
     python .../tf_ttemb/_bench_torch.py --_worker SPEC
 
@@ -16,7 +16,9 @@ the child writes its JSON result to that file (see `measure`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -117,6 +119,19 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
+def _timing_module() -> Any:
+    """tf_ttemb/_timing.py, loaded from its file (as python/bench/_bench_util.py loads it):
+    as a script, this module must not import the package, which imports TensorFlow."""
+    name = "tf_ttemb_timing"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_timing.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while building
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _time_calls(torch: Any, fn: Callable[[], Any], cuda: bool, warmup: int, repeats: int) -> dict:
     """{"median_ms", "min_ms", "repeats"} of `fn()`: CUDA events around each call on a GPU
     (the device's time from the call's first kernel to its last), the wall clock on the
@@ -126,19 +141,20 @@ def _time_calls(torch: Any, fn: Callable[[], Any], cuda: bool, warmup: int, repe
     if cuda:
         torch.cuda.synchronize()
     samples = []
-    for _ in range(repeats):
-        if cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(float(start.elapsed_time(end)))
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - begin) * 1e3)
+    with _timing_module().collector_paused():  # as our side's timed calls
+        for _ in range(repeats):
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(float(start.elapsed_time(end)))
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - begin) * 1e3)
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "repeats": repeats}
 
 

@@ -80,8 +80,9 @@ def _no_sync(result: Any = None) -> None:
 
 
 @contextlib.contextmanager
-def _collector_paused():
-    """Python's garbage collector off for the timed calls (as `timeit` does), after one
+def collector_paused():
+    """Python's garbage collector off for the timed calls (as `timeit` does; here and in
+    torch's side of `python -m tf_ttemb bench`, tf_ttemb/_bench_torch.py), after one
     full collection: a collection lands in whichever call happens to allocate past its
     threshold and, in a process holding TensorFlow's objects, takes milliseconds, so it
     would be charged to one call at random and to every framework differently."""
@@ -115,7 +116,7 @@ def time_calls(
         fn()
     sync()
     samples = []
-    with _collector_paused():
+    with collector_paused():
         for _ in range(repeats):
             start = time.perf_counter()
             fn()
@@ -141,7 +142,7 @@ def time_alternating(
         for fn in steps.values():
             sync(fn())
     samples: Dict[str, List[float]] = {name: [] for name in steps}
-    with _collector_paused():
+    with collector_paused():
         for _ in range(repeats):
             for name, fn in steps.items():
                 start = time.perf_counter()
