@@ -701,10 +701,11 @@ def test_ids_out_of_range(rng, case, ids_dtype, implementation, mode):
 @pytest.mark.parametrize("ids_dtype", list(ID_DTYPES))
 @pytest.mark.parametrize("nnz", [3_000, 70_000])
 def test_first_bad_id_of_a_long_batch(rng, nnz, ids_dtype, padding_id, combiner):
-    """The CPU check tests blocks of 512 ids at once (on the pool's threads from 65,536 ids on)
-    and scans a failing block in order: the first bad id is named, past padding entries and
-    blocks that pass, with a later bad id in another block and one after it in its own; the
-    same for the max combiner, whose forward has its own bag loop."""
+    """The CPU check tests blocks of 512 ids at once (in the forward, each thread's block of
+    bags its own ids, once there is enough work to split) and scans a failing block in order:
+    the first bad id is named, past padding entries and blocks that pass, with a later bad
+    id in another block and one after it in its own; the same for the max combiner, whose
+    forward has its own bag loop."""
     ids = rng.integers(0, N_ERR, size=nnz)
     if padding_id is not None:
         ids[rng.random(nnz) < 0.3] = padding_id
@@ -1018,6 +1019,36 @@ def test_raw_op_ids_out_of_range(raw_ops, rng, op, padding_id):
             rng.normal(size=(4096, 2)),
             indices,
             [0, 2, 5],
+            weights,
+            padding_id=padding_id,
+            rng=rng,
+        )
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+@pytest.mark.parametrize("padding_id", [None, -1], ids=lambda p: f"pad{p}")
+def test_raw_op_first_bad_id_of_a_long_batch(raw_ops, rng, op, padding_id):
+    """Large enough for the CPU to split the bags over its threads, each block checking its
+    own ids (the forward and the weights gradient check them block by block as they go):
+    the error names the first bad id, with a second bad id in its block and a third in the
+    last block, on every raw op."""
+    nnz, bag = 70_000, 10
+    ids = rng.integers(0, N_ERR, size=nnz)
+    if padding_id is not None:
+        ids[rng.random(nnz) < 0.3] = padding_id
+    first = int(rng.integers(nnz // 4, nnz // 2))
+    ids[first], ids[first + 1], ids[nnz - 5] = -3, N_ERR, N_ERR + 11
+    weights = rng.uniform(size=nnz) if op.endswith("weights_grad") else None
+    message = f"indices[{first}] = -3 is not in [0, 4096)"
+    if padding_id is not None:
+        message += f" and is not padding_id ({padding_id})"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(message)):
+        call_raw(
+            raw_ops,
+            op,
+            rng.normal(size=(N_ERR, 3)),
+            tf.constant(ids, tf.int64),
+            np.arange(0, nnz + 1, bag),
             weights,
             padding_id=padding_id,
             rng=rng,

@@ -186,38 +186,38 @@ struct WeightsGradLaunch<CpuDevice, T, Tindex> {
     const int64_t* splits = a.row_splits->flat<int64_t>().data();
     const Tindex* ids = a.indices->flat<Tindex>().data();
     thread::ThreadPool* pool = step.pool;
-    TF_RETURN_IF_ERROR(
-        ValidateBags(pool, splits, ids, shapes.num_bags, shapes.nnz, a.num_rows, attrs));
-
     CollapseToHugePages(*a.params);
     const T* dy_data = a.grad->flat<T>().data();
     const T* params_data = a.params->flat<T>().data();
     const T* w = a.weights->flat<T>().data();
     const T* out_data = a.output->flat<T>().data();
     T* dw = a.weights_grad->flat<T>().data();
-    ForBalancedBlocks(pool, splits, shapes.num_bags, dim, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t j0 = splits[b], j1 = splits[b + 1];
-        const T* dy = dy_data + b * dim;
-        const Acc scale = ComputeBagScale(ids, w, j0, j1, attrs);
-        const Acc dy_dot_out =
-            attrs.combiner == Combiner::kSum ? Acc(0) : Dot<Acc>(dy, out_data + b * dim, dim);
-        for (int64_t j = j0; j < j1; ++j) {
-          if (IsPadding(ids[j], attrs) || scale == Acc(0)) {
-            dw[j] = T(0);
-            continue;
+    // Each block of bags checks its ids, then computes their weights' gradients.
+    return ForValidatedBlocks(
+        pool, splits, ids, shapes.num_bags, shapes.nnz, a.num_rows, attrs, dim,
+        [&](int64_t begin, int64_t end) {
+          for (int64_t b = begin; b < end; ++b) {
+            const int64_t j0 = splits[b], j1 = splits[b + 1];
+            const T* dy = dy_data + b * dim;
+            const Acc scale = ComputeBagScale(ids, w, j0, j1, attrs);
+            const Acc dy_dot_out =
+                attrs.combiner == Combiner::kSum ? Acc(0) : Dot<Acc>(dy, out_data + b * dim, dim);
+            for (int64_t j = j0; j < j1; ++j) {
+              if (IsPadding(ids[j], attrs) || scale == Acc(0)) {
+                dw[j] = T(0);
+                continue;
+              }
+              if (j + kPrefetchDistance < j1 && !IsPadding(ids[j + kPrefetchDistance], attrs)) {
+                PrefetchRow(params_data + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim,
+                            dim);
+              }
+              const T* row = params_data + static_cast<int64_t>(ids[j]) * dim;
+              const Acc dot = Dot<Acc>(dy, row, dim);
+              dw[j] = static_cast<T>(WeightGradFromDot(attrs.combiner, dot, dy_dot_out, scale,
+                                                       static_cast<Acc>(w[j])));
+            }
           }
-          if (j + kPrefetchDistance < j1 && !IsPadding(ids[j + kPrefetchDistance], attrs)) {
-            PrefetchRow(params_data + static_cast<int64_t>(ids[j + kPrefetchDistance]) * dim, dim);
-          }
-          const T* row = params_data + static_cast<int64_t>(ids[j]) * dim;
-          const Acc dot = Dot<Acc>(dy, row, dim);
-          dw[j] = static_cast<T>(
-              WeightGradFromDot(attrs.combiner, dot, dy_dot_out, scale, static_cast<Acc>(w[j])));
-        }
-      }
-    });
-    return OkStatus();
+        });
   }
 };
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/mutex.h"
 #include "tensorflow/core/platform/threadpool.h"
 #include "tensorflow/core/util/work_sharder.h"
 
@@ -52,7 +54,11 @@ inline std::vector<int64_t> BalancedBlocks(const int64_t* prefix, int64_t n, int
   return bounds;
 }
 
-// Runs fn(begin, end) over the balanced blocks, one block per work item.
+// Runs fn(begin, end) over about 4 balanced blocks per thread. The calling
+// thread starts on the blocks at once and the pool's threads join it as they
+// wake, each taking the next unclaimed block, so a late-waking thread costs no
+// more than the blocks it would have taken; the call returns once every block
+// is done. Which thread runs a block does not change what the block computes.
 template <typename Fn>
 void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t n,
                        int64_t cost_per_item, Fn fn) {
@@ -63,60 +69,91 @@ void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t 
     fn(0, n);
     return;
   }
-  const std::vector<int64_t> bounds = BalancedBlocks(prefix, n, 4 * threads);
-  const int64_t num_blocks = static_cast<int64_t>(bounds.size()) - 1;
-  pool->ParallelFor(num_blocks, std::numeric_limits<int32_t>::max(),
-                    [&](int64_t first, int64_t last) {
-                      for (int64_t k = first; k < last; ++k) {
-                        fn(bounds[k], bounds[k + 1]);
-                      }
-                    });
+  // Shared with the helpers: one may start after the last block is done (and
+  // this call has returned); it then finds no block to claim and only drops its
+  // reference. fn is used only for claimed blocks, all done before the return.
+  struct Claims {
+    std::vector<int64_t> bounds;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> left{0};
+    mutex mu;
+    condition_variable all_done;
+  };
+  auto claims = std::make_shared<Claims>();
+  claims->bounds = BalancedBlocks(prefix, n, 4 * threads);
+  const int64_t num_blocks = static_cast<int64_t>(claims->bounds.size()) - 1;
+  claims->left = num_blocks;
+  auto drain = [claims, num_blocks, &fn]() {
+    for (int64_t k = claims->next.fetch_add(1); k < num_blocks; k = claims->next.fetch_add(1)) {
+      fn(claims->bounds[k], claims->bounds[k + 1]);
+      if (claims->left.fetch_sub(1) == 1) {
+        mutex_lock lock(claims->mu);
+        claims->all_done.notify_all();
+      }
+    }
+  };
+  for (int64_t h = 1; h < std::min(threads, num_blocks); ++h) pool->Schedule(drain);
+  drain();
+  mutex_lock lock(claims->mu);
+  while (claims->left.load() > 0) claims->all_done.wait(lock);
 }
 
-// Finds the first index that is neither in [0, num_rows) nor the padding id.
-// Blocks of kCheckBlock ids are tested first with a branch-free OR of the
-// range test (and of the inequality to the padding id, if any) into an int64,
-// as two signed compares: GCC 12 vectorises that loop with AVX2 but not the
+// The position of the first id in ids[begin, end) that is neither in
+// [0, num_rows) nor the padding id, or `end` if there is none. Blocks of
+// kCheckBlock ids are tested first with a branch-free OR of the range test
+// (and of the inequality to the padding id, if any) into an int64, as two
+// signed compares: GCC 12 vectorises that loop with AVX2 but not the
 // one-compare unsigned form (AVX2 has no unsigned 64-bit compare), which ran
 // 3x slower (0.45 against 0.15 ms for 655,360 int64 ids on one core). Only a
 // block that fails is scanned in order for its first bad id.
 template <typename Tindex>
-Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz, int64_t num_rows,
-                       const BagAttrs& attrs) {
+int64_t FirstBadIndex(const Tindex* ids, int64_t begin, int64_t end, int64_t num_rows,
+                      const BagAttrs& attrs) {
   constexpr int64_t kCheckBlock = 512;
-  std::atomic<int64_t> first_bad{nnz};
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  auto block_fails = [&](int64_t begin, int64_t end) {
+  auto block_fails = [&](int64_t from, int64_t to) {
     int64_t bad = 0;
     if (padding) {
-      for (int64_t j = begin; j < end; ++j) {
+      for (int64_t j = from; j < to; ++j) {
         const int64_t id = static_cast<int64_t>(ids[j]);
         bad |= (static_cast<int64_t>(id < 0) | static_cast<int64_t>(id >= num_rows)) &
                static_cast<int64_t>(id != padding_id);
       }
     } else {
-      for (int64_t j = begin; j < end; ++j) {
+      for (int64_t j = from; j < to; ++j) {
         const int64_t id = static_cast<int64_t>(ids[j]);
         bad |= static_cast<int64_t>(id < 0) | static_cast<int64_t>(id >= num_rows);
       }
     }
     return bad != 0;
   };
-  auto check = [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; block += kCheckBlock) {
-      const int64_t block_end = std::min(end, block + kCheckBlock);
-      if (!block_fails(block, block_end)) continue;
-      for (int64_t j = block; j < block_end; ++j) {
-        const int64_t id = static_cast<int64_t>(ids[j]);
-        if ((id < 0 || id >= num_rows) && !IsPadding(ids[j], attrs)) {
-          int64_t seen = first_bad.load();
-          while (j < seen && !first_bad.compare_exchange_weak(seen, j)) {
-          }
-          return;
-        }
-      }
+  for (int64_t block = begin; block < end; block += kCheckBlock) {
+    const int64_t block_end = std::min(end, block + kCheckBlock);
+    if (!block_fails(block, block_end)) continue;
+    for (int64_t j = block; j < block_end; ++j) {
+      const int64_t id = static_cast<int64_t>(ids[j]);
+      if ((id < 0 || id >= num_rows) && !IsPadding(ids[j], attrs)) return j;
     }
+  }
+  return end;
+}
+
+// Lowers `first_bad` to `position` if that is smaller (threads report in any order).
+inline void LowerFirstBad(std::atomic<int64_t>* first_bad, int64_t position) {
+  int64_t seen = first_bad->load();
+  while (position < seen && !first_bad->compare_exchange_weak(seen, position)) {
+  }
+}
+
+// Every id in [0, num_rows) or the padding id; else the error naming the first one.
+template <typename Tindex>
+Status ValidateIndices(thread::ThreadPool* pool, const Tindex* ids, int64_t nnz, int64_t num_rows,
+                       const BagAttrs& attrs) {
+  std::atomic<int64_t> first_bad{nnz};
+  auto check = [&](int64_t begin, int64_t end) {
+    const int64_t bad = FirstBadIndex(ids, begin, end, num_rows, attrs);
+    if (bad < end) LowerFirstBad(&first_bad, bad);
   };
   if (nnz < 65536) {
     check(0, nnz);
@@ -138,6 +175,32 @@ Status ValidateBags(thread::ThreadPool* pool, const int64_t* splits, const Tinde
                     int64_t num_bags, int64_t nnz, int64_t num_rows, const BagAttrs& attrs) {
   TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, nnz));
   return ValidateIndices(pool, ids, nnz, num_rows, attrs);
+}
+
+// ValidateBags and ForBalancedBlocks(splits, ..., fn) in one pass over the
+// pool: each block of bags checks its own ids, then runs fn(begin, end) on
+// them only if they all pass. One fork and join instead of two, and the ids
+// are still in cache when fn reads them. On a bad id, fn may have run on other
+// blocks; the error names the first bad position, as ValidateBags does.
+template <typename Tindex, typename Fn>
+Status ForValidatedBlocks(thread::ThreadPool* pool, const int64_t* splits, const Tindex* ids,
+                          int64_t num_bags, int64_t nnz, int64_t num_rows, const BagAttrs& attrs,
+                          int64_t cost_per_item, Fn fn) {
+  TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, nnz));
+  std::atomic<int64_t> first_bad{nnz};
+  ForBalancedBlocks(pool, splits, num_bags, cost_per_item, [&](int64_t begin, int64_t end) {
+    const int64_t bad = FirstBadIndex(ids, splits[begin], splits[end], num_rows, attrs);
+    if (bad < splits[end]) {
+      LowerFirstBad(&first_bad, bad);
+      return;
+    }
+    fn(begin, end);
+  });
+  const int64_t bad = first_bad.load();
+  if (bad < nnz) {
+    return BadIndexError(bad, static_cast<int64_t>(ids[bad]), num_rows, attrs);
+  }
+  return OkStatus();
 }
 
 template <typename Acc>
@@ -735,8 +798,9 @@ void SortEntries(thread::ThreadPool* pool, const Tindex* ids, const int64_t* spl
 // [nnz] each, and a fresh multi-MiB vector per call costs a page fault per 4
 // KiB (at D = 16 as much time as the reduction). Grown, never shrunk: a thread
 // keeps about 40 bytes per entry of the largest batch it has seen. A kernel's
-// Compute never re-enters on its thread (ParallelFor's caller waits on a
-// barrier), so one set per thread suffices.
+// Compute never re-enters on its thread (a parallel loop's caller works on its
+// blocks, then waits), and the blocks do not use this scratch, so one set per
+// thread suffices.
 struct ThreadScratch {
   SortedEntries sorted;
   std::vector<float> coef_f, w_f;

@@ -782,8 +782,8 @@ void ForwardBags(const T* params,        // [N, D]
 
 }  // namespace
 
-// The CPU forward: checks the row_splits and ids on the host (the report stays
-// empty), then sums the bags over the thread pool.
+// The CPU forward: checks the row_splits on the host (the report stays empty),
+// then each block of bags on the thread pool checks its ids and sums its bags.
 template <typename T, typename Tindex>
 struct ForwardLaunch<CpuDevice, T, Tindex> {
   static constexpr int64_t kReportWords = 0;
@@ -793,9 +793,12 @@ struct ForwardLaunch<CpuDevice, T, Tindex> {
     const int64_t* splits = a.row_splits->flat<int64_t>().data();
     const Tindex* ids = a.indices->flat<Tindex>().data();
     thread::ThreadPool* pool = CpuPool(ctx);
-    TF_RETURN_IF_ERROR(ValidateBags(pool, splits, ids, num_bags, a.shapes.nnz, a.num_rows, attrs));
+    const int64_t nnz = a.shapes.nnz;
     const bool is_max = attrs.combiner == Combiner::kMax;
-    if (is_max) {  // argmax holds int32 positions inside a bag
+    // argmax holds int32 positions inside a bag: only more entries than that in
+    // all could make one bag too long (once row_splits are known to be sound).
+    if (is_max && nnz > std::numeric_limits<int32>::max()) {
+      TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_bags, nnz));
       for (int64_t b = 0; b < num_bags; ++b) {
         if (splits[b + 1] - splits[b] > std::numeric_limits<int32>::max()) {
           return errors::InvalidArgument(
@@ -804,7 +807,9 @@ struct ForwardLaunch<CpuDevice, T, Tindex> {
         }
       }
     }
-    if (num_bags == 0 || a.dim == 0) return OkStatus();
+    if (num_bags == 0 || a.dim == 0) {
+      return ValidateBags(pool, splits, ids, num_bags, nnz, a.num_rows, attrs);
+    }
     CollapseToHugePages(*a.params);
     const T* params = a.params->flat<T>().data();
     const T* weights = attrs.has_weights ? a.weights->flat<T>().data() : nullptr;
@@ -816,10 +821,11 @@ struct ForwardLaunch<CpuDevice, T, Tindex> {
     // 4 KiB page on every call (huge_pages.h), as the backward's gradients do.
     AdviseHugePages(out, num_bags * dim * static_cast<int64_t>(sizeof(T)));
     if (is_max) AdviseHugePages(argmax, num_bags * dim * static_cast<int64_t>(sizeof(int32)));
-    ForBalancedBlocks(pool, splits, num_bags, dim, [&](int64_t begin, int64_t end) {
-      ForwardBags(params, ids, splits, weights, dim, attrs, begin, end, out, argmax);
-    });
-    return OkStatus();
+    // Each block of bags checks its ids, then sums them (ForValidatedBlocks).
+    return ForValidatedBlocks(
+        pool, splits, ids, num_bags, nnz, a.num_rows, attrs, dim, [&](int64_t begin, int64_t end) {
+          ForwardBags(params, ids, splits, weights, dim, attrs, begin, end, out, argmax);
+        });
   }
 };
 
