@@ -556,7 +556,9 @@ def _chained(fn: Callable[[Any], Any], x: Any, steps: int):
             return i + 1, total + probe(fn(x))
 
         start = (tf.constant(0), tf.constant(0.0))
-        return tf.while_loop(lambda i, _: i < steps, body, start)[1]
+        # One iteration at a time: by default a while_loop may run up to 10 of them at
+        # once where nothing orders them (on a CPU, on its inter-op threads).
+        return tf.while_loop(lambda i, _: i < steps, body, start, parallel_iterations=1)[1]
 
     return loop
 

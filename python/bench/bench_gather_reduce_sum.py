@@ -472,7 +472,9 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             return i + 1, total + tf_ttemb.gather_reduce_sum(params, ids, weights)[0, 0]
 
         start = (tf.constant(0), tf.constant(0.0))
-        return tf.while_loop(lambda i, _: i < SWEEP_CHAIN, body, start)[1]
+        # parallel_iterations=1: one forward after the other, as in a training loop (by
+        # default up to 10 iterations, independent here, would run at once).
+        return tf.while_loop(lambda i, _: i < SWEEP_CHAIN, body, start, parallel_iterations=1)[1]
 
     warmup, repeats = spec["warmup"], spec["repeats"]
     # raw and wrapper alternate in one loop, so that both see the same machine load.

@@ -138,6 +138,7 @@ def main(argv=None) -> int:
                     lambda i, acc: i < args.steps,
                     lambda i, acc: (i + 1, acc + body()),
                     (tf.constant(0), tf.constant(0.0)),
+                    parallel_iterations=1,
                 )[1]
 
         per_call = _bench_util.time_calls(lambda: once().numpy(), 2, args.repeats).median_ms
