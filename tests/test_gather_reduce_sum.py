@@ -9,6 +9,7 @@ and every error message have dedicated tests.
 from __future__ import annotations
 
 import importlib
+import json
 import re
 
 import numpy as np
@@ -36,7 +37,7 @@ from bags import (
     sparse_bags,
     weights_like,
 )
-from processes import built_with_cuda
+from processes import built_with_cuda, run_fresh_python
 
 import tf_ttemb
 
@@ -1258,3 +1259,44 @@ def test_check_bag_report_words_the_cpu_ops_errors(raw_ops, findings, padding_id
 def test_check_bag_report_rejects_a_report_of_another_size(raw_ops):
     with pytest.raises(tf.errors.InvalidArgumentError, match="report must be empty or hold 11"):
         raw_ops.tf_ttemb_check_bag_report(tf.zeros([3], tf.int64))
+
+
+THREADS_SCRIPT = """
+    import hashlib, json, sys
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))
+    tf.config.set_visible_devices([], "GPU")
+    import tf_ttemb
+    rng = np.random.default_rng(11)
+    params = tf.Variable(rng.standard_normal((5000, 24)), dtype=tf.float32)
+    # Uneven bags (0 to 60 entries) with padding, so the blocks differ in size.
+    lengths = rng.integers(0, 61, size=4000)
+    values = rng.integers(-1, 5000, size=int(lengths.sum()))
+    ids = tf.RaggedTensor.from_row_lengths(values, lengths)
+    weight_values = tf.Variable(rng.random(values.size), dtype=tf.float32)
+    upstream = tf.constant(rng.standard_normal((4000, 24)), tf.float32)
+    digest = hashlib.sha256()
+    for combiner in ("sum", "mean", "max"):
+        for dense_grad in (False, True):
+            with tf.GradientTape() as tape:
+                w = None if combiner == "max" else ids.with_values(tf.identity(weight_values))
+                out = tf_ttemb.gather_reduce_sum(
+                    params, ids, w, combiner=combiner, padding_id=-1, dense_grad=dense_grad
+                )
+            sources = [params] if w is None else [params, weight_values]
+            grads = tape.gradient(out, sources, output_gradients=upstream)
+            digest.update(out.numpy().tobytes())
+            for g in grads:
+                digest.update(tf.convert_to_tensor(g).numpy().tobytes())
+    print(json.dumps(digest.hexdigest()))
+"""
+
+
+@pytest.mark.slow
+def test_cpu_results_have_the_same_bits_for_any_thread_count():
+    """The CPU kernels split bags and id segments into blocks that any of the pool's
+    threads (or the calling one) may claim: the forward, the deduplicated and dense
+    gradients and the weights gradient have the same bits at 1, 2 and 3 threads."""
+    digests = {t: json.loads(run_fresh_python(THREADS_SCRIPT, str(t))) for t in (1, 2, 3)}
+    assert len(set(digests.values())) == 1, digests
