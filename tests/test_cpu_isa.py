@@ -3,7 +3,8 @@
 (TF_TTEMB_CPU_ISA=avx2, what every other x86-64 CPU runs), over the row widths whose code
 paths differ (tails of one to fifteen lanes, one and several vectors, the widest unrolled
 chunk of the sum and of the max and beyond), every dtype, mean weighted and not, and max
-(with its argmax, through the gradient). Both agree with the float64 reference."""
+(with its argmax, through the gradient). Both agree with the float64 reference. And the
+results have the same bits at any thread count (blocks go to whichever thread is free)."""
 
 from __future__ import annotations
 
@@ -186,3 +187,44 @@ def test_forward_bag_loops_prefetch_rows(kernel):
     float_bodies = {k: v for k, v in bodies.items() if ", float, long" in k}
     assert float_bodies, f"no {kernel}...float, long...> function in the op library"
     assert any("prefetcht1" in body for body in float_bodies.values()), sorted(float_bodies)
+
+
+THREADS_SCRIPT = """
+    import hashlib, json, sys
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))
+    tf.config.set_visible_devices([], "GPU")
+    import tf_ttemb
+    rng = np.random.default_rng(11)
+    params = tf.Variable(rng.standard_normal((5000, 24)), dtype=tf.float32)
+    # Uneven bags (0 to 60 entries) with padding, so the blocks differ in size.
+    lengths = rng.integers(0, 61, size=4000)
+    values = rng.integers(-1, 5000, size=int(lengths.sum()))
+    ids = tf.RaggedTensor.from_row_lengths(values, lengths)
+    weight_values = tf.Variable(rng.random(values.size), dtype=tf.float32)
+    upstream = tf.constant(rng.standard_normal((4000, 24)), tf.float32)
+    digest = hashlib.sha256()
+    for combiner in ("sum", "mean", "max"):
+        for dense_grad in (False, True):
+            with tf.GradientTape() as tape:
+                w = None if combiner == "max" else ids.with_values(tf.identity(weight_values))
+                out = tf_ttemb.gather_reduce_sum(
+                    params, ids, w, combiner=combiner, padding_id=-1, dense_grad=dense_grad
+                )
+            sources = [params] if w is None else [params, weight_values]
+            grads = tape.gradient(out, sources, output_gradients=upstream)
+            digest.update(out.numpy().tobytes())
+            for g in grads:
+                digest.update(tf.convert_to_tensor(g).numpy().tobytes())
+    print(json.dumps(digest.hexdigest()))
+"""
+
+
+@pytest.mark.slow
+def test_cpu_results_have_the_same_bits_for_any_thread_count():
+    """The CPU kernels split bags and id segments into blocks that any of the pool's
+    threads (or the calling one) may claim: the forward, the deduplicated and dense
+    gradients and the weights gradient have the same bits at 1, 2 and 3 threads."""
+    digests = {t: json.loads(run_fresh_python(THREADS_SCRIPT, str(t))) for t in (1, 2, 3)}
+    assert len(set(digests.values())) == 1, digests

@@ -112,7 +112,8 @@ for step in "$@"; do
       grep -v -E "^[IWE][0-9]{4} |━|^$" "$out/demo.txt" | tail -25
       ;;
     sanitize)
-      files="tests/test_gather_reduce_sum.py tests/test_gather_reduce_sum_sparse_apply.py
+      files="tests/test_gather_reduce_sum.py tests/test_gather_reduce_sum_errors.py
+        tests/test_gather_reduce_sum_sparse_apply.py
         tests/test_tt_ops.py tests/test_tt_embedding.py tests/test_gpu_parity.py
         tests/test_variable_params.py tests/test_pkm_values_optimizer.py"
       # shellcheck disable=SC2086
