@@ -72,6 +72,8 @@ void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t 
   // Shared with the helpers: one may start after the last block is done (and
   // this call has returned); it then finds no block to claim and only drops its
   // reference. fn is used only for claimed blocks, all done before the return.
+  // So the caller waits only for blocks being run, never for a helper still
+  // queued behind other work (unlike ParallelFor, which waits for every task).
   struct Claims {
     std::vector<int64_t> bounds;
     std::atomic<int64_t> next{0};
