@@ -722,6 +722,27 @@ def test_timed_calls_run_with_the_collector_paused():
     assert gc.isenabled()
 
 
+def test_chained_steps_run_one_after_the_other():
+    """The in-graph timing loop sums `steps` results of its step, its iterations not allowed
+    to overlap (parallel_iterations=1; by default up to 10 independent ones run at once)."""
+    from tf_ttemb import _timing
+
+    counter = tf.Variable(0.0)
+
+    def step():
+        counter.assign_add(1.0)
+        return tf.constant(2.5)
+
+    loop = _timing.chained_steps(tf, step, 7)
+    assert float(loop()) == 17.5 and float(counter.numpy()) == 7.0
+    whiles = [
+        op
+        for op in loop.get_concrete_function().graph.get_operations()
+        if op.type in ("While", "StatelessWhile")
+    ]
+    assert [op.get_attr("parallel_iterations") for op in whiles] == [1]
+
+
 def test_torch_side_times_without_importing_tensorflow():
     """As the bench's child script, tf_ttemb/_bench_torch.py loads the timing utility from
     its file: timing a call imports neither TensorFlow nor the tf_ttemb package."""

@@ -550,17 +550,7 @@ def _chained(fn: Callable[[Any], Any], x: Any, steps: int):
     probe to the loop's sum: one lookup after the other inside one call."""
     import tensorflow as tf
 
-    @tf.function
-    def loop():
-        def body(i, total):
-            return i + 1, total + probe(fn(x))
-
-        start = (tf.constant(0), tf.constant(0.0))
-        # One iteration at a time: by default a while_loop may run up to 10 of them at
-        # once where nothing orders them (on a CPU, on its inter-op threads).
-        return tf.while_loop(lambda i, _: i < steps, body, start, parallel_iterations=1)[1]
-
-    return loop
+    return _timing.chained_steps(tf, lambda: probe(fn(x)), steps)
 
 
 def _sync(result: Any) -> None:

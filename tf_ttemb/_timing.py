@@ -151,6 +151,24 @@ def time_alternating(
     return {name: Timing(statistics.median(s), min(s), len(s)) for name, s in samples.items()}
 
 
+def chained_steps(tf: Any, step: Callable[[], Any], steps: int) -> Callable[[], Any]:
+    """A `tf.function` that runs `step()` (a float32 scalar) `steps` times in one
+    `tf.while_loop`, one iteration after the other, and returns their sum: a step's time
+    inside a graph, without TensorFlow's cost of a call. `parallel_iterations=1`, since by
+    default up to 10 iterations that nothing orders would run at once (on a CPU, on its
+    inter-op threads), which measures throughput, not one step after another."""
+
+    @tf.function
+    def loop():
+        def body(i, total):
+            return i + 1, total + step()
+
+        start = (tf.constant(0), tf.constant(0.0))
+        return tf.while_loop(lambda i, _: i < steps, body, start, parallel_iterations=1)[1]
+
+    return loop
+
+
 def time_per_call_and_in_graph(
     tf: Any,
     probes: Mapping[Any, Callable[[Any], Any]],

@@ -463,18 +463,12 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     forward = tf.function(lambda ids, weights: tf_ttemb.gather_reduce_sum(params, ids, weights))
 
-    @tf.function
-    def chained(ids, weights):
-        # SWEEP_CHAIN forwards one after the other in one call: the lookup's time inside a
-        # graph, without TensorFlow's per-call cost (0.4-0.6 ms for a tf.function adding 1
-        # to a scalar on the 2-core machine), which torch's eager call does not pay.
-        def body(i, total):
-            return i + 1, total + tf_ttemb.gather_reduce_sum(params, ids, weights)[0, 0]
-
-        start = (tf.constant(0), tf.constant(0.0))
-        # parallel_iterations=1: one forward after the other, as in a training loop (by
-        # default up to 10 iterations, independent here, would run at once).
-        return tf.while_loop(lambda i, _: i < SWEEP_CHAIN, body, start, parallel_iterations=1)[1]
+    # SWEEP_CHAIN forwards one after the other in one call: the lookup's time inside a graph,
+    # without TensorFlow's per-call cost (0.2-0.6 ms for a tf.function adding 1 to a scalar
+    # on the 2-core machine), which torch's eager call does not pay.
+    chained = util.chained_steps(
+        tf, lambda: tf_ttemb.gather_reduce_sum(params, ids, weights)[0, 0], SWEEP_CHAIN
+    )
 
     warmup, repeats = spec["warmup"], spec["repeats"]
     # raw and wrapper alternate in one loop, so that both see the same machine load.
@@ -485,7 +479,7 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         ).items()
     }
     timings["fwd"] = util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json()
-    in_graph = util.time_calls(lambda: chained(ids, weights), warmup, repeats)
+    in_graph = util.time_calls(chained, warmup, repeats)
     timings["fwd_in_graph"] = util.Timing(
         in_graph.median_ms / SWEEP_CHAIN, in_graph.min_ms / SWEEP_CHAIN, repeats
     ).to_json()

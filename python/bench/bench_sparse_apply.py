@@ -131,15 +131,7 @@ def main(argv=None) -> int:
     for name, body in cases.items():
         with tf.device(device):
             once = tf.function(body)
-
-            @tf.function
-            def many(body=body):
-                return tf.while_loop(
-                    lambda i, acc: i < args.steps,
-                    lambda i, acc: (i + 1, acc + body()),
-                    (tf.constant(0), tf.constant(0.0)),
-                    parallel_iterations=1,
-                )[1]
+            many = _bench_util.chained_steps(tf, body, args.steps)
 
         per_call = _bench_util.time_calls(lambda: once().numpy(), 2, args.repeats).median_ms
         in_graph = (
