@@ -4,6 +4,7 @@ device-dependent decorations."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -119,6 +120,27 @@ def run_fresh_python(
         return lines
     assert result.returncode == 0, f"subprocess failed:\n{result.stderr[-4000:]}"
     return result.stdout.strip().splitlines()[-1]
+
+
+def digests_at_thread_counts(script: str, counts=(1, 2, 3)) -> dict:
+    """{threads: the digest `script` computes} with TensorFlow's intra-op pool at each
+    size, one fresh CPU-only interpreter per count. `script` (at the top level of the
+    snippet) feeds the bytes of the results it checks to `digest`, a hashlib.sha256 it is
+    given; the caller asserts that every count gives the same digest (the kernels' work
+    split over threads must not change a bit)."""
+    header = (
+        "import hashlib, sys\n"
+        "import tensorflow as tf\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))\n"
+        'tf.config.set_visible_devices([], "GPU")\n'
+        "digest = hashlib.sha256()\n"
+    )
+    footer = "\nprint(digest.hexdigest())\n"
+    full = header + textwrap.dedent(script) + footer
+    digests = {t: run_fresh_python(full, str(t)) for t in counts}
+    nothing = hashlib.sha256().hexdigest()
+    assert nothing not in digests.values(), "the script fed no bytes to `digest`"
+    return digests
 
 
 def run_cli(*args: str, cwd=None, pythonpath: str = "") -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import pytest
 import reference
 import tensorflow as tf
 from bags import assert_close
-from processes import run_fresh_python
+from processes import digests_at_thread_counts, run_fresh_python
 
 DIMS = [1, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 255, 256, 257, 264, 272]
 DIMS += [513, 1024, 1025]  # wider than one AVX-512 pass: the one-pass wide-row sum
@@ -190,11 +190,7 @@ def test_forward_bag_loops_prefetch_rows(kernel):
 
 
 THREADS_SCRIPT = """
-    import hashlib, json, sys
     import numpy as np
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))
-    tf.config.set_visible_devices([], "GPU")
     import tf_ttemb
     rng = np.random.default_rng(11)
     params = tf.Variable(rng.standard_normal((5000, 24)), dtype=tf.float32)
@@ -204,7 +200,6 @@ THREADS_SCRIPT = """
     ids = tf.RaggedTensor.from_row_lengths(values, lengths)
     weight_values = tf.Variable(rng.random(values.size), dtype=tf.float32)
     upstream = tf.constant(rng.standard_normal((4000, 24)), tf.float32)
-    digest = hashlib.sha256()
     for combiner in ("sum", "mean", "max"):
         for dense_grad in (False, True):
             with tf.GradientTape() as tape:
@@ -217,7 +212,6 @@ THREADS_SCRIPT = """
             digest.update(out.numpy().tobytes())
             for g in grads:
                 digest.update(tf.convert_to_tensor(g).numpy().tobytes())
-    print(json.dumps(digest.hexdigest()))
 """
 
 
@@ -226,5 +220,5 @@ def test_cpu_results_have_the_same_bits_for_any_thread_count():
     """The CPU kernels split bags and id segments into blocks that any of the pool's
     threads (or the calling one) may claim: the forward, the deduplicated and dense
     gradients and the weights gradient have the same bits at 1, 2 and 3 threads."""
-    digests = {t: json.loads(run_fresh_python(THREADS_SCRIPT, str(t))) for t in (1, 2, 3)}
+    digests = digests_at_thread_counts(THREADS_SCRIPT)
     assert len(set(digests.values())) == 1, digests
