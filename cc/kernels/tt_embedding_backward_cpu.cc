@@ -152,11 +152,14 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
           for (int64_t slot = i; slot < stop; ++slot) {
             const int64_t v = level.order[slot];
             const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
-            // The saved products are read once, from memory: the next but
-            // one node's are fetched while this one's leaves are computed,
-            // without taking cache space from what the passes read later.
-            if (saved && slot + 2 < stop) {
-              PrefetchOnce(p + 2 * size, size * static_cast<int64_t>(sizeof(Acc)));
+            // The saved products are read once, from memory, by the leaves
+            // below, which do too little arithmetic per byte to hide the
+            // wait. So each node fetches into L2 the products of the node a
+            // batch ahead (usually this worker's next batch): they arrive
+            // while the group's products of this batch keep the cores busy.
+            if (saved && slot + batch < level.count()) {
+              PrefetchBytes(saved + (slot + batch) * size,
+                            size * static_cast<int64_t>(sizeof(Acc)));
             }
             Acc* dv = d + (slot - i) * size;
             Acc* blocks = leaf_grads + c.tree().visit[slot] * leaf_width;

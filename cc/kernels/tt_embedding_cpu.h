@@ -442,19 +442,6 @@ void StreamCopy(const Acc* src, int64_t n, Acc* dst) {
   std::copy_n(src, n, dst);
 }
 
-// Prefetches [p, p + bytes) for one read (prefetchnta: into the first-level
-// cache only), an asm statement for the reason PrefetchLine gives.
-inline void PrefetchOnce(const void* p, int64_t bytes) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
-  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    asm volatile("prefetchnta (%0)" : : "r"(line));
-#else
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 0);
-#endif
-  }
-}
-
 // A worker's temporaries.
 template <typename Acc>
 struct Scratch {
