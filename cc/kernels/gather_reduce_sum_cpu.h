@@ -1,8 +1,8 @@
 // Internal to the gather_reduce_sum CPU kernels (gather_reduce_sum_forward_cpu.cc,
-// gather_reduce_sum_backward_cpu.cc, gather_reduce_sum_sparse_apply_cpu.cc): the pool
-// helpers, the row arithmetic, the bag scales, the sort of the entries by id and the
-// registration macros they share. Not for other callers; the contract shared with the GPU
-// glue is gather_reduce_sum_kernels.h.
+// gather_reduce_sum_backward_cpu.cc, gather_reduce_sum_sparse_apply_cpu.cc): the id
+// checks, the row arithmetic, the bag scales, the sort of the entries by id and the
+// registration macros they share (the pool's fork and join is cpu_parallel.h). Not for
+// other callers; the contract shared with the GPU glue is gather_reduce_sum_kernels.h.
 
 #ifndef TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_CPU_H_
 #define TF_TTEMB_CC_KERNELS_GATHER_REDUCE_SUM_CPU_H_
@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cc/kernels/cpu_parallel.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/huge_pages.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -31,74 +32,6 @@
 
 namespace tensorflow {
 namespace tf_ttemb {
-
-inline thread::ThreadPool* CpuPool(OpKernelContext* ctx) {
-  return ctx->device()->tensorflow_cpu_worker_threads()->workers;
-}
-
-// Splits [0, n) into at most `max_blocks` contiguous blocks of about equal
-// work, where prefix[i] is the cumulative work before item i (prefix has
-// n + 1 entries, prefix[n] the total). Returns the n_blocks + 1 boundaries.
-inline std::vector<int64_t> BalancedBlocks(const int64_t* prefix, int64_t n, int64_t max_blocks) {
-  std::vector<int64_t> bounds{0};
-  if (n == 0) return bounds;
-  const int64_t total = prefix[n] - prefix[0];
-  const int64_t blocks = std::max<int64_t>(1, std::min(max_blocks, n));
-  for (int64_t k = 1; k < blocks; ++k) {
-    const int64_t target = prefix[0] + total * k / blocks;
-    int64_t pos = std::lower_bound(prefix, prefix + n + 1, target) - prefix;
-    pos = std::min(std::max(pos, bounds.back()), n);
-    if (pos > bounds.back()) bounds.push_back(pos);
-  }
-  if (bounds.back() != n) bounds.push_back(n);
-  return bounds;
-}
-
-// Runs fn(begin, end) over about 4 balanced blocks per thread. The calling
-// thread starts on the blocks at once and the pool's threads join it as they
-// wake, each taking the next unclaimed block, so a late-waking thread costs no
-// more than the blocks it would have taken; the call returns once every block
-// is done. Which thread runs a block does not change what the block computes.
-template <typename Fn>
-void ForBalancedBlocks(thread::ThreadPool* pool, const int64_t* prefix, int64_t n,
-                       int64_t cost_per_item, Fn fn) {
-  const int64_t threads = pool->NumThreads();
-  const int64_t total_cost = (prefix[n] - prefix[0] + n) * std::max<int64_t>(1, cost_per_item);
-  // Small problems run inline: the pool's overhead would dominate.
-  if (threads <= 1 || total_cost < 100000) {
-    fn(0, n);
-    return;
-  }
-  // Shared with the helpers: one may start after the last block is done (and
-  // this call has returned); it then finds no block to claim and only drops its
-  // reference. fn is used only for claimed blocks, all done before the return.
-  // So the caller waits only for blocks being run, never for a helper still
-  // queued behind other work (unlike ParallelFor, which waits for every task).
-  struct Claims {
-    std::vector<int64_t> bounds;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> left{0};
-    mutex mu;
-    condition_variable all_done;
-  };
-  auto claims = std::make_shared<Claims>();
-  claims->bounds = BalancedBlocks(prefix, n, 4 * threads);
-  const int64_t num_blocks = static_cast<int64_t>(claims->bounds.size()) - 1;
-  claims->left = num_blocks;
-  auto drain = [claims, num_blocks, &fn]() {
-    for (int64_t k = claims->next.fetch_add(1); k < num_blocks; k = claims->next.fetch_add(1)) {
-      fn(claims->bounds[k], claims->bounds[k + 1]);
-      if (claims->left.fetch_sub(1) == 1) {
-        mutex_lock lock(claims->mu);
-        claims->all_done.notify_all();
-      }
-    }
-  };
-  for (int64_t h = 1; h < std::min(threads, num_blocks); ++h) pool->Schedule(drain);
-  drain();
-  mutex_lock lock(claims->mu);
-  while (claims->left.load() > 0) claims->all_done.wait(lock);
-}
 
 // The position of the first id in ids[begin, end) that is neither in
 // [0, num_rows) nor the padding id, or `end` if there is none. Blocks of

@@ -51,6 +51,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/kernels/cpu_parallel.h"
 #include "cc/kernels/device_op_kernel.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
@@ -382,10 +383,10 @@ inline int64_t ChunkSize(int64_t bytes_per_id) {
 }
 
 // Runs fn(&scratch, i) for every i in [0, n) on the pool. The items are cut
-// into runs of consecutive items of about equal cost(i); each worker (the
-// calling thread and up to NumThreads() - 1 more) makes one Scratch and claims
-// the next unclaimed run from a shared counter until none is left. What fn
-// computes for an item must not depend on the worker that runs it.
+// into runs of consecutive items of about equal cost(i), which the calling
+// thread and the pool's threads claim one at a time (RunClaimedBlocks); each
+// thread has one Scratch. What fn computes for an item must not depend on the
+// thread that runs it.
 template <typename Scratch, typename Cost, typename Fn>
 void RunClaimed(thread::ThreadPool* pool, int64_t n, Cost cost, Fn fn) {
   if (n <= 0) return;
@@ -408,22 +409,12 @@ void RunClaimed(thread::ThreadPool* pool, int64_t n, Cost cost, Fn fn) {
     }
   }
   runs.push_back(n);
-  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
-  std::atomic<int64_t> next{0};
-  auto work = [&](int64_t, int64_t) {
-    // One Scratch per thread, kept from pass to pass (a thread runs one pass
-    // at a time: the caller of a pass waits for it).
+  // One Scratch per thread, kept from pass to pass: a thread runs one run at
+  // a time, and a pass returns only once the runs it handed out are done.
+  RunClaimedBlocks(pool, static_cast<int64_t>(runs.size()) - 1, threads, [&](int64_t r) {
     static thread_local Scratch scratch;
-    for (int64_t r = next.fetch_add(1); r < num_runs; r = next.fetch_add(1)) {
-      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) fn(&scratch, i);
-    }
-  };
-  const int64_t workers = std::min(threads, num_runs);
-  if (workers <= 1) {
-    work(0, 1);
-    return;
-  }
-  pool->ParallelFor(workers, thread::ThreadPool::SchedulingParams::Fixed(1), work);
+    for (int64_t i = runs[r]; i < runs[r + 1]; ++i) fn(&scratch, i);
+  });
 }
 
 // dst[0, n) = src[0, n), for products that are written once and read by a
