@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -455,6 +456,30 @@ inline Acc RoundedSquare(Acc w) {
   return square;
 }
 
+// The sum and the sum of squares of the weights of entries [from, to), in
+// order (1 per entry when unweighted), padding skipped. Its own function so
+// that the two running sums live only inside the loop: live across a call
+// (the BlockedSum's allocation in BagScaleOf), GCC kept them in stack slots
+// for the whole loop, a store and a reload on every entry's chain of
+// additions (mean and sqrtn forwards 1.17-1.21x the sum's at 1M x 64).
+template <bool kFusedSquare, typename T, typename Tindex>
+inline std::pair<AccT<T>, AccT<T>> WeightSums(const Tindex* ids, const T* weights, int64_t from,
+                                              int64_t to, const BagAttrs& attrs) {
+  using Acc = AccT<T>;
+  Acc sum = 0, sq_sum = 0;
+  for (int64_t j = from; j < to; ++j) {
+    if (IsPadding(ids[j], attrs)) continue;
+    const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
+    sum += w;
+    if (kFusedSquare) {
+      sq_sum += w * w;
+    } else {
+      sq_sum += RoundedSquare(w);
+    }
+  }
+  return {sum, sq_sum};
+}
+
 // The scale of bag [begin, end). kFusedSquare: the squares of sqrtn are added
 // with fused multiply-adds (the backward's, and the forward's for half
 // types); otherwise rounded first (the forward's for float and double, as the
@@ -469,38 +494,21 @@ inline AccT<T> BagScaleOf(const Tindex* ids, const T* weights, int64_t begin, in
   // The forward's denominators, summed the same way (blocks of kSumBlock
   // entries, as in ForwardBags), so that forward and backward scale a bag
   // alike. The BlockedSum exists only for bags longer than one block.
-  std::optional<BlockedSum<Acc>> blocks;
-  Acc sum = 0, sq_sum = 0;  // the current block's
+  if (end - begin <= kSumBlock) {
+    const auto [sum, sq_sum] = WeightSums<kFusedSquare>(ids, weights, begin, end, attrs);
+    return BagScale(attrs.combiner, sum, sq_sum);
+  }
+  BlockedSum<Acc> blocks(2);
+  blocks.Reset();
   for (int64_t block = begin; block < end; block += kSumBlock) {
     const int64_t block_end = std::min(end, block + kSumBlock);
-    sum = sq_sum = 0;
-    for (int64_t j = block; j < block_end; ++j) {
-      if (IsPadding(ids[j], attrs)) continue;
-      const Acc w = attrs.has_weights ? static_cast<Acc>(weights[j]) : Acc(1);
-      sum += w;
-      if (kFusedSquare) {
-        sq_sum += w * w;
-      } else {
-        sq_sum += RoundedSquare(w);
-      }
-    }
-    if (block_end == end) break;
-    if (!blocks) {
-      blocks.emplace(2);
-      blocks->Reset();
-    }
-    blocks->current()[0] = sum;
-    blocks->current()[1] = sq_sum;
-    blocks->Carry();
+    const auto [sum, sq_sum] = WeightSums<kFusedSquare>(ids, weights, block, block_end, attrs);
+    blocks.current()[0] = sum;
+    blocks.current()[1] = sq_sum;
+    if (block_end < end) blocks.Carry();
   }
-  if (blocks) {
-    blocks->current()[0] = sum;
-    blocks->current()[1] = sq_sum;
-    const Acc* total = blocks->Total();
-    sum = total[0];
-    sq_sum = total[1];
-  }
-  return BagScale(attrs.combiner, sum, sq_sum);
+  const Acc* total = blocks.Total();
+  return BagScale(attrs.combiner, total[0], total[1]);
 }
 
 template <typename T, typename Tindex>
