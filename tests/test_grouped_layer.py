@@ -172,6 +172,26 @@ def test_save_and_load(rng, tmp_path):
     assert loaded.layers[3].get_config()["features"] == model.layers[3].get_config()["features"]
 
 
+def test_config_has_no_keras_sharing_ids():
+    # keras.models.load_model builds layers inside Keras's object-sharing scope, where
+    # serializing one initializer object twice tags both configs with a
+    # "shared_object_id" (the flaky failure of test_save_and_load: temporary initializers
+    # whose id() was reused). One instance for two features makes it deterministic.
+    from keras.src.saving import serialization_lib
+
+    init = keras.initializers.RandomNormal(stddev=0.3, seed=5)
+    features = [
+        {"name": "a", "input_dim": 4, "output_dim": 3, "initializer": init},
+        {"name": "b", "input_dim": 6, "output_dim": 3, "initializer": init},
+    ]
+    with serialization_lib.ObjectSharingScope():
+        shared = GroupedEmbeddingBag(features).get_config()["features"]
+    plain = GroupedEmbeddingBag(features).get_config()["features"]
+    assert shared == plain
+    assert [f["initializer"]["config"]["stddev"] for f in shared] == [0.3, 0.3]
+    assert all("shared_object_id" not in f["initializer"] for f in shared)
+
+
 def test_mixed_precision_keeps_float32_tables(rng):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

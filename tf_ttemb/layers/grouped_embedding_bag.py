@@ -3,6 +3,7 @@ table, looked up together (one lookup per embedding width and combiner)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from typing import Any
@@ -34,6 +35,21 @@ def _non_negative(name: str, value: Any, positive: bool) -> float:
     return float(value)
 
 
+def _initializer_config(initializer: Any) -> dict:
+    """The initializer's Keras config, as a dict of this layer's own.
+
+    Inside Keras's object-sharing scope (all of `keras.models.load_model`),
+    `keras.initializers.serialize` records the dict it returns by the `id()` of the
+    object, and tags it (and the dict recorded before) with a `shared_object_id` when an
+    id comes again. A temporary initializer's id can be reused by the next feature's, so
+    the key would depend on the allocator: the config is copied and the key dropped.
+    """
+    config = copy.deepcopy(keras.initializers.serialize(keras.initializers.get(initializer)))
+    if isinstance(config, dict):
+        config.pop("shared_object_id", None)
+    return config
+
+
 def _feature(config: Any, position: int) -> dict:
     """One feature config, checked and completed with its defaults."""
     if not isinstance(config, dict):
@@ -61,7 +77,7 @@ def _feature(config: Any, position: int) -> dict:
         input_dim=input_dim,
         output_dim=output_dim,
         combiner=combiner,
-        initializer=keras.initializers.serialize(keras.initializers.get(initializer)),
+        initializer=_initializer_config(initializer),
         padding_id=padding_id,
         table=config.get("table") or name,
     )
