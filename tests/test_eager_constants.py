@@ -1,6 +1,9 @@
-"""The wrapper's cached eager constants (row_splits of dense batches, empty vectors): a
-cached tensor is reused only for the same shape, dtype and device, the cache stays within
-its byte budget, and lookups of changing dense shapes in one process stay right."""
+"""The wrapper's eager caches. Its constants (row_splits of dense batches, empty vectors):
+a cached tensor is reused only for the same shape, dtype and device, the cache stays
+within its byte budget, and lookups of changing dense shapes in one process stay right.
+Its remembered forwards (eager lookups of a table tensor by dense [B, L] ids): a call
+like an earlier one takes the forward that call chose, and gives the same numbers,
+gradients and errors as the full path."""
 
 from __future__ import annotations
 
@@ -8,10 +11,11 @@ import numpy as np
 import pytest
 import reference
 import tensorflow as tf
-from bags import assert_close
+from bags import DTYPES, assert_close, dense_bags, make_inputs, reference_all
 
 import tf_ttemb
 from tf_ttemb.ops import _common
+from tf_ttemb.ops import gather_reduce_sum as lookup_module
 
 
 def test_same_key_reuses_and_graphs_build_their_own():
@@ -60,3 +64,95 @@ def test_dense_lookups_of_changing_shapes(rng, weighted):
         )
         assert_close(got.numpy().reshape(-1, dim), want, scale, tf.float32, f"output {shape}")
         assert got.shape == shape[:-1] + (dim,)
+
+
+# Calls that share shapes, dtypes and devices but differ in what the remembered forward
+# fixes (combiner, weighting, padding id): taken in turn, each must keep its own.
+REMEMBERED_CASES = [
+    ("sum", True, None),
+    ("sum", False, None),
+    ("mean", True, 2),
+    ("mean", False, None),
+    ("sqrtn", True, None),
+    ("max", False, 2),
+    ("sum", True, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("ids_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
+def test_repeated_eager_lookups_match_the_reference(rng, dtype, ids_dtype):
+    num_rows, dim, shape = 23, 7, (5, 4)
+    dtype = DTYPES[dtype]
+    for round_ in range(3):  # round 0 takes the full path, rounds 1 and 2 the kept forwards
+        for combiner, weighted, padding_id in REMEMBERED_CASES:
+            bags = dense_bags(rng, shape, num_rows, ids_dtype, padding_id)
+            (params, params64), (weights, weights64), (upstream, upstream64) = make_inputs(
+                rng, bags, num_rows, dim, dtype, combiner, weighted
+            )
+            with tf.GradientTape() as tape:
+                tape.watch(params)
+                if weighted:
+                    tape.watch(weights)
+                got = tf_ttemb.gather_reduce_sum(
+                    params, bags.ids, weights, combiner=combiner, padding_id=padding_id
+                )
+            grads = tape.gradient(got, [params, weights] if weighted else [params], upstream)
+            (want, scale), (dp, dp_scale), dw = reference_all(
+                params64, bags, weights64, upstream64, combiner, padding_id
+            )
+            what = f"round {round_} {combiner} weighted={weighted} padding_id={padding_id}"
+            assert_close(got.numpy(), want, scale, dtype, f"{what}: output")
+            assert isinstance(grads[0], tf.IndexedSlices)
+            assert_close(
+                tf.convert_to_tensor(grads[0]).numpy(), dp, dp_scale, dtype, f"{what}: params grad"
+            )
+            if weighted:
+                assert_close(grads[1].numpy().reshape(-1), dw[0], dw[1], dtype, f"{what}: w grad")
+    keys = lookup_module.eager_forward_keys()
+    for combiner, weighted, padding_id in REMEMBERED_CASES:
+        assert any(
+            k[-3:-1] == (combiner, padding_id) and (k[-4] is not None) == weighted for k in keys
+        )
+
+
+def test_remembered_forward_still_checks_ids():
+    table = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
+    good = tf.constant([[0, 3], [1, 2]])
+    before = len(lookup_module.eager_forward_keys())
+    tf_ttemb.gather_reduce_sum(table, good)
+    assert len(lookup_module.eager_forward_keys()) == before + 1
+    for bad, position, value in (([[0, 3], [4, 2]], 2, 4), ([[-1, 3], [1, 2]], 0, -1)):
+        with pytest.raises(tf.errors.InvalidArgumentError) as error:
+            tf_ttemb.gather_reduce_sum(table, tf.constant(bad))
+        assert f"indices[{position}] = {value} is not in [0, 4)" in str(error.value)
+    weights = tf.ones([2, 2])
+    tf_ttemb.gather_reduce_sum(table, good, weights, padding_id=1)
+    for kwargs, message in (
+        (dict(combiner="bogus"), "combiner"),
+        (dict(combiner="max"), "does not take weights"),
+        (dict(padding_id=True), "padding_id"),
+        (dict(padding_id=2**63), "padding_id"),
+        (dict(implementation="fast"), "implementation"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tf_ttemb.gather_reduce_sum(table, good, weights, **kwargs)
+
+
+def test_only_eager_dense_lookups_of_tensors_are_remembered(rng):
+    table64 = rng.standard_normal((9, 4))
+    table = tf.constant(table64.astype(np.float32))
+    ids = tf.constant(rng.integers(0, 9, size=(3, 2)))
+    want = table64[ids.numpy()].sum(axis=1)
+    before = set(lookup_module.eager_forward_keys())
+    calls = {
+        "variable": lambda: tf_ttemb.gather_reduce_sum(tf.Variable(table), ids),
+        "dense_grad": lambda: tf_ttemb.gather_reduce_sum(table, ids, dense_grad=True),
+        "composite": lambda: tf_ttemb.gather_reduce_sum(table, ids, implementation="composite"),
+        "rank 3": lambda: tf_ttemb.gather_reduce_sum(table, ids[None])[0],
+        "ragged": lambda: tf_ttemb.gather_reduce_sum(table, tf.RaggedTensor.from_tensor(ids)),
+        "traced": tf.function(lambda: tf_ttemb.gather_reduce_sum(table, ids)),
+    }
+    for what, call in calls.items():
+        np.testing.assert_allclose(call().numpy(), want, rtol=1e-5, err_msg=what)
+    assert set(lookup_module.eager_forward_keys()) == before

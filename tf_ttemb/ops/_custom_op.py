@@ -178,6 +178,21 @@ def custom_op_on_variable(
     return output
 
 
+def bound_forward(params: tf.Tensor, bags: _bags.Bags, combiner: str, padding_id: int | None):
+    """`custom_op`'s forward (sparse gradient) with all but its tensors fixed: a function
+    (params, ids, weights) -> output [B, D] that looks up `bags.row_splits` with this
+    call's op attrs, for another call of the same shapes, dtypes and devices (weights
+    None when `bags` has none)."""
+    lib, attrs, empty_weights = _forward_inputs(bags, combiner, padding_id, params)
+    row_splits = bags.row_splits
+
+    def forward(params, ids, weights):
+        weights = empty_weights if weights is None else weights
+        return run_forward(lib, params, ids, row_splits, weights, attrs)[0]
+
+    return forward
+
+
 def custom_op(
     params: tf.Tensor,
     bags: _bags.Bags,

@@ -115,6 +115,10 @@ def gather_reduce_sum(
     array([[ 3.5,  6. ],
            [10. , 12. ]], dtype=float32)
     """
+    key = _eager_key(params, indices, weights, combiner, padding_id, dense_grad, implementation)
+    forward = _EAGER_FORWARDS.get(key) if key is not None else None
+    if forward is not None:
+        return forward(params, indices, weights)
     padding_id = _common.check_lookup_args(combiner, weights, padding_id, implementation)
     with tf.name_scope(name or "gather_reduce_sum"):
         variable = _common.resource_variable(params)
@@ -136,9 +140,76 @@ def gather_reduce_sum(
             )
         elif implementation == "custom_op":
             output = _custom_op.custom_op(params, bags, combiner, padding_id, dense_grad)
+            if (
+                key is not None
+                and bags.ids is indices
+                and bags.weights is weights
+                and bags.batch_shape is None
+            ):
+                _remember(key, _custom_op.bound_forward(params, bags, combiner, padding_id))
         else:
             params = tf.convert_to_tensor(params)
             output = composite.composite_with_gradient(
                 params, bags, combiner, padding_id, dense_grad, xla
             )
         return _bags.shaped_output(output, bags, shape[1:])
+
+
+# Eager lookups of a table tensor by dense [B, L] ids: a call repeats the decisions of the
+# call before it with the same arguments, shapes, dtypes and devices (the argument checks,
+# the checks of the table and the ids, the CSR form, the op's attrs and row_splits). Each
+# is worth a few microseconds of Python, 50 µs together on this package's 2-core machine,
+# as much as the op's own work on a small batch; after a large lookup has flushed the
+# caches, every line of Python costs more again. The first such call runs the whole path
+# above, which validates; it leaves the forward it chose here, and later calls with the
+# same key go straight to the op. What the key leaves out is checked per call by the op
+# (the ids' values) or keeps a call off this path (variables, ids of other forms, dense
+# gradients, the composite, graphs).
+_EAGER_FORWARDS: dict = {}
+_EAGER_FORWARDS_MAX = 256
+_EAGER_TENSOR = type(tf.constant(0))
+
+
+def _eager_key(params, indices, weights, combiner, padding_id, dense_grad, implementation):
+    """The memo key of an eager call with a table tensor, dense 2-D ids and dense weights
+    (or none), with a sparse gradient and not the composite; None for any other call.
+    The arguments are taken as given (the key of a call the full path rejects is never
+    stored), so they must be of exact types whose equality is their meaning."""
+    if (
+        dense_grad is not False
+        or type(combiner) is not str
+        or type(implementation) is not str
+        or implementation == "composite"
+        or (padding_id is not None and type(padding_id) is not int)
+        or type(params) is not _EAGER_TENSOR
+        or type(indices) is not _EAGER_TENSOR
+        or (weights is not None and type(weights) is not _EAGER_TENSOR)
+        or not tf.executing_eagerly()
+    ):
+        return None
+    if indices.shape.rank != 2:
+        return None
+    weights_key = None if weights is None else (weights.shape, weights.dtype, weights.device)
+    return (
+        params.shape,
+        params.dtype,
+        params.device,
+        indices.shape,
+        indices.dtype,
+        indices.device,
+        weights_key,
+        combiner,
+        padding_id,
+        implementation,
+    )
+
+
+def eager_forward_keys() -> list:
+    """The keys of the remembered eager forwards (for tests)."""
+    return list(_EAGER_FORWARDS)
+
+
+def _remember(key: tuple, forward) -> None:
+    if len(_EAGER_FORWARDS) >= _EAGER_FORWARDS_MAX:
+        _EAGER_FORWARDS.clear()
+    _EAGER_FORWARDS[key] = forward
