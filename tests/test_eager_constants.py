@@ -12,6 +12,7 @@ import pytest
 import reference
 import tensorflow as tf
 from bags import DTYPES, assert_close, dense_bags, make_inputs, reference_all
+from processes import run_fresh_python
 
 import tf_ttemb
 from tf_ttemb.ops import _common
@@ -156,3 +157,30 @@ def test_only_eager_dense_lookups_of_tensors_are_remembered(rng):
     for what, call in calls.items():
         np.testing.assert_allclose(call().numpy(), want, rtol=1e-5, err_msg=what)
     assert set(lookup_module.eager_forward_keys()) == before
+
+
+def test_remembered_forwards_stay_bounded(rng):
+    table = tf.constant(rng.standard_normal((5, 2)).astype(np.float32))
+    before = set(lookup_module.eager_forward_keys())
+    many = tf.constant(rng.integers(0, 5, size=((1 << 16) + 1, 1)))
+    got = tf_ttemb.gather_reduce_sum(table, many)  # more bags than a kept forward may have
+    np.testing.assert_array_equal(got.numpy(), tf.gather(table, many[:, 0]).numpy())
+    assert set(lookup_module.eager_forward_keys()) == before
+    for bags in range(1, 70):
+        tf_ttemb.gather_reduce_sum(table, tf.zeros([bags, 1], tf.int64))
+        assert len(lookup_module.eager_forward_keys()) <= 64
+
+
+def test_importing_the_package_leaves_tensorflow_configurable():
+    # Nothing at import may start TensorFlow's runtime (creating a tensor does): a user
+    # sets its thread pools and visible devices after the imports.
+    script = """
+        import tensorflow as tf
+        import tf_ttemb, tf_ttemb.layers, tf_ttemb.optimizers, tf_ttemb.distribute
+        import tf_ttemb.serving, tf_ttemb.ops.gather_reduce_sum
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.set_visible_devices([], "GPU")
+        print("configured", tf.config.threading.get_intra_op_parallelism_threads())
+    """
+    assert run_fresh_python(script) == "configured 1"

@@ -145,6 +145,7 @@ def gather_reduce_sum(
                 and bags.ids is indices
                 and bags.weights is weights
                 and bags.batch_shape is None
+                and bags.row_splits.shape[0] <= _EAGER_FORWARD_MAX_BAGS + 1
             ):
                 _remember(key, _custom_op.bound_forward(params, bags, combiner, padding_id))
         else:
@@ -164,10 +165,15 @@ def gather_reduce_sum(
 # above, which validates; it leaves the forward it chose here, and later calls with the
 # same key go straight to the op. What the key leaves out is checked per call by the op
 # (the ids' values) or keeps a call off this path (variables, ids of other forms, dense
-# gradients, the composite, graphs).
+# gradients, the composite, graphs). Each kept forward holds its row_splits: at most 64
+# forwards of up to 65,536 bags (512 KiB each) are kept; a larger batch's lookup is long
+# enough for the Python to be no matter.
 _EAGER_FORWARDS: dict = {}
-_EAGER_FORWARDS_MAX = 256
-_EAGER_TENSOR = type(tf.constant(0))
+_EAGER_FORWARDS_MAX = 64
+_EAGER_FORWARD_MAX_BAGS = 1 << 16
+# The type of eager tensors (creating one to ask would start TensorFlow's runtime at import,
+# after which its thread pools can no longer be configured). Without it nothing is kept.
+_EAGER_TENSOR = getattr(tf.__internal__, "EagerTensor", None)
 
 
 def _eager_key(params, indices, weights, combiner, padding_id, dense_grad, implementation):
@@ -176,7 +182,8 @@ def _eager_key(params, indices, weights, combiner, padding_id, dense_grad, imple
     The arguments are taken as given (the key of a call the full path rejects is never
     stored), so they must be of exact types whose equality is their meaning."""
     if (
-        dense_grad is not False
+        _EAGER_TENSOR is None
+        or dense_grad is not False
         or type(combiner) is not str
         or type(implementation) is not str
         or implementation == "composite"
