@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 import reference
 import tensorflow as tf
-from bags import DTYPES, assert_close, dense_bags, make_inputs, reference_all
+from bags import (
+    DTYPES,
+    assert_close,
+    dense_bags,
+    make_inputs,
+    ragged_bags,
+    reference_all,
+    weights_like,
+)
 from processes import run_fresh_python
 
 import tf_ttemb
@@ -80,25 +88,32 @@ REMEMBERED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("form", ["dense", "ragged"])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("ids_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
-def test_repeated_eager_lookups_match_the_reference(rng, dtype, ids_dtype):
-    num_rows, dim, shape = 23, 7, (5, 4)
+def test_repeated_eager_lookups_match_the_reference(rng, form, dtype, ids_dtype):
+    num_rows, dim = 23, 7
     dtype = DTYPES[dtype]
     for round_ in range(3):  # round 0 takes the full path, rounds 1 and 2 the kept forwards
         for combiner, weighted, padding_id in REMEMBERED_CASES:
-            bags = dense_bags(rng, shape, num_rows, ids_dtype, padding_id)
-            (params, params64), (weights, weights64), (upstream, upstream64) = make_inputs(
+            if form == "dense":
+                bags = dense_bags(rng, (5, 4), num_rows, ids_dtype, padding_id)
+            else:  # new lengths each call, an empty bag among them
+                lengths = [0, *rng.integers(0, 6, size=int(rng.integers(1, 6)))]
+                bags = ragged_bags(rng, lengths, num_rows, ids_dtype, padding_id)
+            (params, params64), (values, weights64), (upstream, upstream64) = make_inputs(
                 rng, bags, num_rows, dim, dtype, combiner, weighted
             )
             with tf.GradientTape() as tape:
                 tape.watch(params)
+                weights = None
                 if weighted:
-                    tape.watch(weights)
+                    tape.watch(values)
+                    weights = weights_like(bags.ids, values)
                 got = tf_ttemb.gather_reduce_sum(
                     params, bags.ids, weights, combiner=combiner, padding_id=padding_id
                 )
-            grads = tape.gradient(got, [params, weights] if weighted else [params], upstream)
+            grads = tape.gradient(got, [params, values] if weighted else [params], upstream)
             (want, scale), (dp, dp_scale), dw = reference_all(
                 params64, bags, weights64, upstream64, combiner, padding_id
             )
@@ -113,8 +128,9 @@ def test_repeated_eager_lookups_match_the_reference(rng, dtype, ids_dtype):
     keys = lookup_module.eager_forward_keys()
     for combiner, weighted, padding_id in REMEMBERED_CASES:
         assert any(
-            k[-3:-1] == (combiner, padding_id) and (k[-4] is not None) == weighted for k in keys
-        )
+            k[3:5] == (combiner, padding_id) and form in k and (k[-1] is not None) == weighted
+            for k in keys
+        ), (form, combiner, weighted, padding_id)
 
 
 def test_remembered_forward_still_checks_ids():
@@ -151,7 +167,20 @@ def test_only_eager_dense_lookups_of_tensors_are_remembered(rng):
         "dense_grad": lambda: tf_ttemb.gather_reduce_sum(table, ids, dense_grad=True),
         "composite": lambda: tf_ttemb.gather_reduce_sum(table, ids, implementation="composite"),
         "rank 3": lambda: tf_ttemb.gather_reduce_sum(table, ids[None])[0],
-        "ragged": lambda: tf_ttemb.gather_reduce_sum(table, tf.RaggedTensor.from_tensor(ids)),
+        "sparse": lambda: tf_ttemb.gather_reduce_sum(
+            table,
+            tf.SparseTensor(
+                [[b, j] for b in range(3) for j in range(2)], tf.reshape(ids, [-1]), [3, 2]
+            ),
+        ),
+        "ragged, weights with own row_splits": lambda: tf_ttemb.gather_reduce_sum(
+            table,
+            tf.RaggedTensor.from_tensor(ids),
+            tf.RaggedTensor.from_tensor(tf.ones([3, 2])),
+        ),
+        "ragged, int32 row_splits": lambda: tf_ttemb.gather_reduce_sum(
+            table, tf.RaggedTensor.from_tensor(ids, row_splits_dtype=tf.int32)
+        ),
         "traced": tf.function(lambda: tf_ttemb.gather_reduce_sum(table, ids)),
     }
     for what, call in calls.items():

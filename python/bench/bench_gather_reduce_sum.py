@@ -414,9 +414,9 @@ SWEEP_CHAIN = 10
 
 
 def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
-    """Ours: the raw op and the wrapper eagerly on a tensor table, then (as the default
-    run) forward, fwd+bwd with IndexedSlices and fwd+bwd with a dense gradient as
-    tf.functions on a tf.Variable table."""
+    """Ours: the raw op and the wrapper (dense and ragged ids) eagerly on a tensor table,
+    then (as the default run) forward, fwd+bwd with IndexedSlices and fwd+bwd with a dense
+    gradient as tf.functions on a tf.Variable table."""
     import tensorflow as tf
 
     util.add_checkout_to_path()
@@ -451,6 +451,13 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     def wrapper():
         return tf_ttemb.gather_reduce_sum(table, ids, weights).numpy()
 
+    # The same bags as ragged ids, weights on the ids' row_splits: the raw op's CSR exactly.
+    ragged_ids = tf.RaggedTensor.from_row_splits(flat_ids, row_splits, validate=False)
+    ragged_weights = ragged_ids.with_flat_values(flat_weights)
+
+    def wrapper_ragged():
+        return tf_ttemb.gather_reduce_sum(table, ragged_ids, ragged_weights).numpy()
+
     def step(dense_grad: bool):
         @tf.function
         def run(ids, weights, upstream):
@@ -471,11 +478,11 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     )
 
     warmup, repeats = spec["warmup"], spec["repeats"]
-    # raw and wrapper alternate in one loop, so that both see the same machine load.
+    # raw and the wrappers alternate in one loop, so that both see the same machine load.
     timings = {
         key: timing.to_json()
         for key, timing in util.time_alternating(
-            {"raw_op": raw, "wrapper": wrapper}, warmup, repeats
+            {"raw_op": raw, "wrapper": wrapper, "wrapper_ragged": wrapper_ragged}, warmup, repeats
         ).items()
     }
     timings["fwd"] = util.time_calls(lambda: forward(ids, weights), warmup, repeats).to_json()
@@ -628,16 +635,17 @@ def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch
             ratio = other[their_key]["median_ms"] / mine[key]["median_ms"]
             return f"{ms(other, their_key)} / {ms(mine, key)} = {ratio:.2f}x"
 
-        wrapper_ratio = (
-            f"{mine['wrapper']['median_ms'] / mine['raw_op']['median_ms']:.2f}x"
-            if "wrapper" in mine
-            else "-"
-        )
+        def over_raw(key):
+            if key not in mine or "raw_op" not in mine:
+                return "-"
+            return f"{mine[key]['median_ms'] / mine['raw_op']['median_ms']:.2f}x"
+
         rows.append(
             [
                 f"{problem.num_rows:,} x {problem.dim}, {problem.bags:,} x {problem.bag_size}",
                 ms(mine, "raw_op"),
-                f"{ms(mine, 'wrapper')} ({wrapper_ratio})",
+                f"{ms(mine, 'wrapper')} ({over_raw('wrapper')})",
+                f"{ms(mine, 'wrapper_ragged')} ({over_raw('wrapper_ragged')})",
                 ms(other, "fwd_torch_alloc"),
                 cell("fwd"),
                 cell("fwd_in_graph", "fwd"),
@@ -652,6 +660,7 @@ def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch
         "N x D, bags x L",
         "raw op ms",
         "wrapper ms (/ raw)",
+        "ragged ms (/ raw)",
         "torch fwd, torch-alloc table",
         "fwd: torch / ours",
         "fwd in graph: torch / ours",

@@ -179,14 +179,13 @@ def custom_op_on_variable(
 
 
 def bound_forward(params: tf.Tensor, bags: _bags.Bags, combiner: str, padding_id: int | None):
-    """`custom_op`'s forward (sparse gradient) with all but its tensors fixed: a function
-    (params, ids, weights) -> output [B, D] that looks up `bags.row_splits` with this
-    call's op attrs, for another call of the same shapes, dtypes and devices (weights
-    None when `bags` has none)."""
+    """`custom_op`'s forward (sparse gradient) with its op attrs fixed: a function
+    (params, ids, row_splits, weights) -> output [B, D] for another call with the
+    combiner and padding_id of this one and a table of the same dtype and device
+    (weights None where `bags` has none)."""
     lib, attrs, empty_weights = _forward_inputs(bags, combiner, padding_id, params)
-    row_splits = bags.row_splits
 
-    def forward(params, ids, weights):
+    def forward(params, ids, row_splits, weights):
         weights = empty_weights if weights is None else weights
         return run_forward(lib, params, ids, row_splits, weights, attrs)[0]
 

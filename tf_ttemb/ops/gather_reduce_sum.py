@@ -140,14 +140,8 @@ def gather_reduce_sum(
             )
         elif implementation == "custom_op":
             output = _custom_op.custom_op(params, bags, combiner, padding_id, dense_grad)
-            if (
-                key is not None
-                and bags.ids is indices
-                and bags.weights is weights
-                and bags.batch_shape is None
-                and bags.row_splits.shape[0] <= _EAGER_FORWARD_MAX_BAGS + 1
-            ):
-                _remember(key, _custom_op.bound_forward(params, bags, combiner, padding_id))
+            if key is not None:
+                _remember(key, params, indices, weights, bags, combiner, padding_id)
         else:
             params = tf.convert_to_tensor(params)
             output = composite.composite_with_gradient(
@@ -156,18 +150,19 @@ def gather_reduce_sum(
         return _bags.shaped_output(output, bags, shape[1:])
 
 
-# Eager lookups of a table tensor by dense [B, L] ids: a call repeats the decisions of the
-# call before it with the same arguments, shapes, dtypes and devices (the argument checks,
-# the checks of the table and the ids, the CSR form, the op's attrs and row_splits). Each
-# is worth a few microseconds of Python, 50 µs together on this package's 2-core machine,
-# as much as the op's own work on a small batch; after a large lookup has flushed the
-# caches, every line of Python costs more again. The first such call runs the whole path
-# above, which validates; it leaves the forward it chose here, and later calls with the
-# same key go straight to the op. What the key leaves out is checked per call by the op
-# (the ids' values) or keeps a call off this path (variables, ids of other forms, dense
-# gradients, the composite, graphs). Each kept forward holds its row_splits: at most 64
-# forwards of up to 65,536 bags (512 KiB each) are kept; a larger batch's lookup is long
-# enough for the Python to be no matter.
+# Eager lookups of a table tensor by dense [B, L] or ragged [B, (L)] ids: a call repeats the
+# decisions of the call before it with the same arguments, dtypes and devices (the argument
+# checks, the checks of the table and the ids, the CSR form, the op's attrs and, for dense
+# ids of the same shape, row_splits). Each is worth a few microseconds of Python, 50 µs
+# together on this package's 2-core machine, as much as the op's own work on a small
+# batch; after a large lookup has flushed the caches, every line of Python costs more
+# again. The first such call runs the whole path above, which validates; it leaves the
+# forward it chose here, and later calls with the same key go straight to the op. What the
+# key leaves out is checked per call by the op (the ids' values, ragged row_splits) or
+# keeps a call off this path (variables, sparse ids, ragged weights on row_splits of their
+# own, dense gradients, the composite, graphs). A dense forward holds its row_splits: at
+# most 64 forwards are kept, dense ones of up to 65,536 bags (512 KiB); a larger batch's
+# lookup is long enough for the Python to be no matter.
 _EAGER_FORWARDS: dict = {}
 _EAGER_FORWARDS_MAX = 64
 _EAGER_FORWARD_MAX_BAGS = 1 << 16
@@ -177,10 +172,11 @@ _EAGER_TENSOR = getattr(tf.__internal__, "EagerTensor", None)
 
 
 def _eager_key(params, indices, weights, combiner, padding_id, dense_grad, implementation):
-    """The memo key of an eager call with a table tensor, dense 2-D ids and dense weights
-    (or none), with a sparse gradient and not the composite; None for any other call.
-    The arguments are taken as given (the key of a call the full path rejects is never
-    stored), so they must be of exact types whose equality is their meaning."""
+    """The memo key of an eager call with a table tensor and dense 2-D or ragged
+    (ragged_rank 1) ids, weights of their structure or none, a sparse gradient and not
+    the composite; None for any other call. The arguments are taken as given (the key of
+    a call the full path rejects is never stored), so they must be of exact types whose
+    equality is their meaning."""
     if (
         _EAGER_TENSOR is None
         or dense_grad is not False
@@ -189,26 +185,36 @@ def _eager_key(params, indices, weights, combiner, padding_id, dense_grad, imple
         or implementation == "composite"
         or (padding_id is not None and type(padding_id) is not int)
         or type(params) is not _EAGER_TENSOR
-        or type(indices) is not _EAGER_TENSOR
-        or (weights is not None and type(weights) is not _EAGER_TENSOR)
         or not tf.executing_eagerly()
     ):
         return None
-    if indices.shape.rank != 2:
+    table_key = (params.shape, params.dtype, params.device, combiner, padding_id, implementation)
+    if type(indices) is _EAGER_TENSOR:
+        if indices.shape.rank != 2:
+            return None
+        if weights is None:
+            return (*table_key, "dense", indices.shape, indices.dtype, indices.device, None)
+        if type(weights) is not _EAGER_TENSOR:
+            return None
+        weights_key = (weights.shape, weights.dtype, weights.device)
+        return (*table_key, "dense", indices.shape, indices.dtype, indices.device, weights_key)
+    if type(indices) is not tf.RaggedTensor or indices.ragged_rank != 1:
         return None
-    weights_key = None if weights is None else (weights.shape, weights.dtype, weights.device)
-    return (
-        params.shape,
-        params.dtype,
-        params.device,
-        indices.shape,
-        indices.dtype,
-        indices.device,
-        weights_key,
-        combiner,
-        padding_id,
-        implementation,
-    )
+    values, splits = indices.values, indices.row_splits
+    if type(values) is not _EAGER_TENSOR or values.shape.rank != 1:
+        return None
+    ids_key = ("ragged", values.dtype, values.device, splits.dtype, splits.device)
+    if weights is None:
+        return (*table_key, *ids_key, None)
+    if (
+        type(weights) is not tf.RaggedTensor
+        or weights.row_splits is not splits  # the one form whose lengths need no check
+        or weights.ragged_rank != 1
+        or type(weights.values) is not _EAGER_TENSOR
+        or weights.values.shape.rank != 1
+    ):
+        return None
+    return (*table_key, *ids_key, (weights.values.dtype, weights.values.device))
 
 
 def eager_forward_keys() -> list:
@@ -216,7 +222,35 @@ def eager_forward_keys() -> list:
     return list(_EAGER_FORWARDS)
 
 
-def _remember(key: tuple, forward) -> None:
+def _remember(key: tuple, params, indices, weights, bags: _bags.Bags, combiner, padding_id):
+    """Keeps the forward of a call with memo key `key` that ran the custom op on `bags`,
+    if the ops ran on the caller's tensors as they are (no cast, no reshape)."""
+    forward = _custom_op.bound_forward(params, bags, combiner, padding_id)
+    if isinstance(indices, tf.RaggedTensor):
+        if not (
+            bags.ids is indices.values
+            and bags.row_splits is indices.row_splits
+            and (weights is None or bags.weights is weights.values)
+        ):
+            return
+
+        def kept(params, indices, weights):
+            flat_weights = None if weights is None else weights.values
+            return forward(params, indices.values, indices.row_splits, flat_weights)
+
+    else:
+        row_splits = bags.row_splits
+        if not (
+            bags.ids is indices
+            and bags.weights is weights
+            and bags.batch_shape is None
+            and row_splits.shape[0] <= _EAGER_FORWARD_MAX_BAGS + 1
+        ):
+            return
+
+        def kept(params, indices, weights):
+            return forward(params, indices, row_splits, weights)
+
     if len(_EAGER_FORWARDS) >= _EAGER_FORWARDS_MAX:
         _EAGER_FORWARDS.clear()
-    _EAGER_FORWARDS[key] = forward
+    _EAGER_FORWARDS[key] = kept
