@@ -195,11 +195,12 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
 }
 
 // How many rows of `bytes` bytes a random-row loop keeps prefetched ahead:
-// about 8 KiB in flight, 4 to 64 rows (64 B rows 64 ahead; 4 KiB rows 4). With
-// the prefetches going to L2, 8 KiB beat 4 KiB at D = 16 to 128 on a Zen 4
-// (BENCHMARKS.md, 2026-12-06, fourth).
+// about 8 KiB in flight, 4 to 128 rows (64 B rows 128 ahead; 4 KiB rows 4).
+// With the prefetches going to L2, 8 KiB beat 4 KiB at D = 16 to 128 on a Zen 4
+// (BENCHMARKS.md, 2026-12-06, fourth), and for 64 B rows 128 ahead beat 64
+// (the cap until then; 2026-12-06, seventh).
 inline int64_t RowsInFlight(int64_t bytes) {
-  return std::max<int64_t>(4, std::min<int64_t>(64, 8192 / std::max<int64_t>(1, bytes)));
+  return std::max<int64_t>(4, std::min<int64_t>(128, 8192 / std::max<int64_t>(1, bytes)));
 }
 
 // Prefetches a row that will be read soon, so the random-access gather runs at
