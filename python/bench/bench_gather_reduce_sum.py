@@ -497,9 +497,11 @@ def _sweep_tf_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     """Ours, tf.functions on a tf.Variable table: forward and fwd+bwd (IndexedSlices) for
-    each of SWEEP_VARIANTS (combiner, dtype) at one shape, the variants timed in turn (one
-    call of each per round), so that each ratio to float32 sum compares samples taken
-    side by side on this noisy machine."""
+    each of SWEEP_VARIANTS (combiner, dtype) at one shape, per call and in graph
+    (SWEEP_CHAIN steps in one call, which leaves out TensorFlow's cost of a call: the same
+    for every variant, it would make a faster variant's ratio look worse), the variants
+    timed in turn (one call of each per round), so that each ratio to float32 sum compares
+    samples taken side by side on this noisy machine."""
     import tensorflow as tf
 
     util.add_checkout_to_path()
@@ -511,7 +513,7 @@ def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     arrays = make_arrays(problem)
     warmup, repeats = spec["warmup"], spec["repeats"]
     ids = tf.constant(arrays["ids"])
-    forwards, steps = {}, {}
+    forwards, steps, chained_forwards, chained_steps = {}, {}, {}, {}
     for combiner, dtype in SWEEP_VARIANTS:
         params = tf.Variable(tf.cast(arrays["params"], dtype))
         weights = tf.cast(arrays["weights"], dtype)
@@ -536,15 +538,44 @@ def _sweep_variants_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             sources = [params, weights] if weighted else [params]
             return output, tape.gradient(output, sources, output_gradients=upstream)
 
+        def chained_step(params=params, weights=weights, upstream=upstream, combiner=combiner):
+            # One element of each result: the step's ops all run (one op makes both grads).
+            weighted = combiner != "max"
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                output = tf_ttemb.gather_reduce_sum(
+                    params, ids, weights if weighted else None, combiner=combiner
+                )
+            grads = tape.gradient(
+                output, [params, weights] if weighted else [params], output_gradients=upstream
+            )
+            total = tf.cast(output[0, 0] + grads[0].values[0, 0], tf.float32)
+            return total + tf.cast(grads[1][0, 0], tf.float32) if weighted else total
+
         key = f"{combiner}/{dtype}"
         forwards[key] = lambda forward=forward, weights=weights: forward(ids, weights)
         steps[key] = lambda step=step, weights=weights, upstream=upstream: step(
             ids, weights, upstream
         )
+        chained_forwards[key] = util.chained_steps(
+            tf,
+            lambda forward=forward, weights=weights: tf.cast(
+                forward(ids, weights)[0, 0], tf.float32
+            ),
+            SWEEP_CHAIN,
+        )
+        chained_steps[key] = util.chained_steps(tf, chained_step, SWEEP_CHAIN)
     timings: Dict[str, Dict[str, Any]] = {key: {} for key in forwards}
-    for column, fns in (("fwd", forwards), ("fwd_bwd_sparse", steps)):
+    for column, fns, chain in (
+        ("fwd", forwards, 1),
+        ("fwd_bwd_sparse", steps, 1),
+        ("fwd_in_graph", chained_forwards, SWEEP_CHAIN),
+        ("fwd_bwd_in_graph", chained_steps, SWEEP_CHAIN),
+    ):
         for key, timing in util.time_alternating(fns, warmup, repeats).items():
-            timings[key][column] = timing.to_json()
+            timings[key][column] = util.Timing(
+                timing.median_ms / chain, timing.min_ms / chain, repeats
+            ).to_json()
     return {"ok": True, "timings": timings, "versions": {"tensorflow": tf.__version__}}
 
 
@@ -722,7 +753,7 @@ def _sweep_variants(args: argparse.Namespace, threads: int, script: str) -> Dict
     for combiner, dtype in SWEEP_VARIANTS:
         t = timings.get(f"{combiner}/{dtype}", {})
         row = [combiner, dtype]
-        for key in ("fwd", "fwd_bwd_sparse"):
+        for key in ("fwd", "fwd_bwd_sparse", "fwd_in_graph", "fwd_bwd_in_graph"):
             if key not in t or key not in ref:
                 row += ["-", "-"]
                 continue
@@ -738,13 +769,18 @@ def _sweep_variants(args: argparse.Namespace, threads: int, script: str) -> Dict
         "fwd / f32 sum",
         "fwd+bwd sparse ms",
         "fwd+bwd / f32 sum",
+        "fwd in graph ms",
+        "/ f32 sum",
+        "fwd+bwd in graph ms",
+        "/ f32 sum",
     ]
     print(
         f"ours, {problem.num_rows:,} x {problem.dim}, {problem.bags:,} x {problem.bag_size}, "
         "weighted (max: unweighted), "
         f"{threads} thread(s): "
         "each combiner and table dtype against float32 sum (target: <= 1.2x; per byte for "
-        "the half types)"
+        f"the half types); per call, then in graph ({SWEEP_CHAIN} steps in one tf.function "
+        "call, per step)"
     )
     print(util.format_table(headers, rows))
     if not result.get("ok"):
