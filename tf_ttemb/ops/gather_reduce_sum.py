@@ -190,13 +190,9 @@ def _eager_key(params, indices, weights, combiner, padding_id, dense_grad, imple
         return None
     table_key = (params.shape, params.dtype, params.device, combiner, padding_id, implementation)
     if type(indices) is _EAGER_TENSOR:
-        if indices.shape.rank != 2:
+        if indices.shape.rank != 2 or (weights is not None and type(weights) is not _EAGER_TENSOR):
             return None
-        if weights is None:
-            return (*table_key, "dense", indices.shape, indices.dtype, indices.device, None)
-        if type(weights) is not _EAGER_TENSOR:
-            return None
-        weights_key = (weights.shape, weights.dtype, weights.device)
+        weights_key = None if weights is None else (weights.shape, weights.dtype, weights.device)
         return (*table_key, "dense", indices.shape, indices.dtype, indices.device, weights_key)
     if type(indices) is not tf.RaggedTensor or indices.ragged_rank != 1:
         return None
@@ -225,31 +221,30 @@ def eager_forward_keys() -> list:
 def _remember(key: tuple, params, indices, weights, bags: _bags.Bags, combiner, padding_id):
     """Keeps the forward of a call with memo key `key` that ran the custom op on `bags`,
     if the ops ran on the caller's tensors as they are (no cast, no reshape)."""
-    forward = _custom_op.bound_forward(params, bags, combiner, padding_id)
-    if isinstance(indices, tf.RaggedTensor):
-        if not (
+    ragged = isinstance(indices, tf.RaggedTensor)
+    if ragged:
+        as_given = (
             bags.ids is indices.values
             and bags.row_splits is indices.row_splits
             and (weights is None or bags.weights is weights.values)
-        ):
-            return
-
-        def kept(params, indices, weights):
-            flat_weights = None if weights is None else weights.values
-            return forward(params, indices.values, indices.row_splits, flat_weights)
-
+        )
     else:
-        row_splits = bags.row_splits
-        if not (
+        as_given = (
             bags.ids is indices
             and bags.weights is weights
             and bags.batch_shape is None
-            and row_splits.shape[0] <= _EAGER_FORWARD_MAX_BAGS + 1
-        ):
-            return
+            and bags.row_splits.shape[0] <= _EAGER_FORWARD_MAX_BAGS + 1
+        )
+    if not as_given:
+        return
+    forward = _custom_op.bound_forward(params, bags, combiner, padding_id)
+    row_splits = bags.row_splits
 
-        def kept(params, indices, weights):
+    def kept(params, indices, weights):
+        if not ragged:
             return forward(params, indices, row_splits, weights)
+        flat_weights = None if weights is None else weights.values
+        return forward(params, indices.values, indices.row_splits, flat_weights)
 
     if len(_EAGER_FORWARDS) >= _EAGER_FORWARDS_MAX:
         _EAGER_FORWARDS.clear()
