@@ -602,6 +602,9 @@ inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* wor
   const uint64_t mask = digits.mask;
   const int64_t chunks =
       n < 65536 ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool->NumThreads(), n / 32768));
+  // Each loop reads its bound into a local first: the loops store int64_t
+  // counts, which may alias n, so a bound written in the condition
+  // (chunk_begin(c + 1)) was recomputed, with a 64-bit division, per word.
   auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
   auto for_chunks = [&](auto fn) {
     if (chunks == 1) {
@@ -621,7 +624,8 @@ inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* wor
     std::fill(count.begin(), count.end(), 0);
     for_chunks([&](int64_t c) {
       int64_t* cc = count.data() + c * buckets;
-      for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) ++cc[(src[i] >> sh) & mask];
+      const int64_t end = chunk_begin(c + 1);
+      for (int64_t i = chunk_begin(c); i < end; ++i) ++cc[(src[i] >> sh) & mask];
     });
     const uint64_t first_digit = (src[0] >> sh) & mask;
     int64_t first_total = 0;
@@ -638,7 +642,8 @@ inline void RadixSortPacked(thread::ThreadPool* pool, std::vector<uint64_t>* wor
     uint64_t* dst = tmp->data();
     for_chunks([&](int64_t c) {
       int64_t* cc = count.data() + c * buckets;
-      for (int64_t i = chunk_begin(c); i < chunk_begin(c + 1); ++i) {
+      const int64_t end = chunk_begin(c + 1);
+      for (int64_t i = chunk_begin(c); i < end; ++i) {
         dst[cc[(src[i] >> sh) & mask]++] = src[i];
       }
     });
