@@ -3,8 +3,9 @@
 (TF_TTEMB_CPU_ISA=avx2, what every other x86-64 CPU runs), over the row widths whose code
 paths differ (tails of one to fifteen lanes, one and several vectors, the widest unrolled
 chunk of the sum and of the max and beyond), every dtype, mean weighted and not, and max
-(with its argmax, through the gradient). Both agree with the float64 reference. And the
-results have the same bits at any thread count (blocks go to whichever thread is free)."""
+(with its argmax, through the gradient). Both agree with the float64 reference. The
+results have the same bits with the rows prefetched into L1 or L2 (TF_TTEMB_ROW_PREFETCH),
+and at any thread count (blocks go to whichever thread is free)."""
 
 from __future__ import annotations
 
@@ -89,22 +90,39 @@ print("done")
 """
 
 
+# Row widths around 512 B, where the chunked loops' row prefetches move from L2 to L1 on
+# Intel cores (RowPrefetchLevel in gather_reduce_sum_cpu.h): float32 rows of 508, 512 and
+# 1,024 B, half rows of 256 and 512 B, float64 rows of 1,016 and 2,048 B.
+PREFETCH_DIMS = [127, 128, 256]
+# name: (environment, dims). "default" is what this CPU picks on its own.
+RUNS = {
+    "default": ({}, DIMS),
+    "avx2": ({"TF_TTEMB_CPU_ISA": "avx2"}, DIMS),
+    "rows-l1": ({"TF_TTEMB_ROW_PREFETCH": "l1"}, PREFETCH_DIMS),
+    "rows-l2": ({"TF_TTEMB_ROW_PREFETCH": "l2"}, PREFETCH_DIMS),
+    "avx2-rows-l1": ({"TF_TTEMB_CPU_ISA": "avx2", "TF_TTEMB_ROW_PREFETCH": "l1"}, PREFETCH_DIMS),
+}
+
+
 @pytest.fixture(scope="module")
 def both_paths(tmp_path_factory):
+    """{run name: its results} of every RUNS entry, each in a fresh process (both choices
+    are read once per process)."""
     folder = tmp_path_factory.mktemp("isa")
     outputs = {}
-    for isa in ("default", "avx2"):
-        path = folder / f"{isa}.npz"
+    for name, (environment, dims) in RUNS.items():
+        path = folder / f"{name}.npz"
         with pytest.MonkeyPatch.context() as patch:
-            if isa == "avx2":
-                patch.setenv("TF_TTEMB_CPU_ISA", "avx2")
-            else:
-                patch.delenv("TF_TTEMB_CPU_ISA", raising=False)
+            for variable in ("TF_TTEMB_CPU_ISA", "TF_TTEMB_ROW_PREFETCH"):
+                if variable in environment:
+                    patch.setenv(variable, environment[variable])
+                else:
+                    patch.delenv(variable, raising=False)
             last = run_fresh_python(
-                SCRIPT, str(path), json.dumps(DIMS), json.dumps(DTYPES), str(TESTS_DIR)
+                SCRIPT, str(path), json.dumps(dims), json.dumps(DTYPES), str(TESTS_DIR)
             )
         assert last == "done", last
-        outputs[isa] = dict(np.load(pathlib.Path(path)))
+        outputs[name] = dict(np.load(pathlib.Path(path)))
     return outputs
 
 
@@ -146,6 +164,17 @@ def test_avx512_and_avx2_max_agree_bitwise(both_paths, dim):
         assert_close(got_grad, want_grad, scale, tf.as_dtype(name), f"{dim}-{name}-max-grad")
 
 
+@pytest.mark.parametrize("run", ["rows-l1", "rows-l2", "avx2-rows-l1"])
+def test_row_prefetch_level_keeps_the_bits(both_paths, run):
+    """Where the chunked loops prefetch rows to (L1 or L2, either instruction set) changes
+    no result: every mean and max lookup, and the max gradient, of both prefetch levels
+    has the default run's bits (which test_avx512_and_avx2_* check against float64)."""
+    got = both_paths[run]
+    assert len(got) == len(PREFETCH_DIMS) * len(DTYPES) * 4
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, both_paths["default"][key], err_msg=f"{run} {key}")
+
+
 def _disassembly(symbol_part: str) -> dict:
     """{function name: its x86-64 disassembly} of the op library's functions whose
     demangled name contains `symbol_part` (objdump from binutils, beside the compiler)."""
@@ -180,13 +209,18 @@ def _disassembly(symbol_part: str) -> dict:
 )
 @pytest.mark.parametrize("kernel", ["BagChunkSum<", "BagChunkMax<", "BagSum512<"])
 def test_forward_bag_loops_prefetch_rows(kernel):
-    """The forward's bag loops prefetch rows ahead, into L2: GCC 12 once deleted every
-    __builtin_prefetch loop there (PrefetchLine in gather_reduce_sum_cpu.h). BagSum512
-    holds the wide-row loop (BagWideSum512, inlined)."""
+    """The forward's bag loops prefetch rows ahead, into L2, and rows of 512 B or more on
+    Intel cores into L1: GCC 12 once deleted every __builtin_prefetch loop there
+    (PrefetchLine in gather_reduce_sum_cpu.h). BagSum512 holds the wide-row loop
+    (BagWideSum512, inlined)."""
     bodies = _disassembly(kernel)
     float_bodies = {k: v for k, v in bodies.items() if ", float, long" in k}
     assert float_bodies, f"no {kernel}...float, long...> function in the op library"
-    assert any("prefetcht1" in body for body in float_bodies.values()), sorted(float_bodies)
+    for instruction in ("prefetcht1", "prefetcht0"):
+        assert any(instruction in body for body in float_bodies.values()), (
+            instruction,
+            sorted(float_bodies),
+        )
 
 
 THREADS_SCRIPT = """

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -169,9 +170,10 @@ inline void AddRow(Acc* __restrict acc, const T* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += static_cast<Acc>(row[d]);
 }
 
-// Prefetches the cache line holding `p` into L2 (and L3), not L1: the rows
-// these kernels prefetch are read a few rows later, and prefetcht0 of every
-// line of them filled the 32 KiB L1 with lines not yet needed. On a Zen 4,
+// Prefetches the cache line holding `p` into L2 (and L3), not L1 (but see
+// RowPrefetchLevel): the rows these kernels prefetch are read a few rows
+// later, and prefetcht0 of every line of them filled the 32 KiB L1 with lines
+// not yet needed. On a Zen 4,
 // prefetcht1 instead made the 1M x 64 forward 1.7-2.3x faster and the
 // 262,144 x 1,024 one 1.3-1.6x (BENCHMARKS.md, 2026-12-06, fourth). An asm
 // statement on x86-64, not __builtin_prefetch: GCC 12 deletes a loop whose
@@ -186,11 +188,54 @@ inline void PrefetchLine(const void* p) {
 #endif
 }
 
-// Prefetches every cache line that [p, p + bytes) touches.
-inline void PrefetchBytes(const void* p, int64_t bytes) {
+// Prefetches the cache line holding `p` into L1 (prefetcht0); for the rows of
+// RowPrefetchLevel's kL1 only.
+inline void PrefetchLineL1(const void* p) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Where the forward's chunked bag loops prefetch the rows they will read.
+enum class PrefetchLevel { kL2, kL1 };
+
+// Rows of 512 B or more go to L1 on Intel cores, every other row to L2. On an
+// Ice Lake-SP (model 106, 48 KiB L1), prefetcht0 made the in-graph forward at
+// D = 128 and 256 (float32) 7-21 % faster on both instruction sets, 1 and 2
+// threads, while on the Zen 4 of the earlier sessions it made D = 256 1.1-1.4x
+// slower; at D = 64 on the Ice Lake it was 3-6 % slower with AVX-512
+// (BENCHMARKS.md, 2026-12-06, eighth). TF_TTEMB_ROW_PREFETCH=l1 or l2 in the
+// environment fixes the choice for rows of 512 B or more on any CPU. Read once.
+inline bool WideRowsPrefetchToL1() {
+  static const bool to_l1 = [] {
+    const char* choice = std::getenv("TF_TTEMB_ROW_PREFETCH");
+    if (choice != nullptr && std::strcmp(choice, "l1") == 0) return true;
+    if (choice != nullptr && std::strcmp(choice, "l2") == 0) return false;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    return static_cast<bool>(__builtin_cpu_is("intel"));
+#else
+    return false;
+#endif
+  }();
+  return to_l1;
+}
+
+inline PrefetchLevel RowPrefetchLevel(int64_t row_bytes) {
+  return row_bytes >= 512 && WideRowsPrefetchToL1() ? PrefetchLevel::kL1 : PrefetchLevel::kL2;
+}
+
+// Prefetches every cache line that [p, p + bytes) touches, into L2 or, with
+// kL1, into L1.
+inline void PrefetchBytes(const void* p, int64_t bytes, PrefetchLevel level = PrefetchLevel::kL2) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
   for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
-    PrefetchLine(reinterpret_cast<const void*>(line));
+    if (level == PrefetchLevel::kL1) {
+      PrefetchLineL1(reinterpret_cast<const void*>(line));
+    } else {
+      PrefetchLine(reinterpret_cast<const void*>(line));
+    }
   }
 }
 

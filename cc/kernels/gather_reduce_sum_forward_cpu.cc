@@ -50,17 +50,17 @@ namespace {
 #ifdef TF_TTEMB_CPU_AVX2
 
 // Prefetches the first `bytes` bytes of the row of entry `ahead` (every cache
-// line they touch), unless `bytes` is 0, ahead >= prefetch_end or the entry is
-// padding.
+// line they touch) into `level`, unless `bytes` is 0, ahead >= prefetch_end or
+// the entry is padding.
 template <typename T, typename Tindex>
 inline void PrefetchAhead(const T* params,    // [N, D]
                           const Tindex* ids,  // [nnz]
                           int64_t ahead, int64_t prefetch_end, int64_t bytes, int64_t dim,
-                          const BagAttrs& attrs) {
+                          PrefetchLevel level, const BagAttrs& attrs) {
   if (bytes <= 0 || ahead >= prefetch_end) return;
   const int64_t id = static_cast<int64_t>(ids[ahead]);
   if (attrs.has_padding_id && id == attrs.padding_id) return;
-  PrefetchBytes(params + id * dim, bytes);
+  PrefetchBytes(params + id * dim, bytes, level);
 }
 
 // A vector of 8 float or 4 double accumulators and the loads that widen a
@@ -175,9 +175,10 @@ inline void BagChunkSum(const T* params,    // [N, D]
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
   const int64_t distance = RowsInFlight(prefetch_bytes);
+  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
     if (kWeighted) {
@@ -269,13 +270,14 @@ inline void BagChunkMax(const T* params,    // [N, D]
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
   const int64_t distance = RowsInFlight(prefetch_bytes);
+  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
   auto load = [&](const T* row, int v) {
     return (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
                                      : VA::Load(row + v * kLanes);
   };
   int64_t j = begin;
   for (; j < end; ++j) {  // up to the first non-padding entry
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
@@ -287,7 +289,7 @@ inline void BagChunkMax(const T* params,    // [N, D]
     break;
   }
   for (; j < end; ++j) {
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
@@ -419,6 +421,7 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
   const int64_t distance = RowsInFlight(prefetch_bytes);
+  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
   int64_t j = begin;
   if (prefetch_bytes > 0) {
     // The entries whose look-ahead entry lies before prefetch_end: no bound
@@ -426,7 +429,9 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
     const int64_t checked_from = std::min(end, prefetch_end - distance);
     for (; j < checked_from; ++j) {
       const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
-      if (!padding || ahead != padding_id) PrefetchBytes(params + ahead * dim, prefetch_bytes);
+      if (!padding || ahead != padding_id) {
+        PrefetchBytes(params + ahead * dim, prefetch_bytes, level);
+      }
       const int64_t id = static_cast<int64_t>(ids[j]);
       if (padding && id == padding_id) continue;
       const __m512 w = _mm512_set1_ps(kWeighted ? static_cast<float>(weights[j]) : 1.0f);
@@ -435,7 +440,7 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   }
   for (; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
     if (padding && id == padding_id) continue;
     const __m512 w = _mm512_set1_ps(kWeighted ? static_cast<float>(weights[j]) : 1.0f);
     AddRow512<kVecs, kTail, kWeighted>(params + id * dim + col, w, mask, acc);
@@ -557,9 +562,10 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
   const int64_t distance = RowsInFlight(prefetch_bytes);
+  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
   int64_t j = begin;
   for (; j < end; ++j) {  // up to the first non-padding entry
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
@@ -572,7 +578,7 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
     break;
   }
   for (; j < end; ++j) {
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, attrs);
+    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
