@@ -170,36 +170,35 @@ inline void AddRow(Acc* __restrict acc, const T* __restrict row, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += static_cast<Acc>(row[d]);
 }
 
-// Prefetches the cache line holding `p` into L2 (and L3), not L1 (but see
-// RowPrefetchLevel): the rows these kernels prefetch are read a few rows
-// later, and prefetcht0 of every line of them filled the 32 KiB L1 with lines
-// not yet needed. On a Zen 4,
-// prefetcht1 instead made the 1M x 64 forward 1.7-2.3x faster and the
-// 262,144 x 1,024 one 1.3-1.6x (BENCHMARKS.md, 2026-12-06, fourth). An asm
-// statement on x86-64, not __builtin_prefetch: GCC 12 deletes a loop whose
-// only statements are __builtin_prefetch calls (it counts the builtin as free
-// of side effects and, from C++11 on, such a loop as finite and so as dead),
-// which had silently removed the row prefetches of these kernels.
-inline void PrefetchLine(const void* p) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
-// Prefetches the cache line holding `p` into L1 (prefetcht0); for the rows of
-// RowPrefetchLevel's kL1 only.
-inline void PrefetchLineL1(const void* p) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 3);
-#endif
-}
-
-// Where the forward's chunked bag loops prefetch the rows they will read.
+// Where a loop prefetches the rows it will read: L2 (and L3) or L1.
 enum class PrefetchLevel { kL2, kL1 };
+
+// Prefetches the cache line holding `p` into L2 (and L3), or with kL1 into L1.
+// L2 is the default: the rows these kernels prefetch are read a few rows
+// later, and prefetcht0 of every line of them filled the 32 KiB L1 of a Zen 4
+// with lines not yet needed; prefetcht1 instead made the 1M x 64 forward
+// 1.7-2.3x faster there and the 262,144 x 1,024 one 1.3-1.6x (BENCHMARKS.md,
+// 2026-12-06, fourth). L1 only for RowPrefetchLevel's rows. An asm statement
+// on x86-64, not __builtin_prefetch: GCC 12 deletes a loop whose only
+// statements are __builtin_prefetch calls (it counts the builtin as free of
+// side effects and, from C++11 on, such a loop as finite and so as dead),
+// which had silently removed the row prefetches of these kernels.
+inline void PrefetchLine(const void* p, PrefetchLevel level = PrefetchLevel::kL2) {
+  const bool l1 = level == PrefetchLevel::kL1;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (l1) {
+    asm volatile("prefetcht0 (%0)" : : "r"(p));
+  } else {
+    asm volatile("prefetcht1 (%0)" : : "r"(p));
+  }
+#else
+  if (l1) {
+    __builtin_prefetch(p, 0, 3);
+  } else {
+    __builtin_prefetch(p, 0, 2);
+  }
+#endif
+}
 
 // Rows of 512 B or more go to L1 on Intel cores, every other row to L2. On an
 // Ice Lake-SP (model 106, 48 KiB L1), prefetcht0 made the in-graph forward at
@@ -231,11 +230,7 @@ inline PrefetchLevel RowPrefetchLevel(int64_t row_bytes) {
 inline void PrefetchBytes(const void* p, int64_t bytes, PrefetchLevel level = PrefetchLevel::kL2) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
   for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
-    if (level == PrefetchLevel::kL1) {
-      PrefetchLineL1(reinterpret_cast<const void*>(line));
-    } else {
-      PrefetchLine(reinterpret_cast<const void*>(line));
-    }
+    PrefetchLine(reinterpret_cast<const void*>(line), level);
   }
 }
 
