@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -256,3 +257,110 @@ def test_cpu_results_have_the_same_bits_for_any_thread_count():
     gradients and the weights gradient have the same bits at 1, 2 and 3 threads."""
     digests = digests_at_thread_counts(THREADS_SCRIPT)
     assert len(set(digests.values())) == 1, digests
+
+
+# TT factorisations (p, q, ranks) whose float32 products take every column block of the
+# TT tiles (tt_embedding_cpu_math.h): widths q_k r_{k+1} of 8 to 168 (64-, 32-, 16- and
+# 8-column blocks), contractions r_k of 8 to 56, the last core's q of 1 to 7 (RowDots's
+# 4-output tiles and the rest) over odd and even row counts, and 2, 3 and 4 cores.
+TT_SHAPES = [
+    ([7, 9, 11], [4, 4, 4], [32, 32]),
+    ([5, 6, 7], [3, 5, 3], [8, 24]),
+    ([4, 5, 6], [2, 3, 5], [16, 56]),
+    ([3, 4, 4, 5], [2, 2, 2, 3], [8, 16, 40]),
+    ([9, 13], [4, 7], [16]),
+    ([6, 7], [1, 1], [8]),
+]
+
+TT_SCRIPT = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+from tf_ttemb.ops.tt_embedding import tt_rows
+
+out_path, shapes = sys.argv[1], json.loads(sys.argv[2])
+results = {}
+for case, (p, q, ranks) in enumerate(shapes):
+    rng = np.random.default_rng(case)
+    r = [1] + ranks + [1]
+    cores = [
+        tf.Variable(rng.standard_normal((p[k], r[k] * q[k] * r[k + 1])), dtype=tf.float32)
+        for k in range(len(p))
+    ]
+    # Duplicates and ids sharing leading digits: groups of many nodes, split in batches.
+    ids = tf.constant(rng.integers(0, int(np.prod(p)), size=700), tf.int64)
+    upstream = tf.constant(rng.standard_normal((700, int(np.prod(q)))), tf.float32)
+    with tf.device("/CPU:0"):
+        with tf.GradientTape() as tape:
+            rows = tt_rows(cores, ids, p_shapes=p, q_shapes=q, ranks=ranks,
+                           implementation="custom_op")
+        grads = tape.gradient(rows, cores, output_gradients=upstream)
+    results[f"{case}-rows"] = rows.numpy()
+    for k, g in enumerate(grads):
+        results[f"{case}-grad{k}"] = tf.convert_to_tensor(g).numpy()
+np.savez(out_path, **results)
+print("done")
+"""
+
+
+@pytest.fixture(scope="module")
+def tt_both_paths(tmp_path_factory):
+    """{"default" | "avx2": {key: array}}: the TT rows and core gradients of TT_SHAPES,
+    each instruction set in a fresh process."""
+    folder = tmp_path_factory.mktemp("tt_isa")
+    outputs = {}
+    for name in ("default", "avx2"):
+        path = folder / f"{name}.npz"
+        with pytest.MonkeyPatch.context() as patch:
+            if name == "avx2":
+                patch.setenv("TF_TTEMB_CPU_ISA", "avx2")
+            else:
+                patch.delenv("TF_TTEMB_CPU_ISA", raising=False)
+            last = run_fresh_python(TT_SCRIPT, str(path), json.dumps(TT_SHAPES))
+        assert last == "done", last
+        outputs[name] = dict(np.load(pathlib.Path(path)))
+    return outputs
+
+
+@pytest.mark.parametrize("case", range(len(TT_SHAPES)))
+def test_tt_products_agree_bitwise_on_both_instruction_sets(tt_both_paths, case):
+    """The TT rows and every core's gradient have the same bits with the AVX-512 tiles
+    and the AVX2 ones (every element is one fma chain in a fixed order), and the rows
+    agree with the float64 reference."""
+    from tf_ttemb import tt
+
+    default, avx2 = tt_both_paths["default"], tt_both_paths["avx2"]
+    keys = [key for key in default if key.startswith(f"{case}-")]
+    assert len(keys) == len(TT_SHAPES[case][0]) + 1, keys
+    for key in keys:
+        np.testing.assert_array_equal(default[key], avx2[key], err_msg=key)
+    p, q, ranks = TT_SHAPES[case]
+    rng = np.random.default_rng(case)
+    r = [1] + ranks + [1]
+    cores = [
+        rng.standard_normal((p[k], r[k] * q[k] * r[k + 1])).astype(np.float32)
+        for k in range(len(p))
+    ]
+    ids = rng.integers(0, int(np.prod(p)), size=700)
+    want = tt.rows([c.astype(np.float64) for c in cores], p, q, ranks, ids)
+    np.testing.assert_allclose(
+        default[f"{case}-rows"], want, rtol=0, atol=1e-4 * np.abs(want).max()
+    )
+
+
+@pytest.mark.skipif(
+    __import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 code only"
+)
+@pytest.mark.parametrize(
+    "entry", ["RowsTimesAvx512<", "TransposedBlockAvx512<", "LeafGradientsAvx512<", "RowDotsAvx512"]
+)
+def test_tt_avx512_tiles_are_inlined_into_their_entry_points(entry):
+    """The TT tiles are written once over a vector type; their AVX-512 instantiations
+    work only when inlined into an AVX-512 function (TF_TTEMB_AVX512_FLATTEN, cpu_isa.h).
+    Each entry point's body holds 512-bit fmas and calls nothing."""
+    bodies = _disassembly(entry)
+    bodies = {k: v for k, v in bodies.items() if not k.endswith("@plt")}
+    assert bodies, f"no {entry} function in the op library"
+    for name, body in bodies.items():
+        assert "zmm" in body and "vfmadd" in body, name
+        assert re.search(r"\bcall", body) is None, name

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "cc/kernels/check_report_op.h"
+#include "cc/kernels/cpu_isa.h"
 #include "cc/kernels/gather_reduce_sum_cpu.h"
 #include "cc/kernels/gather_reduce_sum_forward_op.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
@@ -351,8 +351,6 @@ void BagMaxAvx2(const T* params, const Tindex* ids, int64_t begin, int64_t end,
 // where AVX2 holds 64 columns; D = 256 takes one pass instead of four. The
 // arithmetic per column is the same sequential fma (weighted) or add chain
 // over the entries as BagChunkSum's, so both paths give the same bits.
-#define TF_TTEMB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
 struct Vec512 {
   using V = __m512;
   static constexpr int kLanes = 16;
@@ -379,19 +377,6 @@ struct Vec512 {
 };
 
 constexpr int kMaxVecs512 = 16;
-
-// Whether the AVX-512 path runs: the CPU has AVX512F/BW/VL and the
-// environment variable TF_TTEMB_CPU_ISA is not "avx2" (which keeps the AVX2
-// path, so that it can be tested on an AVX-512 machine). Read once.
-inline bool CpuHasAvx512() {
-  static const bool has = [] {
-    const char* isa = std::getenv("TF_TTEMB_CPU_ISA");
-    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return has;
-}
 
 // acc[0, kVecs) += w * row's vectors (fma) when kWeighted, + row's vectors
 // otherwise; `mask` selects the last vector's lanes when kTail.

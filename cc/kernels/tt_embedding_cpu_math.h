@@ -4,14 +4,13 @@
 // Plain C++ (no TensorFlow headers).
 //
 // Every product has one generic version (any element type and size: loops over
-// contiguous rows that the compiler vectorises) and, for float with AVX2+FMA
-// (configure.sh compiles for the build machine's CPU), register-blocked
-// versions used when the vectorised width is a multiple of 8 (every rank that
-// is a multiple of 8):
+// contiguous rows that the compiler vectorises) and, for float (the library is
+// built for AVX2 + FMA, cpu_isa.h), register-blocked versions used when the
+// vectorised width is a multiple of 8 (every rank that is a multiple of 8):
 //   RowsTimes                  the forward's P_k = P_{k-1} G_k and the
 //                              backward's dP_{k-1} = dP_k G_k^T: a tile of
-//                              MR rows x 8 NV columns of C in registers, the
-//                              contraction (k) innermost;
+//                              MR rows x NV vectors of columns of C in
+//                              registers, the contraction (k) innermost;
 //   TransposedRowsTimesRows    the core gradients dG_k = P_{k-1}^T dP_k: a tile
 //                              of C in registers, the summed rows innermost;
 //   RowDots                    the last core's products, whose output is only
@@ -20,10 +19,16 @@
 //                              part G_{T-1}^T dP_leaf and core T-1's block
 //                              P_m^T dP_leaf, from one broadcast of dP_leaf;
 //   Transpose                  8 x 8 blocks.
+// The tiles of RowsTimes, TransposedRowsTimesRows and LeafGradients are written
+// once over a vector type: AVX2's 8 lanes (16 registers), and AVX-512's 16
+// lanes (32 registers, twice the tile), which run where the CPU has AVX-512
+// (CpuHasAvx512); RowDots has its own AVX-512 tile, with the AVX2 one's bits.
 // Each output element is one chain of fused multiply-adds over the contracted
 // index in ascending order, started from 0 or from the element's old value;
-// which tile computed it does not change its bits, so a product is bitwise the
-// same whatever rows it was batched with.
+// which tile or vector width computed it does not change its bits, so a
+// product is bitwise the same whatever rows it was batched with and on either
+// instruction set. RowDots sums 8 lanes, then the lanes, in one fixed order on
+// both instruction sets.
 
 #ifndef TF_TTEMB_CC_KERNELS_TT_EMBEDDING_CPU_MATH_H_
 #define TF_TTEMB_CC_KERNELS_TT_EMBEDDING_CPU_MATH_H_
@@ -34,6 +39,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "cc/kernels/cpu_isa.h"
 #define TF_TTEMB_TT_AVX2 1
 // Fully unrolls a loop over a tile's registers. Without it GCC keeps a tile's
 // accumulators in memory and stores them on every iteration of the loop
@@ -123,132 +130,200 @@ void LeafGradientsGeneric(const Acc* dp, int64_t m, int64_t q, const Acc* bt, co
 
 #ifdef TF_TTEMB_TT_AVX2
 // ---------------------------------------------------------------------------
-// float32, AVX2 + FMA.
+// float32, register tiles over a vector type V: F32x8 (AVX2) or F32x16
+// (AVX-512, whose functions carry TF_TTEMB_AVX512; the tiles instantiated with
+// it are inlined into TF_TTEMB_AVX512_FLATTEN entry points, never called
+// from AVX2 code).
 
-// Rows [row, row + MR) x columns [col, col + 8 NV) of RowsTimes.
-template <int MR, int NV, bool kAccumulate>
+struct F32x8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static V Broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+// The tiles' __m512 arguments and results never cross a call (every use is
+// inlined into an AVX-512 function), so GCC's note that passing them without
+// AVX-512 enabled would change the ABI does not apply.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+struct F32x16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  TF_TTEMB_AVX512 static V Zero() { return _mm512_setzero_ps(); }
+  TF_TTEMB_AVX512 static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  TF_TTEMB_AVX512 static V Broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  TF_TTEMB_AVX512 static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  TF_TTEMB_AVX512 static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+
+// Rows [row, row + MR) x columns [col, col + NV lanes) of RowsTimes.
+template <typename F, int MR, int NV, bool kAccumulate>
 inline void RowsTimesTile(const float* const* a, int64_t k, const float* b, int64_t n,
                           float* const* c, int64_t col) {
-  __m256 acc[MR][NV];
+  using V = typename F::V;
+  constexpr int L = F::kLanes;
+  V acc[MR][NV];
   TF_TTEMB_UNROLL
   for (int r = 0; r < MR; ++r) {
     TF_TTEMB_UNROLL
-    for (int v = 0; v < NV; ++v) {
-      acc[r][v] = kAccumulate ? _mm256_loadu_ps(c[r] + col + 8 * v) : _mm256_setzero_ps();
-    }
+    for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? F::Load(c[r] + col + L * v) : F::Zero();
   }
   const float* bx = b + col;
   for (int64_t x = 0; x < k; ++x, bx += n) {
-    __m256 bv[NV];
+    V bv[NV];
     TF_TTEMB_UNROLL
-    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(bx + 8 * v);
+    for (int v = 0; v < NV; ++v) bv[v] = F::Load(bx + L * v);
     TF_TTEMB_UNROLL
     for (int r = 0; r < MR; ++r) {
-      const __m256 ar = _mm256_broadcast_ss(a[r] + x);
+      const V ar = F::Broadcast(a[r] + x);
       TF_TTEMB_UNROLL
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(ar, bv[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = F::Fma(ar, bv[v], acc[r][v]);
     }
   }
   TF_TTEMB_UNROLL
   for (int r = 0; r < MR; ++r) {
     TF_TTEMB_UNROLL
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c[r] + col + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) F::Store(c[r] + col + L * v, acc[r][v]);
   }
 }
 
-// All m rows for columns [col, col + 8 NV): tiles of MR rows, then the rest.
-template <int MR, int NV, bool kAccumulate>
+// All m rows for columns [col, col + NV lanes): tiles of MR rows, then the
+// rest.
+template <typename F, int MR, int NV, bool kAccumulate>
 inline void RowsTimesColumns(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
                              float* const* c, int64_t col) {
   int64_t i = 0;
-  for (; i + MR <= m; i += MR) RowsTimesTile<MR, NV, kAccumulate>(a + i, k, b, n, c + i, col);
+  for (; i + MR <= m; i += MR) RowsTimesTile<F, MR, NV, kAccumulate>(a + i, k, b, n, c + i, col);
   if constexpr (MR > 1) {
     const int64_t rest = m - i;
     if (rest > 0) {
       // A tile of `rest` < MR rows: the largest power of two first.
       if constexpr (MR > 4) {
         if (rest >= 4) {
-          RowsTimesTile<4, NV, kAccumulate>(a + i, k, b, n, c + i, col);
-          RowsTimesColumns<4, NV, kAccumulate>(a + i + 4, rest - 4, k, b, n, c + i + 4, col);
+          RowsTimesTile<F, 4, NV, kAccumulate>(a + i, k, b, n, c + i, col);
+          RowsTimesColumns<F, 4, NV, kAccumulate>(a + i + 4, rest - 4, k, b, n, c + i + 4, col);
           return;
         }
       }
       if constexpr (MR > 2) {
         if (rest >= 2) {
-          RowsTimesTile<2, NV, kAccumulate>(a + i, k, b, n, c + i, col);
-          RowsTimesColumns<2, NV, kAccumulate>(a + i + 2, rest - 2, k, b, n, c + i + 2, col);
+          RowsTimesTile<F, 2, NV, kAccumulate>(a + i, k, b, n, c + i, col);
+          RowsTimesColumns<F, 2, NV, kAccumulate>(a + i + 2, rest - 2, k, b, n, c + i + 2, col);
           return;
         }
       }
-      RowsTimesTile<1, NV, kAccumulate>(a + i, k, b, n, c + i, col);
+      RowsTimesTile<F, 1, NV, kAccumulate>(a + i, k, b, n, c + i, col);
     }
   }
 }
 
 // n % 8 == 0. Column blocks of 32 (3 rows per tile), then 16 (6 rows), then 8
-// (8 rows): 8 to 12 accumulators per tile.
+// (8 rows): 8 to 12 accumulators per tile. Returns the columns done.
 template <bool kAccumulate>
-void RowsTimesAvx2(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
-                   float* const* c) {
-  int64_t col = 0;
-  for (; col + 32 <= n; col += 32) RowsTimesColumns<3, 4, kAccumulate>(a, m, k, b, n, c, col);
-  for (; col + 16 <= n; col += 16) RowsTimesColumns<6, 2, kAccumulate>(a, m, k, b, n, c, col);
-  for (; col + 8 <= n; col += 8) RowsTimesColumns<8, 1, kAccumulate>(a, m, k, b, n, c, col);
+int64_t RowsTimesAvx2(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
+                      float* const* c, int64_t col = 0) {
+  for (; col + 32 <= n; col += 32)
+    RowsTimesColumns<F32x8, 3, 4, kAccumulate>(a, m, k, b, n, c, col);
+  for (; col + 16 <= n; col += 16)
+    RowsTimesColumns<F32x8, 6, 2, kAccumulate>(a, m, k, b, n, c, col);
+  for (; col + 8 <= n; col += 8) RowsTimesColumns<F32x8, 8, 1, kAccumulate>(a, m, k, b, n, c, col);
+  return col;
 }
 
-// Rows [x0, x0 + MR) x columns [col, col + 8 NV) of TransposedRowsTimesRows.
-template <int MR, int NV, bool kAccumulate>
+// n % 8 == 0, AVX-512. Column blocks of 64 (6 rows per tile), 32 (8 rows),
+// 16 (8 rows): 8 to 24 accumulators, and at most 8 row pointers (more do not
+// fit the general registers); the last 8 columns as RowsTimesAvx2.
+template <bool kAccumulate>
+TF_TTEMB_AVX512_FLATTEN void RowsTimesAvx512(const float* const* a, int64_t m, int64_t k,
+                                             const float* b, int64_t n, float* const* c) {
+  int64_t col = 0;
+  for (; col + 64 <= n; col += 64)
+    RowsTimesColumns<F32x16, 6, 4, kAccumulate>(a, m, k, b, n, c, col);
+  for (; col + 32 <= n; col += 32)
+    RowsTimesColumns<F32x16, 8, 2, kAccumulate>(a, m, k, b, n, c, col);
+  for (; col + 16 <= n; col += 16)
+    RowsTimesColumns<F32x16, 8, 1, kAccumulate>(a, m, k, b, n, c, col);
+  RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c, col);
+}
+
+// Rows [x0, x0 + MR) x columns [col, col + NV lanes) of TransposedRowsTimesRows.
+template <typename F, int MR, int NV, bool kAccumulate>
 inline void TransposedTile(const float* const* a, int64_t x0, const float* const* d, int64_t n,
                            int64_t m, float* c, int64_t col) {
-  __m256 acc[MR][NV];
+  using V = typename F::V;
+  constexpr int L = F::kLanes;
+  V acc[MR][NV];
   TF_TTEMB_UNROLL
   for (int r = 0; r < MR; ++r) {
     TF_TTEMB_UNROLL
     for (int v = 0; v < NV; ++v) {
-      acc[r][v] =
-          kAccumulate ? _mm256_loadu_ps(c + (x0 + r) * n + col + 8 * v) : _mm256_setzero_ps();
+      acc[r][v] = kAccumulate ? F::Load(c + (x0 + r) * n + col + L * v) : F::Zero();
     }
   }
   for (int64_t i = 0; i < m; ++i) {
     const float* di = d[i] + col;
     const float* ai = a[i] + x0;
     // The MR broadcasts stay in registers and each vector of d is loaded
-    // once: 12 accumulators + 3 + 1 fit the 16 registers.
-    __m256 ar[MR];
+    // once: MR NV accumulators + MR + 1 fit the registers.
+    V ar[MR];
     TF_TTEMB_UNROLL
-    for (int r = 0; r < MR; ++r) ar[r] = _mm256_broadcast_ss(ai + r);
+    for (int r = 0; r < MR; ++r) ar[r] = F::Broadcast(ai + r);
     TF_TTEMB_UNROLL
     for (int v = 0; v < NV; ++v) {
-      const __m256 dv = _mm256_loadu_ps(di + 8 * v);
+      const V dv = F::Load(di + L * v);
       TF_TTEMB_UNROLL
-      for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(ar[r], dv, acc[r][v]);
+      for (int r = 0; r < MR; ++r) acc[r][v] = F::Fma(ar[r], dv, acc[r][v]);
     }
   }
   TF_TTEMB_UNROLL
   for (int r = 0; r < MR; ++r) {
     TF_TTEMB_UNROLL
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + (x0 + r) * n + col + 8 * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) F::Store(c + (x0 + r) * n + col + L * v, acc[r][v]);
   }
 }
 
-template <int MR, int NV, bool kAccumulate>
+template <typename F, int MR, int NV, bool kAccumulate>
 inline void TransposedColumns(const float* const* a, int64_t ka, const float* const* d, int64_t n,
                               int64_t m, float* c, int64_t col) {
   int64_t x = 0;
-  for (; x + MR <= ka; x += MR) TransposedTile<MR, NV, kAccumulate>(a, x, d, n, m, c, col);
+  for (; x + MR <= ka; x += MR) TransposedTile<F, MR, NV, kAccumulate>(a, x, d, n, m, c, col);
   if constexpr (MR > 1) {
-    for (; x + 2 <= ka; x += 2) TransposedTile<2, NV, kAccumulate>(a, x, d, n, m, c, col);
-    if (x < ka) TransposedTile<1, NV, kAccumulate>(a, x, d, n, m, c, col);
+    for (; x + 2 <= ka; x += 2) TransposedTile<F, 2, NV, kAccumulate>(a, x, d, n, m, c, col);
+    if (x < ka) TransposedTile<F, 1, NV, kAccumulate>(a, x, d, n, m, c, col);
   }
 }
 
+// Returns the columns done.
 template <bool kAccumulate>
-void TransposedBlock(const float* const* a, int64_t ka, const float* const* d, int64_t n, int64_t m,
-                     float* c) {
+int64_t TransposedBlockAvx2(const float* const* a, int64_t ka, const float* const* d, int64_t n,
+                            int64_t m, float* c, int64_t col = 0) {
+  for (; col + 32 <= n; col += 32)
+    TransposedColumns<F32x8, 3, 4, kAccumulate>(a, ka, d, n, m, c, col);
+  for (; col + 16 <= n; col += 16)
+    TransposedColumns<F32x8, 6, 2, kAccumulate>(a, ka, d, n, m, c, col);
+  for (; col + 8 <= n; col += 8)
+    TransposedColumns<F32x8, 8, 1, kAccumulate>(a, ka, d, n, m, c, col);
+  return col;
+}
+
+// 16 to 24 accumulators, MR broadcasts and one vector of d per tile.
+template <bool kAccumulate>
+TF_TTEMB_AVX512_FLATTEN void TransposedBlockAvx512(const float* const* a, int64_t ka,
+                                                   const float* const* d, int64_t n, int64_t m,
+                                                   float* c) {
   int64_t col = 0;
-  for (; col + 32 <= n; col += 32) TransposedColumns<3, 4, kAccumulate>(a, ka, d, n, m, c, col);
-  for (; col + 16 <= n; col += 16) TransposedColumns<6, 2, kAccumulate>(a, ka, d, n, m, c, col);
-  for (; col + 8 <= n; col += 8) TransposedColumns<8, 1, kAccumulate>(a, ka, d, n, m, c, col);
+  for (; col + 64 <= n; col += 64)
+    TransposedColumns<F32x16, 4, 4, kAccumulate>(a, ka, d, n, m, c, col);
+  for (; col + 32 <= n; col += 32)
+    TransposedColumns<F32x16, 8, 2, kAccumulate>(a, ka, d, n, m, c, col);
+  for (; col + 16 <= n; col += 16)
+    TransposedColumns<F32x16, 12, 1, kAccumulate>(a, ka, d, n, m, c, col);
+  TransposedBlockAvx2<kAccumulate>(a, ka, d, n, m, c, col);
 }
 
 // n % 8 == 0. The summed rows go in blocks of kTransposedBlock, so that the
@@ -256,14 +331,18 @@ void TransposedBlock(const float* const* a, int64_t ka, const float* const* d, i
 constexpr int64_t kTransposedBlock = 32;
 
 template <bool kAccumulate>
-void TransposedRowsTimesRowsAvx2(const float* const* a, int64_t ka, const float* const* d,
-                                 int64_t n, int64_t m, float* c) {
+void TransposedRowsTimesRowsBlocked(const float* const* a, int64_t ka, const float* const* d,
+                                    int64_t n, int64_t m, float* c) {
+  const bool avx512 = CpuHasAvx512();
   for (int64_t i = 0; i < m; i += kTransposedBlock) {
     const int64_t rows = std::min(kTransposedBlock, m - i);
-    if (kAccumulate || i > 0) {
-      TransposedBlock<true>(a + i, ka, d + i, n, rows, c);
+    const bool add = kAccumulate || i > 0;
+    if (avx512) {
+      add ? TransposedBlockAvx512<true>(a + i, ka, d + i, n, rows, c)
+          : TransposedBlockAvx512<false>(a + i, ka, d + i, n, rows, c);
     } else {
-      TransposedBlock<false>(a + i, ka, d + i, n, rows, c);
+      add ? (void)TransposedBlockAvx2<true>(a + i, ka, d + i, n, rows, c)
+          : (void)TransposedBlockAvx2<false>(a + i, ka, d + i, n, rows, c);
     }
   }
 }
@@ -316,10 +395,10 @@ inline void DotsColumns(const float* a, int64_t m, int64_t k, const float* bt, i
   if (i < m) DotsTile<1, J>(a + i * k, k, bt, q, c + i * q);
 }
 
-// k % 8 == 0.
-inline void RowDotsAvx2(const float* a, int64_t m, int64_t k, const float* bt, int64_t q,
-                        float* c) {
-  int64_t j = 0;
+// k % 8 == 0; outputs [j0, q).
+inline void RowDotsAvx2(const float* a, int64_t m, int64_t k, const float* bt, int64_t q, float* c,
+                        int64_t j0 = 0) {
+  int64_t j = j0;
   for (; j + 4 <= q; j += 4) DotsColumns<4>(a, m, k, bt + j * k, q, c + j);
   switch (q - j) {
     case 3:
@@ -335,6 +414,65 @@ inline void RowDotsAvx2(const float* a, int64_t m, int64_t k, const float* bt, i
       break;
   }
 }
+
+// Rows [i, i + 2P) x outputs [j, j + 4) of RowDots on AVX-512, with DotsTile's
+// bits: each vector holds a pair of rows' 8-lane sums (rows 2p and 2p + 1 in
+// its low and high 256 bits), which take the same fma chains as DotsTile's;
+// the lane sums repeat _mm256_hadd_ps's additions (a shuffle of the even and
+// of the odd lanes, added) and DotsTile's final sum of the two 128-bit halves.
+template <int P>
+TF_TTEMB_AVX512 inline void DotsPairs512(const float* a, int64_t k, const float* bt, int64_t q,
+                                         float* c) {
+  __m512 acc[P][4];
+  TF_TTEMB_UNROLL
+  for (int p = 0; p < P; ++p) {
+    TF_TTEMB_UNROLL
+    for (int j = 0; j < 4; ++j) acc[p][j] = _mm512_setzero_ps();
+  }
+  for (int64_t x = 0; x < k; x += 8) {
+    __m512 av[P];
+    TF_TTEMB_UNROLL
+    for (int p = 0; p < P; ++p) {
+      const __m256d low = _mm256_castps_pd(_mm256_loadu_ps(a + 2 * p * k + x));
+      const __m256d high = _mm256_castps_pd(_mm256_loadu_ps(a + (2 * p + 1) * k + x));
+      av[p] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(low), high, 1));
+    }
+    TF_TTEMB_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      const __m512 bv = _mm512_castpd_ps(
+          _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(bt + j * k + x))));
+      TF_TTEMB_UNROLL
+      for (int p = 0; p < P; ++p) acc[p][j] = _mm512_fmadd_ps(av[p], bv, acc[p][j]);
+    }
+  }
+  const auto hadd = [](__m512 u, __m512 v) TF_TTEMB_AVX512 {
+    return _mm512_add_ps(_mm512_shuffle_ps(u, v, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  TF_TTEMB_UNROLL
+  for (int p = 0; p < P; ++p) {
+    const __m512 h = hadd(hadd(acc[p][0], acc[p][1]), hadd(acc[p][2], acc[p][3]));
+    // Lanes [0, 4) and [8, 12): each row's two 128-bit halves added.
+    const __m512 sum = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 3, 0, 1)));
+    _mm_storeu_ps(c + 2 * p * q, _mm512_castps512_ps128(sum));
+    _mm_storeu_ps(c + (2 * p + 1) * q, _mm512_extractf32x4_ps(sum, 2));
+  }
+}
+
+// k % 8 == 0, AVX-512: outputs 4 at a time by pairs of rows (8 rows a tile),
+// an odd last row and the last q % 4 outputs as RowDotsAvx2.
+TF_TTEMB_AVX512_FLATTEN inline void RowDotsAvx512(const float* a, int64_t m, int64_t k,
+                                                  const float* bt, int64_t q, float* c) {
+  int64_t j = 0;
+  for (; j + 4 <= q; j += 4) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) DotsPairs512<4>(a + i * k, k, bt + j * k, q, c + i * q + j);
+    for (; i + 2 <= m; i += 2) DotsPairs512<1>(a + i * k, k, bt + j * k, q, c + i * q + j);
+    if (i < m) DotsTile<1, 4>(a + i * k, k, bt + j * k, q, c + i * q + j);
+  }
+  RowDotsAvx2(a, m, k, bt, q, c, j);
+}
+
 // dst [n, m] = src [m, n]^T for m % 8 == 0 and n % 8 == 0, by 8 x 8 blocks.
 inline void TransposeAvx2(const float* src, int64_t m, int64_t n, float* dst) {
   for (int64_t i = 0; i < m; i += 8) {
@@ -366,34 +504,83 @@ inline void TransposeAvx2(const float* src, int64_t m, int64_t n, float* dst) {
 }
 
 // LeafGradients for Q = q (<= 4) columns of dp at a time, columns
-// [col, col + Q) of dp (and rows of bt and l), n % 8 == 0: per 8 columns of
-// d, l and p, bt's Q vectors and l's Q accumulators stay in registers, and
-// every broadcast of dp feeds both products.
-template <int Q>
-inline void LeafGradientsAvx2(const float* dp, int64_t m, int64_t q, int64_t col, const float* bt,
-                              const float* p, int64_t n, bool accumulate, float* d, float* l) {
-  for (int64_t x = 0; x < n; x += 8) {
-    __m256 g[Q];
-    __m256 acc[Q];
+// [col, col + Q) of dp (and rows of bt and l), and the columns [x0, x1) of d,
+// l and p, (x1 - x0) % (NV lanes) == 0: per NV vectors of columns, bt's Q NV
+// vectors and l's Q NV accumulators stay in registers, and every broadcast of
+// dp feeds both products.
+template <typename F, int Q, int NV>
+inline void LeafGradientsTile(const float* dp, int64_t m, int64_t q, int64_t col, const float* bt,
+                              const float* p, int64_t n, bool accumulate, float* d, float* l,
+                              int64_t x0, int64_t x1) {
+  using V = typename F::V;
+  constexpr int L = F::kLanes;
+  for (int64_t x = x0; x < x1; x += L * NV) {
+    V g[Q][NV];
+    V acc[Q][NV];
     TF_TTEMB_UNROLL
     for (int j = 0; j < Q; ++j) {
-      g[j] = _mm256_loadu_ps(bt + (col + j) * n + x);
-      acc[j] = _mm256_setzero_ps();
+      TF_TTEMB_UNROLL
+      for (int v = 0; v < NV; ++v) {
+        g[j][v] = F::Load(bt + (col + j) * n + x + L * v);
+        acc[j][v] = F::Zero();
+      }
     }
     for (int64_t i = 0; i < m; ++i) {
       const float* dpi = dp + i * q + col;
-      const __m256 pv = _mm256_loadu_ps(p + i * n + x);
-      __m256 dv = accumulate ? _mm256_loadu_ps(d + i * n + x) : _mm256_setzero_ps();
+      V pv[NV], dv[NV];
+      TF_TTEMB_UNROLL
+      for (int v = 0; v < NV; ++v) {
+        pv[v] = F::Load(p + i * n + x + L * v);
+        dv[v] = accumulate ? F::Load(d + i * n + x + L * v) : F::Zero();
+      }
       TF_TTEMB_UNROLL
       for (int j = 0; j < Q; ++j) {
-        const __m256 b = _mm256_broadcast_ss(dpi + j);
-        acc[j] = _mm256_fmadd_ps(b, pv, acc[j]);
-        dv = _mm256_fmadd_ps(b, g[j], dv);
+        const V b = F::Broadcast(dpi + j);
+        TF_TTEMB_UNROLL
+        for (int v = 0; v < NV; ++v) {
+          acc[j][v] = F::Fma(b, pv[v], acc[j][v]);
+          dv[v] = F::Fma(b, g[j][v], dv[v]);
+        }
       }
-      _mm256_storeu_ps(d + i * n + x, dv);
+      TF_TTEMB_UNROLL
+      for (int v = 0; v < NV; ++v) F::Store(d + i * n + x + L * v, dv[v]);
     }
     TF_TTEMB_UNROLL
-    for (int j = 0; j < Q; ++j) _mm256_storeu_ps(l + (col + j) * n + x, acc[j]);
+    for (int j = 0; j < Q; ++j) {
+      TF_TTEMB_UNROLL
+      for (int v = 0; v < NV; ++v) F::Store(l + (col + j) * n + x + L * v, acc[j][v]);
+    }
+  }
+}
+
+// n % 8 == 0: all of d's and l's columns, 8 at a time.
+template <int Q>
+void LeafGradientsAvx2(const float* dp, int64_t m, int64_t q, int64_t col, const float* bt,
+                       const float* p, int64_t n, bool accumulate, float* d, float* l) {
+  LeafGradientsTile<F32x8, Q, 1>(dp, m, q, col, bt, p, n, accumulate, d, l, 0, n);
+}
+
+// n % 8 == 0, AVX-512: 32 columns at a time, then 16, then 8.
+template <int Q>
+TF_TTEMB_AVX512_FLATTEN void LeafGradientsAvx512(const float* dp, int64_t m, int64_t q, int64_t col,
+                                                 const float* bt, const float* p, int64_t n,
+                                                 bool accumulate, float* d, float* l) {
+  const int64_t x32 = n / 32 * 32, x16 = n / 16 * 16;
+  LeafGradientsTile<F32x16, Q, 2>(dp, m, q, col, bt, p, n, accumulate, d, l, 0, x32);
+  LeafGradientsTile<F32x16, Q, 1>(dp, m, q, col, bt, p, n, accumulate, d, l, x32, x16);
+  LeafGradientsTile<F32x8, Q, 1>(dp, m, q, col, bt, p, n, accumulate, d, l, x16, n);
+}
+
+#pragma GCC diagnostic pop
+
+template <int Q>
+void LeafGradientsColumns(bool avx512, const float* dp, int64_t m, int64_t q, int64_t col,
+                          const float* bt, const float* p, int64_t n, bool accumulate, float* d,
+                          float* l) {
+  if (avx512) {
+    LeafGradientsAvx512<Q>(dp, m, q, col, bt, p, n, accumulate, d, l);
+  } else {
+    LeafGradientsAvx2<Q>(dp, m, q, col, bt, p, n, accumulate, d, l);
   }
 }
 #endif  // TF_TTEMB_TT_AVX2
@@ -418,7 +605,11 @@ template <bool kAccumulate, typename Acc>
 void RowsTimes(const Acc* const* a, int64_t m, int64_t k, const Acc* b, int64_t n, Acc* const* c) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
-    if (Blocked<Acc>(n)) return RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c);
+    if (Blocked<Acc>(n)) {
+      if (CpuHasAvx512()) return RowsTimesAvx512<kAccumulate>(a, m, k, b, n, c);
+      RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c);
+      return;
+    }
   }
 #endif
   RowsTimesGeneric<kAccumulate>(a, m, k, b, n, c);
@@ -430,7 +621,7 @@ void TransposedRowsTimesRows(const Acc* const* a, int64_t ka, const Acc* const* 
                              int64_t m, Acc* c) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
-    if (Blocked<Acc>(n)) return TransposedRowsTimesRowsAvx2<kAccumulate>(a, ka, d, n, m, c);
+    if (Blocked<Acc>(n)) return TransposedRowsTimesRowsBlocked<kAccumulate>(a, ka, d, n, m, c);
   }
 #endif
   TransposedRowsTimesRowsGeneric<kAccumulate>(a, ka, d, n, m, c);
@@ -441,7 +632,9 @@ template <typename Acc>
 void RowDots(const Acc* a, int64_t m, int64_t k, const Acc* bt, int64_t q, Acc* c) {
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
-    if (Blocked<Acc>(k)) return RowDotsAvx2(a, m, k, bt, q, c);
+    if (Blocked<Acc>(k)) {
+      return CpuHasAvx512() ? RowDotsAvx512(a, m, k, bt, q, c) : RowDotsAvx2(a, m, k, bt, q, c);
+    }
   }
 #endif
   RowDotsGeneric(a, m, k, bt, q, c);
@@ -466,20 +659,21 @@ void LeafGradients(const Acc* dp, int64_t m, int64_t q, const Acc* bt, const Acc
 #ifdef TF_TTEMB_TT_AVX2
   if constexpr (std::is_same<Acc, float>::value) {
     if (Blocked<Acc>(n)) {
+      const bool avx512 = CpuHasAvx512();
       for (int64_t col = 0; col < q; col += 4) {
         const bool add = accumulate || col > 0;
         switch (std::min<int64_t>(4, q - col)) {
           case 4:
-            LeafGradientsAvx2<4>(dp, m, q, col, bt, p, n, add, d, l);
+            LeafGradientsColumns<4>(avx512, dp, m, q, col, bt, p, n, add, d, l);
             break;
           case 3:
-            LeafGradientsAvx2<3>(dp, m, q, col, bt, p, n, add, d, l);
+            LeafGradientsColumns<3>(avx512, dp, m, q, col, bt, p, n, add, d, l);
             break;
           case 2:
-            LeafGradientsAvx2<2>(dp, m, q, col, bt, p, n, add, d, l);
+            LeafGradientsColumns<2>(avx512, dp, m, q, col, bt, p, n, add, d, l);
             break;
           default:
-            LeafGradientsAvx2<1>(dp, m, q, col, bt, p, n, add, d, l);
+            LeafGradientsColumns<1>(avx512, dp, m, q, col, bt, p, n, add, d, l);
             break;
         }
       }
