@@ -161,6 +161,26 @@ struct F32x16 {
   TF_TTEMB_AVX512 static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
 
+// Calls columns(mr, nv, col), mr and nv std::integral_constant<int, ...>, for the
+// column blocks [col, col + nv lanes of F) that cover [col0, n): blocks of 4, then 2,
+// then 1 vectors, with MR4, MR2 and MR1 rows per tile. Returns the first column not
+// covered (n % F::kLanes columns are left).
+template <typename F, int MR4, int MR2, int MR1, typename Columns>
+inline int64_t ForColumnBlocks(int64_t n, int64_t col0, Columns columns) {
+  constexpr int L = F::kLanes;
+  int64_t col = col0;
+  for (; col + 4 * L <= n; col += 4 * L) {
+    columns(std::integral_constant<int, MR4>(), std::integral_constant<int, 4>(), col);
+  }
+  for (; col + 2 * L <= n; col += 2 * L) {
+    columns(std::integral_constant<int, MR2>(), std::integral_constant<int, 2>(), col);
+  }
+  for (; col + L <= n; col += L) {
+    columns(std::integral_constant<int, MR1>(), std::integral_constant<int, 1>(), col);
+  }
+  return col;
+}
+
 // Rows [row, row + MR) x columns [col, col + NV lanes) of RowsTimes.
 template <typename F, int MR, int NV, bool kAccumulate>
 inline void RowsTimesTile(const float* const* a, int64_t k, const float* b, int64_t n,
@@ -222,17 +242,15 @@ inline void RowsTimesColumns(const float* const* a, int64_t m, int64_t k, const 
   }
 }
 
-// n % 8 == 0. Column blocks of 32 (3 rows per tile), then 16 (6 rows), then 8
-// (8 rows): 8 to 12 accumulators per tile. Returns the columns done.
+// n % 8 == 0, from column col0. Column blocks of 32 (3 rows per tile), then 16
+// (6 rows), then 8 (8 rows): 8 to 12 accumulators per tile. Returns n.
 template <bool kAccumulate>
 int64_t RowsTimesAvx2(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
-                      float* const* c, int64_t col = 0) {
-  for (; col + 32 <= n; col += 32)
-    RowsTimesColumns<F32x8, 3, 4, kAccumulate>(a, m, k, b, n, c, col);
-  for (; col + 16 <= n; col += 16)
-    RowsTimesColumns<F32x8, 6, 2, kAccumulate>(a, m, k, b, n, c, col);
-  for (; col + 8 <= n; col += 8) RowsTimesColumns<F32x8, 8, 1, kAccumulate>(a, m, k, b, n, c, col);
-  return col;
+                      float* const* c, int64_t col0 = 0) {
+  return ForColumnBlocks<F32x8, 3, 6, 8>(n, col0, [&](auto mr, auto nv, int64_t col) {
+    RowsTimesColumns<F32x8, decltype(mr)::value, decltype(nv)::value, kAccumulate>(a, m, k, b, n, c,
+                                                                                   col);
+  });
 }
 
 // n % 8 == 0, AVX-512. Column blocks of 64 (6 rows per tile), 32 (8 rows),
@@ -241,14 +259,11 @@ int64_t RowsTimesAvx2(const float* const* a, int64_t m, int64_t k, const float* 
 template <bool kAccumulate>
 TF_TTEMB_AVX512_FLATTEN void RowsTimesAvx512(const float* const* a, int64_t m, int64_t k,
                                              const float* b, int64_t n, float* const* c) {
-  int64_t col = 0;
-  for (; col + 64 <= n; col += 64)
-    RowsTimesColumns<F32x16, 6, 4, kAccumulate>(a, m, k, b, n, c, col);
-  for (; col + 32 <= n; col += 32)
-    RowsTimesColumns<F32x16, 8, 2, kAccumulate>(a, m, k, b, n, c, col);
-  for (; col + 16 <= n; col += 16)
-    RowsTimesColumns<F32x16, 8, 1, kAccumulate>(a, m, k, b, n, c, col);
-  RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c, col);
+  const int64_t done = ForColumnBlocks<F32x16, 6, 8, 8>(n, 0, [&](auto mr, auto nv, int64_t col) {
+    RowsTimesColumns<F32x16, decltype(mr)::value, decltype(nv)::value, kAccumulate>(a, m, k, b, n,
+                                                                                    c, col);
+  });
+  RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c, done);
 }
 
 // Rows [x0, x0 + MR) x columns [col, col + NV lanes) of TransposedRowsTimesRows.
@@ -298,32 +313,27 @@ inline void TransposedColumns(const float* const* a, int64_t ka, const float* co
   }
 }
 
-// Returns the columns done.
+// n % 8 == 0, from column col0: the RowsTimesAvx2 blocks. Returns n.
 template <bool kAccumulate>
 int64_t TransposedBlockAvx2(const float* const* a, int64_t ka, const float* const* d, int64_t n,
-                            int64_t m, float* c, int64_t col = 0) {
-  for (; col + 32 <= n; col += 32)
-    TransposedColumns<F32x8, 3, 4, kAccumulate>(a, ka, d, n, m, c, col);
-  for (; col + 16 <= n; col += 16)
-    TransposedColumns<F32x8, 6, 2, kAccumulate>(a, ka, d, n, m, c, col);
-  for (; col + 8 <= n; col += 8)
-    TransposedColumns<F32x8, 8, 1, kAccumulate>(a, ka, d, n, m, c, col);
-  return col;
+                            int64_t m, float* c, int64_t col0 = 0) {
+  return ForColumnBlocks<F32x8, 3, 6, 8>(n, col0, [&](auto mr, auto nv, int64_t col) {
+    TransposedColumns<F32x8, decltype(mr)::value, decltype(nv)::value, kAccumulate>(a, ka, d, n, m,
+                                                                                    c, col);
+  });
 }
 
-// 16 to 24 accumulators, MR broadcasts and one vector of d per tile.
+// AVX-512: 16 to 24 accumulators, MR broadcasts and one vector of d per tile;
+// the last 8 columns as TransposedBlockAvx2.
 template <bool kAccumulate>
 TF_TTEMB_AVX512_FLATTEN void TransposedBlockAvx512(const float* const* a, int64_t ka,
                                                    const float* const* d, int64_t n, int64_t m,
                                                    float* c) {
-  int64_t col = 0;
-  for (; col + 64 <= n; col += 64)
-    TransposedColumns<F32x16, 4, 4, kAccumulate>(a, ka, d, n, m, c, col);
-  for (; col + 32 <= n; col += 32)
-    TransposedColumns<F32x16, 8, 2, kAccumulate>(a, ka, d, n, m, c, col);
-  for (; col + 16 <= n; col += 16)
-    TransposedColumns<F32x16, 12, 1, kAccumulate>(a, ka, d, n, m, c, col);
-  TransposedBlockAvx2<kAccumulate>(a, ka, d, n, m, c, col);
+  const int64_t done = ForColumnBlocks<F32x16, 4, 8, 12>(n, 0, [&](auto mr, auto nv, int64_t col) {
+    TransposedColumns<F32x16, decltype(mr)::value, decltype(nv)::value, kAccumulate>(a, ka, d, n, m,
+                                                                                     c, col);
+  });
+  TransposedBlockAvx2<kAccumulate>(a, ka, d, n, m, c, done);
 }
 
 // n % 8 == 0. The summed rows go in blocks of kTransposedBlock, so that the
