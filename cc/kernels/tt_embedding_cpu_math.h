@@ -243,11 +243,11 @@ inline void RowsTimesColumns(const float* const* a, int64_t m, int64_t k, const 
 }
 
 // n % 8 == 0, from column col0. Column blocks of 32 (3 rows per tile), then 16
-// (6 rows), then 8 (8 rows): 8 to 12 accumulators per tile. Returns n.
+// (6 rows), then 8 (8 rows): 8 to 12 accumulators per tile.
 template <bool kAccumulate>
-int64_t RowsTimesAvx2(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
-                      float* const* c, int64_t col0 = 0) {
-  return ForColumnBlocks<F32x8, 3, 6, 8>(n, col0, [&](auto mr, auto nv, int64_t col) {
+void RowsTimesAvx2(const float* const* a, int64_t m, int64_t k, const float* b, int64_t n,
+                   float* const* c, int64_t col0 = 0) {
+  ForColumnBlocks<F32x8, 3, 6, 8>(n, col0, [&](auto mr, auto nv, int64_t col) {
     RowsTimesColumns<F32x8, decltype(mr)::value, decltype(nv)::value, kAccumulate>(a, m, k, b, n, c,
                                                                                    col);
   });
@@ -313,17 +313,17 @@ inline void TransposedColumns(const float* const* a, int64_t ka, const float* co
   }
 }
 
-// n % 8 == 0, from column col0: the RowsTimesAvx2 blocks. Returns n.
+// n % 8 == 0, from column col0: the RowsTimesAvx2 blocks.
 template <bool kAccumulate>
-int64_t TransposedBlockAvx2(const float* const* a, int64_t ka, const float* const* d, int64_t n,
-                            int64_t m, float* c, int64_t col0 = 0) {
-  return ForColumnBlocks<F32x8, 3, 6, 8>(n, col0, [&](auto mr, auto nv, int64_t col) {
+void TransposedBlockAvx2(const float* const* a, int64_t ka, const float* const* d, int64_t n,
+                         int64_t m, float* c, int64_t col0 = 0) {
+  ForColumnBlocks<F32x8, 3, 6, 8>(n, col0, [&](auto mr, auto nv, int64_t col) {
     TransposedColumns<F32x8, decltype(mr)::value, decltype(nv)::value, kAccumulate>(a, ka, d, n, m,
                                                                                     c, col);
   });
 }
 
-// AVX-512: 16 to 24 accumulators, MR broadcasts and one vector of d per tile;
+// AVX-512: 12 to 16 accumulators, MR broadcasts and one vector of d per tile;
 // the last 8 columns as TransposedBlockAvx2.
 template <bool kAccumulate>
 TF_TTEMB_AVX512_FLATTEN void TransposedBlockAvx512(const float* const* a, int64_t ka,
@@ -351,8 +351,8 @@ void TransposedRowsTimesRowsBlocked(const float* const* a, int64_t ka, const flo
       add ? TransposedBlockAvx512<true>(a + i, ka, d + i, n, rows, c)
           : TransposedBlockAvx512<false>(a + i, ka, d + i, n, rows, c);
     } else {
-      add ? (void)TransposedBlockAvx2<true>(a + i, ka, d + i, n, rows, c)
-          : (void)TransposedBlockAvx2<false>(a + i, ka, d + i, n, rows, c);
+      add ? TransposedBlockAvx2<true>(a + i, ka, d + i, n, rows, c)
+          : TransposedBlockAvx2<false>(a + i, ka, d + i, n, rows, c);
     }
   }
 }
@@ -617,8 +617,7 @@ void RowsTimes(const Acc* const* a, int64_t m, int64_t k, const Acc* b, int64_t 
   if constexpr (std::is_same<Acc, float>::value) {
     if (Blocked<Acc>(n)) {
       if (CpuHasAvx512()) return RowsTimesAvx512<kAccumulate>(a, m, k, b, n, c);
-      RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c);
-      return;
+      return RowsTimesAvx2<kAccumulate>(a, m, k, b, n, c);
     }
   }
 #endif
