@@ -5,7 +5,7 @@ paths differ (tails of one to fifteen lanes, one and several vectors, the widest
 chunk of the sum and of the max and beyond), every dtype, mean weighted and not, and max
 (with its argmax, through the gradient). Both agree with the float64 reference. The
 results have the same bits with the rows prefetched into L1 or L2 (TF_TTEMB_ROW_PREFETCH),
-and at any thread count (blocks go to whichever thread is free)."""
+whole or by their first line only (TF_TTEMB_ROW_PREFETCH_LINES), and at any thread count (blocks go to whichever thread is free)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,10 @@ print("done")
 # Intel cores (RowPrefetchLevel in gather_reduce_sum_cpu.h): float32 rows of 508, 512 and
 # 1,024 B, half rows of 256 and 512 B, float64 rows of 1,016 and 2,048 B.
 PREFETCH_DIMS = [127, 128, 256]
+# Rows that the forward's loops prefetch whole or by their first line only
+# (RowPrefetchFirstLineOnly): float32 rows of 256 to 1,024 B, long enough that the
+# look-ahead entry lies inside the 117 entries for part of the loop.
+LINES_DIMS = [64, 127, 128, 256]
 # name: (environment, dims). "default" is what this CPU picks on its own.
 RUNS = {
     "default": ({}, DIMS),
@@ -102,7 +106,14 @@ RUNS = {
     "rows-l1": ({"TF_TTEMB_ROW_PREFETCH": "l1"}, PREFETCH_DIMS),
     "rows-l2": ({"TF_TTEMB_ROW_PREFETCH": "l2"}, PREFETCH_DIMS),
     "avx2-rows-l1": ({"TF_TTEMB_CPU_ISA": "avx2", "TF_TTEMB_ROW_PREFETCH": "l1"}, PREFETCH_DIMS),
+    "rows-all-lines": ({"TF_TTEMB_ROW_PREFETCH_LINES": "all"}, LINES_DIMS),
+    "rows-first-line": ({"TF_TTEMB_ROW_PREFETCH_LINES": "first"}, LINES_DIMS),
+    "avx2-rows-first-line": (
+        {"TF_TTEMB_CPU_ISA": "avx2", "TF_TTEMB_ROW_PREFETCH_LINES": "first"},
+        LINES_DIMS,
+    ),
 }
+CHOICES = ("TF_TTEMB_CPU_ISA", "TF_TTEMB_ROW_PREFETCH", "TF_TTEMB_ROW_PREFETCH_LINES")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +125,7 @@ def both_paths(tmp_path_factory):
     for name, (environment, dims) in RUNS.items():
         path = folder / f"{name}.npz"
         with pytest.MonkeyPatch.context() as patch:
-            for variable in ("TF_TTEMB_CPU_ISA", "TF_TTEMB_ROW_PREFETCH"):
+            for variable in CHOICES:
                 if variable in environment:
                     patch.setenv(variable, environment[variable])
                 else:
@@ -165,13 +176,24 @@ def test_avx512_and_avx2_max_agree_bitwise(both_paths, dim):
         assert_close(got_grad, want_grad, scale, tf.as_dtype(name), f"{dim}-{name}-max-grad")
 
 
-@pytest.mark.parametrize("run", ["rows-l1", "rows-l2", "avx2-rows-l1"])
-def test_row_prefetch_level_keeps_the_bits(both_paths, run):
-    """Where the chunked loops prefetch rows to (L1 or L2, either instruction set) changes
-    no result: every mean and max lookup, and the max gradient, of both prefetch levels
-    has the default run's bits (which test_avx512_and_avx2_* check against float64)."""
+@pytest.mark.parametrize(
+    "run",
+    [
+        "rows-l1",
+        "rows-l2",
+        "avx2-rows-l1",
+        "rows-all-lines",
+        "rows-first-line",
+        "avx2-rows-first-line",
+    ],
+)
+def test_row_prefetch_choice_keeps_the_bits(both_paths, run):
+    """Where the chunked loops prefetch rows to (L1 or L2) and how much of each row (every
+    line or the first), on either instruction set, changes no result: every mean and max
+    lookup, and the max gradient, has the default run's bits (which
+    test_avx512_and_avx2_* check against float64)."""
     got = both_paths[run]
-    assert len(got) == len(PREFETCH_DIMS) * len(DTYPES) * 4
+    assert len(got) == len(RUNS[run][1]) * len(DTYPES) * 4
     for key, value in got.items():
         np.testing.assert_array_equal(value, both_paths["default"][key], err_msg=f"{run} {key}")
 

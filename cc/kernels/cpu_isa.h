@@ -1,6 +1,6 @@
-// The CPU kernels' run-time choice of instruction set. The library is built
-// for AVX2 + FMA + F16C (configure.sh), so that one build runs on every x86-64
-// CPU of the last decade; functions marked TF_TTEMB_AVX512 are compiled for
+// The CPU kernels' run-time choices by CPU: the instruction set and the
+// vendor. The library is built for AVX2 + FMA + F16C (configure.sh), so that
+// one build runs on every x86-64 CPU of the last decade; functions marked TF_TTEMB_AVX512 are compiled for
 // AVX-512 as well and run only where CpuHasAvx512() holds. Plain C++ (no
 // TensorFlow headers).
 
@@ -34,6 +34,13 @@ inline bool CpuHasAvx512() {
            __builtin_cpu_supports("avx512vl");
   }();
   return has;
+}
+
+// Whether the CPU is Intel's: where the gather kernels' row prefetches are
+// tuned by vendor (gather_reduce_sum_cpu.h). Read once.
+inline bool CpuIsIntel() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
 }
 
 }  // namespace tf_ttemb

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cc/kernels/cpu_isa.h"
 #include "cc/kernels/cpu_parallel.h"
 #include "cc/kernels/gather_reduce_sum_kernels.h"
 #include "cc/kernels/huge_pages.h"
@@ -212,11 +213,7 @@ inline bool WideRowsPrefetchToL1() {
     const char* choice = std::getenv("TF_TTEMB_ROW_PREFETCH");
     if (choice != nullptr && std::strcmp(choice, "l1") == 0) return true;
     if (choice != nullptr && std::strcmp(choice, "l2") == 0) return false;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    return static_cast<bool>(__builtin_cpu_is("intel"));
-#else
-    return false;
-#endif
+    return CpuIsIntel();
   }();
   return to_l1;
 }
@@ -241,6 +238,48 @@ inline void PrefetchBytes(const void* p, int64_t bytes, PrefetchLevel level = Pr
 // (the cap until then; 2026-12-06, seventh).
 inline int64_t RowsInFlight(int64_t bytes) {
   return std::max<int64_t>(4, std::min<int64_t>(128, 8192 / std::max<int64_t>(1, bytes)));
+}
+
+// Whether the forward's loops over rows in random order prefetch only the
+// first line of each row (the line holding its first byte) rather than every
+// line the row touches. First line only on Intel cores. On a 2-core Xeon with
+// AMX (model 167), prefetching every line of 256 B rows stalled the forward on
+// its prefetches (86 % of its samples on the instruction after a prefetcht1);
+// with the first line only, the core's own prefetchers bring the rest, and the
+// in-graph forward at 1M x 64 (float32, 2 threads) took 1.88 ms instead of
+// 2.48 (one process, both alternating), at 65,536 x 256 5-9 % less, at
+// 500,000 x 128 within the noise (BENCHMARKS.md, 2026-12-07, tenth). The
+// backward's loops read rows in id order and keep every line: the first line
+// only made its fwd+bwd 1.1-1.25x slower there. Every line on other CPUs: the
+// Zen 4 of the earlier sessions was measured only that way.
+// TF_TTEMB_ROW_PREFETCH_LINES=first or all in the environment fixes the choice
+// on any CPU. Read once.
+inline bool RowPrefetchFirstLineOnly() {
+  static const bool first = [] {
+    const char* choice = std::getenv("TF_TTEMB_ROW_PREFETCH_LINES");
+    if (choice != nullptr && std::strcmp(choice, "first") == 0) return true;
+    if (choice != nullptr && std::strcmp(choice, "all") == 0) return false;
+    return CpuIsIntel();
+  }();
+  return first;
+}
+
+// How the forward's loops prefetch rows: the row of the entry `ahead` entries
+// on, its first `bytes` bytes, into `level`. bytes == 0: no prefetch.
+struct RowPrefetch {
+  int64_t ahead = 0;
+  int64_t bytes = 0;
+  PrefetchLevel level = PrefetchLevel::kL2;
+};
+
+// The prefetch of rows of `row_bytes` bytes (none where row_bytes is 0).
+inline RowPrefetch RowPrefetchFor(int64_t row_bytes) {
+  RowPrefetch pf;
+  if (row_bytes <= 0) return pf;
+  pf.ahead = RowsInFlight(row_bytes);
+  pf.bytes = RowPrefetchFirstLineOnly() ? 1 : row_bytes;
+  pf.level = RowPrefetchLevel(row_bytes);
+  return pf;
 }
 
 // Prefetches a row that will be read soon, so the random-access gather runs at

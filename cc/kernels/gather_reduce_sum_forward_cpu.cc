@@ -49,18 +49,17 @@ namespace {
 
 #ifdef TF_TTEMB_CPU_AVX2
 
-// Prefetches the first `bytes` bytes of the row of entry `ahead` (every cache
-// line they touch) into `level`, unless `bytes` is 0, ahead >= prefetch_end or
-// the entry is padding.
+// Prefetches the row of entry `ahead` as `pf` says, unless pf prefetches
+// nothing, ahead >= prefetch_end or the entry is padding.
 template <typename T, typename Tindex>
 inline void PrefetchAhead(const T* params,    // [N, D]
                           const Tindex* ids,  // [nnz]
-                          int64_t ahead, int64_t prefetch_end, int64_t bytes, int64_t dim,
-                          PrefetchLevel level, const BagAttrs& attrs) {
-  if (bytes <= 0 || ahead >= prefetch_end) return;
+                          int64_t ahead, int64_t prefetch_end, const RowPrefetch& pf, int64_t dim,
+                          const BagAttrs& attrs) {
+  if (pf.bytes <= 0 || ahead >= prefetch_end) return;
   const int64_t id = static_cast<int64_t>(ids[ahead]);
   if (attrs.has_padding_id && id == attrs.padding_id) return;
-  PrefetchBytes(params + id * dim, bytes, level);
+  PrefetchBytes(params + id * dim, pf.bytes, pf.level);
 }
 
 // A vector of 8 float or 4 double accumulators and the loads that widen a
@@ -157,9 +156,10 @@ constexpr int kMaxVecs = 8;
 // sums[0, kVecs * kLanes) (the last vector `tail` lanes when kTail) = the
 // sequential sum over entries [begin, end) of w_j * params[ids_j][col, ...):
 // fma(w, x, acc) weighted, acc + x unweighted, as the scalar loop compiles.
-// Padding entries are skipped. With `prefetch_bytes` > 0 it prefetches that
-// many bytes of the row of an entry 4 to 16 entries ahead (up to entry
-// `prefetch_end`, which may lie in later bags) while it adds entry j.
+// Padding entries are skipped. With `prefetch_bytes` (the row's size) > 0 it
+// prefetches the row of an entry RowPrefetchFor(prefetch_bytes) entries ahead
+// (up to entry `prefetch_end`, which may lie in later bags) while it adds
+// entry j.
 template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex,
           typename Acc>
 inline void BagChunkSum(const T* params,    // [N, D]
@@ -174,11 +174,10 @@ inline void BagChunkSum(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = VA::Zero();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = RowsInFlight(prefetch_bytes);
-  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
+  const RowPrefetch pf = RowPrefetchFor(prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
+    PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
     if (kWeighted) {
@@ -269,15 +268,14 @@ inline void BagChunkMax(const T* params,    // [N, D]
   }
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = RowsInFlight(prefetch_bytes);
-  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
+  const RowPrefetch pf = RowPrefetchFor(prefetch_bytes);
   auto load = [&](const T* row, int v) {
     return (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
                                      : VA::Load(row + v * kLanes);
   };
   int64_t j = begin;
   for (; j < end; ++j) {  // up to the first non-padding entry
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
+    PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
@@ -289,7 +287,7 @@ inline void BagChunkMax(const T* params,    // [N, D]
     break;
   }
   for (; j < end; ++j) {
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
+    PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
@@ -405,17 +403,16 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = _mm512_setzero_ps();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = RowsInFlight(prefetch_bytes);
-  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
+  const RowPrefetch pf = RowPrefetchFor(prefetch_bytes);
   int64_t j = begin;
-  if (prefetch_bytes > 0) {
+  if (pf.bytes > 0) {
     // The entries whose look-ahead entry lies before prefetch_end: no bound
     // check per entry (short rows spend more on the loop than on the row).
-    const int64_t checked_from = std::min(end, prefetch_end - distance);
+    const int64_t checked_from = std::min(end, prefetch_end - pf.ahead);
     for (; j < checked_from; ++j) {
-      const int64_t ahead = static_cast<int64_t>(ids[j + distance]);
+      const int64_t ahead = static_cast<int64_t>(ids[j + pf.ahead]);
       if (!padding || ahead != padding_id) {
-        PrefetchBytes(params + ahead * dim, prefetch_bytes, level);
+        PrefetchBytes(params + ahead * dim, pf.bytes, pf.level);
       }
       const int64_t id = static_cast<int64_t>(ids[j]);
       if (padding && id == padding_id) continue;
@@ -425,7 +422,7 @@ TF_TTEMB_AVX512 void BagChunkSum512(const T* params,    // [N, D]
   }
   for (; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
+    PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
     if (padding && id == padding_id) continue;
     const __m512 w = _mm512_set1_ps(kWeighted ? static_cast<float>(weights[j]) : 1.0f);
     AddRow512<kVecs, kTail, kWeighted>(params + id * dim + col, w, mask, acc);
@@ -546,11 +543,10 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
   }
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const int64_t distance = RowsInFlight(prefetch_bytes);
-  const PrefetchLevel level = RowPrefetchLevel(prefetch_bytes);
+  const RowPrefetch pf = RowPrefetchFor(prefetch_bytes);
   int64_t j = begin;
   for (; j < end; ++j) {  // up to the first non-padding entry
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
+    PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
@@ -563,7 +559,7 @@ TF_TTEMB_AVX512 void BagChunkMax512(const T* params,    // [N, D]
     break;
   }
   for (; j < end; ++j) {
-    PrefetchAhead(params, ids, j + distance, prefetch_end, prefetch_bytes, dim, level, attrs);
+    PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
     const int64_t id = static_cast<int64_t>(ids[j]);
     if (padding && id == padding_id) continue;
     const T* row = params + id * dim + col;
