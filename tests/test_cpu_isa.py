@@ -5,7 +5,8 @@ paths differ (tails of one to fifteen lanes, one and several vectors, the widest
 chunk of the sum and of the max and beyond), every dtype, mean weighted and not, and max
 (with its argmax, through the gradient). Both agree with the float64 reference. The
 results have the same bits with the rows prefetched into L1 or L2 (TF_TTEMB_ROW_PREFETCH),
-whole or by their first line only (TF_TTEMB_ROW_PREFETCH_LINES), and at any thread count (blocks go to whichever thread is free)."""
+whole or by their first line only (TF_TTEMB_ROW_PREFETCH_LINES), and at any thread count
+(blocks go to whichever thread is free)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-// The CPU kernels' run-time choices by CPU: the instruction set and the
-// vendor. The library is built for AVX2 + FMA + F16C (configure.sh), so that
-// one build runs on every x86-64 CPU of the last decade; functions marked TF_TTEMB_AVX512 are compiled for
-// AVX-512 as well and run only where CpuHasAvx512() holds. Plain C++ (no
-// TensorFlow headers).
+// The CPU kernels' run-time choices by CPU (the instruction set, the vendor) and
+// the environment variables that fix one. The library is built for AVX2 + FMA +
+// F16C (configure.sh), so that one build runs on every x86-64 CPU of the last
+// decade; functions marked TF_TTEMB_AVX512 are compiled for AVX-512 as well and
+// run only where CpuHasAvx512() holds. Plain C++ (no TensorFlow headers).
 
 #ifndef TF_TTEMB_CC_KERNELS_CPU_ISA_H_
 #define TF_TTEMB_CC_KERNELS_CPU_ISA_H_
@@ -34,6 +34,15 @@ inline bool CpuHasAvx512() {
            __builtin_cpu_supports("avx512vl");
   }();
   return has;
+}
+
+// A run-time choice that the environment can fix: true where `variable` is
+// `yes`, false where it is `no`, else `fallback` (what the CPU suggests).
+inline bool EnvChoice(const char* variable, const char* yes, const char* no, bool fallback) {
+  const char* value = std::getenv(variable);
+  if (value != nullptr && std::strcmp(value, yes) == 0) return true;
+  if (value != nullptr && std::strcmp(value, no) == 0) return false;
+  return fallback;
 }
 
 // Whether the CPU is Intel's: where the gather kernels' row prefetches are

@@ -209,12 +209,7 @@ inline void PrefetchLine(const void* p, PrefetchLevel level = PrefetchLevel::kL2
 // (BENCHMARKS.md, 2026-12-06, eighth). TF_TTEMB_ROW_PREFETCH=l1 or l2 in the
 // environment fixes the choice for rows of 512 B or more on any CPU. Read once.
 inline bool WideRowsPrefetchToL1() {
-  static const bool to_l1 = [] {
-    const char* choice = std::getenv("TF_TTEMB_ROW_PREFETCH");
-    if (choice != nullptr && std::strcmp(choice, "l1") == 0) return true;
-    if (choice != nullptr && std::strcmp(choice, "l2") == 0) return false;
-    return CpuIsIntel();
-  }();
+  static const bool to_l1 = EnvChoice("TF_TTEMB_ROW_PREFETCH", "l1", "l2", CpuIsIntel());
   return to_l1;
 }
 
@@ -255,12 +250,7 @@ inline int64_t RowsInFlight(int64_t bytes) {
 // TF_TTEMB_ROW_PREFETCH_LINES=first or all in the environment fixes the choice
 // on any CPU. Read once.
 inline bool RowPrefetchFirstLineOnly() {
-  static const bool first = [] {
-    const char* choice = std::getenv("TF_TTEMB_ROW_PREFETCH_LINES");
-    if (choice != nullptr && std::strcmp(choice, "first") == 0) return true;
-    if (choice != nullptr && std::strcmp(choice, "all") == 0) return false;
-    return CpuIsIntel();
-  }();
+  static const bool first = EnvChoice("TF_TTEMB_ROW_PREFETCH_LINES", "first", "all", CpuIsIntel());
   return first;
 }
 
