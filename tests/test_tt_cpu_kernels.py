@@ -107,39 +107,19 @@ def test_blocked_rows_grad_matches_reference(rng, shape, order, dtype):
     grad = rng.standard_normal((len(ids), int(np.prod(q))))
     cores_t = [tf.cast(c, dtype) for c in cores]
     attrs = attrs_of(p, q, ranks, num_tables)
-    # With the products TTRows saved (float32/float64, three or more cores) and without.
-    saved = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs).saved
     expected = reference_core_grads(
         rounded(cores, dtype), p, q, ranks, ids, rounded([grad], dtype)[0]
     )
-    for saved_input in (saved, tf.zeros([0], dtype)):
-        indices, values = lib().tf_ttemb_tt_rows_grad(
-            ids, cores_t, tf.cast(grad, dtype), saved_input, **attrs
+    indices, values = lib().tf_ttemb_tt_rows_grad(
+        ids, cores_t, tf.cast(grad, dtype), tf.zeros([0], dtype), **attrs
+    )
+    for k, dense in enumerate(grads_dense(indices, values, cores)):
+        touched = np.unique(
+            (ids // np.prod(p)) * p[k] + (ids % np.prod(p)) // np.prod(p[k + 1 :]) % p[k]
         )
-        for k, dense in enumerate(grads_dense(indices, values, cores)):
-            touched = np.unique(
-                (ids // np.prod(p)) * p[k] + (ids % np.prod(p)) // np.prod(p[k + 1 :]) % p[k]
-            )
-            np.testing.assert_array_equal(indices[k].numpy(), touched)
-            scale = np.abs(expected[k]).max() + 1
-            np.testing.assert_allclose(
-                dense, expected[k], atol=GRAD_TOLERANCE[dtype] * scale, rtol=0
-            )
-
-
-@pytest.mark.parametrize("shape", [s for s in BLOCKED_SHAPES if len(s[0]) >= 3], ids=shape_id)
-def test_blocked_saved_products_give_the_recomputed_bits(rng, shape):
-    p, q, ranks, num_tables = shape
-    cores = [tf.constant(c, tf.float32) for c in random_cores(rng, p, q, ranks, num_tables)]
-    ids = pick_ids(rng, p, num_tables, 200, "sorted")
-    grad = tf.constant(rng.standard_normal((len(ids), int(np.prod(q)))), tf.float32)
-    attrs = attrs_of(p, q, ranks, num_tables)
-    saved = lib().tf_ttemb_tt_rows(ids, cores, **attrs).saved
-    assert saved.shape[0] > 0
-    with_saved = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, saved, **attrs)
-    recomputed = lib().tf_ttemb_tt_rows_grad(ids, cores, grad, tf.zeros([0]), **attrs)
-    for a, b in zip(with_saved.core_grad_values, recomputed.core_grad_values):
-        assert np.array_equal(a.numpy(), b.numpy())
+        np.testing.assert_array_equal(indices[k].numpy(), touched)
+        scale = np.abs(expected[k]).max() + 1
+        np.testing.assert_allclose(dense, expected[k], atol=GRAD_TOLERANCE[dtype] * scale, rtol=0)
 
 
 def test_large_groups_and_several_chunks(rng):
@@ -158,16 +138,8 @@ def test_large_groups_and_several_chunks(rng):
     for dtype in (tf.float64, tf.float32):
         cores_t = [tf.constant(c, dtype) for c in cores]
         rows, saved, _ = lib().tf_ttemb_tt_rows(ids, cores_t, **attrs)
-        assert saved.shape[0] > 0
-        with_saved = lib().tf_ttemb_tt_rows_grad(
-            ids, cores_t, tf.constant(grad, dtype), saved, **attrs
-        )
-        recomputed = lib().tf_ttemb_tt_rows_grad(
-            ids, cores_t, tf.constant(grad, dtype), tf.zeros([0], dtype), **attrs
-        )
-        for a, b in zip(with_saved.core_grad_values, recomputed.core_grad_values):
-            assert np.array_equal(a.numpy(), b.numpy())
-        results[dtype] = (rows, with_saved)
+        grads = lib().tf_ttemb_tt_rows_grad(ids, cores_t, tf.constant(grad, dtype), saved, **attrs)
+        results[dtype] = (rows, grads)
     rows32 = results[tf.float32][0].numpy()[sample]
     np.testing.assert_allclose(rows32, expected_rows, atol=1e-5 * (np.abs(expected_rows).max() + 1))
 
@@ -214,11 +186,11 @@ def test_tree_is_taken_over_only_for_the_same_ids(rng):
     attrs = attrs_of(p, q, ranks, 1)
     batches = [pick_ids(rng, p, 1, 60, "random")[:50] for _ in range(3)]
     grad = rng.standard_normal((50, 64))
-    saved = [lib().tf_ttemb_tt_rows(ids, cores_t, **attrs).saved for ids in batches[:2]]
-    cases = [(batches[1], saved[1]), (batches[0], saved[0]), (batches[2], tf.zeros([0]))]
-    for ids, saved_input in cases:
+    for ids in batches[:2]:
+        lib().tf_ttemb_tt_rows(ids, cores_t, **attrs)
+    for ids in (batches[1], batches[0], batches[2]):
         indices, values = lib().tf_ttemb_tt_rows_grad(
-            ids, cores_t, tf.constant(grad, tf.float32), saved_input, **attrs
+            ids, cores_t, tf.constant(grad, tf.float32), tf.zeros([0]), **attrs
         )
         expected = reference_core_grads(
             rounded(cores, tf.float32), p, q, ranks, ids, rounded([grad], tf.float32)[0]
@@ -245,10 +217,9 @@ THREADS_SCRIPT = """
     attrs = dict(p_shapes=p, q_shapes=q, ranks=ranks, num_tables=1)
     out = lib.tf_ttemb_tt_rows(ids, cores, **attrs)
     digest.update(out.rows.numpy().tobytes())
-    for saved in (out.saved, tf.zeros([0])):
-        g = lib.tf_ttemb_tt_rows_grad(ids, cores, grad, saved, **attrs)
-        for values in g.core_grad_values:
-            digest.update(values.numpy().tobytes())
+    g = lib.tf_ttemb_tt_rows_grad(ids, cores, grad, out.saved, **attrs)
+    for values in g.core_grad_values:
+        digest.update(values.numpy().tobytes())
 """
 
 

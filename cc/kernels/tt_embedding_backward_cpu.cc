@@ -118,17 +118,16 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 // Level m's pass (the file comment): dP_m per node from its leaves, the
 // leaves' blocks of core T-1's gradient (into leaf_grads at their visit
 // positions, Chunk::visit, as [q_{T-1}, r_{T-1}]), core m's gradient and the nodes' contributions
-// to their parents (contrib, for m >= 1). `saved`: TTRows' level-m products of the chunk, or null
-// (recomputed).
+// to their parents (contrib, for m >= 1). The level's products are recomputed, a batch at a time.
 template <typename T, typename Acc>
-void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* saved,
-                   const T* grad, Acc* contrib, Acc* leaf_grads, CoreGrads<Acc>* grads) {
+void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* grad, Acc* contrib,
+                   Acc* leaf_grads, CoreGrads<Acc>* grads) {
   const int m = c.fused();
   const Level& level = c.tree().levels[m];
   const std::array<int64_t, 5> sizes = c.FusedSizes();
   const int64_t size = sizes[0], rows_m = sizes[1], rank = sizes[2], q = sizes[3], dim = sizes[4];
   const int64_t leaf_width = rank * q;
-  const double node_cost = m > 0 ? (saved ? 2 : 3) * c.NodeCost(m) : 0;
+  const double node_cost = m > 0 ? 3 * c.NodeCost(m) : 0;
   const double leaf_cost = static_cast<double>(2 * dim * rank);
   const int64_t batch = BatchNodes(c.s, m);
   RunClaimed<Scratch<Acc>>(
@@ -142,25 +141,15 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* 
         const int64_t end = level.groups[g + 1];
         for (int64_t i = level.groups[g]; i < end; i += batch) {
           const int64_t stop = std::min(end, i + batch);
-          const Acc* products = saved ? saved + i * size : nullptr;
-          if (m > 0 && !saved) {
-            Acc* out = sc->products.Resize(batch * size);
-            c.Products(m, i, stop, out, sc);
-            products = out;
+          Acc* products = nullptr;
+          if (m > 0) {
+            products = sc->products.Resize(batch * size);
+            c.Products(m, i, stop, products, sc);
           }
           Acc* d = sc->grads.Resize(batch * size);
           for (int64_t slot = i; slot < stop; ++slot) {
             const int64_t v = level.order[slot];
             const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
-            // The saved products are read once, from memory, by the leaves
-            // below, which do too little arithmetic per byte to hide the
-            // wait. So each node fetches into L2 the products of the node a
-            // batch ahead (usually this worker's next batch): they arrive
-            // while the group's products of this batch keep the cores busy.
-            if (saved && slot + batch < level.count()) {
-              PrefetchBytes(saved + (slot + batch) * size,
-                            size * static_cast<int64_t>(sizeof(Acc)));
-            }
             Acc* dv = d + (slot - i) * size;
             Acc* blocks = leaf_grads + c.tree().visit[slot] * leaf_width;
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
@@ -300,32 +289,13 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
   const int64_t* ids = a.ids->flat<int64_t>().data();
   const T* grad = grad_t.flat<T>().data();
 
-  // TTRows' saved products of level m, when it saved them.
-  const Tensor& saved_t = *a.saved;
   const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
-  // One chunk (the usual case): its tree first, which counts the nodes and
-  // lists the touched core rows.
+  // One chunk (the usual case): its tree first (TTRows' when it built it for
+  // these ids), which lists the touched core rows.
   const Cores<T, Acc> cores(a.cores, s);
   Chunk<T, Acc> c(s, cores);
   const bool one_chunk = num_ids > 0 && num_ids <= chunk;
   if (one_chunk) c.Build(pool, ids, num_ids, Chunk<T, Acc>::Tree::kReuse);
-  std::vector<int64_t> saved_counts;
-  const Acc* saved = nullptr;
-  if (saved_t.NumElements() > 0) {
-    int64_t expected = 0;
-    if (std::is_same<T, Acc>::value && T_count >= 3) {
-      saved_counts = one_chunk ? std::vector<int64_t>{c.tree().levels[m].count()}
-                               : NodesPerChunk(ids, num_ids, chunk, m, s);
-      expected =
-          SavedHeader<Acc>() +
-          std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0}) * SavedNodeSize(s);
-    }
-    const auto mismatch = [&](const char* what) { return SavedMismatchError(saved_t, what); };
-    if (saved_t.dims() != 1 || saved_t.NumElements() != expected) {
-      return mismatch("does not have the size these ids need");
-    }
-    saved = reinterpret_cast<const Acc*>(saved_t.flat<T>().data()) + SavedHeader<Acc>();
-  }
 
   // The outputs: core k's touched rows and their gradients, accumulated in
   // place for float32/float64 and in float copies for the half types.
@@ -356,8 +326,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     // numbers.
     std::vector<Buffer<Acc>> contrib(T_count);
     Buffer<Acc> leaf_grads;
-    int64_t chunk_index = 0;
-    for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
+    for (int64_t begin = 0; begin < num_ids; begin += chunk) {
       const int64_t n = std::min(chunk, num_ids - begin);
       if (!one_chunk) c.Build(pool, ids + begin, n, Chunk<T, Acc>::Tree::kBuild);
       c.ForwardLevels(pool, m - 1);
@@ -365,9 +334,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
         contrib[k].Resize(c.tree().levels[k].count() * s.cols[k - 1] * s.r[k]);
       }
       leaf_grads.Resize(c.tree().levels[m + 1].count() * s.width[m + 1]);
-      FusedBackward(pool, c, saved, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(),
-                    &grads);
-      if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
+      FusedBackward(pool, c, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(), &grads);
       for (int k = m - 1; k >= 1; --k) {
         LevelBackward(pool, c, k, contrib[k + 1].data(), contrib[k].data(), &grads);
       }
@@ -375,15 +342,6 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     }
   }
 
-  if (saved) {
-    // Checked after the products, which leave the cores in cache: products
-    // saved for other ids or cores give wrong gradients, never returned.
-    uint64_t fingerprint;
-    std::memcpy(&fingerprint, saved_t.flat<T>().data(), sizeof(fingerprint));
-    if (fingerprint != SavedFingerprint(ids, num_ids, a.cores, T_count, pool)) {
-      return SavedMismatchError(saved_t, "was computed for other ids or other cores");
-    }
-  }
   if constexpr (!std::is_same<T, Acc>::value) {
     for (int k = 0; k < T_count; ++k) {
       const Acc* acc = copies[k].get();

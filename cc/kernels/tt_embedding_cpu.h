@@ -16,8 +16,8 @@
 //
 // The last level is fused into level m = T-2: a worker that has a node's P_m
 // computes the node's leaves (its rows, P_m G_{T-1}[i_{T-1}]) at once, so the
-// products are used while they are in cache. TTRows saves the level-m
-// products for TTRowsGrad (float32/float64, T >= 3, at most kSavedBytes).
+// products are used while they are in cache. TTRowsGrad computes them again:
+// writing them to memory and reading them back cost more than the products.
 //
 // The backward walks the same groups. Level m's pass computes per node dP_m,
 // the sum over its leaves of dP_leaf G_{T-1}^T (a leaf's gradient row read in
@@ -43,7 +43,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -417,22 +416,6 @@ void RunClaimed(thread::ThreadPool* pool, int64_t n, Cost cost, Fn fn) {
   });
 }
 
-// dst[0, n) = src[0, n), for products that are written once and read by a
-// later op: float with both 32-byte aligned goes around the caches
-// (non-temporal stores, then a fence), so that writing does not first read
-// every line of dst from memory.
-template <typename Acc>
-void StreamCopy(const Acc* src, int64_t n, Acc* dst) {
-  if constexpr (std::is_same<Acc, float>::value) {
-    if (n % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
-      for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-      _mm_sfence();
-      return;
-    }
-  }
-  std::copy_n(src, n, dst);
-}
-
 // A worker's temporaries.
 template <typename Acc>
 struct Scratch {
@@ -636,87 +619,6 @@ struct Chunk {
     }
   }
 };
-
-// The products TTRows saves for TTRowsGrad: level T-2's, when the table is
-// float32/float64 (no rounding to a half type), has >= 3 cores (for 2 cores
-// they are rows of the first core) and they fit kSavedBytes.
-inline constexpr int64_t kSavedBytes = int64_t{64} << 20;
-
-// Number of level-`level` nodes of each chunk: runs of equal prefix keys.
-inline std::vector<int64_t> NodesPerChunk(const int64_t* ids, int64_t num_ids, int64_t chunk,
-                                          int level, const TTShape& s) {
-  std::vector<int64_t> counts;
-  for (int64_t begin = 0; begin < num_ids; begin += chunk) {
-    const int64_t end = std::min(num_ids, begin + chunk);
-    int64_t count = 1;
-    for (int64_t j = begin + 1; j < end; ++j) {
-      count += s.PrefixKey(ids[j], level) != s.PrefixKey(ids[j - 1], level);
-    }
-    counts.push_back(count);
-  }
-  return counts;
-}
-
-// Elements of the saved products per level-(T-2) node.
-inline int64_t SavedNodeSize(const TTShape& s) {
-  return s.cols[s.num_cores - 2] * s.r[s.num_cores - 1];
-}
-
-// `saved` starts with a 64-bit fingerprint of the ids and of the cores it was
-// computed from (cores 0..T-2, those level T-2's products read), so that
-// TTRowsGrad refuses products saved for other ids or other cores instead of
-// silently using them. The header is one cache line (this many elements of
-// Acc, the rest zero), so that the products after it are aligned for
-// StreamCopy.
-template <typename Acc>
-inline constexpr int64_t SavedHeader() {
-  return static_cast<int64_t>(64 / sizeof(Acc));
-}
-
-inline uint64_t Mix(uint64_t h, uint64_t value) {
-  return h ^ (value + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
-}
-
-// A checksum of a tensor's bytes: its 64-bit words weighted by odd position
-// factors and summed (vectorisable, about memory speed), so that other
-// values, or the same values moved, give another sum.
-inline uint64_t BytesChecksum(const Tensor& t, thread::ThreadPool* pool) {
-  const absl::string_view bytes = t.tensor_data();
-  const char* data = bytes.data();
-  const int64_t words = static_cast<int64_t>(bytes.size() / sizeof(uint64_t));
-  // Sums of blocks of words, on the pool: an integer sum, the same in any order.
-  constexpr int64_t kBlockWords = int64_t{1} << 15;
-  const int64_t blocks = (words + kBlockWords - 1) / kBlockWords;
-  std::vector<uint64_t> partial(blocks, 0);
-  RunClaimed<char>(
-      pool, blocks, [&](int64_t) { return kBlockWords; },
-      [&](char*, int64_t b) {
-        uint64_t sum = 0;
-        const int64_t end = std::min(words, (b + 1) * kBlockWords);
-        for (int64_t i = b * kBlockWords; i < end; ++i) {
-          uint64_t word;
-          std::memcpy(&word, data + i * sizeof(uint64_t), sizeof(word));
-          sum += word * (2 * static_cast<uint64_t>(i) + 1);
-        }
-        partial[b] = sum;
-      });
-  uint64_t sum = bytes.size();
-  for (uint64_t value : partial) sum += value;
-  for (size_t i = words * sizeof(uint64_t); i < bytes.size(); ++i) {
-    sum = Mix(sum, static_cast<unsigned char>(data[i]));
-  }
-  return sum;
-}
-
-inline uint64_t SavedFingerprint(const int64_t* ids, int64_t num_ids, const OpInputList& cores,
-                                 int num_cores, thread::ThreadPool* pool) {
-  uint64_t h = 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(num_ids);
-  for (int64_t j = 0; j < num_ids; ++j) {
-    h = Mix(h, static_cast<uint64_t>(ids[j]));
-  }
-  for (int k = 0; k + 1 < num_cores; ++k) h = Mix(h, BytesChecksum(cores[k], pool));
-  return h;
-}
 
 // Bytes of temporaries per id of a chunk, the same for both ops (they must cut
 // the ids into the same chunks): the products of levels 1..m-1, the

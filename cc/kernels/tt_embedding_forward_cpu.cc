@@ -88,10 +88,10 @@ Status UniqueIds(OpKernelContext* ctx, const UniqueIdsAttrs& attrs, const Unique
 // ---------------------------------------------------------------------------
 // TTRows
 
-// Level m's products (into `saved` at their slots when it is not null) and,
-// from each node's, the rows of its leaves: rows[j] for the chunk's ids j.
+// Level m's products and, from each node's, the rows of its leaves: rows[j]
+// for the chunk's ids j.
 template <typename T, typename Acc>
-void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, T* rows) {
+void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, T* rows) {
   const int m = c.fused();
   const Level& level = c.tree().levels[m];
   const std::array<int64_t, 5> sizes = c.FusedSizes();
@@ -110,7 +110,6 @@ void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, Acc* saved, 
           if (m > 0) {
             products = sc->products.Resize(batch * size);
             c.Products(m, i, stop, products, sc);
-            if (saved) StreamCopy(products, (stop - i) * size, saved + i * size);
           }
           for (int64_t slot = i; slot < stop; ++slot) {
             const int64_t v = level.order[slot];
@@ -141,53 +140,21 @@ template <typename T>
 Status Rows(OpKernelContext* ctx, const TTShape& s, const TTRowsArgs& a, thread::ThreadPool* pool) {
   using Acc = AccT<T>;
   const int64_t num_ids = a.num_ids;
-  if (num_ids == 0) {
-    Tensor* saved_t = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved_t));
-    return OkStatus();
-  }
+  if (num_ids == 0) return OkStatus();
   const int64_t* ids = a.ids->flat<int64_t>().data();
   T* rows = a.rows->flat<T>().data();
   const Cores<T, Acc> cores(a.cores, s);
   const int m = s.num_cores - 2;
-  // The same chunks as TTRowsGrad, so that it can use the saved products.
+  // The same chunks as TTRowsGrad, so that it can take over the tree.
   const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
-  // One chunk (the usual case): its tree first, which counts the nodes.
   Chunk<T, Acc> c(s, cores);
   const bool one_chunk = num_ids <= chunk;
-  if (one_chunk) c.Build(pool, ids, num_ids, Chunk<T, Acc>::Tree::kShare);
-  std::vector<int64_t> saved_counts;
-  int64_t saved_size = 0;
-  if (std::is_same<T, Acc>::value && s.num_cores >= 3) {
-    saved_counts = one_chunk ? std::vector<int64_t>{c.tree().levels[m].count()}
-                             : NodesPerChunk(ids, num_ids, chunk, m, s);
-    const int64_t nodes = std::accumulate(saved_counts.begin(), saved_counts.end(), int64_t{0});
-    if (nodes * SavedNodeSize(s) * static_cast<int64_t>(sizeof(Acc)) <= kSavedBytes) {
-      saved_size = SavedHeader<Acc>() + nodes * SavedNodeSize(s);
-    }
-  }
-  Tensor* saved_t = nullptr;
-  TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({saved_size}), &saved_t));
-  Acc* saved = nullptr;
-  if (saved_size > 0) {
-    saved = reinterpret_cast<Acc*>(saved_t->flat<T>().data());
-    AdviseHugePages(saved, saved_size * static_cast<int64_t>(sizeof(Acc)));
-    saved += SavedHeader<Acc>();
-  }
-  int64_t chunk_index = 0;
-  for (int64_t begin = 0; begin < num_ids; begin += chunk, ++chunk_index) {
+  for (int64_t begin = 0; begin < num_ids; begin += chunk) {
     const int64_t n = std::min(chunk, num_ids - begin);
-    if (!one_chunk) c.Build(pool, ids + begin, n, Chunk<T, Acc>::Tree::kBuild);
+    c.Build(pool, ids + begin, n,
+            one_chunk ? Chunk<T, Acc>::Tree::kShare : Chunk<T, Acc>::Tree::kBuild);
     c.ForwardLevels(pool, m - 1);
-    FusedForward(pool, c, saved, rows + begin * s.dim);
-    if (saved) saved += saved_counts[chunk_index] * SavedNodeSize(s);
-  }
-  if (saved_size > 0) {
-    // After the products, which leave the cores in cache.
-    const uint64_t fingerprint = SavedFingerprint(ids, num_ids, a.cores, s.num_cores, pool);
-    char* header = reinterpret_cast<char*>(saved_t->flat<T>().data());
-    std::memset(header, 0, SavedHeader<Acc>() * sizeof(Acc));
-    std::memcpy(header, &fingerprint, sizeof(fingerprint));
+    FusedForward(pool, c, rows + begin * s.dim);
   }
   return OkStatus();
 }

@@ -175,12 +175,6 @@ Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape&
   return OkStatus();
 }
 
-Status SavedMismatchError(const Tensor& saved, const char* what) {
-  return errors::InvalidArgument("saved (shape ", saved.shape().DebugString(), ") ", what,
-                                 ": pass the saved output of the TTRows op for the same ids and "
-                                 "cores, or an empty tensor");
-}
-
 namespace {
 
 Status TableSplitsError(int64_t position, int64_t value, const char* rule) {

@@ -78,10 +78,6 @@ Status ValidateTTReportInput(const Tensor& report, bool* empty);
 // Checks that TTRowsGrad's grad is [num_ids, D].
 Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape& shape);
 
-// The message for a `saved` input of TTRowsGrad that does not belong to these
-// ids and cores; `what` says why.
-Status SavedMismatchError(const Tensor& saved, const char* what);
-
 // ---------------------------------------------------------------------------
 // The GPU kernels' own limits, checked on the host by the GPU ops only.
 

@@ -40,10 +40,6 @@
 // locks, as TensorFlow's own GPU variable updates do; later readers of the
 // variables run on the same stream, after it.
 //
-// `saved` on GPU: TTRows returns an empty `saved` (the contract allows it)
-// and TTRowsGrad recomputes the partial products it needs, so it does not
-// read `saved`: a saved tensor from a CPU TTRows gives the same gradient.
-//
 // The suite runs these kernels through TensorFlow on an H200
 // (../shared/tf_gpu/; BENCHMARKS.md).
 
@@ -302,8 +298,6 @@ struct TTRowsLaunch<GpuDevice, T> {
   static Status Run(OpKernelContext* ctx, const TTShape& shape, const TTRowsArgs& a) {
     using CT = typename CudaTypeOf<T>::type;
     const int64_t num_ids = a.num_ids;
-    Tensor* saved = nullptr;  // never produced on GPU (see the top comment)
-    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved));
     if (num_ids == 0) return OkStatus();
 
     cudaStream_t stream = nullptr;
@@ -351,7 +345,6 @@ struct TTRowsGradLaunch<GpuDevice, T> {
     using CT = typename CudaTypeOf<T>::type;
     const int num_cores = shape.num_cores;
     const int64_t num_ids = a.num_ids;
-    // `saved` is not read: see the top comment.
     if (num_ids == 0) {
       TF_RETURN_IF_ERROR(ValidateRowsGradShape(*a.grad, num_ids, shape));
       OpOutputList indices_out, values_out;

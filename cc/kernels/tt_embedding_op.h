@@ -114,7 +114,7 @@ struct TTRowsArgs : RowsArgs {
 // TTRowsLaunch<Device, T> provides
 //   static constexpr int64_t kReportWords;  // size of the `report` output
 //   static Status Run(OpKernelContext*, const TTShape&, const TTRowsArgs&);
-// The CPU one checks the ids' values itself (kReportWords = 0) and fills `saved`; the
+// The CPU one checks the ids' values itself (kReportWords = 0); the
 // GPU one queues the rows and the ids' check on the op's stream and returns, its
 // findings in `report`, which TfTtemb>CheckTTRowsReport turns into the same
 // InvalidArgument (cc/ops/tt_embedding_ops.cc).
@@ -142,6 +142,10 @@ class TTRowsOp : public OpKernel {
     TF_RETURN_IF_ERROR(
         MatrixShape("rows [num_ids, prod(q_shapes)]", a.num_ids, shape_.dim, &rows_shape));
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, rows_shape, &a.rows));
+    // `saved` is empty on every device: TTRowsGrad recomputes the partial
+    // products (the op's doc says why the output stays).
+    Tensor* saved = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(1, TensorShape({0}), &saved));
     const int64_t report_words = a.num_ids > 0 ? Launch::kReportWords : 0;
     TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({report_words}), &a.report));
     return Launch::Run(ctx, shape_, a);
@@ -151,11 +155,10 @@ class TTRowsOp : public OpKernel {
 };
 
 // TTRowsGrad's inputs beyond the ids and cores: grad [num_ids, D] (its shape
-// checked by the Launch, after the ids' values as the CPU kernel orders it)
-// and `saved` (TTRows' output 1, or empty).
+// checked by the Launch, after the ids' values as the CPU kernel orders it).
+// The `saved` input is not read (TTRows' output 1, always empty).
 struct TTRowsGradArgs : RowsArgs {
   const Tensor* grad = nullptr;
-  const Tensor* saved = nullptr;
 };
 
 template <typename Device, typename T>
@@ -175,7 +178,6 @@ class TTRowsGradOp : public DeviceOpKernel<Device, TTRowsGradOp<Device, T>> {
     TTRowsGradArgs a;
     TF_RETURN_IF_ERROR(GetRowsArgs<Device>(ctx, shape_, "TTRowsGrad", &a));
     a.grad = &ctx->input(1 + shape_.num_cores);
-    a.saved = &ctx->input(2 + shape_.num_cores);
     return Launch::Run(ctx, shape_, a, step);
   }
 

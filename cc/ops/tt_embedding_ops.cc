@@ -109,7 +109,7 @@ REGISTER_OP("TfTtemb>TTRows")
     .Input("ids: int64")            // [U] global ids
     .Input("cores: num_cores * T")  // core k: [num_tables * p_k, r_k q_k r_{k+1}]
     .Output("rows: T")              // [U, prod(q_shapes)]
-    .Output("saved: T")             // [S] partial products for TTRowsGrad
+    .Output("saved: T")             // [0]: kept for graphs that pass it to TTRowsGrad
     .Output("report: int64")        // [0] on the CPU; see CheckTTRowsReport
     .TF_TTEMB_TT_ATTRS
     .SetShapeFn([](InferenceContext* c) {
@@ -127,10 +127,9 @@ Rows of a TT-compressed table, decompressing only the requested ones.
 ids: Global ids in [0, num_tables * prod(p_shapes)), any order; sorted distinct
   ids share the partial products of their leading digits.
 rows: rows[u] = the table row of ids[u].
-saved: The partial products of the second-to-last level, which TTRowsGrad
-  would otherwise recompute (float32/float64 tables with >= 3 cores, when they
-  fit a 64 MiB budget), else empty. Pass it to TTRowsGrad with the same ids
-  and cores.
+saved: Empty. TTRowsGrad recomputes the partial products it needs, which costs
+  less than writing them out here and reading them back there; the output stays
+  so that graphs that pass it to TTRowsGrad keep their signature.
 report: Empty from the CPU kernel, which raises for a bad id itself. The GPU
   kernel queues its work and returns without waiting for the device; what it
   found wrong in the ids is in this TTReport (16 words, cuda/common_types.h),
@@ -150,7 +149,7 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
     .Input("ids: int64")  // [U]
     .Input("cores: num_cores * T")
     .Input("grad: T")                                // [U, D]
-    .Input("saved: T")                               // TTRows' saved output, or empty
+    .Input("saved: T")                               // not read (TTRows' empty output 1)
     .Output("core_grad_indices: num_cores * int64")  // core k: [n_k]
     .Output("core_grad_values: num_cores * T")       // core k: [n_k, width_k]
     .TF_TTEMB_TT_ATTRS
@@ -177,8 +176,8 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
 Gradients of TTRows w.r.t. every core, as IndexedSlices per core.
 
 grad: Gradient w.r.t. rows.
-saved: The saved output of the TTRows op for these ids and cores (empty: the
-  partial products are recomputed).
+saved: Not read: the partial products are recomputed from ids and cores. Pass
+  TTRows' `saved` output or any vector.
 core_grad_indices: For core k, the sorted distinct core rows touched by ids.
 core_grad_values: For core k, their gradients. Summed in a fixed order: the
   result is bitwise identical from run to run.

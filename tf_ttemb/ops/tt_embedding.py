@@ -272,11 +272,10 @@ def _tt_rows_grad(op, grad, unused_saved_grad, unused_report_grad):
     ids = op.inputs[0]
     cores = list(op.inputs[1 : 1 + num_cores])
     attrs = {k: op.get_attr(k) for k in ("p_shapes", "q_shapes", "ranks", "num_tables")}
-    # The op's second output holds the partial products it saved for this gradient (or
-    # nothing, and they are recomputed).
-    saved = op.outputs[1]
+    # TTRowsGrad recomputes the partial products; its `saved` input is TTRows' empty
+    # second output, kept in both ops' signatures.
     indices, values = lib.tf_ttemb_tt_rows_grad(
-        ids, cores, tf.convert_to_tensor(grad), saved, **attrs
+        ids, cores, tf.convert_to_tensor(grad), op.outputs[1], **attrs
     )
     core_grads = [
         tf.IndexedSlices(v, i, dense_shape=tf.shape(c, out_type=tf.int64))
