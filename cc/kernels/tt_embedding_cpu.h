@@ -526,13 +526,6 @@ struct Chunk {
     if (k == 0) return cores.Row(0, level.core_row[v]);
     return data[k] + level.slot[v] * Size(k);
   }
-  // Where the backward's pass visits leaf l (its block of core T-1's gradient
-  // is stored there, so that the pass writes them in order).
-  int64_t VisitOf(int64_t leaf) const {
-    const Level& level = tree().levels[fused()];
-    const int64_t v = tree().levels[fused() + 1].parent[leaf];
-    return tree().visit[level.slot[v]] + leaf - level.children[v];
-  }
   // The fused level's sizes: elements of a node's product (cols_m r_{T-1}),
   // its rows (cols_m), r_{T-1}, q_{T-1} and D.
   std::array<int64_t, 5> FusedSizes() const {
