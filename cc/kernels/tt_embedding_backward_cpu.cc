@@ -144,6 +144,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
         const int64_t end = level.groups[g + 1];
         for (int64_t i = level.groups[g]; i < end; i += batch) {
           const int64_t stop = std::min(end, i + batch);
+          c.PrefetchLeaves(i, stop, grad);
           Acc* products = nullptr;
           if (m > 0) {
             products = sc->products.Resize(batch * size);
