@@ -185,58 +185,25 @@ class Divider {
 // The prefix tree of ids[0, n): nodes are runs of consecutive ids with equal
 // leading digits; leaf[j] is id j's node at the last level.
 struct PrefixTree {
+  // Below this many ids a tree is built on one thread.
+  static constexpr int64_t kMinParallelIds = 4096;
+
   std::vector<Level> levels;
   std::vector<int64_t> leaf;
   std::vector<int64_t> leaf_ids;  // [num_leaves + 1] offsets of each leaf's ids
   // [count_m + 1], m = T - 2: the leaves of level m's node at slot i are
   // visited (by level m's passes) at positions visit[i]..visit[i + 1] - 1.
   std::vector<int64_t> visit;
-  std::vector<int64_t> sort_scratch, keys;
 
-  void Build(const int64_t* ids, int64_t n, const TTShape& s) {
+  // The levels are independent (each finds its own nodes and its nodes'
+  // parents from the ids), so they are built side by side on the pool.
+  void Build(thread::ThreadPool* pool, const int64_t* ids, int64_t n, const TTShape& s) {
     const int T = s.num_cores;
     levels.resize(T);
-    for (Level& level : levels) {
-      level.parent.clear();
-      level.core_row.clear();
-    }
     leaf.resize(n);
-    std::vector<int64_t> current(T, -1);
-    // keys[k * n + j] = level k's prefix key of id j (its table and digits
-    // i_0..i_k as one number, TTShape::PrefixKey): independent divisions.
-    keys.resize(T * n);
-    const bool fast = s.num_ids() < (int64_t{1} << 50);
-    for (int k = 0; k < T; ++k) {
-      const Divider divide(s.stride[k], fast);
-      int64_t* key = keys.data() + k * n;
-      for (int64_t j = 0; j < n; ++j) key[j] = divide(ids[j]);
-    }
-    const Divider by_p0(s.p[0], fast);
-    for (int64_t j = 0; j < n; ++j) {
-      // The first level whose prefix differs from the previous id's.
-      int k = 0;
-      if (j > 0) {
-        while (k < T && keys[k * n + j] == keys[k * n + j - 1]) ++k;
-      }
-      if (k < T) {
-        const int64_t table = by_p0(keys[j]);
-        for (; k < T; ++k) {
-          Level& level = levels[k];
-          level.parent.push_back(k == 0 ? -1 : current[k - 1]);
-          // table * p_k + i_k; level 0's key is table * p_0 + i_0 itself.
-          level.core_row.push_back(
-              k == 0 ? keys[j] : table * s.p[k] + keys[k * n + j] - keys[(k - 1) * n + j] * s.p[k]);
-          current[k] = level.count() - 1;
-        }
-      }
-      leaf[j] = current[T - 1];
-    }
-    for (int k = 0; k < T; ++k) levels[k].Sort(s.num_tables * s.p[k], &sort_scratch);
-    // Parents are non-decreasing along a level's nodes: children are runs.
-    for (int k = 0; k + 1 < T; ++k) {
-      Offsets(levels[k + 1].parent, levels[k].count(), &levels[k].children);
-    }
-    Offsets(leaf, levels[T - 1].count(), &leaf_ids);
+    const int64_t workers = n >= kMinParallelIds ? pool->NumThreads() : 1;
+    // The largest levels (the deepest) first.
+    RunClaimedBlocks(pool, T, workers, [&](int64_t b) { BuildLevel(T - 1 - b, ids, n, s); });
     const Level& fused = levels[T - 2];
     visit.resize(fused.count() + 1);
     visit[0] = 0;
@@ -244,6 +211,44 @@ struct PrefixTree {
       const int64_t v = fused.order[i];
       visit[i + 1] = visit[i] + fused.children[v + 1] - fused.children[v];
     }
+  }
+
+  // Level k's nodes (a node starts at each id whose level-k prefix key,
+  // TTShape::PrefixKey, differs from the previous id's), their parents (the
+  // level-(k-1) node of their first id) and core rows, sorted; level k-1's
+  // children offsets; for the last level, leaf and leaf_ids.
+  void BuildLevel(int k, const int64_t* ids, int64_t n, const TTShape& s) {
+    const int T = s.num_cores;
+    Level& level = levels[k];
+    level.parent.clear();
+    level.core_row.clear();
+    // Divisions by a double reciprocal where the ids allow it (Divider).
+    const bool fast = s.num_ids() < (int64_t{1} << 50);
+    const Divider key_of(s.stride[k], fast);
+    const Divider parent_key_of(k > 0 ? s.stride[k - 1] : 1, fast);
+    const Divider table_of(s.rows_per_table, fast);
+    int64_t key = -1, parent_key = -1, parents = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t id = ids[j];
+      if (k > 0) {
+        const int64_t pk = parent_key_of(id);
+        parents += pk != parent_key;
+        parent_key = pk;
+      }
+      const int64_t kk = key_of(id);
+      if (kk != key) {
+        key = kk;
+        level.parent.push_back(k == 0 ? -1 : parents - 1);
+        // table * p_k + i_k; level 0's key is table * p_0 + i_0 itself.
+        level.core_row.push_back(k == 0 ? kk : table_of(id) * s.p[k] + kk - parent_key * s.p[k]);
+      }
+      if (k == T - 1) leaf[j] = level.count() - 1;
+    }
+    std::vector<int64_t> sort_scratch;
+    level.Sort(s.num_tables * s.p[k], &sort_scratch);
+    // Parents are non-decreasing along a level's nodes: children are runs.
+    if (k > 0) Offsets(level.parent, parents, &levels[k - 1].children);
+    if (k == T - 1) Offsets(leaf, level.count(), &leaf_ids);
   }
 
   // offsets[v] = first position of value v in the non-decreasing `values`.
@@ -577,7 +582,7 @@ struct Chunk {
     if (tree_ == nullptr) {
       std::shared_ptr<PrefixTree> tree =
           how == Tree::kShare ? TreeCache::Get().Spare() : std::make_shared<PrefixTree>();
-      tree->Build(ids, n, s);
+      tree->Build(pool, ids, n, s);
       if (how == Tree::kShare) TreeCache::Get().Put(s, ids, n, tree);
       tree_ = std::move(tree);
     }
