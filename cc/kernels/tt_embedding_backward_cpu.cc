@@ -117,16 +117,15 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 
 // Level m's pass (the file comment): dP_m per node from its leaves, the
 // leaves' blocks of core T-1's gradient (into leaf_grads at their visit
-// positions, PrefixTree::visit, as [q_{T-1}, r_{T-1}]; block_at[i] = the
-// position of the leaf at the last level's slot i), core m's gradient and the
+// positions, PrefixTree::visit, as [q_{T-1}, r_{T-1}]; block_of[leaf] = that
+// position: a store, never waited for), core m's gradient and the
 // nodes' contributions to their parents (contrib, for m >= 1). The level's
 // products are recomputed, a batch at a time.
 template <typename T, typename Acc>
 void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* grad, Acc* contrib,
-                   Acc* leaf_grads, int64_t* block_at, CoreGrads<Acc>* grads) {
+                   Acc* leaf_grads, int64_t* block_of, CoreGrads<Acc>* grads) {
   const int m = c.fused();
   const Level& level = c.tree().levels[m];
-  const Level& leaves = c.tree().levels[m + 1];
   const std::array<int64_t, 5> sizes = c.FusedSizes();
   const int64_t size = sizes[0], rows_m = sizes[1], rank = sizes[2], q = sizes[3], dim = sizes[4];
   const int64_t leaf_width = rank * q;
@@ -158,7 +157,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
             const int64_t first_block = c.tree().visit[slot];
             Acc* blocks = leaf_grads + first_block * leaf_width;
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
-              block_at[leaves.slot[leaf]] = first_block + leaf - level.children[v];
+              block_of[leaf] = first_block + leaf - level.children[v];
               // dP of the leaf: the gradient row of its one id, read in place,
               // or the sum of its ids' rows.
               const int64_t first_id = c.tree().leaf_ids[leaf];
@@ -231,7 +230,7 @@ constexpr int64_t kAhead = 8;
 // m >= 1, else level m's pass made it) and core T-1's from the leaves' blocks.
 template <typename T, typename Acc>
 void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* next,
-                  const Acc* leaf_grads, const int64_t* block_at, CoreGrads<Acc>* grads) {
+                  const Acc* leaf_grads, const int64_t* block_of, CoreGrads<Acc>* grads) {
   const TTShape& s = c.s;
   const int last = s.num_cores - 1;
   const Level& roots = c.tree().levels[0];
@@ -265,9 +264,11 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
         const int64_t end = leaves.groups[g + 1];
         for (int64_t i = leaves.groups[g]; i < end; ++i) {
           if (i + kAhead < end) {
-            PrefetchBytes(leaf_grads + block_at[i + kAhead] * leaf_width, leaf_width * sizeof(Acc));
+            PrefetchBytes(leaf_grads + block_of[leaves.order[i + kAhead]] * leaf_width,
+                          leaf_width * sizeof(Acc));
           }
-          AddTo(leaf_grads + block_at[i] * leaf_width, leaf_width, i > leaves.groups[g], sum);
+          AddTo(leaf_grads + block_of[leaves.order[i]] * leaf_width, leaf_width,
+                i > leaves.groups[g], sum);
         }
         Acc* block = grads->Block(last, leaves.GroupRow(g), &accumulate);
         for (int64_t x = 0; x < rank; ++x) {
@@ -330,7 +331,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     // numbers.
     std::vector<Buffer<Acc>> contrib(T_count);
     Buffer<Acc> leaf_grads;
-    Buffer<int64_t> block_at;
+    Buffer<int64_t> block_of;
     for (int64_t begin = 0; begin < num_ids; begin += chunk) {
       const int64_t n = std::min(chunk, num_ids - begin);
       if (!one_chunk) c.Build(pool, ids + begin, n, Chunk<T, Acc>::Tree::kBuild);
@@ -339,13 +340,13 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
         contrib[k].Resize(c.tree().levels[k].count() * s.cols[k - 1] * s.r[k]);
       }
       leaf_grads.Resize(c.tree().levels[m + 1].count() * s.width[m + 1]);
-      block_at.Resize(c.tree().levels[m + 1].count());
+      block_of.Resize(c.tree().levels[m + 1].count());
       FusedBackward(pool, c, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(),
-                    block_at.data(), &grads);
+                    block_of.data(), &grads);
       for (int k = m - 1; k >= 1; --k) {
         LevelBackward(pool, c, k, contrib[k + 1].data(), contrib[k].data(), &grads);
       }
-      LastBackward(pool, c, m > 0 ? contrib[1].data() : nullptr, leaf_grads.data(), block_at.data(),
+      LastBackward(pool, c, m > 0 ? contrib[1].data() : nullptr, leaf_grads.data(), block_of.data(),
                    &grads);
     }
   }
