@@ -157,8 +157,8 @@ constexpr int kMaxVecs = 8;
 // sequential sum over entries [begin, end) of w_j * params[ids_j][col, ...):
 // fma(w, x, acc) weighted, acc + x unweighted, as the scalar loop compiles.
 // Padding entries are skipped. With `prefetch_bytes` (the row's size) > 0 it
-// prefetches the row of an entry RowPrefetchFor(prefetch_bytes) entries ahead
-// (up to entry `prefetch_end`, which may lie in later bags) while it adds
+// prefetches the row of the entry RowPrefetchFor(prefetch_bytes).ahead entries
+// ahead (up to entry `prefetch_end`, which may lie in later bags) while it adds
 // entry j.
 template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex,
           typename Acc>
