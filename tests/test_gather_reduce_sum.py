@@ -401,6 +401,48 @@ def test_dense_grad_in_tf_function(rng, form, combiner, weighted, implementation
     _check_dense_grad(rng, combiner, weighted, form, implementation, "function")
 
 
+@pytest.mark.parametrize(
+    "num_rows,dim,untouched",
+    [(300, 17, 0), (300, 17, 5), (40_000, 8, 30_000)],
+    ids=["every-row-touched", "few-untouched", "many-untouched"],
+)
+def test_dense_grad_op_zeroes_exactly_the_untouched_rows(rng, num_rows, dim, untouched):
+    # The raw op: rows no entry touches are zeroed (on this thread below 256 KiB of zeros,
+    # on the pool above), touched rows hold their sums, and with every row touched
+    # nothing is zeroed. A first call of the same shape leaves nonzero values in the
+    # memory the allocator hands out next.
+    from tf_ttemb.ops import _loader
+
+    lib = _loader.load_op_library()
+    skipped = rng.choice(num_rows, size=untouched, replace=False)
+    touched = np.setdiff1d(np.arange(num_rows), skipped)
+    ids = rng.permutation(np.concatenate([touched, rng.choice(touched, size=len(touched) // 3)]))
+    num_bags = 64
+    cuts = np.sort(rng.integers(0, len(ids) + 1, size=num_bags - 1))
+    splits = np.concatenate([[0], cuts, [len(ids)]]).astype(np.int64)
+    upstream = rng.standard_normal((num_bags, dim)).astype(np.float32)
+    bag_of = np.repeat(np.arange(num_bags), np.diff(splits))
+    expected = np.zeros((num_rows, dim))
+    np.add.at(expected, ids, upstream[bag_of].astype(np.float64))
+
+    def dense_grad(ids, upstream):
+        return lib.tf_ttemb_gather_reduce_sum_dense_grad(
+            tf.constant(upstream),
+            tf.constant(ids.astype(np.int64)),
+            tf.constant(splits),
+            tf.zeros([0]),
+            tf.zeros([0, dim], tf.int32),
+            tf.constant(num_rows, tf.int64),
+        ).numpy()
+
+    everywhere = np.concatenate([np.arange(num_rows), rng.integers(0, num_rows, len(ids))])
+    filled = dense_grad(everywhere[: len(ids)], np.abs(upstream) + 1)
+    assert np.count_nonzero(filled) > 0
+    out = dense_grad(ids, upstream)
+    np.testing.assert_array_equal(out[skipped], 0)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------
 # Finite differences in float64.
 # --------------------------------------------------------------------------------------

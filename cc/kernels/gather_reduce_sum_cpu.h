@@ -868,16 +868,23 @@ void SortedCoefficients(thread::ThreadPool* pool, const SortedEntries& s, const 
 // touches: the gaps between consecutive unique ids. The touched rows are
 // written whole by the reduction, so each row is written once (where zeroing
 // the table first wrote the touched ones twice: nearly all of them at
-// 65,536 x 256 with 262,144 lookups).
+// 65,536 x 256 with 262,144 lookups). Nothing to zero returns at once, and
+// fewer than kInlineZeroBytes of zeros are written on the calling thread:
+// ParallelFor waits for the pool's threads, which cost 96 us on a 2-core VM
+// for TT's [U, D] rows gradient, every row of it touched (BENCHMARKS.md,
+// 2026-12-07, eleventh).
 template <typename T>
 void ZeroUntouchedRows(thread::ThreadPool* pool, const SortedEntries& s, int64_t num_rows,
                        int64_t dim,
                        T* out) {  // [num_rows, dim]
+  constexpr int64_t kInlineZeroBytes = int64_t{256} << 10;
   const int64_t num_unique = s.num_unique();
+  const int64_t untouched = num_rows - num_unique;
+  if (untouched == 0) return;
   const uint64_t* keys = s.keys.data();
   const int64_t* seg_starts = s.seg_starts.data();
   auto unique_id = [&](int64_t u) { return static_cast<int64_t>(keys[seg_starts[u]]); };
-  pool->ParallelFor(num_rows, dim, [&](int64_t begin, int64_t end) {
+  auto zero = [&](int64_t begin, int64_t end) {
     // The first unique id >= begin.
     int64_t lo = 0, hi = num_unique;
     while (lo < hi) {
@@ -900,7 +907,12 @@ void ZeroUntouchedRows(thread::ThreadPool* pool, const SortedEntries& s, int64_t
         row = next;
       }
     }
-  });
+  };
+  if (untouched * dim * static_cast<int64_t>(sizeof(T)) < kInlineZeroBytes) {
+    zero(0, num_rows);
+  } else {
+    pool->ParallelFor(num_rows, dim, zero);
+  }
 }
 
 // Per-bag scale (see BagScale), computed once per bag.
