@@ -220,30 +220,42 @@ struct PrefixTree {
   void BuildLevel(int k, const int64_t* ids, int64_t n, const TTShape& s) {
     const int T = s.num_cores;
     Level& level = levels[k];
-    level.parent.clear();
-    level.core_row.clear();
-    // Divisions by a double reciprocal where the ids allow it (Divider).
+    // At most one node per id; trimmed to the count below. Not cleared first:
+    // a reused tree's arrays keep their size, and growing zero-fills.
+    level.parent.resize(n);
+    level.core_row.resize(n);
+    int64_t* parent = level.parent.data();
+    int64_t* core_row = level.core_row.data();
+    // Divisions by a double reciprocal where the ids allow it (Divider), and
+    // only where a run of equal keys ends: the ids of level k's key `key` are
+    // [lo, hi), those of the parent level's `parent_key` [parent_lo, parent_hi).
     const bool fast = s.num_ids() < (int64_t{1} << 50);
     const Divider key_of(s.stride[k], fast);
     const Divider parent_key_of(k > 0 ? s.stride[k - 1] : 1, fast);
     const Divider table_of(s.rows_per_table, fast);
-    int64_t key = -1, parent_key = -1, parents = 0;
+    int64_t count = 0, lo = 1, hi = 0;
+    int64_t parent_key = -1, parent_lo = 1, parent_hi = 0, parents = 0;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t id = ids[j];
-      if (k > 0) {
-        const int64_t pk = parent_key_of(id);
-        parents += pk != parent_key;
-        parent_key = pk;
+      if (k > 0 && (id < parent_lo || id >= parent_hi)) {
+        parent_key = parent_key_of(id);
+        parent_lo = parent_key * s.stride[k - 1];
+        parent_hi = parent_lo + s.stride[k - 1];
+        ++parents;
       }
-      const int64_t kk = key_of(id);
-      if (kk != key) {
-        key = kk;
-        level.parent.push_back(k == 0 ? -1 : parents - 1);
+      if (id < lo || id >= hi) {
+        const int64_t key = key_of(id);
+        lo = key * s.stride[k];
+        hi = lo + s.stride[k];
+        parent[count] = k == 0 ? -1 : parents - 1;
         // table * p_k + i_k; level 0's key is table * p_0 + i_0 itself.
-        level.core_row.push_back(k == 0 ? kk : table_of(id) * s.p[k] + kk - parent_key * s.p[k]);
+        core_row[count] = k == 0 ? key : table_of(id) * s.p[k] + key - parent_key * s.p[k];
+        ++count;
       }
-      if (k == T - 1) leaf[j] = level.count() - 1;
+      if (k == T - 1) leaf[j] = count - 1;
     }
+    level.parent.resize(count);
+    level.core_row.resize(count);
     std::vector<int64_t> sort_scratch;
     level.Sort(s.num_tables * s.p[k], &sort_scratch);
     // Parents are non-decreasing along a level's nodes: children are runs.
