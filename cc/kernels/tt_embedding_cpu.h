@@ -553,6 +553,12 @@ struct Chunk {
     const Level& level = tree().levels[fused()];
     const int64_t row_bytes = s.dim * static_cast<int64_t>(sizeof(U));
     const int64_t block_bytes = s.width[s.num_cores - 1] * static_cast<int64_t>(sizeof(Acc));
+    // The next batch's nodes' children offsets, which the call for that batch
+    // reads first.
+    const int64_t next_end = std::min(level.count(), end + (end - first));
+    for (int64_t slot = end; slot < next_end; ++slot) {
+      PrefetchLine(level.children.data() + level.order[slot], PrefetchLevel::kL2);
+    }
     for (int64_t slot = first; slot < end; ++slot) {
       const int64_t v = level.order[slot];
       for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
