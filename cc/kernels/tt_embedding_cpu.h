@@ -163,12 +163,14 @@ struct Level {
 // Division by a fixed positive divisor with a double reciprocal, for
 // dividends below 2^50 (else the integer division): the estimate is within one
 // of the quotient and corrected, several times faster than a 64-bit division.
+// A divisor of 1 (the last level's stride) returns the dividend.
 class Divider {
  public:
   Divider() = default;
   Divider(int64_t divisor, bool fast)
       : divisor_(divisor), inverse_(1.0 / static_cast<double>(divisor)), fast_(fast) {}
   int64_t operator()(int64_t a) const {
+    if (divisor_ == 1) return a;
     if (!fast_) return a / divisor_;
     int64_t q = static_cast<int64_t>(static_cast<double>(a) * inverse_);
     if (q * divisor_ > a) --q;
@@ -249,7 +251,8 @@ struct PrefixTree {
         hi = lo + s.stride[k];
         parent[count] = k == 0 ? -1 : parents - 1;
         // table * p_k + i_k; level 0's key is table * p_0 + i_0 itself.
-        core_row[count] = k == 0 ? key : table_of(id) * s.p[k] + key - parent_key * s.p[k];
+        const int64_t table = s.num_tables == 1 ? 0 : table_of(id);
+        core_row[count] = k == 0 ? key : table * s.p[k] + key - parent_key * s.p[k];
         ++count;
       }
       if (k == T - 1) leaf[j] = count - 1;
