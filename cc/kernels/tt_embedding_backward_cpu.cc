@@ -116,16 +116,17 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 }
 
 // Level m's pass (the file comment): dP_m per node from its leaves, the
-// leaves' blocks of core T-1's gradient (into leaf_grads at their visit
-// positions, PrefixTree::visit, as [q_{T-1}, r_{T-1}]; block_of[leaf] = that
-// position: a store, never waited for), core m's gradient and the
-// nodes' contributions to their parents (contrib, for m >= 1). The level's
-// products are recomputed, a batch at a time.
+// leaves' blocks of core T-1's gradient (into leaf_grads as [q_{T-1},
+// r_{T-1}], each at its leaf's slot, so that the last pass reads each core
+// row's blocks in one run), core m's gradient and the nodes' contributions
+// to their parents (contrib, for m >= 1). The level's products are
+// recomputed, a batch at a time.
 template <typename T, typename Acc>
 void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* grad, Acc* contrib,
-                   Acc* leaf_grads, int64_t* block_of, CoreGrads<Acc>* grads) {
+                   Acc* leaf_grads, CoreGrads<Acc>* grads) {
   const int m = c.fused();
   const Level& level = c.tree().levels[m];
+  const Level& leaves = c.tree().levels[m + 1];
   const std::array<int64_t, 5> sizes = c.FusedSizes();
   const int64_t size = sizes[0], rows_m = sizes[1], rank = sizes[2], q = sizes[3], dim = sizes[4];
   const int64_t leaf_width = rank * q;
@@ -143,7 +144,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
         const int64_t end = level.groups[g + 1];
         for (int64_t i = level.groups[g]; i < end; i += batch) {
           const int64_t stop = std::min(end, i + batch);
-          c.PrefetchLeaves(i, stop, grad);
+          c.PrefetchLeaves(i, stop, grad, leaf_grads);
           Acc* products = nullptr;
           if (m > 0) {
             products = sc->products.Resize(batch * size);
@@ -154,10 +155,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
             const int64_t v = level.order[slot];
             const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
             Acc* dv = d + (slot - i) * size;
-            const int64_t first_block = c.tree().visit[slot];
-            Acc* blocks = leaf_grads + first_block * leaf_width;
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
-              block_of[leaf] = first_block + leaf - level.children[v];
               // dP of the leaf: the gradient row of its one id, read in place,
               // or the sum of its ids' rows.
               const int64_t first_id = c.tree().leaf_ids[leaf];
@@ -176,7 +174,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
               }
               tt_math::LeafGradients(dp, rows_m, q, c.LastTransposed(leaf), p, rank,
                                      leaf > level.children[v], dv,
-                                     blocks + (leaf - level.children[v]) * leaf_width);
+                                     leaf_grads + leaves.slot[leaf] * leaf_width);
             }
           }
           if (m > 0) {
@@ -223,14 +221,12 @@ void LevelBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, int k, cons
       });
 }
 
-// Blocks that LastBackward sums are fetched this many blocks ahead.
-constexpr int64_t kAhead = 8;
-
 // The last pass: core 0's gradient from level 1's contributions (next; when
-// m >= 1, else level m's pass made it) and core T-1's from the leaves' blocks.
+// m >= 1, else level m's pass made it) and core T-1's from the leaves' blocks
+// (each core row's blocks are one run of leaf_grads).
 template <typename T, typename Acc>
 void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* next,
-                  const Acc* leaf_grads, const int64_t* block_of, CoreGrads<Acc>* grads) {
+                  const Acc* leaf_grads, CoreGrads<Acc>* grads) {
   const TTShape& s = c.s;
   const int last = s.num_cores - 1;
   const Level& roots = c.tree().levels[0];
@@ -263,12 +259,7 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
         Acc* sum = sc->leaf.Resize(leaf_width);
         const int64_t end = leaves.groups[g + 1];
         for (int64_t i = leaves.groups[g]; i < end; ++i) {
-          if (i + kAhead < end) {
-            PrefetchBytes(leaf_grads + block_of[leaves.order[i + kAhead]] * leaf_width,
-                          leaf_width * sizeof(Acc));
-          }
-          AddTo(leaf_grads + block_of[leaves.order[i]] * leaf_width, leaf_width,
-                i > leaves.groups[g], sum);
+          AddTo(leaf_grads + i * leaf_width, leaf_width, i > leaves.groups[g], sum);
         }
         Acc* block = grads->Block(last, leaves.GroupRow(g), &accumulate);
         for (int64_t x = 0; x < rank; ++x) {
@@ -331,7 +322,6 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
     // numbers.
     std::vector<Buffer<Acc>> contrib(T_count);
     Buffer<Acc> leaf_grads;
-    Buffer<int64_t> block_of;
     for (int64_t begin = 0; begin < num_ids; begin += chunk) {
       const int64_t n = std::min(chunk, num_ids - begin);
       if (!one_chunk) c.Build(pool, ids + begin, n, Chunk<T, Acc>::Tree::kBuild);
@@ -340,14 +330,11 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
         contrib[k].Resize(c.tree().levels[k].count() * s.cols[k - 1] * s.r[k]);
       }
       leaf_grads.Resize(c.tree().levels[m + 1].count() * s.width[m + 1]);
-      block_of.Resize(c.tree().levels[m + 1].count());
-      FusedBackward(pool, c, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(),
-                    block_of.data(), &grads);
+      FusedBackward(pool, c, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(), &grads);
       for (int k = m - 1; k >= 1; --k) {
         LevelBackward(pool, c, k, contrib[k + 1].data(), contrib[k].data(), &grads);
       }
-      LastBackward(pool, c, m > 0 ? contrib[1].data() : nullptr, leaf_grads.data(), block_of.data(),
-                   &grads);
+      LastBackward(pool, c, m > 0 ? contrib[1].data() : nullptr, leaf_grads.data(), &grads);
     }
   }
 

@@ -193,9 +193,6 @@ struct PrefixTree {
   std::vector<Level> levels;
   std::vector<int64_t> leaf;
   std::vector<int64_t> leaf_ids;  // [num_leaves + 1] offsets of each leaf's ids
-  // [count_m + 1], m = T - 2: the leaves of level m's node at slot i are
-  // visited (by level m's passes) at positions visit[i]..visit[i + 1] - 1.
-  std::vector<int64_t> visit;
 
   // The levels are independent (each finds its own nodes and its nodes'
   // parents from the ids), so they are built side by side on the pool.
@@ -206,13 +203,6 @@ struct PrefixTree {
     const int64_t workers = n >= kMinParallelIds ? pool->NumThreads() : 1;
     // The largest levels (the deepest) first.
     RunClaimedBlocks(pool, T, workers, [&](int64_t b) { BuildLevel(T - 1 - b, ids, n, s); });
-    const Level& fused = levels[T - 2];
-    visit.resize(fused.count() + 1);
-    visit[0] = 0;
-    for (int64_t i = 0; i < fused.count(); ++i) {
-      const int64_t v = fused.order[i];
-      visit[i + 1] = visit[i] + fused.children[v + 1] - fused.children[v];
-    }
   }
 
   // Level k's nodes (a node starts at each id whose level-k prefix key,
@@ -548,14 +538,19 @@ struct Chunk {
   }
   // Fetches into L2 what the leaves of level m's nodes at slots [first, end)
   // read or write at random: the rows of their first ids in `per_id` ([ids,
-  // D]: the forward's output, the backward's gradient) and their blocks of the
-  // last core. Called before the nodes' products, whose arithmetic covers the
-  // wait (5 % of TTRows' and TTRowsGrad's time at FBTT's shape).
+  // D]: the forward's output, the backward's gradient), their blocks of the
+  // last core and, where `leaf_blocks` is given (the backward's, [leaves,
+  // width_{T-1}] at the leaves' slots), the blocks they write there. Called
+  // before the nodes' products, whose arithmetic covers the wait (5 % of
+  // TTRows' and TTRowsGrad's time at FBTT's shape).
   template <typename U>
-  void PrefetchLeaves(int64_t first, int64_t end, const U* per_id) const {
+  void PrefetchLeaves(int64_t first, int64_t end, const U* per_id,
+                      Acc* leaf_blocks = nullptr) const {
     const Level& level = tree().levels[fused()];
+    const Level& leaves = tree().levels[s.num_cores - 1];
     const int64_t row_bytes = s.dim * static_cast<int64_t>(sizeof(U));
-    const int64_t block_bytes = s.width[s.num_cores - 1] * static_cast<int64_t>(sizeof(Acc));
+    const int64_t width = s.width[s.num_cores - 1];
+    const int64_t block_bytes = width * static_cast<int64_t>(sizeof(Acc));
     // The next batch's nodes' children offsets, which the call for that batch
     // reads first.
     const int64_t next_end = std::min(level.count(), end + (end - first));
@@ -567,6 +562,9 @@ struct Chunk {
       for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
         PrefetchBytes(per_id + tree().leaf_ids[leaf] * s.dim, row_bytes);
         PrefetchBytes(LastTransposed(leaf), block_bytes);
+        if (leaf_blocks != nullptr) {
+          PrefetchBytesForWrite(leaf_blocks + leaves.slot[leaf] * width, block_bytes);
+        }
       }
     }
   }
