@@ -688,6 +688,42 @@ def test_gpu_breakdown_benches_run_on_the_cpu(tmp_path, script, key, names):
     assert all(r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] for r in results)
 
 
+def test_tt_bench_times_fwd_bwd_per_call_and_in_graph(tmp_path):
+    """python/bench/bench_tt.py runs (one small case) and records the TT fwd+bwd per call
+    and in graph, each with its rate and its check against the matmul ceiling."""
+    path = tmp_path / "tt.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(CHECKOUT / "python" / "bench" / "bench_tt.py"),
+            *("--quick", "--distributions", "uniform", "--no-dense", "--no-fused-sgd"),
+            *("--repeats", "2", "--warmup", "1", "--bags", "16", "--bag-size", "3"),
+            *("--matmul-size", "128", "--json", str(path)),
+        ],
+        cwd=CHECKOUT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    document = json.loads(path.read_text())
+    (result,) = document["results"]
+    assert result["lookups"] == 48
+    per_call, in_graph = result["tt_fwd_bwd"], result["tt_fwd_bwd_in_graph"]
+    assert in_graph["repeats"] == 3  # max(3, repeats / 2) calls of 10 steps
+    for timing in (per_call, in_graph):
+        assert 0 < timing["min_ms"] <= timing["median_ms"]
+        flops = result["lookups"] * result["fwd_bwd_flops_per_lookup"]
+        assert math.isclose(timing["gflops"], flops / (timing["median_ms"] * 1e-3) / 1e9)
+    ceiling = document["matmul"]["gflops"]
+    check = document["checks"]["fwd_bwd_in_graph_vs_matmul"]
+    assert check["status"] == ("PASS" if in_graph["gflops"] >= 0.4 * ceiling else "MISS")
+    assert f"{100 * in_graph['gflops'] / ceiling:.1f}% of" in check["measured"]
+    assert "in graph" in check["target"] and "40%" in check["target"]
+
+
 def test_timed_calls_run_with_the_collector_paused():
     """The timed calls run with Python's garbage collector off (as timeit's do), the
     warm-up calls with it as it was; it is on again afterwards, also after a call raises."""
