@@ -642,6 +642,20 @@ def test_presets_on_the_gpu(tmp_path):
         assert len([n for n in result["notes"] if n.startswith("torch")]) == 1, result["notes"]
 
 
+def _run_bench_script(script: str, *args: str) -> None:
+    """Runs python/bench/<script> with `args` from the checkout; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, str(CHECKOUT / "python" / "bench" / script), *args],
+        cwd=CHECKOUT,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "script,key,names",
     [
@@ -657,30 +671,11 @@ def test_gpu_breakdown_benches_run_on_the_cpu(tmp_path, script, key, names):
     """The two GPU breakdown programs run (--quick, on the CPU) and time every part per
     call and in graph."""
     path = tmp_path / "out.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(CHECKOUT / "python" / "bench" / script),
-            "--quick",
-            "--device",
-            "CPU:0",
-            "--repeats",
-            "1",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(path),
-        ],
-        cwd=CHECKOUT,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
+    _run_bench_script(
+        script,
+        *("--quick", "--device", "CPU:0", "--repeats", "1", "--steps", "2", "--warmup", "1"),
+        *("--json", str(path)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(path.read_text())["results"]
     assert {r[key] for r in results} == names
     assert {r["kind"] for r in results} == {"per call", "in graph"}
@@ -692,22 +687,12 @@ def test_tt_bench_times_fwd_bwd_per_call_and_in_graph(tmp_path):
     """python/bench/bench_tt.py runs (one small case) and records the TT fwd+bwd per call
     and in graph, each with its rate and its check against the matmul ceiling."""
     path = tmp_path / "tt.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(CHECKOUT / "python" / "bench" / "bench_tt.py"),
-            *("--quick", "--distributions", "uniform", "--no-dense", "--no-fused-sgd"),
-            *("--repeats", "2", "--warmup", "1", "--bags", "16", "--bag-size", "3"),
-            *("--matmul-size", "128", "--json", str(path)),
-        ],
-        cwd=CHECKOUT,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
+    _run_bench_script(
+        "bench_tt.py",
+        *("--quick", "--distributions", "uniform", "--no-dense", "--no-fused-sgd"),
+        *("--repeats", "2", "--warmup", "1", "--bags", "16", "--bag-size", "3"),
+        *("--matmul-size", "128", "--json", str(path)),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     document = json.loads(path.read_text())
     (result,) = document["results"]
     assert result["lookups"] == 48
