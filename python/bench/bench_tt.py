@@ -43,8 +43,8 @@ What is timed (`tf.function`, no XLA; median and minimum over `--repeats` calls 
   ceiling only makes the target harder).
 * TT fwd+bwd in graph: `IN_GRAPH_STEPS` steps in one `tf.while_loop` per call (one step
   after the other), max(3, `--repeats` / 2) calls after one warm-up call, divided by the
-  step count: a step's time without TensorFlow's cost of a call (about 0.2-0.3 ms at the
-  FBTT case on 2 cores).
+  step count: a step's time without TensorFlow's cost of a call and of returning the
+  gradients (0.1-1.4 ms per call at the FBTT case on 2 cores, BENCHMARKS.md).
 * A check that the TT forward agrees with the float64 numpy reference `tf_ttemb.tt.rows`
   (summed per bag) on the benchmark's own batch.
 
@@ -200,8 +200,8 @@ def fwd_bwd_flops(case: Case) -> int:
     return 3 * fwd_flops(case)
 
 
-def matmul_call(tf: Any, size: int) -> Callable[[], Any]:
-    """A tf.function: one float32 [size, size] x [size, size] tf.linalg.matmul."""
+def matmul_rate(tf: Any, size: int, warmup: int, repeats: int) -> Dict[str, Any]:
+    """GFLOP/s of a float32 [size, size] x [size, size] tf.linalg.matmul (median call)."""
     rng = np.random.default_rng(0)
     a = tf.constant(rng.standard_normal((size, size), dtype=np.float32))
     b = tf.constant(rng.standard_normal((size, size), dtype=np.float32))
@@ -210,17 +210,8 @@ def matmul_call(tf: Any, size: int) -> Callable[[], Any]:
     def matmul():
         return tf.linalg.matmul(a, b)
 
-    return matmul
-
-
-def matmul_flops(size: int) -> int:
-    return 2 * size**3
-
-
-def matmul_rate(tf: Any, size: int, warmup: int, repeats: int) -> Dict[str, Any]:
-    """GFLOP/s of a float32 [size, size] x [size, size] tf.linalg.matmul (median call)."""
-    timing = util.time_calls(matmul_call(tf, size), warmup, repeats)
-    flops = matmul_flops(size)
+    timing = util.time_calls(matmul, warmup, repeats)
+    flops = 2 * size**3
     return {
         "size": size,
         "flops": flops,
