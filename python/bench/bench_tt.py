@@ -28,7 +28,11 @@ What is timed (`tf.function`, no XLA; median and minimum over `--repeats` calls 
 
 * TT fwd: `tt_embedding_bag(cores, ids, combiner="sum")` -> [B, D].
 * TT fwd+bwd: the same plus the gradients w.r.t. the cores (tf.Variables) for a random
-  upstream gradient (`tf.IndexedSlices` per core; nothing is applied).
+  upstream gradient (`tf.IndexedSlices` per core; nothing is applied). The call returns
+  one float32 scalar that reads an element of the output and of every gradient, as a
+  training step returns its loss: every op runs, and the time leaves out handing the
+  gradients' tensors to Python as `tf.IndexedSlices`, which a training step never does
+  (0.2-0.8 ms per call at the FBTT case on 2 cores, BENCHMARKS.md).
 * TT fused SGD: one training step of `tf_ttemb.layers.TTEmbeddingBag(..., sparse=True,
   optimizer="sgd")` (forward, backward and the in-place core update), when that layer
   exists and supports it.
@@ -41,10 +45,9 @@ What is timed (`tf.function`, no XLA; median and minimum over `--repeats` calls 
   `tf.linalg.matmul` (2 * 2048^3 FLOPs), median of 5-10 calls, before and after the
   cases; the better of the two is the ceiling the TT rates are compared with (a higher
   ceiling only makes the target harder).
-* TT fwd+bwd in graph: `IN_GRAPH_STEPS` steps in one `tf.while_loop` per call (one step
-  after the other), max(3, `--repeats` / 2) calls after one warm-up call, divided by the
-  step count: a step's time without TensorFlow's cost of a call and of returning the
-  gradients (0.1-1.4 ms per call at the FBTT case on 2 cores, BENCHMARKS.md).
+* TT fwd+bwd in graph: the same step `IN_GRAPH_STEPS` times in one `tf.while_loop` per
+  call (one step after the other), max(3, `--repeats` / 2) calls after one warm-up call,
+  divided by the step count: a step's time without TensorFlow's cost of a call.
 * A check that the TT forward agrees with the float64 numpy reference `tf_ttemb.tt.rows`
   (summed per bag) on the benchmark's own batch.
 
@@ -221,8 +224,9 @@ def matmul_rate(tf: Any, size: int, warmup: int, repeats: int) -> Dict[str, Any]
 
 
 def tt_steps(tf: Any, case: Case, impl: str, seed: int) -> Dict[str, Callable]:
-    """`fwd(ids)` and `fwd_bwd(ids, upstream)` tf.functions over fresh core variables, and
-    `reference(ids)`, the forward in float64 numpy."""
+    """`fwd(ids)` and `fwd_bwd(ids, upstream)` tf.functions over fresh core variables,
+    `fwd_bwd_scalar`, the Python function that `fwd_bwd` runs (for util.chained_steps),
+    and `reference(ids)`, the forward in float64 numpy."""
     from tf_ttemb import tt
     from tf_ttemb.ops.tt_embedding import tt_embedding_bag
 
@@ -251,22 +255,18 @@ def tt_steps(tf: Any, case: Case, impl: str, seed: int) -> Dict[str, Callable]:
         flat = tt.rows(values, list(case.p), list(case.q), list(case.ranks), ids.reshape(-1))
         return flat.reshape(ids.shape + (case.dim,)).sum(axis=-2)
 
-    def fwd_bwd_step(ids, upstream):
+    def fwd_bwd_scalar(ids, upstream):
+        """One fwd+bwd step as a float32 scalar that reads every op's output (one element
+        of the output and of each core gradient)."""
         with tf.GradientTape() as tape:
             out = tt_embedding_bag(cores, ids, **kwargs)
         grads = tape.gradient(out, cores, output_gradients=upstream)
-        return out, grads
-
-    def fwd_bwd_scalar(ids, upstream):
-        """One fwd+bwd step as a float32 scalar that reads every op's output (one element
-        of the output and of each core gradient), for util.chained_steps."""
-        out, grads = fwd_bwd_step(ids, upstream)
         values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
         return tf.add_n([out[0, 0]] + [tf.reshape(v, [-1])[0] for v in values])
 
     return {
         "fwd": fwd,
-        "fwd_bwd": tf.function(fwd_bwd_step),
+        "fwd_bwd": tf.function(fwd_bwd_scalar),
         "fwd_bwd_scalar": fwd_bwd_scalar,
         "reference": reference,
     }
