@@ -709,6 +709,23 @@ def test_tt_bench_times_fwd_bwd_per_call_and_in_graph(tmp_path):
     assert "in graph" in check["target"] and "40%" in check["target"]
 
 
+def test_machine_info_records_the_settings_that_change_results(monkeypatch):
+    """Benchmark JSON records the thread-pool and CPU-path variables that are set, with
+    their values, and none that are not."""
+    from tf_ttemb import _timing
+
+    for name in _timing.RESULT_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert _timing.machine_info()["environment"] == {}
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
+    monkeypatch.setenv("TF_TTEMB_CPU_ISA", "avx2")
+    monkeypatch.setenv("TF_TTEMB_UNRELATED", "x")
+    assert _timing.machine_info()["environment"] == {
+        "TF_NUM_INTEROP_THREADS": "1",
+        "TF_TTEMB_CPU_ISA": "avx2",
+    }
+
+
 def test_timed_calls_run_with_the_collector_paused():
     """The timed calls run with Python's garbage collector off (as timeit's do), the
     warm-up calls with it as it was; it is on again afterwards, also after a call raises."""

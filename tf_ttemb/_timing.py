@@ -374,6 +374,25 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# Environment variables that change what a benchmark measures: TensorFlow's thread pools,
+# oneDNN, OpenMP (torch), and the package's own CPU switches (README).
+RESULT_ENVIRONMENT = (
+    "TF_NUM_INTEROP_THREADS",
+    "TF_NUM_INTRAOP_THREADS",
+    "TF_ENABLE_ONEDNN_OPTS",
+    "OMP_NUM_THREADS",
+    "TF_TTEMB_CPU_ISA",
+    "TF_TTEMB_ROW_PREFETCH",
+    "TF_TTEMB_ROW_PREFETCH_LINES",
+    "TF_TTEMB_HUGE_PAGES",
+)
+
+
+def result_environment() -> Dict[str, str]:
+    """The RESULT_ENVIRONMENT variables that are set, with their values."""
+    return {name: os.environ[name] for name in RESULT_ENVIRONMENT if name in os.environ}
+
+
 def machine_info() -> Dict[str, Any]:
     """Facts about the machine and the run that make a result reproducible."""
     return {
@@ -383,6 +402,7 @@ def machine_info() -> Dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "command_line": [sys.executable] + sys.argv,
+        "environment": result_environment(),
         "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

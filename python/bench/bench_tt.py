@@ -509,7 +509,8 @@ def report(
     lines = [
         f"TT embedding bag, CPU, {args.bags:,} bags x {args.bag_size} ids "
         f"({args.bags * args.bag_size:,} lookups per iteration), float32, sum, "
-        f"implementation={args.impl}, {threads} threads",
+        f"implementation={args.impl}, {threads} threads"
+        + "".join(f", {k}={v}" for k, v in util.result_environment().items()),
         "cases:",
         *(f"  {c.name:<7} {c.describe()}" for c in cases.values()),
         f"ceiling: {matmul['size']}^3 float32 tf.linalg.matmul = {ceiling:,.1f} GFLOP/s, the "
