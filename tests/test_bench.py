@@ -724,6 +724,7 @@ def test_machine_info_records_the_settings_that_change_results(monkeypatch):
         "TF_NUM_INTEROP_THREADS": "1",
         "TF_TTEMB_CPU_ISA": "avx2",
     }
+    assert _timing.environment_suffix() == ", TF_NUM_INTEROP_THREADS=1, TF_TTEMB_CPU_ISA=avx2"
 
 
 def test_timed_calls_run_with_the_collector_paused():

@@ -393,6 +393,11 @@ def result_environment() -> Dict[str, str]:
     return {name: os.environ[name] for name in RESULT_ENVIRONMENT if name in os.environ}
 
 
+def environment_suffix() -> str:
+    """Each variable of result_environment() as ", NAME=value", for a report's header."""
+    return "".join(f", {name}={value}" for name, value in result_environment().items())
+
+
 def machine_info() -> Dict[str, Any]:
     """Facts about the machine and the run that make a result reproducible."""
     return {

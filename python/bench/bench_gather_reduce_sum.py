@@ -701,7 +701,7 @@ def _sweep_table(args: argparse.Namespace, threads: int, script: str, have_torch
     print(
         f"gather_reduce_sum sweep: float32, weighted sum, {args.index_dtype} ids, "
         f"{threads} thread(s)"
-        + "".join(f", {k}={v}" for k, v in util.result_environment().items())
+        + util.environment_suffix()
         + f", median of {args.repeats} calls (ms); a ratio >= 1 means "
         "ours is at least as fast as torch; 'in graph': ours per forward of "
         f"{SWEEP_CHAIN} in one tf.function call, against torch's per call"

@@ -32,7 +32,7 @@ What is timed (`tf.function`, no XLA; median and minimum over `--repeats` calls 
   one float32 scalar that reads an element of the output and of every gradient, as a
   training step returns its loss: every op runs, and the time leaves out handing the
   gradients' tensors to Python as `tf.IndexedSlices`, which a training step never does
-  (0.2-0.8 ms per call at the FBTT case on 2 cores, BENCHMARKS.md).
+  (0.1-0.9 ms per call at the FBTT case on 2 cores, BENCHMARKS.md).
 * TT fused SGD: one training step of `tf_ttemb.layers.TTEmbeddingBag(..., sparse=True,
   optimizer="sgd")` (forward, backward and the in-place core update), when that layer
   exists and supports it.
@@ -509,8 +509,7 @@ def report(
     lines = [
         f"TT embedding bag, CPU, {args.bags:,} bags x {args.bag_size} ids "
         f"({args.bags * args.bag_size:,} lookups per iteration), float32, sum, "
-        f"implementation={args.impl}, {threads} threads"
-        + "".join(f", {k}={v}" for k, v in util.result_environment().items()),
+        f"implementation={args.impl}, {threads} threads" + util.environment_suffix(),
         "cases:",
         *(f"  {c.name:<7} {c.describe()}" for c in cases.values()),
         f"ceiling: {matmul['size']}^3 float32 tf.linalg.matmul = {ceiling:,.1f} GFLOP/s, the "
