@@ -217,27 +217,35 @@ inline PrefetchLevel RowPrefetchLevel(int64_t row_bytes) {
   return row_bytes >= 512 && WideRowsPrefetchToL1() ? PrefetchLevel::kL1 : PrefetchLevel::kL2;
 }
 
-// Prefetches every cache line that [p, p + bytes) touches, into L2 or, with
-// kL1, into L1.
-inline void PrefetchBytes(const void* p, int64_t bytes, PrefetchLevel level = PrefetchLevel::kL2) {
+// Fetches one cache line for writing (into L2 and owned, PREFETCHW), so that
+// a store to a random line about to be written in full does not wait for it.
+// Older x86 CPUs run it as a no-op.
+inline void PrefetchLineForWrite(const void* p) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  asm volatile("prefetchw (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 1, 2);
+#endif
+}
+
+// Calls fetch(line) for every cache line that [p, p + bytes) touches.
+template <typename Fetch>
+inline void ForEachLine(const void* p, int64_t bytes, Fetch fetch) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
   for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
-    PrefetchLine(reinterpret_cast<const void*>(line), level);
+    fetch(reinterpret_cast<const void*>(line));
   }
 }
 
-// Fetches every cache line that [p, p + bytes) touches for writing (into L2
-// and owned, PREFETCHW), so that stores to random lines about to be written
-// in full do not each wait for the line. Older x86 CPUs run it as a no-op.
+// Prefetches every cache line that [p, p + bytes) touches, into L2 or, with
+// kL1, into L1.
+inline void PrefetchBytes(const void* p, int64_t bytes, PrefetchLevel level = PrefetchLevel::kL2) {
+  ForEachLine(p, bytes, [level](const void* line) { PrefetchLine(line, level); });
+}
+
+// The same for writing (PrefetchLineForWrite).
 inline void PrefetchBytesForWrite(void* p, int64_t bytes) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
-  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; line < end; line += 64) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    asm volatile("prefetchw (%0)" : : "r"(line));
-#else
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 1, 2);
-#endif
-  }
+  ForEachLine(p, bytes, [](const void* line) { PrefetchLineForWrite(line); });
 }
 
 // How many rows of `bytes` bytes a random-row loop keeps prefetched ahead:
