@@ -1,6 +1,7 @@
 // TTRowsGrad's CPU kernel: the TT cores' gradients, walking TTRows' prefix
 // tree from the leaves up (the plan is in tt_embedding_cpu.h).
 
+#include "cc/kernels/gather_reduce_sum_backward_cpu.h"
 #include "cc/kernels/tt_embedding_cpu.h"
 
 namespace tensorflow {
@@ -115,6 +116,72 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
   return out;
 }
 
+// Where the leaves' gradient rows come from: TTRowsGrad's grad [U, D], a row
+// per id, or TTRowsBagsGrad's bags, whose entries PrepareParamsGrad sorted by
+// slot: an id's row is then the sum over its entries of coef * the bag's
+// output gradient row, in the order GatherReduceSumDenseGrad sums it, summed
+// here where the leaf needs it instead of written to [U, D] and read back.
+// Ids count from the chunk's first (From).
+template <typename T, typename Acc>
+class IdGrads {
+ public:
+  IdGrads(const T* rows, int64_t dim) : rows_(rows), dim_(dim) {}
+  // starts [U + 1]: id j's sorted entries are [starts[j], starts[j + 1]).
+  IdGrads(const T* bag_grad, const SortedEntries* sorted, const Acc* coef, const int64_t* starts,
+          int64_t dim)
+      : bag_grad_(bag_grad), bags_(sorted->bags.data()), coef_(coef), starts_(starts), dim_(dim) {}
+
+  IdGrads From(int64_t begin) const {
+    IdGrads chunk = *this;
+    chunk.begin_ += begin;
+    return chunk;
+  }
+
+  // Fetches id j's row, or its first entry's row of the bags' gradient (the
+  // loads of starts and bags go round the memory system here for all of a
+  // batch's leaves at once, not one leaf after another in Sum).
+  void Prefetch(int64_t j) const {
+    j += begin_;
+    if (rows_ != nullptr) {
+      PrefetchRow(rows_ + j * dim_, dim_);
+      return;
+    }
+    const int64_t k = starts_[j];
+    if (k < starts_[j + 1]) PrefetchRow(bag_grad_ + bags_[k] * dim_, dim_);
+  }
+
+  // The gradient row of ids [first, end) summed: in place where it is one
+  // row of Acc, else in `sum_buffer`.
+  const Acc* Sum(int64_t first, int64_t end, Buffer<Acc>* sum_buffer) const {
+    first += begin_;
+    end += begin_;
+    if constexpr (std::is_same<T, Acc>::value) {
+      if (rows_ != nullptr && end - first == 1) return rows_ + first * dim_;
+    }
+    Acc* sum = sum_buffer->Resize(dim_);
+    std::fill_n(sum, dim_, Acc(0));
+    for (int64_t j = first; j < end; ++j) {
+      if (rows_ != nullptr) {
+        for (int64_t e = 0; e < dim_; ++e) sum[e] += static_cast<Acc>(rows_[j * dim_ + e]);
+        continue;
+      }
+      for (int64_t k = starts_[j]; k < starts_[j + 1]; ++k) {
+        Axpy(sum, coef_[k], bag_grad_ + bags_[k] * dim_, dim_);
+      }
+    }
+    return sum;
+  }
+
+ private:
+  const T* rows_ = nullptr;
+  const T* bag_grad_ = nullptr;
+  const int64_t* bags_ = nullptr;  // [M] the bag of each sorted entry
+  const Acc* coef_ = nullptr;      // [M] its coefficient
+  const int64_t* starts_ = nullptr;
+  int64_t dim_ = 0;
+  int64_t begin_ = 0;
+};
+
 // Level m's pass (the file comment): dP_m per node from its leaves, the
 // leaves' blocks of core T-1's gradient (into leaf_grads as [q_{T-1},
 // r_{T-1}], each at its leaf's slot, so that the last pass reads each core
@@ -122,8 +189,8 @@ const Acc* TransposedCoreRow(const Chunk<T, Acc>& c, int k, int64_t row, Scratch
 // to their parents (contrib, for m >= 1). The level's products are
 // recomputed, a batch at a time.
 template <typename T, typename Acc>
-void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* grad, Acc* contrib,
-                   Acc* leaf_grads, CoreGrads<Acc>* grads) {
+void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const IdGrads<T, Acc>& grad,
+                   Acc* contrib, Acc* leaf_grads, CoreGrads<Acc>* grads) {
   const int m = c.fused();
   const Level& level = c.tree().levels[m];
   const Level& leaves = c.tree().levels[m + 1];
@@ -144,7 +211,7 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
         const int64_t end = level.groups[g + 1];
         for (int64_t i = level.groups[g]; i < end; i += batch) {
           const int64_t stop = std::min(end, i + batch);
-          c.PrefetchLeaves(i, stop, grad, leaf_grads);
+          c.PrefetchLeaves(i, stop, [&](int64_t j) { grad.Prefetch(j); }, leaf_grads);
           Acc* products = nullptr;
           if (m > 0) {
             products = sc->products.Resize(batch * size);
@@ -156,22 +223,10 @@ void FusedBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const T* gr
             const Acc* p = m > 0 ? products + (slot - i) * size : c.Node(0, v);
             Acc* dv = d + (slot - i) * size;
             for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
-              // dP of the leaf: the gradient row of its one id, read in place,
-              // or the sum of its ids' rows.
-              const int64_t first_id = c.tree().leaf_ids[leaf];
-              const int64_t end_id = c.tree().leaf_ids[leaf + 1];
-              const Acc* dp = nullptr;
-              if constexpr (std::is_same<T, Acc>::value) {
-                dp = grad + first_id * dim;
-              }
-              if (!std::is_same<T, Acc>::value || end_id - first_id > 1) {
-                Acc* sum = sc->leaf.Resize(dim);
-                std::fill_n(sum, dim, Acc(0));
-                for (int64_t j = first_id; j < end_id; ++j) {
-                  for (int64_t e = 0; e < dim; ++e) sum[e] += static_cast<Acc>(grad[j * dim + e]);
-                }
-                dp = sum;
-              }
+              // dP of the leaf: the gradient row of its id (of its ids,
+              // where ids repeat).
+              const Acc* dp =
+                  grad.Sum(c.tree().leaf_ids[leaf], c.tree().leaf_ids[leaf + 1], &sc->leaf);
               tt_math::LeafGradients(dp, rows_m, q, c.LastTransposed(leaf), p, rank,
                                      leaf > level.children[v], dv,
                                      leaf_grads + leaves.slot[leaf] * leaf_width);
@@ -271,20 +326,16 @@ void LastBackward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, const Acc* n
       });
 }
 
-}  // namespace
-
+// The cores' gradients of the rows of ids [num_ids] (checked) whose
+// gradient `grad` gives: TTRowsGrad's and TTRowsBagsGrad's outputs.
 template <typename T>
-Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
-                thread::ThreadPool* pool) {
+Status CoreGradients(OpKernelContext* ctx, const TTShape& s, const RowsArgs& a,
+                     const IdGrads<T, AccT<T>>& grad, thread::ThreadPool* pool) {
   using Acc = AccT<T>;
   const int T_count = s.num_cores;
   const int m = T_count - 2;
   const int64_t num_ids = a.num_ids;
-  const Tensor& grad_t = *a.grad;
-  TF_RETURN_IF_ERROR(ValidateRowsGradShape(grad_t, num_ids, s));
   const int64_t* ids = a.ids->flat<int64_t>().data();
-  const T* grad = grad_t.flat<T>().data();
-
   const int64_t chunk = ChunkSize(BytesPerId(s, sizeof(Acc)));
   // One chunk (the usual case): its tree first (TTRows' when it built it for
   // these ids), which lists the touched core rows.
@@ -330,7 +381,7 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
         contrib[k].Resize(c.tree().levels[k].count() * s.cols[k - 1] * s.r[k]);
       }
       leaf_grads.Resize(c.tree().levels[m + 1].count() * s.width[m + 1]);
-      FusedBackward(pool, c, grad + begin * s.dim, contrib[m].data(), leaf_grads.data(), &grads);
+      FusedBackward(pool, c, grad.From(begin), contrib[m].data(), leaf_grads.data(), &grads);
       for (int k = m - 1; k >= 1; --k) {
         LevelBackward(pool, c, k, contrib[k + 1].data(), contrib[k].data(), &grads);
       }
@@ -348,6 +399,40 @@ Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
   return OkStatus();
 }
 
+}  // namespace
+
+template <typename T>
+Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
+                thread::ThreadPool* pool) {
+  TF_RETURN_IF_ERROR(ValidateRowsGradShape(*a.grad, a.num_ids, s));
+  return CoreGradients<T>(ctx, s, a, IdGrads<T, AccT<T>>(a.grad->flat<T>().data(), s.dim), pool);
+}
+
+template <typename T, typename Tindex>
+Status RowsBagsGrad(OpKernelContext* ctx, const TTShape& s, const BagAttrs& attrs,
+                    const TTRowsBagsGradArgs& a, thread::ThreadPool* pool) {
+  // The bags' entries sorted by slot, as GatherReduceSumDenseGrad sorts them
+  // for a table of U rows, which checks the slots and row_splits.
+  ParamsGradCall<T, Tindex> call;
+  BackwardInputs in{BagShapes{a.num_bags, a.nnz}, a.num_ids, s.dim, a.row_splits, a.slots, a.grad};
+  if (attrs.has_weights) in.weights = a.weights;
+  const Status prepared = PrepareParamsGrad(attrs, in, pool, &call);
+  if (!prepared.ok()) {
+    return errors::InvalidArgument("TTRowsBagsGrad's slots (indices into ids, a table of ",
+                                   a.num_ids, " rows) and row_splits: ", prepared.message());
+  }
+  // Each id's run of sorted entries (none for an id no entry uses).
+  const SortedEntries& sorted = call.sorted;
+  std::vector<int64_t> starts(a.num_ids + 1);
+  const int64_t num_sorted = static_cast<int64_t>(sorted.keys.size());
+  for (int64_t j = 0, k = 0; j <= a.num_ids; ++j) {
+    while (k < num_sorted && static_cast<int64_t>(sorted.keys[k]) < j) ++k;
+    starts[j] = k;
+  }
+  const IdGrads<T, AccT<T>> grad(call.grad, &sorted, call.coef.data(), starts.data(), s.dim);
+  return CoreGradients<T>(ctx, s, a, grad, pool);
+}
+
 template Status RowsGrad<Eigen::half>(OpKernelContext*, const TTShape&, const TTRowsGradArgs&,
                                       thread::ThreadPool*);
 template Status RowsGrad<Eigen::bfloat16>(OpKernelContext*, const TTShape&, const TTRowsGradArgs&,
@@ -356,6 +441,19 @@ template Status RowsGrad<float>(OpKernelContext*, const TTShape&, const TTRowsGr
                                 thread::ThreadPool*);
 template Status RowsGrad<double>(OpKernelContext*, const TTShape&, const TTRowsGradArgs&,
                                  thread::ThreadPool*);
+
+#define TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD(T, Tindex)                                       \
+  template Status RowsBagsGrad<T, Tindex>(OpKernelContext*, const TTShape&, const BagAttrs&, \
+                                          const TTRowsBagsGradArgs&, thread::ThreadPool*);
+#define TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD_OF(T) \
+  TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD(T, int32_t) \
+  TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD(T, int64_t)
+TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD_OF(Eigen::half)
+TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD_OF(Eigen::bfloat16)
+TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD_OF(float)
+TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD_OF(double)
+#undef TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD_OF
+#undef TF_TTEMB_INSTANTIATE_ROWS_BAGS_GRAD
 
 }  // namespace tt_cpu
 }  // namespace tf_ttemb

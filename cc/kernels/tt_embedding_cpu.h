@@ -537,18 +537,17 @@ struct Chunk {
     return data[k] + level.slot[v] * Size(k);
   }
   // Fetches into L2 what the leaves of level m's nodes at slots [first, end)
-  // read or write at random: the rows of their first ids in `per_id` ([ids,
-  // D]: the forward's output, the backward's gradient), their blocks of the
-  // last core and, where `leaf_blocks` is given (the backward's, [leaves,
-  // width_{T-1}] at the leaves' slots), the blocks they write there. Called
-  // before the nodes' products, whose arithmetic covers the wait (5 % of
-  // TTRows' and TTRowsGrad's time at FBTT's shape).
-  template <typename U>
-  void PrefetchLeaves(int64_t first, int64_t end, const U* per_id,
+  // read or write at random: what prefetch_id(j) fetches for the first id j
+  // of each (the row of the forward's output, the backward's gradient row),
+  // their blocks of the last core and, where `leaf_blocks` is given (the
+  // backward's, [leaves, width_{T-1}] at the leaves' slots), the blocks they
+  // write there. Called before the nodes' products, whose arithmetic covers
+  // the wait (5 % of TTRows' and TTRowsGrad's time at FBTT's shape).
+  template <typename PrefetchId>
+  void PrefetchLeaves(int64_t first, int64_t end, PrefetchId prefetch_id,
                       Acc* leaf_blocks = nullptr) const {
     const Level& level = tree().levels[fused()];
     const Level& leaves = tree().levels[s.num_cores - 1];
-    const int64_t row_bytes = s.dim * static_cast<int64_t>(sizeof(U));
     const int64_t width = s.width[s.num_cores - 1];
     const int64_t block_bytes = width * static_cast<int64_t>(sizeof(Acc));
     // The next batch's nodes' children offsets, which the call for that batch
@@ -560,7 +559,7 @@ struct Chunk {
     for (int64_t slot = first; slot < end; ++slot) {
       const int64_t v = level.order[slot];
       for (int64_t leaf = level.children[v]; leaf < level.children[v + 1]; ++leaf) {
-        PrefetchBytes(per_id + tree().leaf_ids[leaf] * s.dim, row_bytes);
+        prefetch_id(tree().leaf_ids[leaf]);
         PrefetchBytes(LastTransposed(leaf), block_bytes);
         if (leaf_blocks != nullptr) {
           PrefetchBytesForWrite(leaf_blocks + leaves.slot[leaf] * width, block_bytes);
@@ -672,6 +671,12 @@ inline int64_t BytesPerId(const TTShape& s, int64_t acc_size) {
 template <typename T>
 Status RowsGrad(OpKernelContext* ctx, const TTShape& s, const TTRowsGradArgs& a,
                 thread::ThreadPool* pool);
+
+// TTRowsBagsGrad's CPU kernel (tt_embedding_backward_cpu.cc), for the same T
+// and Tindex in int32, int64.
+template <typename T, typename Tindex>
+Status RowsBagsGrad(OpKernelContext* ctx, const TTShape& s, const BagAttrs& attrs,
+                    const TTRowsBagsGradArgs& a, thread::ThreadPool* pool);
 
 }  // namespace tt_cpu
 }  // namespace tf_ttemb

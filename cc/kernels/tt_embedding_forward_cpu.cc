@@ -106,7 +106,7 @@ void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, T* rows) {
         const int64_t end = level.groups[g + 1];
         for (int64_t i = level.groups[g]; i < end; i += batch) {
           const int64_t stop = std::min(end, i + batch);
-          c.PrefetchLeaves(i, stop, rows);
+          c.PrefetchLeaves(i, stop, [&](int64_t j) { PrefetchRow(rows + j * dim, dim); });
           Acc* products = nullptr;
           if (m > 0) {
             products = sc->products.Resize(batch * size);
@@ -247,6 +247,14 @@ struct TTRowsGradLaunch<CpuDevice, T> {
   }
 };
 
+template <typename T, typename Tindex>
+struct TTRowsBagsGradLaunch<CpuDevice, T, Tindex> {
+  static Status Run(OpKernelContext* ctx, const TTShape& shape, const BagAttrs& attrs,
+                    const TTRowsBagsGradArgs& a, const CpuStep& step) {
+    return tt_cpu::RowsBagsGrad<T, Tindex>(ctx, shape, attrs, a, step.pool);
+  }
+};
+
 template <>
 struct CacheCountLaunch<CpuDevice> {
   static Status Run(OpKernelContext* ctx, const CacheCountArgs& a, const CpuStep&) {
@@ -263,6 +271,22 @@ REGISTER_TT_UNIQUE_IDS(int64_t)
 #undef REGISTER_TT_UNIQUE_IDS
 
 TF_TTEMB_REGISTER_TT_ROWS(DEVICE_CPU, CpuDevice)
+
+#define REGISTER_TT_ROWS_BAGS_GRAD(T, Tindex)                      \
+  REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTRowsBagsGrad")           \
+                              .Device(DEVICE_CPU)                  \
+                              .TypeConstraint<T>("T")              \
+                              .TypeConstraint<Tindex>("Tindices"), \
+                          TTRowsBagsGradOp<CpuDevice, T, Tindex>);
+#define REGISTER_TT_ROWS_BAGS_GRAD_OF(T) \
+  REGISTER_TT_ROWS_BAGS_GRAD(T, int32_t) \
+  REGISTER_TT_ROWS_BAGS_GRAD(T, int64_t)
+REGISTER_TT_ROWS_BAGS_GRAD_OF(Eigen::half)
+REGISTER_TT_ROWS_BAGS_GRAD_OF(Eigen::bfloat16)
+REGISTER_TT_ROWS_BAGS_GRAD_OF(float)
+REGISTER_TT_ROWS_BAGS_GRAD_OF(double)
+#undef REGISTER_TT_ROWS_BAGS_GRAD_OF
+#undef REGISTER_TT_ROWS_BAGS_GRAD
 
 REGISTER_KERNEL_BUILDER(Name("TfTtemb>TTCacheCount").Device(DEVICE_CPU), TTCacheCountOp<CpuDevice>);
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cc/kernels/gather_reduce_sum_kernels.h"
@@ -172,6 +173,33 @@ Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape&
     return errors::InvalidArgument("grad must be [", num_ids, ", ", shape.dim,
                                    "] like the rows, got shape ", grad.shape().DebugString());
   }
+  return OkStatus();
+}
+
+Status GetRowsBagsGradAttrs(OpKernelConstruction* ctx, BagAttrs* attrs) {
+  std::string combiner;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("combiner", &combiner));
+  TF_RETURN_IF_ERROR(ParseCombiner(combiner, &attrs->combiner));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("has_weights", &attrs->has_weights));
+  attrs->has_padding_id = true;
+  attrs->padding_id = -1;
+  return OkStatus();
+}
+
+Status ValidateRowsBagsGradShapes(OpKernelContext* ctx, const TTShape& shape, const BagAttrs& attrs,
+                                  int64_t* num_bags, int64_t* nnz) {
+  const int first = 1 + shape.num_cores;
+  const Tensor& grad = ctx->input(first);
+  BagShapes bags;
+  TF_RETURN_IF_ERROR(ValidateBagShapes(ctx->input(first + 1), ctx->input(first + 2),
+                                       ctx->input(first + 3), attrs, &bags));
+  if (grad.dims() != 2 || grad.dim_size(0) != bags.num_bags || grad.dim_size(1) != shape.dim) {
+    return errors::InvalidArgument("grad must be [", bags.num_bags, ", ", shape.dim,
+                                   "] like the bags' output, got shape ",
+                                   grad.shape().DebugString());
+  }
+  *num_bags = bags.num_bags;
+  *nnz = bags.nnz;
   return OkStatus();
 }
 

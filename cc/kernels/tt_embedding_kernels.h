@@ -78,6 +78,16 @@ Status ValidateTTReportInput(const Tensor& report, bool* empty);
 // Checks that TTRowsGrad's grad is [num_ids, D].
 Status ValidateRowsGradShape(const Tensor& grad, int64_t num_ids, const TTShape& shape);
 
+// TTRowsBagsGrad's attrs beyond the factorisation: the combiner and has_weights
+// (its slots' padding is -1, set here).
+Status GetRowsBagsGradAttrs(OpKernelConstruction* ctx, BagAttrs* attrs);
+
+// The host shape checks of TTRowsBagsGrad's bag inputs (grad [B, D], slots,
+// row_splits [B + 1], weights), after ValidateRowsInputs; sets `shapes`. The
+// slots' values are checked by the kernel (in [0, U) or -1).
+Status ValidateRowsBagsGradShapes(OpKernelContext* ctx, const TTShape& shape, const BagAttrs& attrs,
+                                  int64_t* num_bags, int64_t* nnz);
+
 // ---------------------------------------------------------------------------
 // The GPU kernels' own limits, checked on the host by the GPU ops only.
 

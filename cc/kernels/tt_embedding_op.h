@@ -185,6 +185,51 @@ class TTRowsGradOp : public DeviceOpKernel<Device, TTRowsGradOp<Device, T>> {
   TTShape shape_;
 };
 
+// TTRowsBagsGrad (CPU only): TTRowsGrad's ids and cores, and the bags whose
+// gradient it takes: grad [B, D], slots [nnz] into ids (-1 = padding),
+// row_splits [B + 1] and weights ([nnz], or [0] without them), their shapes
+// checked; the slots' values are checked by the Launch.
+struct TTRowsBagsGradArgs : RowsArgs {
+  int64_t num_bags = 0;
+  int64_t nnz = 0;
+  const Tensor* grad = nullptr;
+  const Tensor* slots = nullptr;
+  const Tensor* row_splits = nullptr;
+  const Tensor* weights = nullptr;
+};
+
+template <typename Device, typename T, typename Tindex>
+struct TTRowsBagsGradLaunch;
+
+template <typename Device, typename T, typename Tindex>
+class TTRowsBagsGradOp : public DeviceOpKernel<Device, TTRowsBagsGradOp<Device, T, Tindex>> {
+ public:
+  using Launch = TTRowsBagsGradLaunch<Device, T, Tindex>;
+
+  explicit TTRowsBagsGradOp(OpKernelConstruction* ctx)
+      : DeviceOpKernel<Device, TTRowsBagsGradOp>(ctx) {
+    OP_REQUIRES_OK(ctx, GetRowsAttrs<Device>(ctx, &shape_));
+    OP_REQUIRES_OK(ctx, GetRowsBagsGradAttrs(ctx, &bag_attrs_));
+  }
+
+  template <typename Step>
+  Status ComputeWith(OpKernelContext* ctx, const Step& step) {
+    TTRowsBagsGradArgs a;
+    TF_RETURN_IF_ERROR(GetRowsArgs<Device>(ctx, shape_, "TTRowsBagsGrad", &a));
+    TF_RETURN_IF_ERROR(ValidateRowsBagsGradShapes(ctx, shape_, bag_attrs_, &a.num_bags, &a.nnz));
+    const int first = 1 + shape_.num_cores;
+    a.grad = &ctx->input(first);
+    a.slots = &ctx->input(first + 1);
+    a.row_splits = &ctx->input(first + 2);
+    a.weights = &ctx->input(first + 3);
+    return Launch::Run(ctx, shape_, bag_attrs_, a, step);
+  }
+
+ private:
+  TTShape shape_;
+  BagAttrs bag_attrs_;
+};
+
 // Registers TTRows and TTRowsGrad on `device` (DEVICE_CPU or DEVICE_GPU, with
 // `D` its tag) for every value type; the device's source file uses it once.
 #define TF_TTEMB_REGISTER_TT_ROWS_OF(device, D, T)                                          \

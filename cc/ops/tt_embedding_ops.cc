@@ -11,6 +11,9 @@
 //   TTRows       ids [U] -> rows [U, D], decompressing only those rows (and
 //                the partial products the gradient needs, when they fit)
 //   TTRowsGrad   ids [U], grad [U, D] -> per core, IndexedSlices of its gradient
+//   TTRowsBagsGrad  the same from the gradient of gather_reduce_sum(rows, slots,
+//                row_splits, weights) [B, D], without the rows' gradient [U, D]
+//                (CPU only)
 //   TTCacheCount counts ids in a bounded set-associative frequency table
 
 #include "cc/ops/shape_fns.h"
@@ -181,6 +184,49 @@ saved: Not read: the partial products are recomputed from ids and cores. Pass
 core_grad_indices: For core k, the sorted distinct core rows touched by ids.
 core_grad_values: For core k, their gradients. Summed in a fixed order: the
   result is bitwise identical from run to run.
+)doc");
+
+// TTRowsGrad fused with gather_reduce_sum's dense params gradient: the cores'
+// gradients of gather_reduce_sum(TTRows(ids, cores), slots, row_splits, weights,
+// combiner) from its output's gradient, each unique id's row gradient summed from
+// its entries where the TT backward reads it. CPU only.
+REGISTER_OP("TfTtemb>TTRowsBagsGrad")
+    .Input("ids: int64")  // [U]
+    .Input("cores: num_cores * T")
+    .Input("grad: T")                                // [B, D]
+    .Input("slots: Tindices")                        // [nnz] in [0, U), -1 = padding
+    .Input("row_splits: int64")                      // [B + 1]
+    .Input("weights: T")                             // [nnz], or [0] without weights
+    .Output("core_grad_indices: num_cores * int64")  // as TTRowsGrad's
+    .Output("core_grad_values: num_cores * T")
+    .TF_TTEMB_TT_ATTRS.Attr("Tindices: {int32, int64}")
+    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("has_weights: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      ShapeHandle ids, grad, slots, row_splits, weights;
+      TF_RETURN_IF_ERROR(TTRowsInputShapes(c, &dim, &ids));
+      int64_t num_cores;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_cores", &num_cores));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1 + num_cores), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3 + num_cores), 1, &row_splits));
+      DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(grad, 1), dim, &unused));
+      for (int64_t k = 0; k < num_cores; ++k) {
+        DimensionHandle count = c->UnknownDim();
+        c->set_output(k, c->Vector(count));
+        c->set_output(num_cores + k, c->Matrix(count, c->Dim(c->input(1 + k), 1)));
+      }
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Gradients w.r.t. every core of gather_reduce_sum(TTRows(ids, cores), slots,
+row_splits, weights, combiner), as IndexedSlices per core (as TTRowsGrad's).
+
+grad: Gradient w.r.t. the bags' output [B, D].
+slots: The bags' entries, as positions in ids; -1 marks padding.
+row_splits: int64 [B + 1], 0, non-decreasing, ending at nnz.
+weights: Per-entry weights when has_weights, else an empty [0] tensor.
 )doc");
 
 REGISTER_OP("TfTtemb>TTCacheCount")

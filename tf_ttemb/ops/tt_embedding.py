@@ -286,6 +286,7 @@ def _tt_rows_grad(op, grad, unused_saved_grad, unused_report_grad):
 
 tf.no_gradient("TfTtemb>TTUniqueIds")
 tf.no_gradient("TfTtemb>TTRowsGrad")
+tf.no_gradient("TfTtemb>TTRowsBagsGrad")
 tf.no_gradient("TfTtemb>TTCacheCount")
 tf.no_gradient("TfTtemb>CheckTTRowsReport")
 
@@ -469,6 +470,9 @@ def _custom_op_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
                 tf.cast(bags.ids, tf.int64), valid, table_bags.table_splits, shape
             )
         counted = _count(frequency_table, global_ids, False)
+    bags = bags._replace(ids=slots)
+    if cache[0] is None and combiner != "max" and not _common.gpus_visible():
+        return _bags_with_fused_grad(lib, cores, unique_ids, bags, shape, combiner, counted)
     rows = rows_with_cache(
         unique_ids,
         lambda ids: _custom_rows(lib, cores, ids, shape, ids_checked=True),
@@ -477,13 +481,61 @@ def _custom_op_path(cores, table_bags, shape, padding_id, combiner, cache, frequ
     )
     with tf.control_dependencies(counted):
         rows = tf.identity(rows)
-    return _custom_op.custom_op(
-        rows,
-        bags._replace(ids=slots),
-        combiner,
-        None if padding_id is None else -1,
-        dense_grad=True,
-    )
+    return _custom_op.custom_op(rows, bags, combiner, None if padding_id is None else -1, True)
+
+
+def _bags_with_fused_grad(lib, cores, unique_ids, bags, shape, combiner, counted):
+    """The bags over `TTRows`' rows, with the cores' gradients from `TTRowsBagsGrad`.
+
+    It sums each unique id's row gradient from the bags' output gradient where the TT
+    backward reads it, instead of writing the rows' gradient [U, D]
+    (`GatherReduceSumDenseGrad`) for `TTRowsGrad` to read back: one op and one pass over
+    [U, D] less per step. CPU only (no GPU kernel), and not for max, whose gradient
+    follows the forward's argmax. Padding entries are slot -1.
+    """
+    cores = [tf.convert_to_tensor(c) for c in cores]
+    has_weights = bags.weights is not None
+    attrs = _custom_op.op_attrs(combiner, has_weights, -1)
+    weights = bags.weights if has_weights else _common.empty(cores[0].dtype, cores[0].device)
+    ids, row_splits = bags.ids, bags.row_splits
+
+    @tf.custom_gradient
+    def forward(weights, *cores):
+        # stop_gradient: the gradient below replaces the ops' registered ones.
+        rows = _custom_rows(
+            lib, [tf.stop_gradient(c) for c in cores], unique_ids, shape, ids_checked=True
+        )
+        with tf.control_dependencies(counted):
+            rows = tf.identity(rows)
+        weights_in = tf.stop_gradient(weights)
+        output, _ = _custom_op.run_forward(lib, rows, ids, row_splits, weights_in, attrs)
+
+        def grad(dy):
+            indices, values = lib.tf_ttemb_tt_rows_bags_grad(
+                unique_ids,
+                list(cores),
+                dy,
+                ids,
+                row_splits,
+                weights_in,
+                combiner=combiner,
+                has_weights=has_weights,
+                **shape.op_attrs(),
+            )
+            core_grads = [
+                tf.IndexedSlices(v, i, dense_shape=tf.shape(c, out_type=tf.int64))
+                for i, v, c in zip(indices, values, cores)
+            ]
+            weights_grad = None
+            if has_weights:
+                weights_grad = lib.tf_ttemb_gather_reduce_sum_weights_grad(
+                    dy, rows, ids, row_splits, weights_in, output, **attrs
+                )
+            return [weights_grad] + core_grads
+
+        return output, grad
+
+    return forward(weights, *cores)
 
 
 def _composite_path(cores, table_bags, shape, padding_id, combiner, cache, frequency_table, xla):
