@@ -69,6 +69,24 @@ Status TTRowsInputShapes(InferenceContext* c, int64_t* dim, ShapeHandle* ids) {
   return OkStatus();
 }
 
+// The shapes of TTRowsGrad and TTRowsBagsGrad: their inputs' (TTRowsInputShapes; grad,
+// input 1 + num_cores, a matrix [?, D], returned) and their outputs (per core k, its
+// touched rows [n_k] and their gradients [n_k, width_k]).
+Status CoreGradShapes(InferenceContext* c, ShapeHandle* ids, ShapeHandle* grad) {
+  int64_t dim, num_cores;
+  TF_RETURN_IF_ERROR(TTRowsInputShapes(c, &dim, ids));
+  TF_RETURN_IF_ERROR(c->GetAttr("num_cores", &num_cores));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1 + num_cores), 2, grad));
+  DimensionHandle unused;
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(*grad, 1), dim, &unused));
+  for (int64_t k = 0; k < num_cores; ++k) {
+    DimensionHandle count = c->UnknownDim();
+    c->set_output(k, c->Vector(count));
+    c->set_output(num_cores + k, c->Matrix(count, c->Dim(c->input(1 + k), 1)));
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 // The factorisation and value type of TTRows and TTRowsGrad.
@@ -157,23 +175,11 @@ REGISTER_OP("TfTtemb>TTRowsGrad")
     .Output("core_grad_values: num_cores * T")       // core k: [n_k, width_k]
     .TF_TTEMB_TT_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      ShapeHandle ids, grad;
-      TF_RETURN_IF_ERROR(TTRowsInputShapes(c, &dim, &ids));
-      int64_t num_cores;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_cores", &num_cores));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1 + num_cores), 2, &grad));
+      ShapeHandle ids, grad, saved;
+      TF_RETURN_IF_ERROR(CoreGradShapes(c, &ids, &grad));
       DimensionHandle unused;
       TF_RETURN_IF_ERROR(c->Merge(c->Dim(grad, 0), c->Dim(ids, 0), &unused));
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(grad, 1), dim, &unused));
-      ShapeHandle saved;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2 + num_cores), 1, &saved));
-      for (int64_t k = 0; k < num_cores; ++k) {
-        DimensionHandle count = c->UnknownDim();
-        c->set_output(k, c->Vector(count));
-        c->set_output(num_cores + k, c->Matrix(count, c->Dim(c->input(1 + k), 1)));
-      }
-      return OkStatus();
+      return c->WithRank(c->input(c->num_inputs() - 1), 1, &saved);
     })
     .Doc(R"doc(
 Gradients of TTRows w.r.t. every core, as IndexedSlices per core.
@@ -203,21 +209,9 @@ REGISTER_OP("TfTtemb>TTRowsBagsGrad")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .Attr("has_weights: bool = false")
     .SetShapeFn([](InferenceContext* c) {
-      int64_t dim;
-      ShapeHandle ids, grad, slots, row_splits, weights;
-      TF_RETURN_IF_ERROR(TTRowsInputShapes(c, &dim, &ids));
-      int64_t num_cores;
-      TF_RETURN_IF_ERROR(c->GetAttr("num_cores", &num_cores));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1 + num_cores), 2, &grad));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(3 + num_cores), 1, &row_splits));
-      DimensionHandle unused;
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(grad, 1), dim, &unused));
-      for (int64_t k = 0; k < num_cores; ++k) {
-        DimensionHandle count = c->UnknownDim();
-        c->set_output(k, c->Vector(count));
-        c->set_output(num_cores + k, c->Matrix(count, c->Dim(c->input(1 + k), 1)));
-      }
-      return OkStatus();
+      ShapeHandle ids, grad, row_splits;
+      TF_RETURN_IF_ERROR(CoreGradShapes(c, &ids, &grad));
+      return c->WithRank(c->input(c->num_inputs() - 2), 1, &row_splits);
     })
     .Doc(R"doc(
 Gradients w.r.t. every core of gather_reduce_sum(TTRows(ids, cores), slots,
