@@ -56,6 +56,7 @@ def random_bags(rng, num_ids, num_bags, max_len, pad_fraction=0.2, used=None):
 
 
 def bags_grad(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype):
+    """TTRowsBagsGrad (a CPU op)."""
     dtype = cores[0].dtype
     return lib().tf_ttemb_tt_rows_bags_grad(
         tf.constant(ids, tf.int64),
@@ -71,7 +72,13 @@ def bags_grad(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_d
 
 
 def two_ops(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype):
-    """The rows' dense gradient [U, D] (GatherReduceSumDenseGrad), then TTRowsGrad."""
+    """The rows' dense gradient [U, D] (GatherReduceSumDenseGrad), then TTRowsGrad, on the
+    CPU as TTRowsBagsGrad (their GPU kernels sum in another order)."""
+    with tf.device("/CPU:0"):
+        return _two_ops(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype)
+
+
+def _two_ops(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype):
     dtype = cores[0].dtype
     rows_grad = lib().tf_ttemb_gather_reduce_sum_dense_grad(
         grad,
