@@ -74,27 +74,23 @@ def bags_grad(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_d
 def two_ops(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype):
     """The rows' dense gradient [U, D] (GatherReduceSumDenseGrad), then TTRowsGrad, on the
     CPU as TTRowsBagsGrad (their GPU kernels sum in another order)."""
-    with tf.device("/CPU:0"):
-        return _two_ops(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype)
-
-
-def _two_ops(ids, cores, grad, slots, splits, weights, combiner, attrs, slots_dtype):
     dtype = cores[0].dtype
-    rows_grad = lib().tf_ttemb_gather_reduce_sum_dense_grad(
-        grad,
-        tf.constant(slots, slots_dtype),
-        tf.constant(splits, tf.int64),
-        tf.zeros([0], dtype) if weights is None else weights,
-        tf.zeros([0, grad.shape[1]], tf.int32),
-        tf.constant(len(ids), tf.int64),
-        combiner=combiner,
-        has_weights=weights is not None,
-        padding_id=-1,
-        has_padding_id=True,
-    )
-    return lib().tf_ttemb_tt_rows_grad(
-        tf.constant(ids, tf.int64), cores, rows_grad, tf.zeros([0], dtype), **attrs
-    )
+    with tf.device("/CPU:0"):
+        rows_grad = lib().tf_ttemb_gather_reduce_sum_dense_grad(
+            grad,
+            tf.constant(slots, slots_dtype),
+            tf.constant(splits, tf.int64),
+            tf.zeros([0], dtype) if weights is None else weights,
+            tf.zeros([0, grad.shape[1]], tf.int32),
+            tf.constant(len(ids), tf.int64),
+            combiner=combiner,
+            has_weights=weights is not None,
+            padding_id=-1,
+            has_padding_id=True,
+        )
+        return lib().tf_ttemb_tt_rows_grad(
+            tf.constant(ids, tf.int64), cores, rows_grad, tf.zeros([0], dtype), **attrs
+        )
 
 
 def touched(ids, p, k):

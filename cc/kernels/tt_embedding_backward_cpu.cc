@@ -1,5 +1,7 @@
-// TTRowsGrad's CPU kernel: the TT cores' gradients, walking TTRows' prefix
-// tree from the leaves up (the plan is in tt_embedding_cpu.h).
+// TTRowsGrad's and TTRowsBagsGrad's CPU kernels: the TT cores' gradients,
+// walking TTRows' prefix tree from the leaves up (the plan is in
+// tt_embedding_cpu.h), from the rows' gradient [U, D] or from the bags' output
+// gradient [B, D] (IdGrads).
 
 #include "cc/kernels/gather_reduce_sum_backward_cpu.h"
 #include "cc/kernels/tt_embedding_cpu.h"

@@ -1,6 +1,7 @@
 // The CPU kernels of the TT embedding family's TTUniqueIds, TTRows and
-// TTCacheCount, and the family's CPU registrations (TTRowsGrad's kernel is
-// tt_embedding_backward_cpu.cc; the shared plan tt_embedding_cpu.h).
+// TTCacheCount, and the family's CPU registrations (TTRowsGrad's and
+// TTRowsBagsGrad's kernels are in tt_embedding_backward_cpu.cc; the shared plan
+// in tt_embedding_cpu.h).
 
 #include "cc/kernels/check_report_op.h"
 #include "cc/kernels/tt_embedding_cpu.h"
