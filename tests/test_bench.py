@@ -663,7 +663,16 @@ def _run_bench_script(script: str, *args: str) -> None:
         (
             "bench_tt_step_parts.py",
             "part",
-            {"empty", "unique", "unique+rows", "forward", "fwd+grad", "sgd step"},
+            {
+                "empty",
+                "unique",
+                "unique+rows",
+                "forward",
+                "fwd+grad",
+                "sgd step",
+                "fwd+bwd two ops",
+                "fwd+bwd bags grad",
+            },
         ),
     ],
 )

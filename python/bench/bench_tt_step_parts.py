@@ -14,6 +14,14 @@ independent lookups in one call, divided by the count), all parts alternately:
   backward applies SGD to the cores' touched rows in place): what `python -m tf_ttemb
   bench --preset fbtt` times as fwd+bwd.
 
+On a CPU device two more parts time the two forms of the cores' gradient, each step built
+from the raw ops (`unique+rows`, the bags' sum, then the backward for `upstream`):
+
+* `fwd+bwd two ops`: `GatherReduceSumDenseGrad` writes the rows' gradient [U, D], then
+  `TTRowsGrad` (the GPU's path, and the CPU's with a cache or max);
+* `fwd+bwd bags grad`: `TTRowsBagsGrad` from the bags' gradient [B, D] (what `fwd+grad`
+  runs on a CPU).
+
 On the GPU machine: `bash .tfgpu/run.sh python3 python/bench/bench_tt_step_parts.py`.
 `--quick` (a small table) checks the program on a CPU.
 """
@@ -115,7 +123,50 @@ def parts(args):
             out = sparse_layer(ids)
         return [out] + tape.gradient(out, sparse_layer.trainable_variables, upstream)
 
+    bag_attrs = dict(combiner="sum", has_weights=False, padding_id=-1, has_padding_id=True)
+    empty = tf.zeros([0], tf.float32)
+
+    def by_hand(two_ops):
+        def step(ids):
+            unique_ids, slots = unique(ids)
+            core_values = [tf.convert_to_tensor(c) for c in cores]
+            rows_out = lib.tf_ttemb_tt_rows(unique_ids, core_values, **attrs).rows
+            row_splits = tf.range(0, args.bags * length + 1, length, dtype=tf.int64)
+            out = lib.tf_ttemb_gather_reduce_sum(rows_out, slots, row_splits, empty, **bag_attrs)
+            if two_ops:
+                rows_grad = lib.tf_ttemb_gather_reduce_sum_dense_grad(
+                    upstream,
+                    slots,
+                    row_splits,
+                    empty,
+                    out.argmax,
+                    tf.shape(unique_ids, out_type=tf.int64)[0],
+                    **bag_attrs,
+                )
+                grads = lib.tf_ttemb_tt_rows_grad(
+                    unique_ids, core_values, rows_grad, empty, **attrs
+                ).core_grad_values
+            else:
+                grads = lib.tf_ttemb_tt_rows_bags_grad(
+                    unique_ids,
+                    core_values,
+                    upstream,
+                    slots,
+                    row_splits,
+                    empty,
+                    combiner="sum",
+                    has_weights=False,
+                    **attrs,
+                ).core_grad_values
+            return [out.output] + list(grads)
+
+        return step
+
+    on_cpu = {}
+    if "CPU" in args.device.upper():  # TTRowsBagsGrad has no GPU kernel
+        on_cpu = {"fwd+bwd two ops": by_hand(True), "fwd+bwd bags grad": by_hand(False)}
     return {
+        **on_cpu,
         "empty": lambda ids: tf.constant([0.0]),
         "unique": lambda ids: unique(ids)[0],
         "unique+rows": unique_rows,
