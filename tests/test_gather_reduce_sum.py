@@ -156,6 +156,64 @@ def test_forward_vector_paths(rng, dim, dtype, combiner, weighted):
     check_case(rng, bags, DTYPES[dtype], combiner, weighted, -1, 40, dim)
 
 
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "combiner,weighted", [("sum", True), ("mean", True), ("sqrtn", False), ("max", False)]
+)
+@pytest.mark.parametrize("dim", [7, 8, 13, 64, 67])
+def test_half_outputs_are_the_float32_results_rounded_to_nearest_even(
+    rng, dim, dtype, combiner, weighted
+):
+    """A half-typed table's output is its float32 sums rounded once, to nearest even: the
+    same lookup on the table widened to float32 (exactly), rounded by numpy (ml_dtypes
+    for bfloat16), bit for bit. Bags of two crafted rows land on ties, overflow to Inf
+    and carry a negative NaN, whose sign survives (bfloat16's quiet NaN 0xFFC0). Pinned
+    to the CPU, whose vector rounding of 8 columns at a time (and scalar tail) this is."""
+    np_dtype = tf.as_dtype(dtype).as_numpy_dtype
+    rows = 30
+    table = (rng.standard_normal((rows, dim)) * 3).astype(np.float32).astype(np_dtype)
+    half_ulp_at_one = 2.0**-11 if dtype == "float16" else 2.0**-8
+    table[0] = 1.0
+    table[1] = half_ulp_at_one  # 1 + half an ulp: a tie, rounded down to 1 (even)
+    table[2] = 1.0 + 2 * half_ulp_at_one  # + half an ulp: a tie, rounded up (even)
+    table[3] = 40000.0 if dtype == "float16" else 3e38  # two of them overflow
+    table[4, ::2] = -np.nan
+    crafted = [[0, 1], [2, 1], [3, 3], [4, 0], [1, 0, 2]]
+    lengths = rng.integers(0, 6, size=9)
+    random_bags = [list(rng.integers(0, rows, size=n)) for n in lengths]
+    bag_list = crafted + random_bags
+    ids = tf.ragged.constant(bag_list, dtype=tf.int64)
+    weights = None
+    if weighted:
+        w = rng.uniform(0.5, 2.0, size=ids.values.shape[0]).astype(np.float32).astype(np_dtype)
+        w[: sum(len(b) for b in crafted)] = 1.0  # the crafted sums stay exact in float32
+        weights = ids.with_values(tf.constant(w))
+    with tf.device("/CPU:0"):
+        out = tf_ttemb.gather_reduce_sum(tf.constant(table), ids, weights, combiner=combiner)
+        wide = tf_ttemb.gather_reduce_sum(
+            tf.constant(table.astype(np.float32)),
+            ids,
+            None if weights is None else tf.cast(weights, tf.float32),
+            combiner=combiner,
+        )
+    got = out.numpy()
+    with np.errstate(over="ignore"):
+        expected = wide.numpy().astype(np_dtype)
+    nan = np.isnan(expected.astype(np.float32))
+    assert nan.any()
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(_bits(got)[~nan], _bits(expected)[~nan])
+    np.testing.assert_array_equal(_bits(got)[nan] >> 15, _bits(expected)[nan] >> 15)
+    if combiner == "sum":
+        # The two ties, to even: 1, and 1 + 2 ulps; two large rows overflow.
+        np.testing.assert_array_equal(got[:2, 0].astype(np.float32), [1, 1 + 4 * half_ulp_at_one])
+        assert np.isinf(got[2].astype(np.float32)).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("combiner,weighted", COMBINER_WEIGHTING, ids=COMBINER_IDS)

@@ -436,20 +436,36 @@ inline void Axpy(Acc* __restrict acc, Acc w, const T* __restrict row, int64_t di
   AxpyScalar(acc, w, row, dim);
 }
 
-// out[0, dim) = acc[0, dim) converted to T (static_cast<T>'s rounding, 8
-// columns at a time for half and bfloat16).
-template <typename T, typename Acc>
-inline void StoreRow(T* __restrict out, const Acc* __restrict acc, int64_t dim) {
+// out[0, dim) = acc[0, dim) (times scale where kScaled) converted to T, with
+// static_cast<T>'s rounding: 8 columns at a time for half and bfloat16, whose
+// scalar conversions were 12-14 % of the half-typed forward's time at
+// 1M x 64 (BENCHMARKS.md, 2026-12-07, sixteenth).
+template <bool kScaled, typename T, typename Acc>
+inline void ConvertRow(T* __restrict out, const Acc* __restrict acc, Acc scale, int64_t dim) {
   int64_t d = 0;
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if constexpr (std::is_same<Acc, float>::value && IsHalfType<T>::value) {
+    const __m256 s = _mm256_set1_ps(scale);
     for (; d + 8 <= dim; d += 8) {
+      const __m256 v = _mm256_loadu_ps(acc + d);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
-                       Narrow8(_mm256_loadu_ps(acc + d), static_cast<const T*>(nullptr)));
+                       Narrow8(kScaled ? _mm256_mul_ps(v, s) : v, static_cast<const T*>(nullptr)));
     }
   }
 #endif
-  for (; d < dim; ++d) out[d] = static_cast<T>(acc[d]);
+  for (; d < dim; ++d) out[d] = static_cast<T>(kScaled ? acc[d] * scale : acc[d]);
+}
+
+// out[0, dim) = acc[0, dim) converted to T.
+template <typename T, typename Acc>
+inline void StoreRow(T* __restrict out, const Acc* __restrict acc, int64_t dim) {
+  ConvertRow<false>(out, acc, Acc(1), dim);
+}
+
+// out[0, dim) = acc[0, dim) * scale converted to T.
+template <typename T, typename Acc>
+inline void StoreScaledRow(T* __restrict out, const Acc* __restrict acc, Acc scale, int64_t dim) {
+  ConvertRow<true>(out, acc, scale, dim);
 }
 
 template <typename Acc, typename A, typename B>

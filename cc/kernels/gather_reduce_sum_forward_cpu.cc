@@ -702,9 +702,7 @@ void ForwardMaxBags(const T* params,        // [N, D]
     Acc* maxes = std::is_same<T, Acc>::value ? reinterpret_cast<Acc*>(out_row) : scratch.data();
     BagMax(params, ids, splits[b], splits[b + 1], prefetch_end, dim, attrs, maxes,
            argmax + b * dim);
-    if (!std::is_same<T, Acc>::value) {
-      for (int64_t d = 0; d < dim; ++d) out_row[d] = static_cast<T>(maxes[d]);
-    }
+    if constexpr (!std::is_same<T, Acc>::value) StoreRow(out_row, maxes, dim);
   }
 }
 
@@ -744,8 +742,10 @@ void ForwardSumBags(const T* params,        // [N, D]
       }
       total = blocks->Total();
     }
-    for (int64_t d = 0; d < dim; ++d) {
-      out_row[d] = static_cast<T>(total[d] * scale);
+    if constexpr (std::is_same<T, Acc>::value) {
+      for (int64_t d = 0; d < dim; ++d) out_row[d] = total[d] * scale;  // total may be out_row
+    } else {
+      StoreScaledRow(out_row, total, scale, dim);
     }
   }
 }

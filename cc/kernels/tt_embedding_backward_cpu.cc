@@ -393,9 +393,7 @@ Status CoreGradients(OpKernelContext* ctx, const TTShape& s, const RowsArgs& a,
 
   if constexpr (!std::is_same<T, Acc>::value) {
     for (int k = 0; k < T_count; ++k) {
-      const Acc* acc = copies[k].get();
-      const int64_t size = grads.count(k) * s.width[k];
-      for (int64_t i = 0; i < size; ++i) values[k][i] = static_cast<T>(acc[i]);
+      StoreRow(values[k], copies[k].get(), grads.count(k) * s.width[k]);
     }
   }
   return OkStatus();

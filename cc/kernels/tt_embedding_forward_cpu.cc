@@ -129,8 +129,7 @@ void FusedForward(thread::ThreadPool* pool, const Chunk<T, Acc>& c, T* rows) {
               }
               tt_math::RowDots(p, rows_m, rank, c.LastTransposed(leaf), q, out);
               for (; j < end_id; ++j) {
-                T* dst = rows + j * dim;
-                for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(out[d]);
+                StoreRow(rows + j * dim, out, dim);
               }
             }
           }
