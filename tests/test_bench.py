@@ -656,6 +656,34 @@ def _run_bench_script(script: str, *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_plain_gather_loop_sums_every_dtype_and_width_as_numpy_does(tmp_path):
+    """The plain gather-sum loop (python/bench/plain_gather_loop.cc, built for this CPU) sums the
+    same exact data for every dtype and prefetch setting, in registers (D = 48) and in
+    memory (D > 256), as numpy's float64 sum of its data's definition; our forward is
+    timed beside it."""
+    sys.path.insert(0, str(CHECKOUT / "python" / "bench"))
+    try:
+        import bench_plain_gather_loop
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "out.json"
+    shapes = [(700, 48, 9, 5), (300, 272, 4, 3)]
+    _run_bench_script(
+        "bench_plain_gather_loop.py",
+        *("--shapes", ";".join(",".join(map(str, s)) for s in shapes), "--ours"),
+        *("--repeats", "1", "--warmup", "1", "--aheads", "1,3", "--json", str(path)),
+    )
+    cases = json.loads(path.read_text())["cases"]
+    assert [tuple(c["shape"]) for c in cases] == shapes
+    for shape, case in zip(shapes, cases):
+        expected = bench_plain_gather_loop.expected_checksum(shape)
+        assert expected != 0
+        for dtype in bench_plain_gather_loop.DTYPES:
+            assert case["plain_loop"][dtype]["checksums"] == [expected]
+            assert case["plain_loop"][dtype]["median_ms"] > 0
+            assert case["ours_in_graph_ms"][dtype] > 0
+
+
 @pytest.mark.parametrize(
     "script,key,names",
     [
