@@ -659,8 +659,8 @@ def _run_bench_script(script: str, *args: str) -> None:
 def test_plain_gather_loop_sums_every_dtype_and_width_as_numpy_does(tmp_path):
     """The plain gather-sum loop (python/bench/plain_gather_loop.cc, built for this CPU) sums the
     same exact data for every dtype and prefetch setting, in registers (D = 48) and in
-    memory (D > 256), as numpy's float64 sum of its data's definition; our forward is
-    timed beside it."""
+    memory (D > 256), as numpy's float64 sum of its data's definition; our forward (and
+    torch's, where it imports) is timed beside it."""
     sys.path.insert(0, str(CHECKOUT / "python" / "bench"))
     try:
         import bench_plain_gather_loop
@@ -672,6 +672,7 @@ def test_plain_gather_loop_sums_every_dtype_and_width_as_numpy_does(tmp_path):
         "bench_plain_gather_loop.py",
         *("--shapes", ";".join(",".join(map(str, s)) for s in shapes), "--ours"),
         *("--repeats", "1", "--warmup", "1", "--aheads", "1,3", "--json", str(path)),
+        *(["--torch"] if HAVE_TORCH else []),
     )
     cases = json.loads(path.read_text())["cases"]
     assert [tuple(c["shape"]) for c in cases] == shapes
@@ -682,6 +683,7 @@ def test_plain_gather_loop_sums_every_dtype_and_width_as_numpy_does(tmp_path):
             assert case["plain_loop"][dtype]["checksums"] == [expected]
             assert case["plain_loop"][dtype]["median_ms"] > 0
             assert case["ours_in_graph_ms"][dtype] > 0
+            assert case["torch_ms"][dtype] > 0 if HAVE_TORCH else "torch_ms" not in case
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,9 @@ whatever its width, and the plain loop's half types are slower per byte than its
 too: that share is the machine's, not a kernel's. `--ours` also times
 `tf_ttemb.gather_reduce_sum`'s forward in graph (weighted sum, uniform ids,
 `SWEEP_CHAIN` lookups in one `tf.function`, the three dtypes in turn) and prints ours
-against the plain loop. The plain loop is not a lower bound: for rows wider than 256
+against the plain loop; `--torch` times torch's `embedding_bag` forward (no grad, the same
+weighting, a table in torch's own allocation) for each dtype too, where torch imports. The
+plain loop is not a lower bound: for rows wider than 256
 columns it sums in memory with a plain prefetch, and the op's tuned prefetches beat it.
 
 The loop's data is exact in every dtype, so every run of a shape must give the same
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -145,6 +148,35 @@ def _ours(spec: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
+def _torch(spec: Dict[str, Any]) -> Dict[str, Any]:
+    """torch's embedding_bag forward for each dtype at one shape, the dtypes in turn."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    rows, dim, bags, bag_len = spec["shape"]
+    torch.set_num_threads(spec["threads"] or util.usable_cpus())
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, rows, size=(bags, bag_len)))
+    table = torch.from_numpy(rng.standard_normal((rows, dim)).astype(np.float32))
+    weights = torch.from_numpy(rng.uniform(0.5, 2.0, size=(bags, bag_len)).astype(np.float32))
+    steps = {}
+    for dtype in DTYPES:
+        kind = getattr(torch, dtype)
+        t, w = table.to(kind), weights.to(kind)
+
+        def step(t=t, w=w):
+            with torch.no_grad():
+                return F.embedding_bag(ids, t, mode="sum", per_sample_weights=w)
+
+        steps[dtype] = step
+    timings = util.time_alternating(steps, spec["warmup"], spec["repeats"])
+    return {"ok": True, "ms": {dtype: t.median_ms for dtype, t in timings.items()}}
+
+
+WORKERS = {"ours": _ours, "torch": _torch}
+
+
 def per_byte(ms: Dict[str, float], dtype: str) -> float:
     """A half type's time per byte against float32's (1 = as fast per byte)."""
     return 2.0 * ms[dtype] / ms["float32"]
@@ -169,14 +201,15 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         if len(sums) != 1:
             raise SystemExit(f"plain_gather_loop gave different sums at {shape}: {sorted(sums)}")
         case = {"shape": list(shape), "plain_loop": loops}
-        if args.ours:
-            util.log(f"ours at {shape} ...")
-            spec = {"shape": list(shape), "threads": args.threads}
-            spec.update(util.option_values(args, "warmup", "repeats"))
-            result = util.run_worker(os.path.abspath(__file__), spec, {})
-            if not result["ok"]:
-                raise SystemExit(f"our forward at {shape} failed: {result['error']}")
-            case["ours_in_graph_ms"] = result["ms"]
+        for side, key in (("ours", "ours_in_graph_ms"), ("torch", "torch_ms")):
+            if getattr(args, side):
+                util.log(f"{side} at {shape} ...")
+                spec = {"side": side, "shape": list(shape), "threads": args.threads}
+                spec.update(util.option_values(args, "warmup", "repeats"))
+                result = util.run_worker(os.path.abspath(__file__), spec, {})
+                if not result["ok"]:
+                    raise SystemExit(f"{side} at {shape} failed: {result['error']}")
+                case[key] = result["ms"]
         cases.append(case)
     return {"threads": threads, "cases": cases, "machine": util.machine_info()}
 
@@ -184,8 +217,11 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 def report(document: Dict[str, Any]) -> str:
     headers = ["N x D, bags x L", "plain loop f32 ms", "f16 ms (per byte)", "bf16 ms (per byte)"]
     ours = any("ours_in_graph_ms" in c for c in document["cases"])
+    torch = any("torch_ms" in c for c in document["cases"])
     if ours:
         headers += ["ours f32 / f16 / bf16 ms", "ours per byte f16 / bf16", "ours / plain loop"]
+    if torch:
+        headers += ["torch f32 / f16 / bf16 ms", "torch per byte f16 / bf16"]
     rows = []
     for case in document["cases"]:
         rows_, dim, bags, bag_len = case["shape"]
@@ -202,6 +238,12 @@ def report(document: Dict[str, Any]) -> str:
                 " / ".join(f"{mine[d]:.3f}" for d in DTYPES),
                 f"{per_byte(mine, 'float16'):.2f} / {per_byte(mine, 'bfloat16'):.2f}",
                 " / ".join(f"{mine[d] / loop[d]:.2f}" for d in DTYPES),
+            ]
+        if torch:
+            theirs = case["torch_ms"]
+            row += [
+                " / ".join(f"{theirs[d]:.3f}" for d in DTYPES),
+                f"{per_byte(theirs, 'float16'):.2f} / {per_byte(theirs, 'bfloat16'):.2f}",
             ]
         rows.append(row)
     title = (
@@ -226,9 +268,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     util.add_int_options(parser, repeats=25, warmup=5)
     parser.add_argument("--ours", action="store_true", help="also time our forward in graph")
+    parser.add_argument(
+        "--torch", action="store_true", help="also time torch's embedding_bag forward"
+    )
     parser.add_argument("--compiler", default="c++")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.torch and importlib.util.find_spec("torch") is None:
+        parser.error("--torch: torch is not importable here (pip install torch==2.13.0)")
     for shape in args.shapes:
         if len(shape) != 4 or min(shape) < 1:
             parser.error(f"--shapes: {shape} is not four positive integers")
@@ -244,4 +291,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(util.main_or_worker(main, lambda spec: util.worker_main(spec, _ours)))
+    sys.exit(util.main_or_worker(main, lambda spec: util.worker_main(spec, WORKERS[spec["side"]])))
