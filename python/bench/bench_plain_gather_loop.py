@@ -10,7 +10,7 @@ against float32's. Where rows are a line or two, a row costs about one memory ro
 whatever its width, and the plain loop's half types are slower per byte than its float32
 too: that share is the machine's, not a kernel's. `--ours` also times
 `tf_ttemb.gather_reduce_sum`'s forward in graph (weighted sum, uniform ids,
-`SWEEP_CHAIN` lookups in one `tf.function`, the three dtypes in turn) and prints ours
+the sweep's `SWEEP_CHAIN` lookups in one `tf.function`, the three dtypes in turn) and prints ours
 against the plain loop; `--torch` times torch's `embedding_bag` forward (no grad, the same
 weighting, a table in torch's own allocation) for each dtype too, where torch imports. The
 plain loop is not a lower bound: for rows wider than 256
@@ -37,19 +37,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_util as util
+import bench_gather_reduce_sum
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_gather_loop.cc")
 DTYPES = ("float32", "float16", "bfloat16")
-# Issue 19's four shapes and the sweep's two more: rows, dim, bags, bag size.
-SHAPES = (
-    (65_536, 256, 2_048, 128),
-    (1_048_576, 64, 8_192, 20),
-    (100_000, 16, 16_384, 40),
-    (262_144, 1_024, 512, 128),
-    (500_000, 128, 4_096, 50),
-)
+# The sweep's shapes (issue 19's four and two more) and its in-graph chain.
+SHAPES = bench_gather_reduce_sum.SWEEP_SHAPES
+SWEEP_CHAIN = bench_gather_reduce_sum.SWEEP_CHAIN
 CHECK_SHAPE = (1_000, 48, 37, 5)
-SWEEP_CHAIN = 20
 Shape = Tuple[int, int, int, int]
 
 
@@ -260,7 +255,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--shapes",
         type=lambda s: [tuple(int(x) for x in part.split(",")) for part in s.split(";")],
         default=list(SHAPES),
-        help="rows,dim,bags,bag_size;... (default: issue 19's four shapes and two more)",
+        help="rows,dim,bags,bag_size;... (default: the sweep's six shapes)",
     )
     parser.add_argument("--aheads", type=util.positive_int_list, default=[8, 16, 32, 64])
     parser.add_argument(
