@@ -658,7 +658,7 @@ def _run_bench_script(script: str, *args: str) -> None:
 
 def test_plain_gather_loop_sums_every_dtype_and_width_as_numpy_does(tmp_path):
     """The plain gather-sum loop (python/bench/plain_gather_loop.cc, built for this CPU) sums the
-    same exact data for every dtype and prefetch setting, in registers (D = 48) and in
+    same exact data for every dtype and prefetch setting, in registers (D = 64) and in
     memory (D > 256), as numpy's float64 sum of its data's definition; our forward (and
     torch's, where it imports) is timed beside it."""
     sys.path.insert(0, str(CHECKOUT / "python" / "bench"))
@@ -667,7 +667,7 @@ def test_plain_gather_loop_sums_every_dtype_and_width_as_numpy_does(tmp_path):
     finally:
         sys.path.pop(0)
     path = tmp_path / "out.json"
-    shapes = [(700, 48, 9, 5), (300, 272, 4, 3)]
+    shapes = [(700, 64, 9, 5), (300, 272, 4, 3)]
     _run_bench_script(
         "bench_plain_gather_loop.py",
         *("--shapes", ";".join(",".join(map(str, s)) for s in shapes), "--ours"),

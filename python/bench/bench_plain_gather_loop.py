@@ -1,24 +1,23 @@
 """How a table's dtype changes a plain gather-sum's time on this CPU, against our op's.
 
 `plain_gather_loop.cc` (beside this file) is the simplest weighted random-row gather-sum
-that keeps rows prefetched ahead: no validation, no framework, persistent threads
-released by a spin barrier. This program builds it with the host's compiler for the
-host's CPU (`-march=native`), runs it for float32, float16 and bfloat16 tables at each
-shape, keeps the fastest of its prefetch settings (the first line or every line of a
-row, several distances ahead), and prints its times and the half types' time per byte
-against float32's. Where rows are a line or two, a row costs about one memory round trip
-whatever its width, and the plain loop's half types are slower per byte than its float32
-too: that share is the machine's, not a kernel's. `--ours` also times
-`tf_ttemb.gather_reduce_sum`'s forward in graph (weighted sum, uniform ids,
-the sweep's `SWEEP_CHAIN` lookups in one `tf.function`, the three dtypes in turn) and prints ours
-against the plain loop; `--torch` times torch's `embedding_bag` forward (no grad, the same
-weighting, a table in torch's own allocation) for each dtype too, where torch imports. The
-plain loop is not a lower bound: for rows wider than 256
-columns it sums in memory with a plain prefetch, and the op's tuned prefetches beat it.
+that keeps rows prefetched ahead: no validation, no framework, persistent threads released
+by a spin barrier. This program builds it with the host's compiler for the host's CPU
+(`-march=native`), runs it for float32, float16 and bfloat16 tables at each shape, keeps the
+fastest of its prefetch settings (the first line or every line of a row, several distances
+ahead), and prints its times and the half types' time per byte against float32's. Where rows
+are a line or two, a row costs about one memory round trip whatever its width, and the plain
+loop's half types are slower per byte than its float32 too: that share is the machine's, not
+a kernel's. `--ours` also times `tf_ttemb.gather_reduce_sum`'s forward in graph (weighted
+sum, uniform ids, the sweep's `SWEEP_CHAIN` lookups in one `tf.function`, the three dtypes
+in turn) and prints ours against the plain loop; `--torch` times torch's `embedding_bag`
+forward (no grad, the same weighting, a table in torch's own allocation) for each dtype too,
+where torch imports. The plain loop is not a lower bound: for rows wider than 256 columns it
+sums in memory with a plain prefetch, and the op's tuned prefetches beat it.
 
-The loop's data is exact in every dtype, so every run of a shape must give the same
-checksum whatever its dtype or setting (checked), and a small shape's checksum is checked
-against numpy.
+The loop's data is exact in every dtype, so every run of a shape must give the same checksum
+whatever its dtype or setting (checked), and a small shape's checksum is checked against
+numpy.
 
     python python/bench/bench_plain_gather_loop.py --ours
 """

@@ -124,7 +124,8 @@ void SumBags(const Problem& p, int64_t b0, int64_t b1) {
   }
 }
 
-// Rows wider than 16 vectors: the sums in the output row, which stays in L1.
+// Rows of any other number of vectors (more than 16, or 3, 5, ...): the sums
+// in the output row, which stays in L1.
 void SumBagsWide(const Problem& p, int64_t b0, int64_t b1) {
   const int64_t elem = p.row_bytes / p.dim;
   for (int64_t b = b0; b < b1; ++b) {
