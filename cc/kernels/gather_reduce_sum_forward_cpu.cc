@@ -49,8 +49,8 @@ namespace {
 
 #ifdef TF_TTEMB_CPU_AVX2
 
-// Prefetches the row of entry `ahead` as `pf` says, unless pf prefetches
-// nothing, ahead >= prefetch_end or the entry is padding.
+// Prefetches the row (or slice) of entry `ahead` as `pf` says, unless pf
+// prefetches nothing, ahead >= prefetch_end or the entry is padding.
 template <typename T, typename Tindex>
 inline void PrefetchAhead(const T* params,    // [N, D]
                           const Tindex* ids,  // [nnz]
@@ -59,7 +59,7 @@ inline void PrefetchAhead(const T* params,    // [N, D]
   if (pf.bytes <= 0 || ahead >= prefetch_end) return;
   const int64_t id = static_cast<int64_t>(ids[ahead]);
   if (attrs.has_padding_id && id == attrs.padding_id) return;
-  PrefetchBytes(params + id * dim, pf.bytes, pf.level);
+  PrefetchBytes(params + id * dim + pf.col, pf.bytes, pf.level);
 }
 
 // A vector of 8 float or 4 double accumulators and the loads that widen a
@@ -156,10 +156,10 @@ constexpr int kMaxVecs = 8;
 // sums[0, kVecs * kLanes) (the last vector `tail` lanes when kTail) = the
 // sequential sum over entries [begin, end) of w_j * params[ids_j][col, ...):
 // fma(w, x, acc) weighted, acc + x unweighted, as the scalar loop compiles.
-// Padding entries are skipped. With `prefetch_bytes` (the row's size) > 0 it
-// prefetches the row of the entry RowPrefetchFor(prefetch_bytes).ahead entries
-// ahead (up to entry `prefetch_end`, which may lie in later bags) while it adds
-// entry j.
+// Padding entries are skipped. With `prefetch_bytes` (the slice's size) > 0 it
+// prefetches this pass's slice of the row of the entry kSliceRowsAhead entries
+// ahead (SlicePrefetchFor; up to entry `prefetch_end`, which may lie in later
+// bags) while it adds entry j.
 template <int kVecs, bool kTail, bool kWeighted, typename T, typename Tindex,
           typename Acc>
 inline void BagChunkSum(const T* params,    // [N, D]
@@ -174,7 +174,8 @@ inline void BagChunkSum(const T* params,    // [N, D]
   for (int v = 0; v < kVecs; ++v) acc[v] = VA::Zero();
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const RowPrefetch pf = RowPrefetchFor(prefetch_bytes);
+  const RowPrefetch pf =
+      SlicePrefetchFor(dim * static_cast<int64_t>(sizeof(T)), col, prefetch_bytes);
   for (int64_t j = begin; j < end; ++j) {
     const int64_t id = static_cast<int64_t>(ids[j]);
     PrefetchAhead(params, ids, j + pf.ahead, prefetch_end, pf, dim, attrs);
@@ -218,26 +219,26 @@ inline void BagChunkSumTail(const T* params, const Tindex* ids, const T* weights
 }
 
 // sums[0, dim) = the sequential sum over entries [begin, end) of the
-// (weighted) rows, chunk by chunk of columns; the first chunk's pass
-// prefetches whole rows ahead, up to entry prefetch_end.
+// (weighted) rows, chunk by chunk of columns; each chunk's pass prefetches its
+// own slice of the rows ahead, up to entry prefetch_end.
 template <bool kWeighted, typename T, typename Tindex, typename Acc>
 void BagSumAvx2(const T* params, const Tindex* ids, const T* weights, int64_t begin, int64_t end,
                 int64_t prefetch_end, int64_t dim, const BagAttrs& attrs, Acc* sums) {
   constexpr int kLanes = Vec<Acc>::kLanes;
+  constexpr int64_t kChunkBytes = kMaxVecs * kLanes * static_cast<int64_t>(sizeof(T));
   const int64_t vecs = (dim + kLanes - 1) / kLanes;
   const int tail = static_cast<int>(dim % kLanes);
-  int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
   int64_t col = 0;
   int64_t left = vecs;
   for (; left > kMaxVecs; left -= kMaxVecs, col += kMaxVecs * kLanes) {
     BagChunkSum<kMaxVecs, false, kWeighted>(params, ids, weights, begin, end, prefetch_end,
-                                            prefetch_bytes, dim, col, 0, attrs, sums + col);
-    prefetch_bytes = 0;
+                                            kChunkBytes, dim, col, 0, attrs, sums + col);
   }
-#define TF_TTEMB_CHUNK_CASE(k)                                                                    \
-  case k:                                                                                         \
-    BagChunkSumTail<k, kWeighted>(params, ids, weights, begin, end, prefetch_end, prefetch_bytes, \
-                                  dim, col, tail, attrs, sums + col);                             \
+  const int64_t last_bytes = (dim - col) * static_cast<int64_t>(sizeof(T));
+#define TF_TTEMB_CHUNK_CASE(k)                                                                     \
+  case k:                                                                                          \
+    BagChunkSumTail<k, kWeighted>(params, ids, weights, begin, end, prefetch_end, last_bytes, dim, \
+                                  col, tail, attrs, sums + col);                                   \
     break;
   TF_TTEMB_SWITCH_CHUNKS(left, TF_TTEMB_CHUNKS_8, TF_TTEMB_CHUNK_CASE)
 #undef TF_TTEMB_CHUNK_CASE
@@ -268,7 +269,8 @@ inline void BagChunkMax(const T* params,    // [N, D]
   }
   const bool padding = attrs.has_padding_id;
   const int64_t padding_id = attrs.padding_id;
-  const RowPrefetch pf = RowPrefetchFor(prefetch_bytes);
+  const RowPrefetch pf =
+      SlicePrefetchFor(dim * static_cast<int64_t>(sizeof(T)), col, prefetch_bytes);
   auto load = [&](const T* row, int v) {
     return (kTail && v == kVecs - 1) ? VA::LoadPartial(row + v * kLanes, tail)
                                      : VA::Load(row + v * kLanes);
@@ -320,23 +322,23 @@ void BagMaxAvx2(const T* params, const Tindex* ids, int64_t begin, int64_t end,
   constexpr int kLanes = Vec<Acc>::kLanes;
   const int64_t vecs = (dim + kLanes - 1) / kLanes;
   const int tail = static_cast<int>(dim % kLanes);
-  int64_t prefetch_bytes = dim * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t kChunkBytes = kMaxVecsMax * kLanes * static_cast<int64_t>(sizeof(T));
   int64_t col = 0;
   int64_t left = vecs;
   for (; left > kMaxVecsMax; left -= kMaxVecsMax, col += kMaxVecsMax * kLanes) {
-    BagChunkMax<kMaxVecsMax, false>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col,
-                                    0, attrs, maxes + col, pos + col);
-    prefetch_bytes = 0;
+    BagChunkMax<kMaxVecsMax, false>(params, ids, begin, end, prefetch_end, kChunkBytes, dim, col, 0,
+                                    attrs, maxes + col, pos + col);
   }
-#define TF_TTEMB_CHUNK_CASE(k)                                                                    \
-  case k:                                                                                         \
-    if (tail == 0) {                                                                              \
-      BagChunkMax<k, false>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col, 0,   \
-                            attrs, maxes + col, pos + col);                                       \
-    } else {                                                                                      \
-      BagChunkMax<k, true>(params, ids, begin, end, prefetch_end, prefetch_bytes, dim, col, tail, \
-                           attrs, maxes + col, pos + col);                                        \
-    }                                                                                             \
+  const int64_t last_bytes = (dim - col) * static_cast<int64_t>(sizeof(T));
+#define TF_TTEMB_CHUNK_CASE(k)                                                                     \
+  case k:                                                                                          \
+    if (tail == 0) {                                                                               \
+      BagChunkMax<k, false>(params, ids, begin, end, prefetch_end, last_bytes, dim, col, 0, attrs, \
+                            maxes + col, pos + col);                                               \
+    } else {                                                                                       \
+      BagChunkMax<k, true>(params, ids, begin, end, prefetch_end, last_bytes, dim, col, tail,      \
+                           attrs, maxes + col, pos + col);                                         \
+    }                                                                                              \
     break;
   TF_TTEMB_SWITCH_CHUNKS(left, TF_TTEMB_CHUNKS_4, TF_TTEMB_CHUNK_CASE)
 #undef TF_TTEMB_CHUNK_CASE
