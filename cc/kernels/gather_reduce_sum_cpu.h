@@ -309,7 +309,7 @@ constexpr int64_t kSliceRowsAhead = 16;
 // waiting on lines that had been evicted from L2 again: on a 2-core Zen 3
 // (AVX2 only, 512 KiB L2 a core), in a plain loop (float32, 2 threads) slices
 // 16 ahead took 10.7 / 8.3 / 4.4 ms at 262,144 x 1,024 / 65,536 x 256 /
-// 500,000 x 128 where whole rows took 17.0-18.8 / 14.2-15.6 / 7.0-7.4, and at
+// 500,000 x 128 where whole rows took 17.0-18.8 / 14.2-16.8 / 7.0-7.8, and at
 // rows of one pass (D <= 64) 16 ahead beat RowsInFlight's 32 to 128 by 8 %
 // (BENCHMARKS.md, 2026-12-07, seventeenth).
 inline RowPrefetch SlicePrefetchFor(int64_t row_bytes, int64_t col, int64_t slice_bytes) {
