@@ -304,7 +304,8 @@ constexpr int64_t kSliceRowsAhead = 16;
 // [col, col + slice_bytes / sizeof(T)) of rows of `row_bytes` bytes: only that
 // slice of each row, kSliceRowsAhead entries ahead (the first line of the slice
 // where RowPrefetchFirstLineOnly holds). The AVX2 forward's passes cover a row
-// in slices of 64 columns (32 for the max, 32 for float64). Prefetching the
+// in slices of 8 vectors for sums and 4 for the max (64 and 32 float32
+// columns, half as many for float64). Prefetching the
 // whole row in the first pass, as RowPrefetchFor does, left the later passes
 // waiting on lines that had been evicted from L2 again: on a 2-core Zen 3
 // (AVX2 only, 512 KiB L2 a core), in a plain loop (float32, 2 threads) slices
