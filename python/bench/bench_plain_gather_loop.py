@@ -12,8 +12,9 @@ a kernel's. `--ours` also times `tf_ttemb.gather_reduce_sum`'s forward in graph 
 sum, uniform ids, the sweep's `SWEEP_CHAIN` lookups in one `tf.function`, the three dtypes
 in turn) and prints ours against the plain loop; `--torch` times torch's `embedding_bag`
 forward (no grad, the same weighting, a table in torch's own allocation) for each dtype too,
-where torch imports. The plain loop is not a lower bound: for rows wider than 256 columns it
-sums in memory with a plain prefetch, and the op's tuned prefetches beat it.
+where torch imports. The plain loop is not a lower bound: for rows of more than 16 vectors
+(over 256 columns with AVX-512, over 128 with AVX2) it sums in memory with a plain prefetch,
+and the op's tuned prefetches beat it.
 
 The loop's data is exact in every dtype, so every run of a shape must give the same checksum
 whatever its dtype or setting (checked), and a small shape's checksum is checked against

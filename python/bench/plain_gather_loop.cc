@@ -4,9 +4,9 @@
 // persistent threads released by a spin barrier, the caller working too).
 // bench_plain_gather_loop.py builds it with -march=native and runs it at the
 // sweep's shapes, to tell how a table's dtype changes the time of a gather on
-// this machine apart from any kernel's choices. Not a lower bound: its wide
-// rows (D > 256) are summed in memory with a plain prefetch, and the op's
-// tuned prefetches beat it there.
+// this machine apart from any kernel's choices. Not a lower bound: rows of
+// more than 16 vectors (D > 256 with AVX-512, D > 128 with AVX2) are summed in
+// memory with a plain prefetch, and the op's tuned prefetches beat it there.
 //
 // plain_gather_loop N D B L THREADS REPEATS DTYPE LINES AHEAD[,AHEAD...]
 //   DTYPE float32 | float16 | bfloat16 (table and weights), LINES first | all
